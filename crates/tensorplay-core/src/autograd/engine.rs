@@ -1,0 +1,334 @@
+//! The backward engine: runs a graph from root gradients to leaves.
+
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
+
+use super::graph::{Edge, GradientEdge, Node, NodeKind};
+use super::grad_mode::set_grad_enabled;
+use crate::{Error, Result, Tensor};
+
+/// How a backward pass runs and where leaf gradients go.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExecuteOptions {
+    /// Keep saved tensors so that the graph can be run again (`retain_graph`).
+    pub retain_graph: bool,
+    /// Record the backward computation itself, for higher-order gradients (`create_graph`).
+    pub create_graph: bool,
+    /// Where gradients that reach leaves go.
+    pub leaf_sink: LeafSink,
+}
+
+/// Where the gradients that reach leaf tensors go.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LeafSink {
+    /// Accumulate into each leaf's `.grad` (`Tensor::backward`).
+    #[default]
+    AccumulateGrad,
+    /// Return them in [`BackwardResult::leaf_grads`] and leave `.grad` untouched
+    /// (distributed autograd keeps gradients per context this way).
+    Collect,
+    /// Neither: only the captured edges matter (`autograd::grad`).
+    Discard,
+}
+
+/// What [`run_backward`] returns.
+#[derive(Debug, Default)]
+pub struct BackwardResult {
+    /// One entry per requested capture edge: the gradient that flowed into it, if any.
+    pub captured: Vec<Option<Tensor>>,
+    /// With [`LeafSink::Collect`]: each reached leaf and the sum of its gradients.
+    pub leaf_grads: Vec<(Tensor, Tensor)>,
+}
+
+#[derive(PartialEq, Eq)]
+struct Ready {
+    seq: u64,
+    key: usize,
+}
+impl Ord for Ready {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        // later-created nodes first (reverse creation order), accumulate nodes last
+        let a = if self.seq == u64::MAX { 0 } else { self.seq + 1 };
+        let b = if o.seq == u64::MAX { 0 } else { o.seq + 1 };
+        a.cmp(&b).then(self.key.cmp(&o.key))
+    }
+}
+impl PartialOrd for Ready {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+fn key(n: &Arc<Node>) -> usize {
+    Arc::as_ptr(n) as usize
+}
+
+fn accumulate(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
+    *slot = Some(match slot.take() {
+        None => g,
+        Some(prev) => prev.add(&g)?,
+    });
+    Ok(())
+}
+
+/// The lower-level engine entry: runs backward from `roots` (each an edge with the gradient
+/// that enters there) through every reachable node.
+///
+/// `capture` lists edges whose incoming gradient is returned in
+/// [`BackwardResult::captured`]; when it is non-empty, only the nodes that lead to a captured
+/// edge run (as `torch.autograd.grad` does). Leaf gradients go where `options.leaf_sink`
+/// says. Distributed autograd starts passes from received gradients this way.
+///
+/// Errors: a backward function's error (prefixed with its node's name), gradients of the
+/// wrong count or shape, or backward through a freed graph.
+pub fn run_backward(
+    roots: &[(GradientEdge, Tensor)],
+    capture: &[GradientEdge],
+    options: ExecuteOptions,
+) -> Result<BackwardResult> {
+    // 1. discover reachable nodes and dependency counts
+    let mut nodes: HashMap<usize, Arc<Node>> = HashMap::new();
+    let mut deps: HashMap<usize, usize> = HashMap::new();
+    let mut stack: Vec<Arc<Node>> = Vec::new();
+    for (e, _) in roots {
+        let k = key(&e.0.node);
+        if nodes.insert(k, e.0.node.clone()).is_none() {
+            stack.push(e.0.node.clone());
+        }
+    }
+    while let Some(n) = stack.pop() {
+        for e in n.next_edges.iter().flatten() {
+            let k = key(&e.node);
+            *deps.entry(k).or_insert(0) += 1;
+            if nodes.insert(k, e.node.clone()).is_none() {
+                stack.push(e.node.clone());
+            }
+        }
+    }
+
+    // 2. with captures, find the nodes that lead to a captured edge
+    let needed: Option<HashMap<usize, bool>> = if capture.is_empty() {
+        None
+    } else {
+        let targets: std::collections::HashSet<usize> =
+            capture.iter().map(|e| key(&e.0.node)).collect();
+        // topological order by Kahn, then reverse
+        let mut d = deps.clone();
+        let mut order = Vec::with_capacity(nodes.len());
+        let mut q: Vec<usize> = nodes
+            .keys()
+            .filter(|k| d.get(k).copied().unwrap_or(0) == 0)
+            .copied()
+            .collect();
+        while let Some(k) = q.pop() {
+            order.push(k);
+            for e in nodes[&k].next_edges.iter().flatten() {
+                let c = key(&e.node);
+                let v = d.get_mut(&c).expect("child counted");
+                *v -= 1;
+                if *v == 0 {
+                    q.push(c);
+                }
+            }
+        }
+        let mut needed = HashMap::with_capacity(nodes.len());
+        for k in order.iter().rev() {
+            let n = &nodes[k];
+            let v = targets.contains(k)
+                || n.next_edges
+                    .iter()
+                    .flatten()
+                    .any(|e| needed.get(&key(&e.node)).copied().unwrap_or(false));
+            needed.insert(*k, v);
+        }
+        Some(needed)
+    };
+
+    // 3. execute
+    let _mode = set_grad_enabled(options.create_graph);
+    let mut buffers: HashMap<usize, Vec<Option<Tensor>>> = HashMap::new();
+    for (e, g) in roots {
+        let n = &e.0.node;
+        if e.0.input_nr >= n.num_outputs() {
+            return Err(Error::Autograd(format!(
+                "root edge input {} out of range for {} with {} inputs",
+                e.0.input_nr,
+                n.name(),
+                n.num_outputs()
+            )));
+        }
+        let buf = buffers
+            .entry(key(n))
+            .or_insert_with(|| vec![None; n.num_outputs()]);
+        accumulate(&mut buf[e.0.input_nr], g.clone())?;
+    }
+    let mut ready = BinaryHeap::new();
+    for (k, n) in &nodes {
+        if deps.get(k).copied().unwrap_or(0) == 0 {
+            ready.push(Ready { seq: n.seq, key: *k });
+        }
+    }
+    let mut result = BackwardResult {
+        captured: vec![None; capture.len()],
+        leaf_grads: vec![],
+    };
+    let mut leaf_index: HashMap<usize, usize> = HashMap::new();
+
+    while let Some(Ready { key: k, .. }) = ready.pop() {
+        let node = nodes[&k].clone();
+        let mut grads = buffers
+            .remove(&k)
+            .unwrap_or_else(|| vec![None; node.num_outputs()]);
+        // tensor hooks
+        {
+            let hooks = node
+                .pre_hooks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            for (nr, h) in hooks {
+                if let Some(g) = grads.get(nr).and_then(|g| g.as_ref()) {
+                    if let Some(new) = h(g)? {
+                        grads[nr] = Some(new);
+                    }
+                }
+            }
+        }
+        for (ci, c) in capture.iter().enumerate() {
+            if key(&c.0.node) == k {
+                if let Some(g) = grads.get(c.0.input_nr).and_then(|g| g.clone()) {
+                    accumulate(&mut result.captured[ci], g)?;
+                }
+            }
+        }
+        // with captures, a node runs only when one of its inputs' nodes leads to a capture
+        let is_needed = needed.as_ref().is_none_or(|m| {
+            node.next_edges
+                .iter()
+                .flatten()
+                .any(|e| m.get(&key(&e.node)).copied().unwrap_or(false))
+        });
+        let outputs: Vec<Option<Tensor>> = match &node.kind {
+            NodeKind::AccumulateGrad { leaf } => {
+                if let Some(g) = grads.into_iter().next().flatten() {
+                    match options.leaf_sink {
+                        LeafSink::AccumulateGrad if needed.is_none() => {
+                            let g = if options.create_graph { g } else { g.detach() };
+                            let mut meta = leaf.meta();
+                            let prev = meta.grad.take();
+                            drop(meta);
+                            let new = match prev {
+                                None => g,
+                                Some(p) => {
+                                    let s = p.add(&g)?;
+                                    if options.create_graph { s } else { s.detach() }
+                                }
+                            };
+                            leaf.meta().grad = Some(new);
+                        }
+                        LeafSink::Collect => match leaf_index.get(&k) {
+                            Some(&i) => {
+                                let s = result.leaf_grads[i].1.add(&g)?;
+                                result.leaf_grads[i].1 = s;
+                            }
+                            None => {
+                                leaf_index.insert(k, result.leaf_grads.len());
+                                result.leaf_grads.push((leaf.clone(), g));
+                            }
+                        },
+                        _ => {}
+                    }
+                }
+                vec![]
+            }
+            NodeKind::Function { func, ctx } if is_needed => {
+                let mut full = Vec::with_capacity(grads.len());
+                for (i, g) in grads.into_iter().enumerate() {
+                    full.push(match g {
+                        Some(g) => g,
+                        None => node.output_meta[i].zeros()?,
+                    });
+                }
+                let mut ctx = ctx.lock().unwrap_or_else(|e| e.into_inner());
+                if ctx.released {
+                    return Err(Error::Autograd(format!(
+                        "trying to backward through the graph a second time (node {}); its \
+                         saved values were freed by the first backward: pass \
+                         retain_graph=true to it if you need to",
+                        func.name()
+                    )));
+                }
+                let out = func.backward(&ctx, &full).map_err(|e| match e {
+                    Error::Autograd(m) => Error::Autograd(m),
+                    other => Error::Custom {
+                        context: format!("in backward of {}", func.name()),
+                        message: other.to_string(),
+                    },
+                })?;
+                if !options.retain_graph {
+                    ctx.released = true;
+                    ctx.saved.clear();
+                    ctx.values.clear();
+                }
+                drop(ctx);
+                check_grads(&node, &out)?;
+                out
+            }
+            NodeKind::Function { .. } => vec![None; node.next_edges.len()],
+        };
+        for (i, e) in node.next_edges.iter().enumerate() {
+            let Some(Edge { node: child, input_nr }) = e else {
+                continue;
+            };
+            let ck = key(child);
+            if let Some(Some(g)) = outputs.get(i) {
+                let buf = buffers
+                    .entry(ck)
+                    .or_insert_with(|| vec![None; child.num_outputs()]);
+                accumulate(&mut buf[*input_nr], g.clone())?;
+            }
+            let d = deps.get_mut(&ck).expect("child was counted");
+            *d -= 1;
+            if *d == 0 {
+                ready.push(Ready {
+                    seq: child.seq,
+                    key: ck,
+                });
+            }
+        }
+    }
+    Ok(result)
+}
+
+fn check_grads(node: &Node, out: &[Option<Tensor>]) -> Result<()> {
+    if out.len() != node.next_edges.len() {
+        return Err(Error::Autograd(format!(
+            "function {} returned {} gradients, but it has {} inputs",
+            node.name(),
+            out.len(),
+            node.next_edges.len()
+        )));
+    }
+    for (i, (g, m)) in out.iter().zip(&node.input_meta).enumerate() {
+        if let (Some(g), Some(_)) = (g, &node.next_edges[i]) {
+            if g.shape() != m.shape.as_slice() {
+                return Err(Error::Autograd(format!(
+                    "function {} returned an invalid gradient at index {i}: got shape {:?} \
+                     but expected shape {:?}",
+                    node.name(),
+                    g.shape(),
+                    m.shape
+                )));
+            }
+            if g.dtype() != m.dtype {
+                return Err(Error::Autograd(format!(
+                    "function {} returned a gradient of dtype {} at index {i}; expected {}",
+                    node.name(),
+                    g.dtype(),
+                    m.dtype
+                )));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,153 @@
+//! The error type of `tensorplay-core`.
+
+use crate::{DType, Device};
+
+/// Every fallible operation of `tensorplay-core` returns this error.
+///
+/// Variants are structured so that callers can match on them; the `Display` text names the
+/// operation, the offending argument and what was expected.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Two shapes that had to agree (or broadcast) did not.
+    #[error("{op}: shape mismatch: {lhs:?} vs {rhs:?}")]
+    ShapeMismatch {
+        /// Operation name.
+        op: &'static str,
+        /// Left-hand (or expected) shape.
+        lhs: Vec<usize>,
+        /// Right-hand (or received) shape.
+        rhs: Vec<usize>,
+    },
+    /// A dimension index was outside `-ndim..ndim`.
+    #[error("{op}: dimension {dim} out of range for a tensor with {ndim} dimension(s)")]
+    DimOutOfRange {
+        /// Operation name.
+        op: &'static str,
+        /// The dimension given.
+        dim: isize,
+        /// Number of dimensions of the tensor.
+        ndim: usize,
+    },
+    /// An operation got a dtype it does not support.
+    #[error("{op}: unsupported dtype {dtype} (expected {expected})")]
+    UnsupportedDType {
+        /// Operation name.
+        op: &'static str,
+        /// The dtype received.
+        dtype: DType,
+        /// What the operation accepts, in words.
+        expected: &'static str,
+    },
+    /// Two tensors that had to share a dtype did not.
+    #[error("{op}: dtype mismatch: {lhs} vs {rhs}")]
+    DTypeMismatch {
+        /// Operation name.
+        op: &'static str,
+        /// Left-hand dtype.
+        lhs: DType,
+        /// Right-hand dtype.
+        rhs: DType,
+    },
+    /// Two tensors that had to live on one device did not.
+    #[error("{op}: expected all tensors on one device, got {lhs} and {rhs}")]
+    DeviceMismatch {
+        /// Operation name.
+        op: &'static str,
+        /// Left-hand device.
+        lhs: Device,
+        /// Right-hand device.
+        rhs: Device,
+    },
+    /// An argument had an invalid value.
+    #[error("{op}: invalid argument `{arg}`: expected {expected}, got {got}")]
+    InvalidArgument {
+        /// Operation name.
+        op: &'static str,
+        /// The argument's name.
+        arg: &'static str,
+        /// What was expected, in words.
+        expected: String,
+        /// What was received.
+        got: String,
+    },
+    /// An index was out of bounds.
+    #[error("{op}: index {index} is out of bounds for dimension {dim} with size {size}")]
+    IndexOutOfBounds {
+        /// Operation name.
+        op: &'static str,
+        /// The offending index.
+        index: i64,
+        /// The dimension indexed.
+        dim: usize,
+        /// Size of that dimension.
+        size: usize,
+    },
+    /// A device string could not be parsed.
+    #[error("invalid device string {input:?}: expected \"cpu\", \"cuda\" or \"cuda:N\"")]
+    InvalidDevice {
+        /// The string given.
+        input: String,
+    },
+    /// CUDA was asked for but cannot be used on this machine.
+    #[error("CUDA unavailable: {reason}")]
+    CudaUnavailable {
+        /// What is missing (driver library, device, ...).
+        reason: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA error in {op}: {message}")]
+    Cuda {
+        /// Operation name.
+        op: &'static str,
+        /// The driver's message.
+        message: String,
+    },
+    /// The operation exists but not for this device or configuration yet.
+    #[error("{op} is not supported {detail}")]
+    NotSupported {
+        /// Operation name.
+        op: &'static str,
+        /// Where it is not supported (for example "on CUDA tensors yet").
+        detail: String,
+    },
+    /// A method refused because it would mutate state it does not own (used by RemoteModule).
+    #[error("{method} is not supported here: {hint}")]
+    Unsupported {
+        /// The method refused.
+        method: &'static str,
+        /// What to do instead.
+        hint: String,
+    },
+    /// An autograd error: backward through freed graph, a saved tensor modified in place,
+    /// gradients of wrong shape, and the like.
+    #[error("autograd: {0}")]
+    Autograd(String),
+    /// A user-supplied function (hook, custom `Function`) failed.
+    #[error("{context}: {message}")]
+    Custom {
+        /// Where it happened.
+        context: String,
+        /// The message.
+        message: String,
+    },
+}
+
+/// `Result` with [`Error`] as the error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn invalid(
+        op: &'static str,
+        arg: &'static str,
+        expected: impl Into<String>,
+        got: impl std::fmt::Display,
+    ) -> Self {
+        Error::InvalidArgument {
+            op,
+            arg,
+            expected: expected.into(),
+            got: got.to_string(),
+        }
+    }
+}

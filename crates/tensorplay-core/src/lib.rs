@@ -1,0 +1,43 @@
+//! `tensorplay-core`: tensors, CPU and CUDA storage, reverse-mode autograd, `nn` layers and
+//! optimizers, with PyTorch's semantics and names.
+//!
+//! ```
+//! use tensorplay_core as tp;
+//!
+//! tp::manual_seed(0);
+//! let w = tp::randn(&[3, 2])?.requires_grad_(true);
+//! let x = tp::ones(&[4, 3])?;
+//! let loss = x.matmul(&w)?.relu()?.sum()?;
+//! loss.backward()?;
+//! assert_eq!(w.grad().unwrap().shape(), &[3, 2]);
+//! # Ok::<(), tp::Error>(())
+//! ```
+//!
+//! Layout of the crate: [`Tensor`] is a shared handle over a [`Storage`] (CPU vectors or CUDA
+//! buffers) with a [`Layout`] (shape, strides, offset); operations live in `ops/` and are
+//! methods of `Tensor`; [`autograd`] holds the engine and the public [`autograd::Function`]
+//! trait that every differentiable op (and every distributed collective of the higher crates)
+//! is written with.
+
+pub mod autograd;
+pub mod cuda;
+mod device;
+mod dtype;
+mod error;
+mod layout;
+mod ops;
+pub mod random;
+mod storage;
+mod tensor;
+
+pub use autograd::{no_grad, set_grad_enabled};
+pub use device::{Device, IntoDevice};
+pub use dtype::{DType, Element, FloatElement};
+pub use error::{Error, Result};
+pub use layout::{Layout, broadcast_shapes, contiguous_strides, normalize_dim};
+pub use ops::creation::{TensorOptions, arange, full, ones, rand, randint, randn, zeros};
+pub use ops::matmul::{get_num_threads, set_num_threads};
+pub use ops::view::ShapeArg;
+pub use random::manual_seed;
+pub use storage::{CpuStorage, Storage, StorageElement};
+pub use tensor::{Tensor, TensorId};

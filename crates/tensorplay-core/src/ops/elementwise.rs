@@ -1,0 +1,709 @@
+//! Elementwise operations with broadcasting: arithmetic, unary math, activations,
+//! comparisons, `where`, dtype casts and in-place updates.
+
+use super::{any_dispatch, float_dispatch, numeric_dispatch, same_device, with_two};
+use crate::autograd::{Context, Function, apply, is_grad_enabled};
+use crate::layout::{Layout, broadcast_shapes};
+use crate::storage::StorageElement;
+use crate::{DType, Element, Error, FloatElement, Result, Tensor};
+use num_traits::{Float, One, Zero};
+
+// ---------------------------------------------------------------------------------------------
+// kernels
+
+/// Visits the storage offsets of two layouts of one shape together, row-major.
+#[inline]
+fn for_each_offset2(shape: &[usize], la: &Layout, lb: &Layout, mut f: impl FnMut(usize, usize)) {
+    let n: usize = shape.iter().product();
+    if n == 0 {
+        return;
+    }
+    let nd = shape.len();
+    if nd == 0 {
+        f(la.offset, lb.offset);
+        return;
+    }
+    let inner = shape[nd - 1];
+    let (sa, sb) = (la.strides[nd - 1], lb.strides[nd - 1]);
+    let mut idx = vec![0usize; nd];
+    let (mut ba, mut bb) = (la.offset, lb.offset);
+    for _ in 0..n / inner {
+        let (mut oa, mut ob) = (ba, bb);
+        for _ in 0..inner {
+            f(oa, ob);
+            oa += sa;
+            ob += sb;
+        }
+        let mut d = nd - 1;
+        while d > 0 {
+            d -= 1;
+            idx[d] += 1;
+            ba += la.strides[d];
+            bb += lb.strides[d];
+            if idx[d] < shape[d] {
+                break;
+            }
+            ba -= la.strides[d] * shape[d];
+            bb -= lb.strides[d] * shape[d];
+            idx[d] = 0;
+        }
+    }
+}
+
+/// `f(a, b)` elementwise with broadcasting, into a new contiguous tensor.
+pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
+    a: &Tensor,
+    b: &Tensor,
+    op: &'static str,
+    f: impl Fn(T, T) -> R,
+) -> Result<Tensor> {
+    same_device(op, a, b)?;
+    let shape = broadcast_shapes(a.shape(), b.shape(), op)?;
+    let la = a.layout().broadcast_to(&shape, op)?;
+    let lb = b.layout().broadcast_to(&shape, op)?;
+    let v = with_two(a, b, op, |sa: &[T], _, sb: &[T], _| {
+        let n: usize = shape.iter().product();
+        match (la.contiguous_range(), lb.contiguous_range()) {
+            (Some(ra), Some(rb)) => sa[ra].iter().zip(&sb[rb]).map(|(&x, &y)| f(x, y)).collect(),
+            _ => {
+                let mut out = Vec::with_capacity(n);
+                for_each_offset2(&shape, &la, &lb, |oa, ob| out.push(f(sa[oa], sb[ob])));
+                out
+            }
+        }
+    })?;
+    Ok(Tensor::from_cpu(R::into_storage(v), &shape))
+}
+
+/// `f(x)` elementwise into a new contiguous tensor.
+pub(crate) fn unary_map<T: StorageElement, R: StorageElement>(
+    x: &Tensor,
+    op: &'static str,
+    f: impl Fn(T) -> R,
+) -> Result<Tensor> {
+    let v = x.with_slice(op, |s: &[T], l| match l.contiguous_range() {
+        Some(r) => s[r].iter().map(|&v| f(v)).collect::<Vec<R>>(),
+        None => {
+            let mut out = Vec::with_capacity(l.numel());
+            l.for_each_offset(|o| out.push(f(s[o])));
+            out
+        }
+    })?;
+    Ok(Tensor::from_cpu(R::into_storage(v), x.shape()))
+}
+
+fn promote(a: DType, b: DType) -> DType {
+    fn rank(d: DType) -> u8 {
+        match d {
+            DType::Bool => 0,
+            DType::I64 => 1,
+            DType::F32 => 2,
+            DType::F64 => 3,
+        }
+    }
+    if rank(a) >= rank(b) { a } else { b }
+}
+
+// ---------------------------------------------------------------------------------------------
+// casts
+
+fn cast_kernel(x: &Tensor, to: DType) -> Result<Tensor> {
+    any_dispatch!(x.dtype(), S => {
+        any_dispatch!(to, D => {
+            unary_map::<S, D>(x, "to_dtype", |v| D::from_f64(Element::to_f64(v)))
+        })
+    })
+}
+
+struct Cast {
+    from: DType,
+    to: DType,
+}
+impl Function for Cast {
+    fn name(&self) -> &str {
+        "ToCopyBackward"
+    }
+    fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        Ok(vec![cast_kernel(inputs[0], self.to)?])
+    }
+    fn backward(&self, _ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(g[0].to_dtype(self.from)?)])
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// binary arithmetic
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BinaryKind {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+}
+
+fn binary_kernel(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    use BinaryKind::*;
+    let op = match kind {
+        Add => "add",
+        Sub => "sub",
+        Mul => "mul",
+        Div => "div",
+        Pow => "pow",
+        Maximum => "maximum",
+        Minimum => "minimum",
+    };
+    if kind == Pow || kind == Div {
+        float_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| match kind {
+            Div => x / y,
+            _ => Float::powf(x, y),
+        }))
+    } else {
+        numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| match kind {
+            Add => x + y,
+            Sub => x - y,
+            Mul => x * y,
+            Maximum => if x >= y || x != x { x } else { y },
+            _ => if x <= y || x != x { x } else { y },
+        }))
+    }
+}
+
+struct Binary(BinaryKind);
+impl Function for Binary {
+    fn name(&self) -> &str {
+        match self.0 {
+            BinaryKind::Add => "AddBackward",
+            BinaryKind::Sub => "SubBackward",
+            BinaryKind::Mul => "MulBackward",
+            BinaryKind::Div => "DivBackward",
+            BinaryKind::Pow => "PowBackward",
+            BinaryKind::Maximum => "MaximumBackward",
+            BinaryKind::Minimum => "MinimumBackward",
+        }
+    }
+    fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let (a, b) = (inputs[0], inputs[1]);
+        let out = binary_kernel(self.0, a, b)?;
+        match self.0 {
+            BinaryKind::Add | BinaryKind::Sub => {}
+            BinaryKind::Pow => ctx.save_for_backward(&[a, b, &out]),
+            _ => ctx.save_for_backward(&[a, b]),
+        }
+        ctx.save_value((a.shape().to_vec(), b.shape().to_vec()));
+        Ok(vec![out])
+    }
+    fn backward(&self, ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let (sa, sb) = ctx.get::<(Vec<usize>, Vec<usize>)>()?.clone();
+        let g = &g[0];
+        let (ga, gb) = match self.0 {
+            BinaryKind::Add => (g.clone(), g.clone()),
+            BinaryKind::Sub => (g.clone(), g.neg()?),
+            BinaryKind::Mul => {
+                let s = ctx.saved_tensors()?;
+                (g.mul(&s[1])?, g.mul(&s[0])?)
+            }
+            BinaryKind::Div => {
+                let s = ctx.saved_tensors()?;
+                let ga = g.div(&s[1])?;
+                let gb = if ctx.needs_input_grad(1) {
+                    ga.mul(&s[0])?.div(&s[1])?.neg()?
+                } else {
+                    ga.clone()
+                };
+                (ga, gb)
+            }
+            BinaryKind::Pow => {
+                let s = ctx.saved_tensors()?;
+                let (a, b, y) = (&s[0], &s[1], &s[2]);
+                let ga = g.mul(&b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?)?;
+                let gb = if ctx.needs_input_grad(1) {
+                    // d a^b / db = a^b ln a, taken as 0 where a == 0 (as PyTorch does)
+                    let ln = a.log()?;
+                    let zero_mask = a.eq_scalar(0.0)?;
+                    let ln = ln.where_(&zero_mask.logical_not()?, &ln.zeros_like()?)?;
+                    g.mul(&y.mul(&ln)?)?
+                } else {
+                    ga.clone()
+                };
+                (ga, gb)
+            }
+            BinaryKind::Maximum | BinaryKind::Minimum => {
+                let s = ctx.saved_tensors()?;
+                let (a, b) = (&s[0], &s[1]);
+                // ties split the gradient evenly
+                let pick_a = if self.0 == BinaryKind::Maximum { a.gt(b)? } else { a.lt(b)? };
+                let tie = a.eq(b)?;
+                let dt = g.dtype();
+                let wa = pick_a.to_dtype(dt)?.add(&tie.to_dtype(dt)?.mul_scalar(0.5)?)?;
+                let wb = wa.neg()?.add_scalar(1.0)?;
+                (g.mul(&wa)?, g.mul(&wb)?)
+            }
+        };
+        Ok(vec![
+            if ctx.needs_input_grad(0) { Some(ga.sum_to_size(&sa)?) } else { None },
+            if ctx.needs_input_grad(1) { Some(gb.sum_to_size(&sb)?) } else { None },
+        ])
+    }
+}
+
+fn binary(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let dt = promote(a.dtype(), b.dtype());
+    let dt = if matches!(kind, BinaryKind::Div | BinaryKind::Pow) && !dt.is_float() {
+        DType::F32
+    } else {
+        dt
+    };
+    let dt = if dt == DType::Bool { DType::I64 } else { dt };
+    let a = if a.dtype() != dt { a.to_dtype(dt)? } else { a.clone() };
+    let b = if b.dtype() != dt { b.to_dtype(dt)? } else { b.clone() };
+    Ok(apply(Binary(kind), &[&a, &b])?.remove(0))
+}
+
+// ---------------------------------------------------------------------------------------------
+// unary
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum UnaryKind {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Abs,
+    Relu,
+    Sigmoid,
+    Tanh,
+    Gelu,
+    Erf,
+    AddScalar(f64),
+    MulScalar(f64),
+    PowScalar(f64),
+}
+
+fn gelu<T: FloatElement>(x: T) -> T {
+    let half = T::from(0.5).unwrap_or_else(T::zero);
+    let inv_sqrt2 = T::from(std::f64::consts::FRAC_1_SQRT_2).unwrap_or_else(T::zero);
+    x * half * (T::one() + FloatElement::erf(x * inv_sqrt2))
+}
+
+fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
+    use UnaryKind::*;
+    let op = "unary";
+    match kind {
+        Neg | Abs | AddScalar(_) | MulScalar(_) | Relu if x.dtype() == DType::I64 => {
+            return unary_map::<i64, i64>(x, "unary", |v| match kind {
+                Neg => -v,
+                Abs => v.abs(),
+                AddScalar(c) => v + c as i64,
+                MulScalar(c) => v * c as i64,
+                _ => v.max(0),
+            });
+        }
+        _ => {}
+    }
+    float_dispatch!(x.dtype(), op, T => {
+        let c = |v: f64| <T as num_traits::NumCast>::from(v).unwrap_or_else(T::nan);
+        unary_map::<T, T>(x, "unary", |v: T| match kind {
+            Neg => -v,
+            Exp => v.exp(),
+            Log => v.ln(),
+            Sqrt => v.sqrt(),
+            Abs => v.abs(),
+            Relu => if v > T::zero() { v } else if v != v { v } else { T::zero() },
+            Sigmoid => T::one() / (T::one() + (-v).exp()),
+            Tanh => v.tanh(),
+            Gelu => gelu(v),
+            Erf => FloatElement::erf(v),
+            AddScalar(s) => v + c(s),
+            MulScalar(s) => v * c(s),
+            PowScalar(p) => {
+                if p == 2.0 { v * v } else if p == 1.0 { v } else { v.powf(c(p)) }
+            }
+        })
+    })
+}
+
+struct Unary(UnaryKind);
+impl Function for Unary {
+    fn name(&self) -> &str {
+        match self.0 {
+            UnaryKind::Neg => "NegBackward",
+            UnaryKind::Exp => "ExpBackward",
+            UnaryKind::Log => "LogBackward",
+            UnaryKind::Sqrt => "SqrtBackward",
+            UnaryKind::Abs => "AbsBackward",
+            UnaryKind::Relu => "ReluBackward",
+            UnaryKind::Sigmoid => "SigmoidBackward",
+            UnaryKind::Tanh => "TanhBackward",
+            UnaryKind::Gelu => "GeluBackward",
+            UnaryKind::Erf => "ErfBackward",
+            UnaryKind::AddScalar(_) => "AddBackward",
+            UnaryKind::MulScalar(_) => "MulBackward",
+            UnaryKind::PowScalar(_) => "PowBackward",
+        }
+    }
+    fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let x = inputs[0];
+        let y = unary_kernel(self.0, x)?;
+        match self.0 {
+            UnaryKind::Exp | UnaryKind::Sqrt | UnaryKind::Sigmoid | UnaryKind::Tanh => {
+                ctx.save_for_backward(&[&y])
+            }
+            UnaryKind::Neg | UnaryKind::AddScalar(_) | UnaryKind::MulScalar(_) => {}
+            _ => ctx.save_for_backward(&[x]),
+        }
+        Ok(vec![y])
+    }
+    fn backward(&self, ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        use UnaryKind::*;
+        let g = &g[0];
+        let saved = || -> Result<Tensor> { Ok(ctx.saved_tensors()?.remove(0)) };
+        let gi = match self.0 {
+            Neg => g.neg()?,
+            AddScalar(_) => g.clone(),
+            MulScalar(c) => g.mul_scalar(c)?,
+            Exp => g.mul(&saved()?)?,
+            Log => g.div(&saved()?)?,
+            Sqrt => g.div(&saved()?.mul_scalar(2.0)?)?,
+            Abs => g.mul(&saved()?.sign()?)?,
+            Relu => g.mul(&saved()?.gt_scalar(0.0)?.to_dtype(g.dtype())?)?,
+            Sigmoid => {
+                let y = saved()?;
+                g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?)?
+            }
+            Tanh => {
+                let y = saved()?;
+                g.mul(&y.mul(&y)?.neg()?.add_scalar(1.0)?)?
+            }
+            Erf => {
+                let x = saved()?;
+                let d = x.mul(&x)?.neg()?.exp()?.mul_scalar(2.0 / std::f64::consts::PI.sqrt())?;
+                g.mul(&d)?
+            }
+            Gelu => {
+                // d/dx x Phi(x) = Phi(x) + x phi(x)
+                let x = saved()?;
+                let cdf = x
+                    .mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?
+                    .erf()?
+                    .add_scalar(1.0)?
+                    .mul_scalar(0.5)?;
+                let pdf = x
+                    .mul(&x)?
+                    .mul_scalar(-0.5)?
+                    .exp()?
+                    .mul_scalar(1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+                g.mul(&cdf.add(&x.mul(&pdf)?)?)?
+            }
+            PowScalar(p) => {
+                let x = saved()?;
+                if p == 0.0 {
+                    g.zeros_like()?
+                } else {
+                    g.mul(&x.pow_scalar(p - 1.0)?.mul_scalar(p)?)?
+                }
+            }
+        };
+        Ok(vec![Some(gi)])
+    }
+}
+
+fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
+    Ok(apply(Unary(kind), &[x])?.remove(0))
+}
+
+// ---------------------------------------------------------------------------------------------
+// where
+
+struct Where;
+impl Function for Where {
+    fn name(&self) -> &str {
+        "WhereBackward"
+    }
+    fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let (c, a, b) = (inputs[0], inputs[1], inputs[2]);
+        same_device("where", a, b)?;
+        let shape = broadcast_shapes(&broadcast_shapes(c.shape(), a.shape(), "where")?, b.shape(), "where")?;
+        let lc = c.layout().broadcast_to(&shape, "where")?;
+        let ab = binary_map_where(a, b, c, &lc, &shape)?;
+        ctx.save_for_backward(&[c]);
+        ctx.save_value((a.shape().to_vec(), b.shape().to_vec()));
+        Ok(vec![ab])
+    }
+    fn backward(&self, ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let c = ctx.saved_tensors()?.remove(0);
+        let (sa, sb) = ctx.get::<(Vec<usize>, Vec<usize>)>()?.clone();
+        let z = g[0].zeros_like()?;
+        Ok(vec![
+            None,
+            Some(g[0].where_(&c, &z)?.sum_to_size(&sa)?),
+            Some(z.where_(&c, &g[0])?.sum_to_size(&sb)?),
+        ])
+    }
+}
+
+fn binary_map_where(a: &Tensor, b: &Tensor, c: &Tensor, lc: &Layout, shape: &[usize]) -> Result<Tensor> {
+    let mask: Vec<bool> = c.with_slice("where", |s: &[bool], _| super::gather_strided(s, lc))?;
+    let ae = a.expand(shape)?;
+    let be = b.expand(shape)?;
+    any_dispatch!(a.dtype(), T => {
+        let av: Vec<T> = ae.with_slice("where", |s: &[T], l| super::gather_strided(s, l))?;
+        let bv: Vec<T> = be.with_slice("where", |s: &[T], l| super::gather_strided(s, l))?;
+        let v: Vec<T> = mask.iter().zip(av.into_iter().zip(bv)).map(|(&m, (x, y))| if m { x } else { y }).collect();
+        Ok(Tensor::from_cpu(T::into_storage(v), shape))
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// public API
+
+macro_rules! cmp_methods {
+    ($($name:ident, $sname:ident, $op:tt, $doc:literal;)*) => {
+        $(
+            #[doc = concat!("Elementwise `self ", stringify!($op), " other` with broadcasting, as a bool tensor (", $doc, "). Not differentiable.")]
+            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+                let dt = promote(self.dtype(), other.dtype());
+                let a = self.to_dtype(dt)?.detach();
+                let b = other.to_dtype(dt)?.detach();
+                any_dispatch!(dt, T => binary_map::<T, bool>(&a, &b, stringify!($name), |x, y| x $op y))
+            }
+            #[doc = concat!("Elementwise `self ", stringify!($op), " value`, as a bool tensor. Not differentiable.")]
+            pub fn $sname(&self, value: f64) -> Result<Tensor> {
+                any_dispatch!(self.dtype(), T => unary_map::<T, bool>(self, stringify!($sname), |x| crate::Element::to_f64(x) $op value))
+            }
+        )*
+    };
+}
+
+impl Tensor {
+    /// Converts to `dtype` (a copy; differentiable between float types). Returns the same
+    /// handle when the dtype already matches.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if self.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        Ok(apply(Cast { from: self.dtype(), to: dtype }, &[self])?.remove(0))
+    }
+
+    /// `self + other` with broadcasting and type promotion (`torch.add`).
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        binary(BinaryKind::Add, self, other)
+    }
+    /// `self - other` with broadcasting (`torch.sub`).
+    pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        binary(BinaryKind::Sub, self, other)
+    }
+    /// `self * other` with broadcasting (`torch.mul`).
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        binary(BinaryKind::Mul, self, other)
+    }
+    /// `self / other` with broadcasting; true division, so integer inputs give float32.
+    pub fn div(&self, other: &Tensor) -> Result<Tensor> {
+        binary(BinaryKind::Div, self, other)
+    }
+    /// `self ** other` with broadcasting (`torch.pow`); float only.
+    pub fn pow(&self, other: &Tensor) -> Result<Tensor> {
+        binary(BinaryKind::Pow, self, other)
+    }
+    /// Elementwise maximum (`torch.maximum`); NaN propagates; ties split the gradient.
+    pub fn maximum(&self, other: &Tensor) -> Result<Tensor> {
+        binary(BinaryKind::Maximum, self, other)
+    }
+    /// Elementwise minimum (`torch.minimum`); NaN propagates; ties split the gradient.
+    pub fn minimum(&self, other: &Tensor) -> Result<Tensor> {
+        binary(BinaryKind::Minimum, self, other)
+    }
+    /// `-self`.
+    pub fn neg(&self) -> Result<Tensor> {
+        unary(UnaryKind::Neg, self)
+    }
+    /// `self + value`.
+    pub fn add_scalar(&self, value: f64) -> Result<Tensor> {
+        unary(UnaryKind::AddScalar(value), self)
+    }
+    /// `self - value`.
+    pub fn sub_scalar(&self, value: f64) -> Result<Tensor> {
+        unary(UnaryKind::AddScalar(-value), self)
+    }
+    /// `self * value`.
+    pub fn mul_scalar(&self, value: f64) -> Result<Tensor> {
+        unary(UnaryKind::MulScalar(value), self)
+    }
+    /// `self / value`.
+    pub fn div_scalar(&self, value: f64) -> Result<Tensor> {
+        unary(UnaryKind::MulScalar(1.0 / value), self)
+    }
+    /// `self ** exponent` (float only).
+    pub fn pow_scalar(&self, exponent: f64) -> Result<Tensor> {
+        unary(UnaryKind::PowScalar(exponent), self)
+    }
+    /// `e ** self` (float only).
+    pub fn exp(&self) -> Result<Tensor> {
+        unary(UnaryKind::Exp, self)
+    }
+    /// Natural logarithm (float only).
+    pub fn log(&self) -> Result<Tensor> {
+        unary(UnaryKind::Log, self)
+    }
+    /// Square root (float only).
+    pub fn sqrt(&self) -> Result<Tensor> {
+        unary(UnaryKind::Sqrt, self)
+    }
+    /// Absolute value; the gradient at 0 is 0, as in PyTorch.
+    pub fn abs(&self) -> Result<Tensor> {
+        unary(UnaryKind::Abs, self)
+    }
+    /// `max(self, 0)`; the gradient at 0 is 0, as in PyTorch.
+    pub fn relu(&self) -> Result<Tensor> {
+        unary(UnaryKind::Relu, self)
+    }
+    /// Logistic sigmoid `1 / (1 + e^-x)` (float only).
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        unary(UnaryKind::Sigmoid, self)
+    }
+    /// Hyperbolic tangent (float only).
+    pub fn tanh(&self) -> Result<Tensor> {
+        unary(UnaryKind::Tanh, self)
+    }
+    /// Exact GELU `x * Phi(x)` with the erf-based normal CDF (PyTorch's default
+    /// `approximate='none'`).
+    pub fn gelu(&self) -> Result<Tensor> {
+        unary(UnaryKind::Gelu, self)
+    }
+    /// The error function (float only).
+    pub fn erf(&self) -> Result<Tensor> {
+        unary(UnaryKind::Erf, self)
+    }
+    /// The sign (-1, 0 or 1) in this dtype; not differentiable (zero gradient).
+    pub fn sign(&self) -> Result<Tensor> {
+        let t = self.detach();
+        numeric_dispatch!(t.dtype(), "sign", T => unary_map::<T, T>(&t, "sign", |v| {
+            let z = T::default();
+            if v > z { T::from_f64(1.0) } else if v < z { T::from_f64(-1.0) } else { v }
+        }))
+    }
+    /// Elementwise logical not of a bool tensor.
+    pub fn logical_not(&self) -> Result<Tensor> {
+        if self.dtype() != DType::Bool {
+            return Err(Error::UnsupportedDType { op: "logical_not", dtype: self.dtype(), expected: "bool" });
+        }
+        unary_map::<bool, bool>(self, "logical_not", |v| !v)
+    }
+
+    cmp_methods! {
+        eq, eq_scalar, ==, "`torch.eq`";
+        ne, ne_scalar, !=, "`torch.ne`";
+        lt, lt_scalar, <, "`torch.lt`";
+        le, le_scalar, <=, "`torch.le`";
+        gt, gt_scalar, >, "`torch.gt`";
+        ge, ge_scalar, >=, "`torch.ge`";
+    }
+
+    /// `condition ? self : other` elementwise with broadcasting (`torch.where(condition,
+    /// self, other)`); `condition` must be bool. Differentiable in `self` and `other`.
+    pub fn where_(&self, condition: &Tensor, other: &Tensor) -> Result<Tensor> {
+        if condition.dtype() != DType::Bool {
+            return Err(Error::UnsupportedDType { op: "where", dtype: condition.dtype(), expected: "bool for the condition" });
+        }
+        let dt = promote(self.dtype(), other.dtype());
+        let a = self.to_dtype(dt)?;
+        let b = other.to_dtype(dt)?;
+        Ok(apply(Where, &[condition, &a, &b])?.remove(0))
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // in-place
+
+    /// Writes `value` (already of `self`'s shape and dtype) into `self`'s storage through its
+    /// layout, and makes `self` take `value`'s autograd history when recording.
+    fn assign_inplace(&self, op: &'static str, value: Tensor) -> Result<()> {
+        if is_grad_enabled() && self.requires_grad() && self.is_leaf() {
+            return Err(Error::Autograd(format!(
+                "{op}: a leaf tensor that requires grad is being used in an in-place \
+                 operation; wrap it in no_grad() or use an out-of-place operation"
+            )));
+        }
+        if self.device().is_cuda() {
+            return Err(Error::NotSupported { op, detail: "on CUDA tensors yet".into() });
+        }
+        let value = value.expand(self.shape())?;
+        any_dispatch!(self.dtype(), T => {
+            let src: Vec<T> = value.with_slice(op, |s: &[T], l| super::gather_strided(s, l))?;
+            self.with_slice_mut(op, |d: &mut [T], l: &Layout| {
+                if let Some(r) = l.contiguous_range() {
+                    d[r].copy_from_slice(&src);
+                } else {
+                    let mut it = src.iter();
+                    l.for_each_offset(|o| {
+                        if let Some(v) = it.next() { d[o] = *v; }
+                    });
+                }
+            })?;
+        });
+        if is_grad_enabled() && value.requires_grad() {
+            let edge = value.meta().grad_fn.clone();
+            self.meta().grad_fn = edge;
+        }
+        Ok(())
+    }
+
+    fn inplace_result(&self, op: &'static str, r: Tensor) -> Result<()> {
+        if r.shape() != self.shape() {
+            return Err(Error::ShapeMismatch { op, lhs: self.shape().to_vec(), rhs: r.shape().to_vec() });
+        }
+        let r = if r.dtype() != self.dtype() {
+            if !self.dtype().is_float() && r.dtype().is_float() {
+                return Err(Error::DTypeMismatch { op, lhs: self.dtype(), rhs: r.dtype() });
+            }
+            r.to_dtype(self.dtype())?
+        } else {
+            r
+        };
+        self.assign_inplace(op, r)
+    }
+
+    /// In-place `self += other` (broadcast to `self`'s shape). Bumps the version counter.
+    pub fn add_(&self, other: &Tensor) -> Result<()> {
+        self.inplace_result("add_", self.add(other)?)
+    }
+    /// In-place `self -= other`.
+    pub fn sub_(&self, other: &Tensor) -> Result<()> {
+        self.inplace_result("sub_", self.sub(other)?)
+    }
+    /// In-place `self *= other`.
+    pub fn mul_(&self, other: &Tensor) -> Result<()> {
+        self.inplace_result("mul_", self.mul(other)?)
+    }
+    /// In-place `self /= other`.
+    pub fn div_(&self, other: &Tensor) -> Result<()> {
+        self.inplace_result("div_", self.div(other)?)
+    }
+    /// In-place `self *= value`.
+    pub fn mul_scalar_(&self, value: f64) -> Result<()> {
+        self.inplace_result("mul_", self.mul_scalar(value)?)
+    }
+    /// In-place `self += value`.
+    pub fn add_scalar_(&self, value: f64) -> Result<()> {
+        self.inplace_result("add_", self.add_scalar(value)?)
+    }
+    /// Copies `src` into `self` (`copy_`), broadcasting `src` to `self`'s shape and converting
+    /// its dtype; errors if the shapes do not broadcast.
+    pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        let s = src.to_dtype(self.dtype())?;
+        let s = if s.device() != self.device() { s.to_device(self.device())? } else { s };
+        self.assign_inplace("copy_", s)
+    }
+    /// Sets every element to `value` (`fill_`).
+    pub fn fill_(&self, value: f64) -> Result<()> {
+        let v = Tensor::full(&[], value, self.dtype())?;
+        let _g = crate::autograd::no_grad();
+        self.assign_inplace("fill_", v)
+    }
+    /// Sets every element to zero (`zero_`).
+    pub fn zero_(&self) -> Result<()> {
+        self.fill_(0.0)
+    }
+}

@@ -1,0 +1,186 @@
+//! Matrix products through the `gemm` crate (any strides, no copies of transposed views).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::{float_dispatch, same_device, with_two};
+use crate::autograd::{Context, Function, apply};
+use crate::layout::{Layout, broadcast_shapes};
+use crate::storage::StorageElement;
+use crate::{Error, Result, Tensor};
+
+static NUM_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the number of threads CPU kernels may use (`torch.set_num_threads`); 0 means all
+/// available cores. Only large matrix products use more than one thread.
+pub fn set_num_threads(n: usize) {
+    NUM_THREADS.store(n, Ordering::Relaxed);
+}
+
+/// The number of threads CPU kernels may use.
+pub fn get_num_threads() -> usize {
+    match NUM_THREADS.load(Ordering::Relaxed) {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    }
+}
+
+/// `out[b] = a[b] @ bmat[b]` for row-major batched layouts; `a`: [.., m, k], `b`: [.., k, n],
+/// both already broadcast to the batch shape.
+fn bmm_kernel<T: StorageElement + 'static>(
+    sa: &[T],
+    la: &Layout,
+    sb: &[T],
+    lb: &Layout,
+    batch: &[usize],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<T> {
+    let nb: usize = batch.iter().product();
+    let mut out = vec![T::default(); nb * m * n];
+    if m * n == 0 {
+        return out;
+    }
+    let nd = la.ndim();
+    let bl = |l: &Layout| Layout {
+        shape: batch.to_vec(),
+        strides: l.strides[..nd - 2].to_vec(),
+        offset: l.offset,
+    };
+    let (oa, ob) = (bl(la).offsets(), bl(lb).offsets());
+    let (a_rs, a_cs) = (la.strides[nd - 2] as isize, la.strides[nd - 1] as isize);
+    let (b_rs, b_cs) = (lb.strides[nd - 2] as isize, lb.strides[nd - 1] as isize);
+    let threads = get_num_threads();
+    let par = if threads > 1 && m * n * k >= 1 << 18 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    for bi in 0..nb {
+        let dst = &mut out[bi * m * n..(bi + 1) * m * n];
+        if k == 0 {
+            continue;
+        }
+        // SAFETY: every index gemm touches is within the slices: rows < m (n) and columns < k
+        // (n) of views whose extents were checked by the layouts; dst is m x n row-major.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                sa.as_ptr().add(oa[bi]),
+                a_cs,
+                a_rs,
+                sb.as_ptr().add(ob[bi]),
+                b_cs,
+                b_rs,
+                T::default(),
+                one::<T>(),
+                false,
+                false,
+                false,
+                par,
+            );
+        }
+    }
+    out
+}
+
+fn one<T: StorageElement>() -> T {
+    T::from_f64(1.0)
+}
+
+fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    same_device("matmul", a, b)?;
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch { op: "matmul", lhs: a.dtype(), rhs: b.dtype() });
+    }
+    let (ra, rb) = (a.ndim(), b.ndim());
+    let (m, k) = (a.shape()[ra - 2], a.shape()[ra - 1]);
+    let (k2, n) = (b.shape()[rb - 2], b.shape()[rb - 1]);
+    if k != k2 {
+        return Err(Error::ShapeMismatch { op: "matmul", lhs: a.shape().to_vec(), rhs: b.shape().to_vec() });
+    }
+    let batch = broadcast_shapes(&a.shape()[..ra - 2], &b.shape()[..rb - 2], "matmul")?;
+    let mut sa = batch.clone();
+    sa.extend([m, k]);
+    let mut sb = batch.clone();
+    sb.extend([k, n]);
+    let la = a.layout().broadcast_to(&sa, "matmul")?;
+    let lb = b.layout().broadcast_to(&sb, "matmul")?;
+    let mut shape = batch.clone();
+    shape.extend([m, n]);
+    float_dispatch!(a.dtype(), "matmul", T => {
+        let v = with_two(a, b, "matmul", |da: &[T], _, db: &[T], _| bmm_kernel(da, &la, db, &lb, &batch, m, k, n))?;
+        Ok(Tensor::from_cpu(T::into_storage(v), &shape))
+    })
+}
+
+struct MatMul;
+impl Function for MatMul {
+    fn name(&self) -> &str {
+        "MmBackward"
+    }
+    fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        ctx.save_for_backward(&[inputs[0], inputs[1]]);
+        Ok(vec![matmul_kernel(inputs[0], inputs[1])?])
+    }
+    fn backward(&self, ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let s = ctx.saved_tensors()?;
+        let (a, b) = (&s[0], &s[1]);
+        let ga = if ctx.needs_input_grad(0) {
+            Some(g[0].matmul(&b.transpose(-1, -2)?)?.sum_to_size(a.shape())?)
+        } else {
+            None
+        };
+        let gb = if ctx.needs_input_grad(1) {
+            Some(a.transpose(-1, -2)?.matmul(&g[0])?.sum_to_size(b.shape())?)
+        } else {
+            None
+        };
+        Ok(vec![ga, gb])
+    }
+}
+
+impl Tensor {
+    /// Matrix product with PyTorch's `matmul` rules: 1-d x 1-d is a dot product, 1-d
+    /// operands are treated as a row (left) or column (right) vector and that dimension is
+    /// removed from the result, and leading (batch) dimensions broadcast. Float only; the
+    /// inner dimensions must agree.
+    ///
+    /// ```
+    /// use tensorplay_core::Tensor;
+    /// let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+    /// let b = Tensor::from_vec(vec![1.0f32, 1.0], &[2])?;
+    /// assert_eq!(a.matmul(&b)?.to_vec::<f32>()?, vec![3.0, 7.0]);
+    /// # Ok::<(), tensorplay_core::Error>(())
+    /// ```
+    pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        let (ra, rb) = (self.ndim(), other.ndim());
+        if ra == 0 || rb == 0 {
+            return Err(Error::invalid("matmul", "operands", "tensors with at least one dimension", "a 0-d tensor"));
+        }
+        let a = if ra == 1 { self.unsqueeze(0)? } else { self.clone() };
+        let b = if rb == 1 { other.unsqueeze(1)? } else { other.clone() };
+        let mut out = apply(MatMul, &[&a, &b])?.remove(0);
+        if rb == 1 {
+            out = out.squeeze_dim(-1)?;
+        }
+        if ra == 1 {
+            out = out.squeeze_dim(-if rb == 1 { 1 } else { 2 })?;
+        }
+        Ok(out)
+    }
+
+    /// Alias of [`Tensor::matmul`] for 2-d operands (`mm`).
+    pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
+        if self.ndim() != 2 || other.ndim() != 2 {
+            return Err(Error::invalid("mm", "operands", "two 2-d tensors", format!("{:?} and {:?}", self.shape(), other.shape())));
+        }
+        self.matmul(other)
+    }
+}

@@ -1,0 +1,141 @@
+//! Tensor operations. Each differentiable operation is a [`crate::autograd::Function`]; the
+//! public entry points are methods on [`Tensor`](crate::Tensor) and free functions re-exported
+//! at the crate root.
+
+pub(crate) mod creation;
+pub(crate) mod device;
+pub(crate) mod elementwise;
+pub(crate) mod matmul;
+pub(crate) mod reduce;
+pub(crate) mod view;
+
+use crate::storage::StorageElement;
+use crate::{Error, Result, Tensor};
+use std::sync::Arc;
+
+/// Dispatches on a floating dtype, binding `$T` to `f32` or `f64`.
+macro_rules! float_dispatch {
+    ($dt:expr, $op:expr, $T:ident => $body:expr) => {
+        match $dt {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            d => {
+                return Err($crate::Error::UnsupportedDType {
+                    op: $op,
+                    dtype: d,
+                    expected: "float32 or float64",
+                })
+            }
+        }
+    };
+}
+/// Dispatches on a numeric dtype (f32, f64, i64).
+macro_rules! numeric_dispatch {
+    ($dt:expr, $op:expr, $T:ident => $body:expr) => {
+        match $dt {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            d => {
+                return Err($crate::Error::UnsupportedDType {
+                    op: $op,
+                    dtype: d,
+                    expected: "float32, float64 or int64",
+                })
+            }
+        }
+    };
+}
+/// Dispatches on any dtype.
+macro_rules! any_dispatch {
+    ($dt:expr, $T:ident => $body:expr) => {
+        match $dt {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DType::Bool => {
+                type $T = bool;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use {any_dispatch, float_dispatch, numeric_dispatch};
+
+/// Runs `f` on the elements of two tensors of element types `A` and `B`, locking a shared
+/// storage only once.
+pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(
+    a: &Tensor,
+    b: &Tensor,
+    op: &'static str,
+    f: impl FnOnce(&[A], &crate::Layout, &[B], &crate::Layout) -> R,
+) -> Result<R> {
+    if Arc::ptr_eq(&a.0.storage, &b.0.storage) {
+        let guard = a.0.storage.read();
+        let crate::storage::Storage::Cpu(c) = &*guard else {
+            return Err(Error::NotSupported {
+                op,
+                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))"
+                    .into(),
+            });
+        };
+        let sa = A::slice(c).ok_or(Error::DTypeMismatch {
+            op,
+            lhs: c.dtype(),
+            rhs: A::DTYPE,
+        })?;
+        let sb = B::slice(c).ok_or(Error::DTypeMismatch {
+            op,
+            lhs: c.dtype(),
+            rhs: B::DTYPE,
+        })?;
+        return Ok(f(sa, a.layout(), sb, b.layout()));
+    }
+    a.with_slice(op, |sa: &[A], la| b.with_slice(op, |sb: &[B], lb| f(sa, la, sb, lb)))?
+}
+
+/// Checks that two tensors share a device.
+pub(crate) fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        });
+    }
+    Ok(())
+}
+
+/// Collects the elements of a strided view into a row-major vector.
+pub(crate) fn gather_strided<T: Copy>(s: &[T], l: &crate::Layout) -> Vec<T> {
+    if let Some(r) = l.contiguous_range() {
+        return s[r].to_vec();
+    }
+    let mut v = Vec::with_capacity(l.numel());
+    l.for_each_offset(|o| v.push(s[o]));
+    v
+}

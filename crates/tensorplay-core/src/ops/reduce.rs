@@ -1,0 +1,180 @@
+//! Reductions over dimensions: sum, mean, and the `sum_to_size` that broadcasting's backward
+//! needs. The kernel [`reduce_kernel`] is shared with max/min/argmax.
+
+use super::numeric_dispatch;
+use crate::autograd::{Context, Function, apply};
+use crate::layout::{Layout, normalize_dim};
+use crate::storage::StorageElement;
+use crate::{Error, Result, Tensor};
+
+/// Normalises and deduplicates reduction dims; empty means all dims.
+pub(crate) fn reduce_dims(dims: &[isize], ndim: usize, op: &'static str) -> Result<Vec<usize>> {
+    if dims.is_empty() {
+        return Ok((0..ndim).collect());
+    }
+    let mut out = Vec::with_capacity(dims.len());
+    for &d in dims {
+        let d = normalize_dim(d, ndim, op)?;
+        if out.contains(&d) {
+            return Err(Error::invalid(op, "dims", "distinct dimensions", format!("{dims:?}")));
+        }
+        out.push(d);
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// The output shape of reducing `dims` of `shape`.
+pub(crate) fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
+    shape
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &s)| {
+            if dims.contains(&i) {
+                keepdim.then_some(1)
+            } else {
+                Some(s)
+            }
+        })
+        .collect()
+}
+
+/// Splits a layout into the kept dims (`outer`, a layout) and the reduced dims (relative
+/// offsets in row-major order of the reduced dims).
+pub(crate) fn split_layout(l: &Layout, dims: &[usize]) -> (Layout, Vec<usize>) {
+    let mut outer = Layout { shape: vec![], strides: vec![], offset: l.offset };
+    let mut inner = Layout { shape: vec![], strides: vec![], offset: 0 };
+    for i in 0..l.shape.len() {
+        let dst = if dims.contains(&i) { &mut inner } else { &mut outer };
+        dst.shape.push(l.shape[i]);
+        dst.strides.push(l.strides[i]);
+    }
+    (outer, inner.offsets())
+}
+
+/// For each output element (kept dims, row-major), folds the reduced elements with `f`,
+/// which gets the values in row-major order of the reduced dims and returns the result.
+pub(crate) fn reduce_kernel<T: StorageElement, R: StorageElement>(
+    x: &Tensor,
+    dims: &[usize],
+    op: &'static str,
+    f: impl Fn(&mut dyn Iterator<Item = T>) -> R,
+) -> Result<Vec<R>> {
+    x.with_slice(op, |s: &[T], l| {
+        let (outer, inner) = split_layout(l, dims);
+        let mut out = Vec::with_capacity(outer.numel());
+        let inner_contig = inner.iter().enumerate().all(|(i, &o)| o == i);
+        outer.for_each_offset(|o| {
+            if inner_contig {
+                let mut it = s[o..o + inner.len()].iter().copied();
+                out.push(f(&mut it));
+            } else {
+                let mut it = inner.iter().map(|&r| s[o + r]);
+                out.push(f(&mut it));
+            }
+        });
+        out
+    })
+}
+
+fn sum_values<T: StorageElement + std::ops::Add<Output = T>>(it: &mut dyn Iterator<Item = T>) -> T {
+    // eight interleaved partial sums: fewer rounding steps than one running sum
+    let mut acc = [T::default(); 8];
+    let mut i = 0usize;
+    for v in it {
+        acc[i & 7] = acc[i & 7] + v;
+        i += 1;
+    }
+    let a = (acc[0] + acc[4]) + (acc[1] + acc[5]);
+    let b = (acc[2] + acc[6]) + (acc[3] + acc[7]);
+    a + b
+}
+
+fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    let shape = reduced_shape(x.shape(), dims, keepdim);
+    let x = if x.dtype() == crate::DType::Bool { x.to_dtype(crate::DType::I64)? } else { x.clone() };
+    numeric_dispatch!(x.dtype(), "sum", T => {
+        let v = reduce_kernel::<T, T>(&x, dims, "sum", |it| sum_values(it))?;
+        Ok(Tensor::from_cpu(T::into_storage(v), &shape))
+    })
+}
+
+struct Sum {
+    dims: Vec<usize>,
+    keepdim: bool,
+}
+impl Function for Sum {
+    fn name(&self) -> &str {
+        "SumBackward"
+    }
+    fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        ctx.save_value(inputs[0].shape().to_vec());
+        Ok(vec![sum_kernel(inputs[0], &self.dims, self.keepdim)?])
+    }
+    fn backward(&self, ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let shape = ctx.get::<Vec<usize>>()?;
+        let kept = reduced_shape(shape, &self.dims, true);
+        Ok(vec![Some(g[0].reshape(&kept)?.expand(shape)?)])
+    }
+}
+
+impl Tensor {
+    /// Sum of all elements, as a 0-d tensor (`sum()`); bool sums to int64.
+    pub fn sum(&self) -> Result<Tensor> {
+        self.sum_dims(&[], false)
+    }
+
+    /// Sum over `dims` (`sum(dim, keepdim)`); an empty `dims` reduces every dimension.
+    /// Errors on repeated or out-of-range dims.
+    pub fn sum_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let dims = reduce_dims(dims, self.ndim(), "sum")?;
+        Ok(apply(Sum { dims, keepdim }, &[self])?.remove(0))
+    }
+
+    /// Mean of all elements (float only).
+    pub fn mean(&self) -> Result<Tensor> {
+        self.mean_dims(&[], false)
+    }
+
+    /// Mean over `dims` (float only); an empty `dims` reduces every dimension.
+    pub fn mean_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "mean",
+                dtype: self.dtype(),
+                expected: "float32 or float64",
+            });
+        }
+        let d = reduce_dims(dims, self.ndim(), "mean")?;
+        let count: usize = d.iter().map(|&i| self.shape()[i]).product();
+        self.sum_dims(dims, keepdim)?.div_scalar(count as f64)
+    }
+
+    /// Sums broadcast dimensions away so that the result has `shape` (the inverse of
+    /// `expand`, used by the backward of broadcasting ops). Errors when `shape` does not
+    /// broadcast to `self`'s shape.
+    pub fn sum_to_size(&self, shape: &[usize]) -> Result<Tensor> {
+        if self.shape() == shape {
+            return Ok(self.clone());
+        }
+        let nd = self.ndim();
+        if shape.len() > nd {
+            return Err(Error::ShapeMismatch { op: "sum_to_size", lhs: self.shape().to_vec(), rhs: shape.to_vec() });
+        }
+        let lead = nd - shape.len();
+        let mut dims = Vec::new();
+        for i in 0..nd {
+            if i < lead {
+                dims.push(i as isize);
+            } else if shape[i - lead] == 1 && self.shape()[i] != 1 {
+                dims.push(i as isize);
+            } else if shape[i - lead] != self.shape()[i] {
+                return Err(Error::ShapeMismatch { op: "sum_to_size", lhs: self.shape().to_vec(), rhs: shape.to_vec() });
+            }
+        }
+        if dims.is_empty() {
+            return self.reshape(shape);
+        }
+        self.sum_dims(&dims, true)?.reshape(shape)
+    }
+}

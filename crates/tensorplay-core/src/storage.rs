@@ -1,0 +1,142 @@
+//! Storage: the memory a tensor views.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::cuda::CudaStorage;
+use crate::{DType, Device, Element};
+
+/// Host memory of one dtype.
+#[derive(Debug, Clone)]
+pub enum CpuStorage {
+    /// `float32` elements.
+    F32(Vec<f32>),
+    /// `float64` elements.
+    F64(Vec<f64>),
+    /// `int64` elements.
+    I64(Vec<i64>),
+    /// `bool` elements.
+    Bool(Vec<bool>),
+}
+
+impl CpuStorage {
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+            CpuStorage::I64(_) => DType::I64,
+            CpuStorage::Bool(_) => DType::Bool,
+        }
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            CpuStorage::I64(v) => v.len(),
+            CpuStorage::Bool(v) => v.len(),
+        }
+    }
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// `n` zeros (false for bool) of `dtype`.
+    pub fn zeros(dtype: DType, n: usize) -> CpuStorage {
+        match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::F64 => CpuStorage::F64(vec![0.0; n]),
+            DType::I64 => CpuStorage::I64(vec![0; n]),
+            DType::Bool => CpuStorage::Bool(vec![false; n]),
+        }
+    }
+}
+
+/// Conversion between a typed `Vec`/slice and [`CpuStorage`].
+pub trait StorageElement: Element {
+    /// Wraps a vector.
+    fn into_storage(v: Vec<Self>) -> CpuStorage;
+    /// Borrows the elements when the dtype matches.
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    /// Mutably borrows the elements when the dtype matches.
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+}
+
+macro_rules! impl_storage_element {
+    ($t:ty, $v:ident) => {
+        impl StorageElement for $t {
+            fn into_storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$v(v)
+            }
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
+                match s {
+                    CpuStorage::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+impl_storage_element!(f32, F32);
+impl_storage_element!(f64, F64);
+impl_storage_element!(i64, I64);
+impl_storage_element!(bool, Bool);
+
+/// Memory on some device.
+#[derive(Debug)]
+pub enum Storage {
+    /// Host memory.
+    Cpu(CpuStorage),
+    /// CUDA device memory.
+    Cuda(CudaStorage),
+}
+
+impl Storage {
+    /// The device this storage lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+            Storage::Cuda(c) => c.device(),
+        }
+    }
+}
+
+/// A storage shared by all views of it, with the version counter that in-place writes bump
+/// (autograd uses it to detect that a saved tensor was modified).
+#[derive(Debug)]
+pub(crate) struct StorageCell {
+    data: RwLock<Storage>,
+    version: AtomicU64,
+}
+
+impl StorageCell {
+    pub(crate) fn new(s: Storage) -> Self {
+        StorageCell {
+            data: RwLock::new(s),
+            version: AtomicU64::new(0),
+        }
+    }
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Storage> {
+        self.data.read().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Storage> {
+        self.version.fetch_add(1, Ordering::Relaxed);
+        self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn read_len(&self) -> usize {
+        match &*self.read() {
+            Storage::Cpu(c) => c.len(),
+            Storage::Cuda(c) => c.len(),
+        }
+    }
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,309 @@
+//! The tensor handle.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::autograd::graph::{Edge, Node};
+use crate::layout::Layout;
+use crate::storage::{CpuStorage, Storage, StorageCell, StorageElement};
+use crate::{DType, Device, Error, Result};
+
+static NEXT_TENSOR_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A process-unique identifier of a tensor handle (views and aliases get their own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(u64);
+
+impl TensorId {
+    pub(crate) fn next() -> TensorId {
+        TensorId(NEXT_TENSOR_ID.fetch_add(1, Ordering::Relaxed))
+    }
+    /// The raw number.
+    pub fn as_u64(self) -> u64 {
+        self.0
+    }
+}
+
+/// An n-dimensional array with autograd, like `torch.Tensor`.
+///
+/// `Tensor` is a cheap-to-clone shared handle (`Arc` inside): cloning shares the storage and the
+/// autograd identity, exactly as binding a Python name does. It is `Send + Sync`.
+///
+/// ```
+/// use tensorplay_core as tp;
+/// let x = tp::Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3])?.requires_grad_(true);
+/// let y = x.mul(&x)?.sum()?;          // y = sum(x^2)
+/// y.backward()?;
+/// assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![2.0, 4.0, 6.0]);
+/// # Ok::<(), tp::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<TensorImpl>);
+
+pub(crate) struct TensorImpl {
+    pub(crate) id: TensorId,
+    pub(crate) storage: Arc<StorageCell>,
+    pub(crate) layout: Layout,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    pub(crate) meta: Mutex<AutogradMeta>,
+}
+
+#[derive(Default)]
+pub(crate) struct AutogradMeta {
+    /// Leaf flag: set by `requires_grad_`.
+    pub(crate) requires_grad: bool,
+    pub(crate) grad: Option<Tensor>,
+    /// The node that produced this tensor, and which of its outputs it is.
+    pub(crate) grad_fn: Option<Edge>,
+    /// Cached accumulate-grad node of a leaf.
+    pub(crate) grad_accumulator: Weak<Node>,
+    pub(crate) retains_grad: bool,
+}
+
+impl Tensor {
+    pub(crate) fn from_cell(
+        storage: Arc<StorageCell>,
+        layout: Layout,
+        dtype: DType,
+        device: Device,
+    ) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            id: TensorId::next(),
+            storage,
+            layout,
+            dtype,
+            device,
+            meta: Mutex::new(AutogradMeta::default()),
+        }))
+    }
+
+    /// A contiguous tensor over new storage.
+    pub(crate) fn from_storage(storage: Storage, shape: &[usize]) -> Tensor {
+        let (dtype, device) = match &storage {
+            Storage::Cpu(c) => (c.dtype(), Device::Cpu),
+            Storage::Cuda(c) => (c.dtype(), c.device()),
+        };
+        Tensor::from_cell(
+            Arc::new(StorageCell::new(storage)),
+            Layout::contiguous(shape),
+            dtype,
+            device,
+        )
+    }
+
+    pub(crate) fn from_cpu(storage: CpuStorage, shape: &[usize]) -> Tensor {
+        Tensor::from_storage(Storage::Cpu(storage), shape)
+    }
+
+    /// A tensor of `shape` holding `data` in row-major order; errors when the lengths differ.
+    pub fn from_vec<T: StorageElement>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        if n != data.len() {
+            return Err(Error::invalid(
+                "from_vec",
+                "shape",
+                format!("a shape with {} elements", data.len()),
+                format!("{shape:?} ({n} elements)"),
+            ));
+        }
+        Ok(Tensor::from_cpu(T::into_storage(data), shape))
+    }
+
+    /// Like [`Tensor::from_vec`], copying from a slice.
+    pub fn from_slice<T: StorageElement>(data: &[T], shape: &[usize]) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape)
+    }
+
+    /// A 0-dimensional tensor holding `v`.
+    pub fn scalar<T: StorageElement>(v: T) -> Tensor {
+        Tensor::from_cpu(T::into_storage(vec![v]), &[])
+    }
+
+    /// A new handle viewing the same storage with another layout; carries no autograd history.
+    pub(crate) fn view_with_layout(&self, layout: Layout) -> Tensor {
+        Tensor::from_cell(self.0.storage.clone(), layout, self.0.dtype, self.0.device)
+    }
+
+    /// The process-unique id of this handle.
+    pub fn id(&self) -> TensorId {
+        self.0.id
+    }
+    /// The shape (`torch.Tensor.shape`).
+    pub fn shape(&self) -> &[usize] {
+        &self.0.layout.shape
+    }
+    /// Alias of [`Tensor::shape`].
+    pub fn dims(&self) -> &[usize] {
+        self.shape()
+    }
+    /// The size of dimension `dim` (negative counts from the end).
+    pub fn size(&self, dim: isize) -> Result<usize> {
+        let d = crate::layout::normalize_dim(dim, self.ndim(), "size")?;
+        Ok(self.shape().get(d).copied().unwrap_or(1))
+    }
+    /// Strides in elements.
+    pub fn strides(&self) -> &[usize] {
+        &self.0.layout.strides
+    }
+    /// The layout (shape, strides, offset).
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    /// Number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.0.layout.shape.len()
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    /// The device the storage lives on.
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    /// Whether the elements are row-major without gaps.
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// Whether `self` and `other` view the same storage.
+    pub fn shares_storage_with(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+    /// The storage's version counter (bumped by every in-place write).
+    pub fn version(&self) -> u64 {
+        self.0.storage.version()
+    }
+
+    pub(crate) fn meta(&self) -> MutexGuard<'_, AutogradMeta> {
+        self.0.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the elements (as stored, with this view's layout). CPU only.
+    pub(crate) fn with_slice<T: StorageElement, R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&[T], &Layout) -> R,
+    ) -> Result<R> {
+        let guard = self.0.storage.read();
+        match &*guard {
+            Storage::Cpu(c) => {
+                let s = T::slice(c).ok_or(Error::UnsupportedDType {
+                    op,
+                    dtype: c.dtype(),
+                    expected: "the dtype the operation was dispatched on",
+                })?;
+                Ok(f(s, &self.0.layout))
+            }
+            Storage::Cuda(_) => Err(Error::NotSupported {
+                op,
+                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
+            }),
+        }
+    }
+
+    /// Runs `f` on mutable elements; bumps the version counter. CPU only.
+    pub(crate) fn with_slice_mut<T: StorageElement, R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut [T], &Layout) -> R,
+    ) -> Result<R> {
+        let mut guard = self.0.storage.write();
+        match &mut *guard {
+            Storage::Cpu(c) => {
+                let dt = c.dtype();
+                let s = T::slice_mut(c).ok_or(Error::UnsupportedDType {
+                    op,
+                    dtype: dt,
+                    expected: "the dtype the operation was dispatched on",
+                })?;
+                Ok(f(s, &self.0.layout))
+            }
+            Storage::Cuda(_) => Err(Error::NotSupported {
+                op,
+                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
+            }),
+        }
+    }
+
+    /// The elements in row-major order as a `Vec<T>`; errors when `T` is not the dtype.
+    /// CUDA tensors are copied to the host first.
+    pub fn to_vec<T: StorageElement>(&self) -> Result<Vec<T>> {
+        if self.dtype() != T::DTYPE {
+            return Err(Error::DTypeMismatch {
+                op: "to_vec",
+                lhs: self.dtype(),
+                rhs: T::DTYPE,
+            });
+        }
+        if self.device().is_cuda() {
+            return self.to_device(Device::Cpu)?.to_vec();
+        }
+        self.with_slice("to_vec", |s: &[T], l| {
+            if let Some(r) = l.contiguous_range() {
+                s[r].to_vec()
+            } else {
+                let mut v = Vec::with_capacity(l.numel());
+                l.for_each_offset(|o| v.push(s[o]));
+                v
+            }
+        })
+    }
+
+    /// The elements converted to `f64` in row-major order (any dtype).
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.to_dtype(DType::F64)?.to_vec::<f64>()
+    }
+
+    /// The single element of a one-element tensor (`torch.Tensor.item`).
+    pub fn item<T: StorageElement>(&self) -> Result<T> {
+        if self.numel() != 1 {
+            return Err(Error::invalid(
+                "item",
+                "self",
+                "a tensor with exactly one element",
+                format!("shape {:?}", self.shape()),
+            ));
+        }
+        Ok(self.to_vec::<T>()?[0])
+    }
+
+    /// The single element converted to `f64`.
+    pub fn item_f64(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(Error::invalid(
+                "item",
+                "self",
+                "a tensor with exactly one element",
+                format!("shape {:?}", self.shape()),
+            ));
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Tensor(shape={:?}, dtype={}, device={}",
+            self.shape(),
+            self.dtype(),
+            self.device()
+        )?;
+        if self.numel() <= 16 && self.device() == Device::Cpu {
+            if let Ok(v) = self.to_vec_f64() {
+                write!(f, ", data={v:?}")?;
+            }
+        }
+        if self.requires_grad() {
+            write!(f, ", requires_grad=true")?;
+        }
+        write!(f, ")")
+    }
+}

@@ -1,0 +1,245 @@
+//! The autograd engine: accumulation, shared sub-graphs, retain_graph, create_graph, hooks,
+//! in-place detection, custom functions, grad(), and the lower-level entry point.
+
+use tensorplay_core::autograd::{
+    self, Context, ExecuteOptions, Function, GradOptions, GradcheckOptions, LeafSink, apply,
+    gradcheck, gradgradcheck, run_backward,
+};
+use tensorplay_core::{self as tp, DType, Error, Tensor};
+
+fn t64(v: &[f64], shape: &[usize]) -> Tensor {
+    Tensor::from_slice(v, shape).unwrap().requires_grad_(true)
+}
+
+#[test]
+fn accumulates_over_two_backwards_and_shared_subgraph() -> tp::Result<()> {
+    let x = t64(&[1.0, 2.0, 3.0], &[3]);
+    let y = x.mul(&x)?; // shared by both uses below
+    let z = y.add(&y.mul_scalar(3.0)?)?.sum()?; // 4 x^2
+    z.backward()?;
+    assert_eq!(x.grad().unwrap().to_vec::<f64>()?, vec![8.0, 16.0, 24.0]);
+    let w = x.sum()?;
+    w.backward()?;
+    assert_eq!(x.grad().unwrap().to_vec::<f64>()?, vec![9.0, 17.0, 25.0]);
+    Ok(())
+}
+
+#[test]
+fn second_backward_without_retain_graph_fails() -> tp::Result<()> {
+    let x = t64(&[1.0, 2.0], &[2]);
+    let y = x.exp()?.sum()?;
+    y.backward_with(None, true, false)?;
+    y.backward()?; // retained once, so this works and frees
+    let err = y.backward().unwrap_err();
+    assert!(err.to_string().contains("second time"), "{err}");
+    let g = x.grad().unwrap().to_vec::<f64>()?;
+    assert!((g[0] - 2.0 * 1f64.exp()).abs() < 1e-12);
+    Ok(())
+}
+
+#[test]
+fn non_scalar_backward_needs_gradient() -> tp::Result<()> {
+    let x = t64(&[1.0, 2.0], &[2]);
+    let y = x.mul_scalar(2.0)?;
+    assert!(matches!(y.backward(), Err(Error::Autograd(_))));
+    y.backward_with(Some(&Tensor::from_slice(&[1.0f64, 10.0], &[2])?), false, false)?;
+    assert_eq!(x.grad().unwrap().to_vec::<f64>()?, vec![2.0, 20.0]);
+    // wrong shape of the explicit gradient
+    let y = x.mul_scalar(2.0)?;
+    assert!(y.backward_with(Some(&Tensor::from_slice(&[1.0f64], &[1])?), false, false).is_err());
+    Ok(())
+}
+
+#[test]
+fn inplace_modification_of_saved_tensor_is_an_error() -> tp::Result<()> {
+    let x = t64(&[1.0, 2.0], &[2]);
+    let y = x.exp()?; // saves its output
+    let z = y.mul_scalar(1.0)?.sum()?;
+    {
+        let _g = tp::no_grad();
+        y.add_scalar_(1.0)?;
+    }
+    let l = y.sum()?.add(&z)?;
+    let err = l.backward().unwrap_err();
+    assert!(err.to_string().contains("modified by an in-place operation"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn inplace_on_leaf_requiring_grad_is_refused() {
+    let x = t64(&[1.0], &[1]);
+    assert!(x.add_scalar_(1.0).is_err());
+    let _g = tp::no_grad();
+    assert!(x.add_scalar_(1.0).is_ok());
+}
+
+#[test]
+fn no_grad_and_detach_cut_the_graph() -> tp::Result<()> {
+    let x = t64(&[1.0], &[1]);
+    let y = {
+        let _g = tp::no_grad();
+        x.mul_scalar(2.0)?
+    };
+    assert!(!y.requires_grad());
+    let d = x.mul_scalar(2.0)?.detach();
+    assert!(!d.requires_grad() && d.is_leaf());
+    Ok(())
+}
+
+#[test]
+fn hooks_see_and_replace_gradients() -> tp::Result<()> {
+    let x = t64(&[1.0, 2.0], &[2]);
+    let y = x.mul_scalar(3.0)?;
+    y.register_hook(|g| Ok(Some(g.mul_scalar(10.0)?)))?;
+    x.register_hook(|g| {
+        assert_eq!(g.to_vec::<f64>()?, vec![30.0, 30.0]);
+        Ok(None)
+    })?;
+    y.retain_grad()?;
+    y.sum()?.backward()?;
+    assert_eq!(x.grad().unwrap().to_vec::<f64>()?, vec![30.0, 30.0]);
+    assert_eq!(y.grad().unwrap().to_vec::<f64>()?, vec![10.0, 10.0]);
+    Ok(())
+}
+
+#[test]
+fn grad_function_does_not_touch_dot_grad_and_double_backward_works() -> tp::Result<()> {
+    let x = t64(&[0.5, -1.5], &[2]);
+    let y = x.pow_scalar(3.0)?.sum()?;
+    let g = autograd::grad(
+        &[y],
+        &[x.clone()],
+        &[],
+        GradOptions { create_graph: true, ..Default::default() },
+    )?;
+    let g = g[0].clone().unwrap();
+    assert_eq!(g.to_vec::<f64>()?, vec![0.75, 6.75]); // 3x^2
+    assert!(x.grad().is_none());
+    let gg = autograd::grad(&[g.sum()?], &[x.clone()], &[], GradOptions::default())?;
+    assert_eq!(gg[0].as_ref().unwrap().to_vec::<f64>()?, vec![3.0, -9.0]); // 6x
+    Ok(())
+}
+
+#[test]
+fn unused_input_is_an_error_unless_allowed() -> tp::Result<()> {
+    let x = t64(&[1.0], &[1]);
+    let u = t64(&[1.0], &[1]);
+    let y = x.mul_scalar(2.0)?.sum()?;
+    assert!(autograd::grad(&[y.clone()], &[u.clone()], &[], GradOptions { retain_graph: Some(true), ..Default::default() }).is_err());
+    let r = autograd::grad(&[y], &[x, u], &[], GradOptions { allow_unused: true, ..Default::default() })?;
+    assert!(r[0].is_some() && r[1].is_none());
+    Ok(())
+}
+
+/// Two outputs, one of them unused by the loss: the engine must hand zeros to backward.
+struct SplitTwo;
+impl Function for SplitTwo {
+    fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> tp::Result<Vec<Tensor>> {
+        Ok(vec![inputs[0].mul_scalar(2.0)?, inputs[0].mul_scalar(3.0)?])
+    }
+    fn backward(&self, _ctx: &Context, g: &[Tensor]) -> tp::Result<Vec<Option<Tensor>>> {
+        assert_eq!(g.len(), 2);
+        Ok(vec![Some(g[0].mul_scalar(2.0)?.add(&g[1].mul_scalar(3.0)?)?)])
+    }
+}
+
+#[test]
+fn custom_function_with_unused_output() -> tp::Result<()> {
+    let x = t64(&[1.0, 1.0], &[2]);
+    let outs = apply(SplitTwo, &[&x])?;
+    assert_eq!(outs[0].grad_fn().unwrap().name(), "SplitTwo");
+    outs[1].sum()?.backward()?;
+    assert_eq!(x.grad().unwrap().to_vec::<f64>()?, vec![3.0, 3.0]);
+    Ok(())
+}
+
+/// A function returning a gradient of the wrong shape is reported, not silently used.
+struct BadGrad;
+impl Function for BadGrad {
+    fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> tp::Result<Vec<Tensor>> {
+        Ok(vec![inputs[0].mul_scalar(1.0)?])
+    }
+    fn backward(&self, _ctx: &Context, _g: &[Tensor]) -> tp::Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(tp::zeros(&[7])?.to_dtype(DType::F64)?)])
+    }
+}
+
+#[test]
+fn wrong_gradient_shape_is_an_error() -> tp::Result<()> {
+    let x = t64(&[1.0, 1.0], &[2]);
+    let y = apply(BadGrad, &[&x])?.remove(0);
+    let err = y.sum()?.backward().unwrap_err();
+    assert!(err.to_string().contains("invalid gradient"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn lower_level_entry_collects_leaf_grads_without_touching_dot_grad() -> tp::Result<()> {
+    let a = t64(&[1.0, 2.0], &[2]);
+    let b = t64(&[3.0, 4.0], &[2]);
+    let y = a.mul(&b)?;
+    let edge = y.gradient_edge().unwrap();
+    let seed = Tensor::from_slice(&[1.0f64, 1.0], &[2])?;
+    let res = run_backward(
+        &[(edge.clone(), seed.clone())],
+        &[],
+        ExecuteOptions { retain_graph: true, create_graph: false, leaf_sink: LeafSink::Collect },
+    )?;
+    assert!(a.grad().is_none() && b.grad().is_none());
+    let mut got: Vec<(u64, Vec<f64>)> = res
+        .leaf_grads
+        .iter()
+        .map(|(l, g)| (l.id().as_u64(), g.to_vec::<f64>().unwrap()))
+        .collect();
+    got.sort_by_key(|p| p.0);
+    assert_eq!(got, vec![(a.id().as_u64(), vec![3.0, 4.0]), (b.id().as_u64(), vec![1.0, 2.0])]);
+    // the same root twice: gradients add up within one pass
+    let res = run_backward(
+        &[(edge.clone(), seed.clone()), (edge, seed)],
+        &[],
+        ExecuteOptions { leaf_sink: LeafSink::Collect, ..Default::default() },
+    )?;
+    let ga = res.leaf_grads.iter().find(|(l, _)| l.id() == a.id()).unwrap();
+    assert_eq!(ga.1.to_vec::<f64>()?, vec![6.0, 8.0]);
+    Ok(())
+}
+
+#[test]
+fn backward_from_several_threads() -> tp::Result<()> {
+    let w = t64(&[1.0, 2.0, 3.0], &[3]);
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let w = w.clone();
+            std::thread::spawn(move || -> tp::Result<()> {
+                let y = w.mul_scalar(i as f64)?.sum()?;
+                y.backward()
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("thread")?;
+    }
+    assert_eq!(w.grad().unwrap().to_vec::<f64>()?, vec![6.0, 6.0, 6.0]);
+    Ok(())
+}
+
+#[test]
+fn gradcheck_catches_a_wrong_backward() -> tp::Result<()> {
+    struct WrongSquare;
+    impl Function for WrongSquare {
+        fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> tp::Result<Vec<Tensor>> {
+            ctx.save_for_backward(&[inputs[0]]);
+            Ok(vec![inputs[0].mul(inputs[0])?])
+        }
+        fn backward(&self, ctx: &Context, g: &[Tensor]) -> tp::Result<Vec<Option<Tensor>>> {
+            let x = &ctx.saved_tensors()?[0];
+            Ok(vec![Some(g[0].mul(x)?)]) // missing factor 2
+        }
+    }
+    let x = t64(&[0.3, 0.7], &[2]);
+    let r = gradcheck(|xs| apply(WrongSquare, &[&xs[0]]), &[x.clone()], GradcheckOptions::default());
+    assert!(r.is_err());
+    gradcheck(|xs| Ok(vec![xs[0].mul(&xs[0])?]), &[x.clone()], GradcheckOptions::default())?;
+    gradgradcheck(|xs| Ok(vec![xs[0].mul(&xs[0])?.tanh()?]), &[x], GradcheckOptions::default())?;
+    Ok(())
+}
