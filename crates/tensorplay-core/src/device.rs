@@ -40,7 +40,9 @@ impl Device {
 impl FromStr for Device {
     type Err = Error;
     fn from_str(s: &str) -> Result<Device> {
-        let bad = || Error::InvalidDevice { input: s.to_string() };
+        let bad = || Error::InvalidDevice {
+            input: s.to_string(),
+        };
         let t = s.trim();
         match t {
             "cpu" => Ok(Device::Cpu),

@@ -175,8 +175,16 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize], op: &'static str) -> Result<Ve
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
         out[i] = if da == db || db == 1 {
             da
         } else if da == 1 {
@@ -220,7 +228,10 @@ mod tests {
 
     #[test]
     fn broadcasting() {
-        assert_eq!(broadcast_shapes(&[4, 1, 3], &[5, 1], "t").unwrap(), vec![4, 5, 3]);
+        assert_eq!(
+            broadcast_shapes(&[4, 1, 3], &[5, 1], "t").unwrap(),
+            vec![4, 5, 3]
+        );
         assert!(broadcast_shapes(&[2, 3], &[4], "t").is_err());
         let l = Layout::contiguous(&[3]).broadcast_to(&[2, 3], "t").unwrap();
         assert_eq!(l.offsets(), vec![0, 1, 2, 0, 1, 2]);

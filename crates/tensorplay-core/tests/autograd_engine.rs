@@ -42,11 +42,18 @@ fn non_scalar_backward_needs_gradient() -> tp::Result<()> {
     let x = t64(&[1.0, 2.0], &[2]);
     let y = x.mul_scalar(2.0)?;
     assert!(matches!(y.backward(), Err(Error::Autograd(_))));
-    y.backward_with(Some(&Tensor::from_slice(&[1.0f64, 10.0], &[2])?), false, false)?;
+    y.backward_with(
+        Some(&Tensor::from_slice(&[1.0f64, 10.0], &[2])?),
+        false,
+        false,
+    )?;
     assert_eq!(x.grad().unwrap().to_vec::<f64>()?, vec![2.0, 20.0]);
     // wrong shape of the explicit gradient
     let y = x.mul_scalar(2.0)?;
-    assert!(y.backward_with(Some(&Tensor::from_slice(&[1.0f64], &[1])?), false, false).is_err());
+    assert!(
+        y.backward_with(Some(&Tensor::from_slice(&[1.0f64], &[1])?), false, false)
+            .is_err()
+    );
     Ok(())
 }
 
@@ -61,7 +68,11 @@ fn inplace_modification_of_saved_tensor_is_an_error() -> tp::Result<()> {
     }
     let l = y.sum()?.add(&z)?;
     let err = l.backward().unwrap_err();
-    assert!(err.to_string().contains("modified by an in-place operation"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("modified by an in-place operation"),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -108,14 +119,22 @@ fn grad_function_does_not_touch_dot_grad_and_double_backward_works() -> tp::Resu
     let y = x.pow_scalar(3.0)?.sum()?;
     let g = autograd::grad(
         &[y],
-        &[x.clone()],
+        std::slice::from_ref(&x),
         &[],
-        GradOptions { create_graph: true, ..Default::default() },
+        GradOptions {
+            create_graph: true,
+            ..Default::default()
+        },
     )?;
     let g = g[0].clone().unwrap();
     assert_eq!(g.to_vec::<f64>()?, vec![0.75, 6.75]); // 3x^2
     assert!(x.grad().is_none());
-    let gg = autograd::grad(&[g.sum()?], &[x.clone()], &[], GradOptions::default())?;
+    let gg = autograd::grad(
+        &[g.sum()?],
+        std::slice::from_ref(&x),
+        &[],
+        GradOptions::default(),
+    )?;
     assert_eq!(gg[0].as_ref().unwrap().to_vec::<f64>()?, vec![3.0, -9.0]); // 6x
     Ok(())
 }
@@ -125,8 +144,27 @@ fn unused_input_is_an_error_unless_allowed() -> tp::Result<()> {
     let x = t64(&[1.0], &[1]);
     let u = t64(&[1.0], &[1]);
     let y = x.mul_scalar(2.0)?.sum()?;
-    assert!(autograd::grad(&[y.clone()], &[u.clone()], &[], GradOptions { retain_graph: Some(true), ..Default::default() }).is_err());
-    let r = autograd::grad(&[y], &[x, u], &[], GradOptions { allow_unused: true, ..Default::default() })?;
+    assert!(
+        autograd::grad(
+            std::slice::from_ref(&y),
+            std::slice::from_ref(&u),
+            &[],
+            GradOptions {
+                retain_graph: Some(true),
+                ..Default::default()
+            }
+        )
+        .is_err()
+    );
+    let r = autograd::grad(
+        &[y],
+        &[x, u],
+        &[],
+        GradOptions {
+            allow_unused: true,
+            ..Default::default()
+        },
+    )?;
     assert!(r[0].is_some() && r[1].is_none());
     Ok(())
 }
@@ -139,7 +177,9 @@ impl Function for SplitTwo {
     }
     fn backward(&self, _ctx: &Context, g: &[Tensor]) -> tp::Result<Vec<Option<Tensor>>> {
         assert_eq!(g.len(), 2);
-        Ok(vec![Some(g[0].mul_scalar(2.0)?.add(&g[1].mul_scalar(3.0)?)?)])
+        Ok(vec![Some(
+            g[0].mul_scalar(2.0)?.add(&g[1].mul_scalar(3.0)?)?,
+        )])
     }
 }
 
@@ -183,7 +223,11 @@ fn lower_level_entry_collects_leaf_grads_without_touching_dot_grad() -> tp::Resu
     let res = run_backward(
         &[(edge.clone(), seed.clone())],
         &[],
-        ExecuteOptions { retain_graph: true, create_graph: false, leaf_sink: LeafSink::Collect },
+        ExecuteOptions {
+            retain_graph: true,
+            create_graph: false,
+            leaf_sink: LeafSink::Collect,
+        },
     )?;
     assert!(a.grad().is_none() && b.grad().is_none());
     let mut got: Vec<(u64, Vec<f64>)> = res
@@ -192,14 +236,27 @@ fn lower_level_entry_collects_leaf_grads_without_touching_dot_grad() -> tp::Resu
         .map(|(l, g)| (l.id().as_u64(), g.to_vec::<f64>().unwrap()))
         .collect();
     got.sort_by_key(|p| p.0);
-    assert_eq!(got, vec![(a.id().as_u64(), vec![3.0, 4.0]), (b.id().as_u64(), vec![1.0, 2.0])]);
+    assert_eq!(
+        got,
+        vec![
+            (a.id().as_u64(), vec![3.0, 4.0]),
+            (b.id().as_u64(), vec![1.0, 2.0])
+        ]
+    );
     // the same root twice: gradients add up within one pass
     let res = run_backward(
         &[(edge.clone(), seed.clone()), (edge, seed)],
         &[],
-        ExecuteOptions { leaf_sink: LeafSink::Collect, ..Default::default() },
+        ExecuteOptions {
+            leaf_sink: LeafSink::Collect,
+            ..Default::default()
+        },
     )?;
-    let ga = res.leaf_grads.iter().find(|(l, _)| l.id() == a.id()).unwrap();
+    let ga = res
+        .leaf_grads
+        .iter()
+        .find(|(l, _)| l.id() == a.id())
+        .unwrap();
     assert_eq!(ga.1.to_vec::<f64>()?, vec![6.0, 8.0]);
     Ok(())
 }
@@ -237,9 +294,21 @@ fn gradcheck_catches_a_wrong_backward() -> tp::Result<()> {
         }
     }
     let x = t64(&[0.3, 0.7], &[2]);
-    let r = gradcheck(|xs| apply(WrongSquare, &[&xs[0]]), &[x.clone()], GradcheckOptions::default());
+    let r = gradcheck(
+        |xs| apply(WrongSquare, &[&xs[0]]),
+        std::slice::from_ref(&x),
+        GradcheckOptions::default(),
+    );
     assert!(r.is_err());
-    gradcheck(|xs| Ok(vec![xs[0].mul(&xs[0])?]), &[x.clone()], GradcheckOptions::default())?;
-    gradgradcheck(|xs| Ok(vec![xs[0].mul(&xs[0])?.tanh()?]), &[x], GradcheckOptions::default())?;
+    gradcheck(
+        |xs| Ok(vec![xs[0].mul(&xs[0])?]),
+        std::slice::from_ref(&x),
+        GradcheckOptions::default(),
+    )?;
+    gradgradcheck(
+        |xs| Ok(vec![xs[0].mul(&xs[0])?.tanh()?]),
+        &[x],
+        GradcheckOptions::default(),
+    )?;
     Ok(())
 }

@@ -3,8 +3,8 @@
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
-use super::graph::{Edge, GradientEdge, Node, NodeKind};
 use super::grad_mode::set_grad_enabled;
+use super::graph::{Edge, GradientEdge, Node, NodeKind};
 use crate::{Error, Result, Tensor};
 
 /// How a backward pass runs and where leaf gradients go.
@@ -48,7 +48,11 @@ struct Ready {
 impl Ord for Ready {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
         // later-created nodes first (reverse creation order), accumulate nodes last
-        let a = if self.seq == u64::MAX { 0 } else { self.seq + 1 };
+        let a = if self.seq == u64::MAX {
+            0
+        } else {
+            self.seq + 1
+        };
         let b = if o.seq == u64::MAX { 0 } else { o.seq + 1 };
         a.cmp(&b).then(self.key.cmp(&o.key))
     }
@@ -165,7 +169,10 @@ pub fn run_backward(
     let mut ready = BinaryHeap::new();
     for (k, n) in &nodes {
         if deps.get(k).copied().unwrap_or(0) == 0 {
-            ready.push(Ready { seq: n.seq, key: *k });
+            ready.push(Ready {
+                seq: n.seq,
+                key: *k,
+            });
         }
     }
     let mut result = BackwardResult {
@@ -187,18 +194,18 @@ pub fn run_backward(
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
             for (nr, h) in hooks {
-                if let Some(g) = grads.get(nr).and_then(|g| g.as_ref()) {
-                    if let Some(new) = h(g)? {
-                        grads[nr] = Some(new);
-                    }
+                if let Some(g) = grads.get(nr).and_then(|g| g.as_ref())
+                    && let Some(new) = h(g)?
+                {
+                    grads[nr] = Some(new);
                 }
             }
         }
         for (ci, c) in capture.iter().enumerate() {
-            if key(&c.0.node) == k {
-                if let Some(g) = grads.get(c.0.input_nr).and_then(|g| g.clone()) {
-                    accumulate(&mut result.captured[ci], g)?;
-                }
+            if key(&c.0.node) == k
+                && let Some(g) = grads.get(c.0.input_nr).and_then(|g| g.clone())
+            {
+                accumulate(&mut result.captured[ci], g)?;
             }
         }
         // with captures, a node runs only when one of its inputs' nodes leads to a capture
@@ -277,7 +284,11 @@ pub fn run_backward(
             NodeKind::Function { .. } => vec![None; node.next_edges.len()],
         };
         for (i, e) in node.next_edges.iter().enumerate() {
-            let Some(Edge { node: child, input_nr }) = e else {
+            let Some(Edge {
+                node: child,
+                input_nr,
+            }) = e
+            else {
                 continue;
             };
             let ck = key(child);

@@ -2,8 +2,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::graph::{Context, Edge, Node, NodeKind, SavedTensor, TensorMeta};
 use super::grad_mode::{is_grad_enabled, set_grad_enabled};
+use super::graph::{Context, Edge, Node, NodeKind, SavedTensor, TensorMeta};
 use crate::{Result, Tensor};
 
 /// A differentiable operation, like a subclass of `torch.autograd.Function`.

@@ -99,8 +99,8 @@ where
         if !out.requires_grad() {
             // every numerical derivative must then be zero
             for (ci, &i) in checked.iter().enumerate() {
-                for e in 0..inputs[i].numel() {
-                    for (oe, &n) in numerical[ci][e][o].iter().enumerate() {
+                for (e, per_out) in numerical[ci].iter().enumerate() {
+                    for (oe, &n) in per_out[o].iter().enumerate() {
                         if n.abs() > options.atol {
                             return Err(Error::Autograd(format!(
                                 "gradcheck: output {o} does not require grad, but d out{o}[{oe}] \
@@ -133,7 +133,9 @@ where
                 };
                 for (e, a) in analytic.iter().enumerate() {
                     let n = numerical[ci][e][o][oe];
-                    if (a - n).abs() > options.atol + options.rtol * n.abs() || a.is_nan() != n.is_nan() {
+                    if (a - n).abs() > options.atol + options.rtol * n.abs()
+                        || a.is_nan() != n.is_nan()
+                    {
                         return Err(Error::Autograd(format!(
                             "gradcheck: jacobian mismatch for output {o} element {oe} with \
                              respect to input {i} element {e}: analytical {a}, numerical {n}"
@@ -168,7 +170,9 @@ where
             let outs = f(&xs[..n])?;
             let ins: Vec<Tensor> = diff.iter().map(|&i| xs[i].clone()).collect();
             let gos: Vec<Option<Tensor>> = xs[n..].iter().map(|t| Some(t.clone())).collect();
-            let live: Vec<usize> = (0..outs.len()).filter(|&k| outs[k].requires_grad()).collect();
+            let live: Vec<usize> = (0..outs.len())
+                .filter(|&k| outs[k].requires_grad())
+                .collect();
             let outs_live: Vec<Tensor> = live.iter().map(|&k| outs[k].clone()).collect();
             let gos_live: Vec<Option<Tensor>> = live.iter().map(|&k| gos[k].clone()).collect();
             if outs_live.is_empty() {

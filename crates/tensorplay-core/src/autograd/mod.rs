@@ -139,7 +139,7 @@ impl Tensor {
         create_graph: bool,
     ) -> Result<()> {
         backward(
-            &[self.clone()],
+            std::slice::from_ref(self),
             &[gradient.cloned()],
             retain_graph,
             create_graph,
@@ -287,9 +287,7 @@ pub fn grad(
     let mut capture = Vec::with_capacity(inputs.len());
     for (i, t) in inputs.iter().enumerate() {
         capture.push(t.gradient_edge().ok_or_else(|| {
-            Error::Autograd(format!(
-                "input {i} of autograd::grad does not require grad"
-            ))
+            Error::Autograd(format!("input {i} of autograd::grad does not require grad"))
         })?);
     }
     let res = run_backward(
@@ -301,13 +299,13 @@ pub fn grad(
             leaf_sink: LeafSink::Discard,
         },
     )?;
-    if !options.allow_unused {
-        if let Some(i) = res.captured.iter().position(|g| g.is_none()) {
-            return Err(Error::Autograd(format!(
-                "input {i} of autograd::grad was not used in the graph; set allow_unused if \
+    if !options.allow_unused
+        && let Some(i) = res.captured.iter().position(|g| g.is_none())
+    {
+        return Err(Error::Autograd(format!(
+            "input {i} of autograd::grad was not used in the graph; set allow_unused if \
                  this is intended"
-            )));
-        }
+        )));
     }
     Ok(res.captured)
 }

@@ -99,7 +99,11 @@ impl CudaStorage {
             CpuStorage::I64(v) => CudaData::I64(stream.clone_htod(v).map_err(e)?),
             CpuStorage::Bool(v) => CudaData::Bool(stream.clone_htod(v).map_err(e)?),
         };
-        Ok(CudaStorage { ordinal, data, stream })
+        Ok(CudaStorage {
+            ordinal,
+            data,
+            stream,
+        })
     }
 
     /// `n` zeros of `dtype` on device `ordinal`.
@@ -113,7 +117,11 @@ impl CudaStorage {
             DType::I64 => CudaData::I64(stream.alloc_zeros(n).map_err(e)?),
             DType::Bool => CudaData::Bool(stream.alloc_zeros(n).map_err(e)?),
         };
-        Ok(CudaStorage { ordinal, data, stream })
+        Ok(CudaStorage {
+            ordinal,
+            data,
+            stream,
+        })
     }
 
     /// Copies the whole buffer back to host memory (synchronising the stream).

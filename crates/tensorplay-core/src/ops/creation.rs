@@ -71,7 +71,10 @@ impl Tensor {
     pub fn zeros(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
         let o = options.into();
         let n = shape.iter().product();
-        place(Tensor::from_cpu(CpuStorage::zeros(o.dtype, n), shape), o.device)
+        place(
+            Tensor::from_cpu(CpuStorage::zeros(o.dtype, n), shape),
+            o.device,
+        )
     }
     /// Ones of `shape`.
     pub fn ones(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
@@ -92,7 +95,12 @@ impl Tensor {
 
     /// `[start, start + step, ...)` up to `end` exclusive (`torch.arange`); errors when
     /// `step` is 0 or has the wrong sign.
-    pub fn arange(start: f64, end: f64, step: f64, options: impl Into<TensorOptions>) -> Result<Tensor> {
+    pub fn arange(
+        start: f64,
+        end: f64,
+        step: f64,
+        options: impl Into<TensorOptions>,
+    ) -> Result<Tensor> {
         let o = options.into();
         if step == 0.0 || !step.is_finite() || (end - start) * step < 0.0 {
             return Err(Error::invalid(
@@ -104,7 +112,9 @@ impl Tensor {
         }
         let n = ((end - start) / step).ceil().max(0.0) as usize;
         let v: Vec<f64> = (0..n).map(|i| start + i as f64 * step).collect();
-        Tensor::from_vec(v, &[n])?.to_dtype(o.dtype)?.to_device(o.device)
+        Tensor::from_vec(v, &[n])?
+            .to_dtype(o.dtype)?
+            .to_device(o.device)
     }
 
     /// Uniform samples in `[0, 1)` from the default generator (`torch.rand`).
@@ -130,7 +140,12 @@ impl Tensor {
     /// Uniform integers in `[low, high)` as int64 (`torch.randint`); errors when `high <= low`.
     pub fn randint(low: i64, high: i64, shape: &[usize], device: Device) -> Result<Tensor> {
         if high <= low {
-            return Err(Error::invalid("randint", "high", format!("> low ({low})"), high));
+            return Err(Error::invalid(
+                "randint",
+                "high",
+                format!("> low ({low})"),
+                high,
+            ));
         }
         let n: usize = shape.iter().product();
         let v: Vec<i64> = {
@@ -141,7 +156,12 @@ impl Tensor {
     }
 }
 
-fn float_from_f64(op: &'static str, v: Vec<f64>, shape: &[usize], o: TensorOptions) -> Result<Tensor> {
+fn float_from_f64(
+    op: &'static str,
+    v: Vec<f64>,
+    shape: &[usize],
+    o: TensorOptions,
+) -> Result<Tensor> {
     let t = match o.dtype {
         DType::F64 => Tensor::from_vec(v, shape)?,
         DType::F32 => Tensor::from_vec(v.into_iter().map(|x| x as f32).collect(), shape)?,

@@ -11,46 +11,11 @@ use num_traits::{Float, One, Zero};
 // ---------------------------------------------------------------------------------------------
 // kernels
 
-/// Visits the storage offsets of two layouts of one shape together, row-major.
-#[inline]
-fn for_each_offset2(shape: &[usize], la: &Layout, lb: &Layout, mut f: impl FnMut(usize, usize)) {
-    let n: usize = shape.iter().product();
-    if n == 0 {
-        return;
-    }
-    let nd = shape.len();
-    if nd == 0 {
-        f(la.offset, lb.offset);
-        return;
-    }
-    let inner = shape[nd - 1];
-    let (sa, sb) = (la.strides[nd - 1], lb.strides[nd - 1]);
-    let mut idx = vec![0usize; nd];
-    let (mut ba, mut bb) = (la.offset, lb.offset);
-    for _ in 0..n / inner {
-        let (mut oa, mut ob) = (ba, bb);
-        for _ in 0..inner {
-            f(oa, ob);
-            oa += sa;
-            ob += sb;
-        }
-        let mut d = nd - 1;
-        while d > 0 {
-            d -= 1;
-            idx[d] += 1;
-            ba += la.strides[d];
-            bb += lb.strides[d];
-            if idx[d] < shape[d] {
-                break;
-            }
-            ba -= la.strides[d] * shape[d];
-            bb -= lb.strides[d] * shape[d];
-            idx[d] = 0;
-        }
-    }
-}
-
 /// `f(a, b)` elementwise with broadcasting, into a new contiguous tensor.
+///
+/// Rows of the last dimension are processed with tight loops specialised for unit and zero
+/// strides (same-shape operands, a broadcast bias row, a broadcast scalar column), so the
+/// common cases vectorise.
 pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
     a: &Tensor,
     b: &Tensor,
@@ -63,14 +28,43 @@ pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
     let lb = b.layout().broadcast_to(&shape, op)?;
     let v = with_two(a, b, op, |sa: &[T], _, sb: &[T], _| {
         let n: usize = shape.iter().product();
-        match (la.contiguous_range(), lb.contiguous_range()) {
-            (Some(ra), Some(rb)) => sa[ra].iter().zip(&sb[rb]).map(|(&x, &y)| f(x, y)).collect(),
-            _ => {
-                let mut out = Vec::with_capacity(n);
-                for_each_offset2(&shape, &la, &lb, |oa, ob| out.push(f(sa[oa], sb[ob])));
-                out
+        if let (Some(ra), Some(rb)) = (la.contiguous_range(), lb.contiguous_range()) {
+            return sa[ra].iter().zip(&sb[rb]).map(|(&x, &y)| f(x, y)).collect();
+        }
+        let mut out: Vec<R> = Vec::with_capacity(n);
+        if n == 0 {
+            return out;
+        }
+        let nd = shape.len();
+        let inner = shape[nd - 1];
+        let (ia, ib) = (la.strides[nd - 1], lb.strides[nd - 1]);
+        let rows = |l: &Layout| Layout {
+            shape: shape[..nd - 1].to_vec(),
+            strides: l.strides[..nd - 1].to_vec(),
+            offset: l.offset,
+        };
+        let (ra, rb) = (rows(&la), rows(&lb));
+        let (oa, ob) = (ra.offsets(), rb.offsets());
+        for (&a0, &b0) in oa.iter().zip(&ob) {
+            match (ia, ib) {
+                (1, 1) => out.extend(
+                    sa[a0..a0 + inner]
+                        .iter()
+                        .zip(&sb[b0..b0 + inner])
+                        .map(|(&x, &y)| f(x, y)),
+                ),
+                (1, 0) => {
+                    let y = sb[b0];
+                    out.extend(sa[a0..a0 + inner].iter().map(|&x| f(x, y)))
+                }
+                (0, 1) => {
+                    let x = sa[a0];
+                    out.extend(sb[b0..b0 + inner].iter().map(|&y| f(x, y)))
+                }
+                _ => out.extend((0..inner).map(|j| f(sa[a0 + j * ia], sb[b0 + j * ib]))),
             }
         }
+        out
     })?;
     Ok(Tensor::from_cpu(R::into_storage(v), &shape))
 }
@@ -156,19 +150,22 @@ fn binary_kernel(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         Maximum => "maximum",
         Minimum => "minimum",
     };
-    if kind == Pow || kind == Div {
-        float_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| match kind {
-            Div => x / y,
-            _ => Float::powf(x, y),
-        }))
-    } else {
-        numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| match kind {
-            Add => x + y,
-            Sub => x - y,
-            Mul => x * y,
-            Maximum => if x >= y || x != x { x } else { y },
-            _ => if x <= y || x != x { x } else { y },
-        }))
+    match kind {
+        Div => float_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x / y)),
+        Pow => {
+            float_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x: T, y: T| x.powf(y)))
+        }
+        Add => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x + y)),
+        Sub => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x - y)),
+        Mul => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x * y)),
+        #[allow(clippy::eq_op)]
+        Maximum => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| {
+            if x >= y || x != x { x } else { y }
+        })),
+        #[allow(clippy::eq_op)]
+        Minimum => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| {
+            if x <= y || x != x { x } else { y }
+        })),
     }
 }
 
@@ -235,17 +232,31 @@ impl Function for Binary {
                 let s = ctx.saved_tensors()?;
                 let (a, b) = (&s[0], &s[1]);
                 // ties split the gradient evenly
-                let pick_a = if self.0 == BinaryKind::Maximum { a.gt(b)? } else { a.lt(b)? };
+                let pick_a = if self.0 == BinaryKind::Maximum {
+                    a.gt(b)?
+                } else {
+                    a.lt(b)?
+                };
                 let tie = a.eq(b)?;
                 let dt = g.dtype();
-                let wa = pick_a.to_dtype(dt)?.add(&tie.to_dtype(dt)?.mul_scalar(0.5)?)?;
+                let wa = pick_a
+                    .to_dtype(dt)?
+                    .add(&tie.to_dtype(dt)?.mul_scalar(0.5)?)?;
                 let wb = wa.neg()?.add_scalar(1.0)?;
                 (g.mul(&wa)?, g.mul(&wb)?)
             }
         };
         Ok(vec![
-            if ctx.needs_input_grad(0) { Some(ga.sum_to_size(&sa)?) } else { None },
-            if ctx.needs_input_grad(1) { Some(gb.sum_to_size(&sb)?) } else { None },
+            if ctx.needs_input_grad(0) {
+                Some(ga.sum_to_size(&sa)?)
+            } else {
+                None
+            },
+            if ctx.needs_input_grad(1) {
+                Some(gb.sum_to_size(&sb)?)
+            } else {
+                None
+            },
         ])
     }
 }
@@ -258,8 +269,16 @@ fn binary(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         dt
     };
     let dt = if dt == DType::Bool { DType::I64 } else { dt };
-    let a = if a.dtype() != dt { a.to_dtype(dt)? } else { a.clone() };
-    let b = if b.dtype() != dt { b.to_dtype(dt)? } else { b.clone() };
+    let a = if a.dtype() != dt {
+        a.to_dtype(dt)?
+    } else {
+        a.clone()
+    };
+    let b = if b.dtype() != dt {
+        b.to_dtype(dt)?
+    } else {
+        b.clone()
+    };
     Ok(apply(Binary(kind), &[&a, &b])?.remove(0))
 }
 
@@ -306,23 +325,33 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     }
     float_dispatch!(x.dtype(), op, T => {
         let c = |v: f64| <T as num_traits::NumCast>::from(v).unwrap_or_else(T::nan);
-        unary_map::<T, T>(x, "unary", |v: T| match kind {
-            Neg => -v,
-            Exp => v.exp(),
-            Log => v.ln(),
-            Sqrt => v.sqrt(),
-            Abs => v.abs(),
-            Relu => if v > T::zero() { v } else if v != v { v } else { T::zero() },
-            Sigmoid => T::one() / (T::one() + (-v).exp()),
-            Tanh => v.tanh(),
-            Gelu => gelu(v),
-            Erf => FloatElement::erf(v),
-            AddScalar(s) => v + c(s),
-            MulScalar(s) => v * c(s),
-            PowScalar(p) => {
-                if p == 2.0 { v * v } else if p == 1.0 { v } else { v.powf(c(p)) }
+        match kind {
+            Neg => unary_map::<T, T>(x, op, |v| -v),
+            Exp => unary_map::<T, T>(x, op, |v: T| v.exp()),
+            Log => unary_map::<T, T>(x, op, |v: T| v.ln()),
+            Sqrt => unary_map::<T, T>(x, op, |v: T| v.sqrt()),
+            Abs => unary_map::<T, T>(x, op, |v: T| v.abs()),
+            #[allow(clippy::eq_op)]
+            Relu => unary_map::<T, T>(x, op, |v: T| if v > T::zero() || v != v { v } else { T::zero() }),
+            Sigmoid => unary_map::<T, T>(x, op, |v: T| T::one() / (T::one() + (-v).exp())),
+            Tanh => unary_map::<T, T>(x, op, |v: T| v.tanh()),
+            Gelu => unary_map::<T, T>(x, op, gelu::<T>),
+            Erf => unary_map::<T, T>(x, op, FloatElement::erf),
+            AddScalar(s) => {
+                let s = c(s);
+                unary_map::<T, T>(x, op, |v| v + s)
             }
-        })
+            MulScalar(s) => {
+                let s = c(s);
+                unary_map::<T, T>(x, op, |v| v * s)
+            }
+            PowScalar(2.0) => unary_map::<T, T>(x, op, |v| v * v),
+            PowScalar(1.0) => unary_map::<T, T>(x, op, |v| v),
+            PowScalar(p) => {
+                let p = c(p);
+                unary_map::<T, T>(x, op, |v: T| v.powf(p))
+            }
+        }
     })
 }
 
@@ -369,7 +398,7 @@ impl Function for Unary {
             Log => g.div(&saved()?)?,
             Sqrt => g.div(&saved()?.mul_scalar(2.0)?)?,
             Abs => g.mul(&saved()?.sign()?)?,
-            Relu => g.mul(&saved()?.gt_scalar(0.0)?.to_dtype(g.dtype())?)?,
+            Relu => threshold_backward(g, &saved()?)?,
             Sigmoid => {
                 let y = saved()?;
                 g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?)?
@@ -380,7 +409,11 @@ impl Function for Unary {
             }
             Erf => {
                 let x = saved()?;
-                let d = x.mul(&x)?.neg()?.exp()?.mul_scalar(2.0 / std::f64::consts::PI.sqrt())?;
+                let d = x
+                    .mul(&x)?
+                    .neg()?
+                    .exp()?
+                    .mul_scalar(2.0 / std::f64::consts::PI.sqrt())?;
                 g.mul(&d)?
             }
             Gelu => {
@@ -411,6 +444,35 @@ impl Function for Unary {
     }
 }
 
+/// `g` where `x > 0`, else 0: ReLU's backward in one pass. Linear in `g`, so its own
+/// backward is the same operation (ReLU's second derivative is zero).
+struct ThresholdBackward;
+impl Function for ThresholdBackward {
+    fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let (g, x) = (inputs[0], inputs[1]);
+        ctx.save_for_backward(&[x]);
+        let out = float_dispatch!(g.dtype(), "relu_backward", T => {
+            binary_map::<T, T>(g, x, "relu_backward", |g, x| if x > T::zero() { g } else { T::zero() })
+        })?;
+        Ok(vec![out])
+    }
+    fn backward(&self, ctx: &Context, gg: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let x = ctx.saved_tensors()?.remove(0);
+        Ok(vec![Some(threshold_backward(&gg[0], &x)?), None])
+    }
+}
+
+fn threshold_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
+    if g.dtype() != x.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: "relu_backward",
+            lhs: g.dtype(),
+            rhs: x.dtype(),
+        });
+    }
+    Ok(apply(ThresholdBackward, &[g, x])?.remove(0))
+}
+
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     Ok(apply(Unary(kind), &[x])?.remove(0))
 }
@@ -426,7 +488,11 @@ impl Function for Where {
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let (c, a, b) = (inputs[0], inputs[1], inputs[2]);
         same_device("where", a, b)?;
-        let shape = broadcast_shapes(&broadcast_shapes(c.shape(), a.shape(), "where")?, b.shape(), "where")?;
+        let shape = broadcast_shapes(
+            &broadcast_shapes(c.shape(), a.shape(), "where")?,
+            b.shape(),
+            "where",
+        )?;
         let lc = c.layout().broadcast_to(&shape, "where")?;
         let ab = binary_map_where(a, b, c, &lc, &shape)?;
         ctx.save_for_backward(&[c]);
@@ -445,7 +511,13 @@ impl Function for Where {
     }
 }
 
-fn binary_map_where(a: &Tensor, b: &Tensor, c: &Tensor, lc: &Layout, shape: &[usize]) -> Result<Tensor> {
+fn binary_map_where(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    lc: &Layout,
+    shape: &[usize],
+) -> Result<Tensor> {
     let mask: Vec<bool> = c.with_slice("where", |s: &[bool], _| super::gather_strided(s, lc))?;
     let ae = a.expand(shape)?;
     let be = b.expand(shape)?;
@@ -485,7 +557,14 @@ impl Tensor {
         if self.dtype() == dtype {
             return Ok(self.clone());
         }
-        Ok(apply(Cast { from: self.dtype(), to: dtype }, &[self])?.remove(0))
+        Ok(apply(
+            Cast {
+                from: self.dtype(),
+                to: dtype,
+            },
+            &[self],
+        )?
+        .remove(0))
     }
 
     /// `self + other` with broadcasting and type promotion (`torch.add`).
@@ -588,7 +667,11 @@ impl Tensor {
     /// Elementwise logical not of a bool tensor.
     pub fn logical_not(&self) -> Result<Tensor> {
         if self.dtype() != DType::Bool {
-            return Err(Error::UnsupportedDType { op: "logical_not", dtype: self.dtype(), expected: "bool" });
+            return Err(Error::UnsupportedDType {
+                op: "logical_not",
+                dtype: self.dtype(),
+                expected: "bool",
+            });
         }
         unary_map::<bool, bool>(self, "logical_not", |v| !v)
     }
@@ -606,7 +689,11 @@ impl Tensor {
     /// self, other)`); `condition` must be bool. Differentiable in `self` and `other`.
     pub fn where_(&self, condition: &Tensor, other: &Tensor) -> Result<Tensor> {
         if condition.dtype() != DType::Bool {
-            return Err(Error::UnsupportedDType { op: "where", dtype: condition.dtype(), expected: "bool for the condition" });
+            return Err(Error::UnsupportedDType {
+                op: "where",
+                dtype: condition.dtype(),
+                expected: "bool for the condition",
+            });
         }
         let dt = promote(self.dtype(), other.dtype());
         let a = self.to_dtype(dt)?;
@@ -627,7 +714,10 @@ impl Tensor {
             )));
         }
         if self.device().is_cuda() {
-            return Err(Error::NotSupported { op, detail: "on CUDA tensors yet".into() });
+            return Err(Error::NotSupported {
+                op,
+                detail: "on CUDA tensors yet".into(),
+            });
         }
         let value = value.expand(self.shape())?;
         any_dispatch!(self.dtype(), T => {
@@ -652,11 +742,19 @@ impl Tensor {
 
     fn inplace_result(&self, op: &'static str, r: Tensor) -> Result<()> {
         if r.shape() != self.shape() {
-            return Err(Error::ShapeMismatch { op, lhs: self.shape().to_vec(), rhs: r.shape().to_vec() });
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: self.shape().to_vec(),
+                rhs: r.shape().to_vec(),
+            });
         }
         let r = if r.dtype() != self.dtype() {
             if !self.dtype().is_float() && r.dtype().is_float() {
-                return Err(Error::DTypeMismatch { op, lhs: self.dtype(), rhs: r.dtype() });
+                return Err(Error::DTypeMismatch {
+                    op,
+                    lhs: self.dtype(),
+                    rhs: r.dtype(),
+                });
             }
             r.to_dtype(self.dtype())?
         } else {
@@ -693,7 +791,11 @@ impl Tensor {
     /// its dtype; errors if the shapes do not broadcast.
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         let s = src.to_dtype(self.dtype())?;
-        let s = if s.device() != self.device() { s.to_device(self.device())? } else { s };
+        let s = if s.device() != self.device() {
+            s.to_device(self.device())?
+        } else {
+            s
+        };
         self.assign_inplace("copy_", s)
     }
     /// Sets every element to `value` (`fill_`).

@@ -26,6 +26,7 @@ pub fn get_num_threads() -> usize {
 
 /// `out[b] = a[b] @ bmat[b]` for row-major batched layouts; `a`: [.., m, k], `b`: [.., k, n],
 /// both already broadcast to the batch shape.
+#[allow(clippy::too_many_arguments)]
 fn bmm_kernel<T: StorageElement + 'static>(
     sa: &[T],
     la: &Layout,
@@ -97,13 +98,21 @@ fn one<T: StorageElement>() -> T {
 fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_device("matmul", a, b)?;
     if a.dtype() != b.dtype() {
-        return Err(Error::DTypeMismatch { op: "matmul", lhs: a.dtype(), rhs: b.dtype() });
+        return Err(Error::DTypeMismatch {
+            op: "matmul",
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
     }
     let (ra, rb) = (a.ndim(), b.ndim());
     let (m, k) = (a.shape()[ra - 2], a.shape()[ra - 1]);
     let (k2, n) = (b.shape()[rb - 2], b.shape()[rb - 1]);
     if k != k2 {
-        return Err(Error::ShapeMismatch { op: "matmul", lhs: a.shape().to_vec(), rhs: b.shape().to_vec() });
+        return Err(Error::ShapeMismatch {
+            op: "matmul",
+            lhs: a.shape().to_vec(),
+            rhs: b.shape().to_vec(),
+        });
     }
     let batch = broadcast_shapes(&a.shape()[..ra - 2], &b.shape()[..rb - 2], "matmul")?;
     let mut sa = batch.clone();
@@ -162,10 +171,23 @@ impl Tensor {
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
         let (ra, rb) = (self.ndim(), other.ndim());
         if ra == 0 || rb == 0 {
-            return Err(Error::invalid("matmul", "operands", "tensors with at least one dimension", "a 0-d tensor"));
+            return Err(Error::invalid(
+                "matmul",
+                "operands",
+                "tensors with at least one dimension",
+                "a 0-d tensor",
+            ));
         }
-        let a = if ra == 1 { self.unsqueeze(0)? } else { self.clone() };
-        let b = if rb == 1 { other.unsqueeze(1)? } else { other.clone() };
+        let a = if ra == 1 {
+            self.unsqueeze(0)?
+        } else {
+            self.clone()
+        };
+        let b = if rb == 1 {
+            other.unsqueeze(1)?
+        } else {
+            other.clone()
+        };
         let mut out = apply(MatMul, &[&a, &b])?.remove(0);
         if rb == 1 {
             out = out.squeeze_dim(-1)?;
@@ -179,7 +201,12 @@ impl Tensor {
     /// Alias of [`Tensor::matmul`] for 2-d operands (`mm`).
     pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
         if self.ndim() != 2 || other.ndim() != 2 {
-            return Err(Error::invalid("mm", "operands", "two 2-d tensors", format!("{:?} and {:?}", self.shape(), other.shape())));
+            return Err(Error::invalid(
+                "mm",
+                "operands",
+                "two 2-d tensors",
+                format!("{:?} and {:?}", self.shape(), other.shape()),
+            ));
         }
         self.matmul(other)
     }

@@ -99,23 +99,24 @@ pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(
         let crate::storage::Storage::Cpu(c) = &*guard else {
             return Err(Error::NotSupported {
                 op,
-                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))"
-                    .into(),
+                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
             });
         };
-        let sa = A::slice(c).ok_or(Error::DTypeMismatch {
+        let sa = A::slice(c).ok_or_else(|| Error::DTypeMismatch {
             op,
             lhs: c.dtype(),
             rhs: A::DTYPE,
         })?;
-        let sb = B::slice(c).ok_or(Error::DTypeMismatch {
+        let sb = B::slice(c).ok_or_else(|| Error::DTypeMismatch {
             op,
             lhs: c.dtype(),
             rhs: B::DTYPE,
         })?;
         return Ok(f(sa, a.layout(), sb, b.layout()));
     }
-    a.with_slice(op, |sa: &[A], la| b.with_slice(op, |sb: &[B], lb| f(sa, la, sb, lb)))?
+    a.with_slice(op, |sa: &[A], la| {
+        b.with_slice(op, |sb: &[B], lb| f(sa, la, sb, lb))
+    })?
 }
 
 /// Checks that two tensors share a device.

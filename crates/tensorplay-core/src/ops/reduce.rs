@@ -16,7 +16,12 @@ pub(crate) fn reduce_dims(dims: &[isize], ndim: usize, op: &'static str) -> Resu
     for &d in dims {
         let d = normalize_dim(d, ndim, op)?;
         if out.contains(&d) {
-            return Err(Error::invalid(op, "dims", "distinct dimensions", format!("{dims:?}")));
+            return Err(Error::invalid(
+                op,
+                "dims",
+                "distinct dimensions",
+                format!("{dims:?}"),
+            ));
         }
         out.push(d);
     }
@@ -42,10 +47,22 @@ pub(crate) fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> V
 /// Splits a layout into the kept dims (`outer`, a layout) and the reduced dims (relative
 /// offsets in row-major order of the reduced dims).
 pub(crate) fn split_layout(l: &Layout, dims: &[usize]) -> (Layout, Vec<usize>) {
-    let mut outer = Layout { shape: vec![], strides: vec![], offset: l.offset };
-    let mut inner = Layout { shape: vec![], strides: vec![], offset: 0 };
+    let mut outer = Layout {
+        shape: vec![],
+        strides: vec![],
+        offset: l.offset,
+    };
+    let mut inner = Layout {
+        shape: vec![],
+        strides: vec![],
+        offset: 0,
+    };
     for i in 0..l.shape.len() {
-        let dst = if dims.contains(&i) { &mut inner } else { &mut outer };
+        let dst = if dims.contains(&i) {
+            &mut inner
+        } else {
+            &mut outer
+        };
         dst.shape.push(l.shape[i]);
         dst.strides.push(l.strides[i]);
     }
@@ -80,10 +97,8 @@ pub(crate) fn reduce_kernel<T: StorageElement, R: StorageElement>(
 fn sum_values<T: StorageElement + std::ops::Add<Output = T>>(it: &mut dyn Iterator<Item = T>) -> T {
     // eight interleaved partial sums: fewer rounding steps than one running sum
     let mut acc = [T::default(); 8];
-    let mut i = 0usize;
-    for v in it {
+    for (i, v) in it.enumerate() {
         acc[i & 7] = acc[i & 7] + v;
-        i += 1;
     }
     let a = (acc[0] + acc[4]) + (acc[1] + acc[5]);
     let b = (acc[2] + acc[6]) + (acc[3] + acc[7]);
@@ -92,7 +107,11 @@ fn sum_values<T: StorageElement + std::ops::Add<Output = T>>(it: &mut dyn Iterat
 
 fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
     let shape = reduced_shape(x.shape(), dims, keepdim);
-    let x = if x.dtype() == crate::DType::Bool { x.to_dtype(crate::DType::I64)? } else { x.clone() };
+    let x = if x.dtype() == crate::DType::Bool {
+        x.to_dtype(crate::DType::I64)?
+    } else {
+        x.clone()
+    };
     numeric_dispatch!(x.dtype(), "sum", T => {
         let v = reduce_kernel::<T, T>(&x, dims, "sum", |it| sum_values(it))?;
         Ok(Tensor::from_cpu(T::into_storage(v), &shape))
@@ -159,17 +178,23 @@ impl Tensor {
         }
         let nd = self.ndim();
         if shape.len() > nd {
-            return Err(Error::ShapeMismatch { op: "sum_to_size", lhs: self.shape().to_vec(), rhs: shape.to_vec() });
+            return Err(Error::ShapeMismatch {
+                op: "sum_to_size",
+                lhs: self.shape().to_vec(),
+                rhs: shape.to_vec(),
+            });
         }
         let lead = nd - shape.len();
         let mut dims = Vec::new();
         for i in 0..nd {
-            if i < lead {
-                dims.push(i as isize);
-            } else if shape[i - lead] == 1 && self.shape()[i] != 1 {
+            if i < lead || (shape[i - lead] == 1 && self.shape()[i] != 1) {
                 dims.push(i as isize);
             } else if shape[i - lead] != self.shape()[i] {
-                return Err(Error::ShapeMismatch { op: "sum_to_size", lhs: self.shape().to_vec(), rhs: shape.to_vec() });
+                return Err(Error::ShapeMismatch {
+                    op: "sum_to_size",
+                    lhs: self.shape().to_vec(),
+                    rhs: shape.to_vec(),
+                });
             }
         }
         if dims.is_empty() {

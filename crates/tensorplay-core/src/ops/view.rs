@@ -13,18 +13,28 @@ fn resolve_shape(numel: usize, shape: &[isize], op: &'static str) -> Result<Vec<
     for (i, &s) in shape.iter().enumerate() {
         if s == -1 {
             if infer.is_some() {
-                return Err(Error::invalid(op, "shape", "at most one -1", format!("{shape:?}")));
+                return Err(Error::invalid(
+                    op,
+                    "shape",
+                    "at most one -1",
+                    format!("{shape:?}"),
+                ));
             }
             infer = Some(i);
         } else if s < 0 {
-            return Err(Error::invalid(op, "shape", "sizes >= 0 or -1", format!("{shape:?}")));
+            return Err(Error::invalid(
+                op,
+                "shape",
+                "sizes >= 0 or -1",
+                format!("{shape:?}"),
+            ));
         } else {
             known *= s as usize;
         }
     }
     let mut out: Vec<usize> = shape.iter().map(|&s| s.max(0) as usize).collect();
     if let Some(i) = infer {
-        if known == 0 || numel % known != 0 {
+        if known == 0 || !numel.is_multiple_of(known) {
             return Err(Error::invalid(
                 op,
                 "shape",
@@ -87,7 +97,11 @@ enum Back {
     Reshape(Vec<usize>),
     Permute(Vec<usize>),
     Expand(Vec<usize>),
-    Narrow { shape: Vec<usize>, dim: usize, start: usize },
+    Narrow {
+        shape: Vec<usize>,
+        dim: usize,
+        start: usize,
+    },
 }
 impl Function for Restride {
     fn name(&self) -> &str {
@@ -124,7 +138,11 @@ impl Function for NarrowBackward {
         Ok(vec![out])
     }
     fn backward(&self, _ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        Ok(vec![Some(g[0].narrow(self.dim as isize, self.start, self.len)?)])
+        Ok(vec![Some(g[0].narrow(
+            self.dim as isize,
+            self.start,
+            self.len,
+        )?)])
     }
 }
 
@@ -170,7 +188,10 @@ impl Tensor {
             return Ok(self.clone());
         }
         if self.device().is_cuda() {
-            return Err(Error::NotSupported { op: "contiguous", detail: "on CUDA tensors yet".into() });
+            return Err(Error::NotSupported {
+                op: "contiguous",
+                detail: "on CUDA tensors yet".into(),
+            });
         }
         Ok(apply(Contiguous, &[self])?.remove(0))
     }
@@ -178,7 +199,10 @@ impl Tensor {
     /// A copy with its own storage (`clone()` in PyTorch; `Clone` on `Tensor` shares).
     pub fn deep_clone(&self) -> Result<Tensor> {
         if self.device().is_cuda() {
-            return Err(Error::NotSupported { op: "deep_clone", detail: "on CUDA tensors yet".into() });
+            return Err(Error::NotSupported {
+                op: "deep_clone",
+                detail: "on CUDA tensors yet".into(),
+            });
         }
         Ok(apply(Contiguous, &[self])?.remove(0))
     }
@@ -222,7 +246,11 @@ impl Tensor {
     pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
         let nd = self.ndim();
         let mut seen = vec![false; nd];
-        if dims.len() != nd || dims.iter().any(|&d| d >= nd || std::mem::replace(&mut seen[d], true)) {
+        if dims.len() != nd
+            || dims
+                .iter()
+                .any(|&d| d >= nd || std::mem::replace(&mut seen[d], true))
+        {
             return Err(Error::invalid(
                 "permute",
                 "dims",
@@ -261,7 +289,12 @@ impl Tensor {
         match self.ndim() {
             0 | 1 => Ok(self.clone()),
             2 => self.transpose(0, 1),
-            n => Err(Error::invalid("t", "self", "a tensor with at most 2 dimensions", format!("{n} dimensions"))),
+            n => Err(Error::invalid(
+                "t",
+                "self",
+                "a tensor with at most 2 dimensions",
+                format!("{n} dimensions"),
+            )),
         }
     }
 
@@ -269,7 +302,12 @@ impl Tensor {
     pub fn narrow(&self, dim: isize, start: usize, length: usize) -> Result<Tensor> {
         let d = normalize_dim(dim, self.ndim(), "narrow")?;
         if self.ndim() == 0 {
-            return Err(Error::invalid("narrow", "self", "a tensor with at least one dimension", "a 0-d tensor"));
+            return Err(Error::invalid(
+                "narrow",
+                "self",
+                "a tensor with at least one dimension",
+                "a 0-d tensor",
+            ));
         }
         let size = self.shape()[d];
         if start.checked_add(length).is_none_or(|e| e > size) {
@@ -289,7 +327,11 @@ impl Tensor {
         self.restride(
             "NarrowBackward",
             layout,
-            Back::Narrow { shape: self.shape().to_vec(), dim: d, start },
+            Back::Narrow {
+                shape: self.shape().to_vec(),
+                dim: d,
+                start,
+            },
         )
     }
 
@@ -298,13 +340,28 @@ impl Tensor {
     pub fn select(&self, dim: isize, index: isize) -> Result<Tensor> {
         let d = normalize_dim(dim, self.ndim(), "select")?;
         let size = *self.shape().get(d).ok_or_else(|| {
-            Error::invalid("select", "self", "a tensor with at least one dimension", "a 0-d tensor")
+            Error::invalid(
+                "select",
+                "self",
+                "a tensor with at least one dimension",
+                "a 0-d tensor",
+            )
         })?;
-        let i = if index < 0 { index + size as isize } else { index };
+        let i = if index < 0 {
+            index + size as isize
+        } else {
+            index
+        };
         if i < 0 || i as usize >= size {
-            return Err(Error::IndexOutOfBounds { op: "select", index: index as i64, dim: d, size });
+            return Err(Error::IndexOutOfBounds {
+                op: "select",
+                index: index as i64,
+                dim: d,
+                size,
+            });
         }
-        self.narrow(d as isize, i as usize, 1)?.squeeze_dim(d as isize)
+        self.narrow(d as isize, i as usize, 1)?
+            .squeeze_dim(d as isize)
     }
 
     /// Removes dimension `dim` if its size is 1 (`squeeze(dim)`); otherwise returns the
@@ -349,7 +406,11 @@ impl Tensor {
             .iter()
             .map(|&s| if s == 1 { 0 } else { it.next().unwrap_or(0) })
             .collect();
-        let mut layout = Layout { shape, strides, offset: l.offset };
+        let mut layout = Layout {
+            shape,
+            strides,
+            offset: l.offset,
+        };
         let cs = contiguous_strides(&layout.shape);
         for (i, s) in layout.shape.iter().enumerate() {
             if *s == 1 {
@@ -366,6 +427,10 @@ impl Tensor {
             return Ok(self.clone());
         }
         let layout = self.layout().broadcast_to(shape, "expand")?;
-        self.restride("ExpandBackward", layout, Back::Expand(self.shape().to_vec()))
+        self.restride(
+            "ExpandBackward",
+            layout,
+            Back::Expand(self.shape().to_vec()),
+        )
     }
 }
