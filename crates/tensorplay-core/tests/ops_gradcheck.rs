@@ -677,7 +677,7 @@ fn cat_stack_split_values() -> tp::Result<()> {
         s.to_vec::<f32>()?,
         vec![1.0, 2.0, 10.0, 20.0, 3.0, 4.0, 30.0, 40.0]
     );
-    assert_eq!(tp::stack(&[a.clone()], 0)?.shape(), &[1, 2, 2]);
+    assert_eq!(tp::stack(std::slice::from_ref(&a), 0)?.shape(), &[1, 2, 2]);
     // a one-element cat is a copy, not an alias
     let one = tp::cat(std::slice::from_ref(&a), 0)?;
     assert!(!one.shares_storage_with(&a));
@@ -738,11 +738,11 @@ fn errors_not_panics() -> tp::Result<()> {
     ));
     assert!(matches!(t.gather(-3, &i), Err(Error::DimOutOfRange { .. })));
     assert!(matches!(
-        tp::cat(&[t.clone()], 2),
+        tp::cat(std::slice::from_ref(&t), 2),
         Err(Error::DimOutOfRange { .. })
     ));
     assert!(matches!(
-        tp::stack(&[t.clone()], 3),
+        tp::stack(std::slice::from_ref(&t), 3),
         Err(Error::DimOutOfRange { .. })
     ));
     assert!(matches!(t.split(1, 2), Err(Error::DimOutOfRange { .. })));
