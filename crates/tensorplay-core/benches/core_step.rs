@@ -1,1 +1,2 @@
+//! Benchmark of a core training step (placeholder).
 fn main() {}

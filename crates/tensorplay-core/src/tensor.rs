@@ -193,7 +193,7 @@ impl Tensor {
         let guard = self.0.storage.read();
         match &*guard {
             Storage::Cpu(c) => {
-                let s = T::slice(c).ok_or(Error::UnsupportedDType {
+                let s = T::slice(c).ok_or_else(|| Error::UnsupportedDType {
                     op,
                     dtype: c.dtype(),
                     expected: "the dtype the operation was dispatched on",
@@ -296,11 +296,10 @@ impl fmt::Debug for Tensor {
             self.dtype(),
             self.device()
         )?;
-        if self.numel() <= 16 && self.device() == Device::Cpu {
-            if let Ok(v) = self.to_vec_f64() {
+        if self.numel() <= 16 && self.device() == Device::Cpu
+            && let Ok(v) = self.to_vec_f64() {
                 write!(f, ", data={v:?}")?;
             }
-        }
         if self.requires_grad() {
             write!(f, ", requires_grad=true")?;
         }

@@ -108,14 +108,14 @@ fn grad_function_does_not_touch_dot_grad_and_double_backward_works() -> tp::Resu
     let y = x.pow_scalar(3.0)?.sum()?;
     let g = autograd::grad(
         &[y],
-        &[x.clone()],
+        std::slice::from_ref(&x),
         &[],
         GradOptions { create_graph: true, ..Default::default() },
     )?;
     let g = g[0].clone().unwrap();
     assert_eq!(g.to_vec::<f64>()?, vec![0.75, 6.75]); // 3x^2
     assert!(x.grad().is_none());
-    let gg = autograd::grad(&[g.sum()?], &[x.clone()], &[], GradOptions::default())?;
+    let gg = autograd::grad(&[g.sum()?], std::slice::from_ref(&x), &[], GradOptions::default())?;
     assert_eq!(gg[0].as_ref().unwrap().to_vec::<f64>()?, vec![3.0, -9.0]); // 6x
     Ok(())
 }
@@ -125,7 +125,7 @@ fn unused_input_is_an_error_unless_allowed() -> tp::Result<()> {
     let x = t64(&[1.0], &[1]);
     let u = t64(&[1.0], &[1]);
     let y = x.mul_scalar(2.0)?.sum()?;
-    assert!(autograd::grad(&[y.clone()], &[u.clone()], &[], GradOptions { retain_graph: Some(true), ..Default::default() }).is_err());
+    assert!(autograd::grad(std::slice::from_ref(&y), std::slice::from_ref(&u), &[], GradOptions { retain_graph: Some(true), ..Default::default() }).is_err());
     let r = autograd::grad(&[y], &[x, u], &[], GradOptions { allow_unused: true, ..Default::default() })?;
     assert!(r[0].is_some() && r[1].is_none());
     Ok(())
@@ -237,9 +237,9 @@ fn gradcheck_catches_a_wrong_backward() -> tp::Result<()> {
         }
     }
     let x = t64(&[0.3, 0.7], &[2]);
-    let r = gradcheck(|xs| apply(WrongSquare, &[&xs[0]]), &[x.clone()], GradcheckOptions::default());
+    let r = gradcheck(|xs| apply(WrongSquare, &[&xs[0]]), std::slice::from_ref(&x), GradcheckOptions::default());
     assert!(r.is_err());
-    gradcheck(|xs| Ok(vec![xs[0].mul(&xs[0])?]), &[x.clone()], GradcheckOptions::default())?;
+    gradcheck(|xs| Ok(vec![xs[0].mul(&xs[0])?]), std::slice::from_ref(&x), GradcheckOptions::default())?;
     gradgradcheck(|xs| Ok(vec![xs[0].mul(&xs[0])?.tanh()?]), &[x], GradcheckOptions::default())?;
     Ok(())
 }

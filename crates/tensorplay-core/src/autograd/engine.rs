@@ -187,19 +187,17 @@ pub fn run_backward(
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
             for (nr, h) in hooks {
-                if let Some(g) = grads.get(nr).and_then(|g| g.as_ref()) {
-                    if let Some(new) = h(g)? {
+                if let Some(g) = grads.get(nr).and_then(|g| g.as_ref())
+                    && let Some(new) = h(g)? {
                         grads[nr] = Some(new);
                     }
-                }
             }
         }
         for (ci, c) in capture.iter().enumerate() {
-            if key(&c.0.node) == k {
-                if let Some(g) = grads.get(c.0.input_nr).and_then(|g| g.clone()) {
+            if key(&c.0.node) == k
+                && let Some(g) = grads.get(c.0.input_nr).and_then(|g| g.clone()) {
                     accumulate(&mut result.captured[ci], g)?;
                 }
-            }
         }
         // with captures, a node runs only when one of its inputs' nodes leads to a capture
         let is_needed = needed.as_ref().is_none_or(|m| {

@@ -99,8 +99,8 @@ where
         if !out.requires_grad() {
             // every numerical derivative must then be zero
             for (ci, &i) in checked.iter().enumerate() {
-                for e in 0..inputs[i].numel() {
-                    for (oe, &n) in numerical[ci][e][o].iter().enumerate() {
+                for (e, per_out) in numerical[ci].iter().enumerate() {
+                    for (oe, &n) in per_out[o].iter().enumerate() {
                         if n.abs() > options.atol {
                             return Err(Error::Autograd(format!(
                                 "gradcheck: output {o} does not require grad, but d out{o}[{oe}] \

@@ -139,7 +139,7 @@ impl Tensor {
         create_graph: bool,
     ) -> Result<()> {
         backward(
-            &[self.clone()],
+            std::slice::from_ref(self),
             &[gradient.cloned()],
             retain_graph,
             create_graph,
@@ -301,13 +301,12 @@ pub fn grad(
             leaf_sink: LeafSink::Discard,
         },
     )?;
-    if !options.allow_unused {
-        if let Some(i) = res.captured.iter().position(|g| g.is_none()) {
+    if !options.allow_unused
+        && let Some(i) = res.captured.iter().position(|g| g.is_none()) {
             return Err(Error::Autograd(format!(
                 "input {i} of autograd::grad was not used in the graph; set allow_unused if \
                  this is intended"
             )));
         }
-    }
     Ok(res.captured)
 }

@@ -30,7 +30,7 @@ impl Function for ToDevice {
                     detail: "from a non-host staging copy".into(),
                 });
             };
-            let range = host.layout().contiguous_range().unwrap_or(0..host.numel());
+            let range = host.layout().contiguous_range().unwrap_or_else(|| 0..host.numel());
             let cpu = slice_cpu(cpu, range);
             match self.to {
                 Device::Cpu => Storage::Cpu(cpu),

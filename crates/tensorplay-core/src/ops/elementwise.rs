@@ -145,6 +145,7 @@ enum BinaryKind {
     Minimum,
 }
 
+#[allow(clippy::eq_op)] // `x != x` is the NaN test for any numeric T
 fn binary_kernel(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     use BinaryKind::*;
     let op = match kind {
@@ -312,7 +313,7 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
             Log => v.ln(),
             Sqrt => v.sqrt(),
             Abs => v.abs(),
-            Relu => if v > T::zero() { v } else if v != v { v } else { T::zero() },
+            Relu => if v > T::zero() || v.is_nan() { v } else { T::zero() },
             Sigmoid => T::one() / (T::one() + (-v).exp()),
             Tanh => v.tanh(),
             Gelu => gelu(v),

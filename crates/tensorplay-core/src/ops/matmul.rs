@@ -26,6 +26,7 @@ pub fn get_num_threads() -> usize {
 
 /// `out[b] = a[b] @ bmat[b]` for row-major batched layouts; `a`: [.., m, k], `b`: [.., k, n],
 /// both already broadcast to the batch shape.
+#[allow(clippy::too_many_arguments)]
 fn bmm_kernel<T: StorageElement + 'static>(
     sa: &[T],
     la: &Layout,

@@ -107,12 +107,12 @@ pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(
                     .into(),
             });
         };
-        let sa = A::slice(c).ok_or(Error::DTypeMismatch {
+        let sa = A::slice(c).ok_or_else(|| Error::DTypeMismatch {
             op,
             lhs: c.dtype(),
             rhs: A::DTYPE,
         })?;
-        let sb = B::slice(c).ok_or(Error::DTypeMismatch {
+        let sb = B::slice(c).ok_or_else(|| Error::DTypeMismatch {
             op,
             lhs: c.dtype(),
             rhs: B::DTYPE,

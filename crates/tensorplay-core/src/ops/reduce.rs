@@ -80,10 +80,8 @@ pub(crate) fn reduce_kernel<T: StorageElement, R: StorageElement>(
 fn sum_values<T: StorageElement + std::ops::Add<Output = T>>(it: &mut dyn Iterator<Item = T>) -> T {
     // eight interleaved partial sums: fewer rounding steps than one running sum
     let mut acc = [T::default(); 8];
-    let mut i = 0usize;
-    for v in it {
+    for (i, v) in it.enumerate() {
         acc[i & 7] = acc[i & 7] + v;
-        i += 1;
     }
     let a = (acc[0] + acc[4]) + (acc[1] + acc[5]);
     let b = (acc[2] + acc[6]) + (acc[3] + acc[7]);
@@ -164,9 +162,7 @@ impl Tensor {
         let lead = nd - shape.len();
         let mut dims = Vec::new();
         for i in 0..nd {
-            if i < lead {
-                dims.push(i as isize);
-            } else if shape[i - lead] == 1 && self.shape()[i] != 1 {
+            if i < lead || (shape[i - lead] == 1 && self.shape()[i] != 1) {
                 dims.push(i as isize);
             } else if shape[i - lead] != self.shape()[i] {
                 return Err(Error::ShapeMismatch { op: "sum_to_size", lhs: self.shape().to_vec(), rhs: shape.to_vec() });

@@ -24,7 +24,7 @@ fn resolve_shape(numel: usize, shape: &[isize], op: &'static str) -> Result<Vec<
     }
     let mut out: Vec<usize> = shape.iter().map(|&s| s.max(0) as usize).collect();
     if let Some(i) = infer {
-        if known == 0 || numel % known != 0 {
+        if known == 0 || !numel.is_multiple_of(known) {
             return Err(Error::invalid(
                 op,
                 "shape",
