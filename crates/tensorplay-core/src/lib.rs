@@ -37,6 +37,7 @@ pub use error::{Error, Result};
 pub use layout::{Layout, broadcast_shapes, contiguous_strides, normalize_dim};
 pub use ops::creation::{TensorOptions, arange, full, ones, rand, randint, randn, zeros};
 pub use ops::matmul::{get_num_threads, set_num_threads};
+pub use ops::shape::{cat, stack};
 pub use ops::view::ShapeArg;
 pub use random::manual_seed;
 pub use storage::{CpuStorage, Storage, StorageElement};

@@ -2,11 +2,15 @@
 //! public entry points are methods on [`Tensor`](crate::Tensor) and free functions re-exported
 //! at the crate root.
 
+pub(crate) mod activation;
 pub(crate) mod creation;
 pub(crate) mod device;
 pub(crate) mod elementwise;
+pub(crate) mod index;
 pub(crate) mod matmul;
+pub(crate) mod minmax;
 pub(crate) mod reduce;
+pub(crate) mod shape;
 pub(crate) mod view;
 
 use crate::storage::StorageElement;
