@@ -299,6 +299,7 @@ enum UnaryKind {
     Erf,
     AddScalar(f64),
     MulScalar(f64),
+    DivScalar(f64),
     PowScalar(f64),
 }
 
@@ -345,6 +346,10 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
                 let s = c(s);
                 unary_map::<T, T>(x, op, |v| v * s)
             }
+            DivScalar(s) => {
+                let s = c(s);
+                unary_map::<T, T>(x, op, |v| v / s)
+            }
             PowScalar(2.0) => unary_map::<T, T>(x, op, |v| v * v),
             PowScalar(1.0) => unary_map::<T, T>(x, op, |v| v),
             PowScalar(p) => {
@@ -371,6 +376,7 @@ impl Function for Unary {
             UnaryKind::Erf => "ErfBackward",
             UnaryKind::AddScalar(_) => "AddBackward",
             UnaryKind::MulScalar(_) => "MulBackward",
+            UnaryKind::DivScalar(_) => "DivBackward",
             UnaryKind::PowScalar(_) => "PowBackward",
         }
     }
@@ -381,7 +387,10 @@ impl Function for Unary {
             UnaryKind::Exp | UnaryKind::Sqrt | UnaryKind::Sigmoid | UnaryKind::Tanh => {
                 ctx.save_for_backward(&[&y])
             }
-            UnaryKind::Neg | UnaryKind::AddScalar(_) | UnaryKind::MulScalar(_) => {}
+            UnaryKind::Neg
+            | UnaryKind::AddScalar(_)
+            | UnaryKind::MulScalar(_)
+            | UnaryKind::DivScalar(_) => {}
             _ => ctx.save_for_backward(&[x]),
         }
         Ok(vec![y])
@@ -394,6 +403,7 @@ impl Function for Unary {
             Neg => g.neg()?,
             AddScalar(_) => g.clone(),
             MulScalar(c) => g.mul_scalar(c)?,
+            DivScalar(c) => g.div_scalar(c)?,
             Exp => g.mul(&saved()?)?,
             Log => g.div(&saved()?)?,
             Sqrt => g.div(&saved()?.mul_scalar(2.0)?)?,
@@ -474,6 +484,12 @@ fn threshold_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
 }
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
+    // integer tensors with a fractional scalar promote to float32, as in PyTorch
+    if let UnaryKind::AddScalar(c) | UnaryKind::MulScalar(c) | UnaryKind::DivScalar(c) = kind {
+        if !x.dtype().is_float() && (c.fract() != 0.0 || matches!(kind, UnaryKind::DivScalar(_))) {
+            return unary(kind, &x.to_dtype(DType::F32)?);
+        }
+    }
     Ok(apply(Unary(kind), &[x])?.remove(0))
 }
 
@@ -613,7 +629,7 @@ impl Tensor {
     }
     /// `self / value`.
     pub fn div_scalar(&self, value: f64) -> Result<Tensor> {
-        unary(UnaryKind::MulScalar(1.0 / value), self)
+        unary(UnaryKind::DivScalar(value), self)
     }
     /// `self ** exponent` (float only).
     pub fn pow_scalar(&self, exponent: f64) -> Result<Tensor> {
