@@ -27,6 +27,7 @@ pub use tensorplay_core::{
     arange, autograd, cuda, full, get_num_threads, manual_seed, no_grad, ones, rand, randint,
     randn, random, set_grad_enabled, set_num_threads, zeros,
 };
+pub use tensorplay_core::{nn, optim};
 
 /// The error of every tensorplay layer.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -19,7 +19,11 @@ pub fn set_num_threads(n: usize) {
 /// The number of threads CPU kernels may use.
 pub fn get_num_threads() -> usize {
     match NUM_THREADS.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        // available_parallelism reads cgroup files on Linux (dozens of syscalls), so ask once
+        0 => {
+            static AVAILABLE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+            *AVAILABLE.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        }
         n => n,
     }
 }

@@ -1,0 +1,148 @@
+//! Stateless forms of the layers and losses (`torch.nn.functional`).
+
+use super::layers::EmbeddingFn;
+use super::loss::CrossEntropyFn;
+use crate::autograd::apply;
+use crate::random::default_generator;
+use crate::{Error, Result, Tensor};
+
+/// `input @ weight^T + bias` (`F.linear`): `input` `[.., in]`, `weight` `[out, in]`, `bias`
+/// `[out]`, result `[.., out]`. The transpose is a view (no copy) and the bias is added by
+/// broadcasting.
+///
+/// Errors: [`Error::ShapeMismatch`] when `input`'s last dimension is not `in` or the bias is
+/// not `[out]`; [`Error::DTypeMismatch`] when dtypes differ.
+pub fn linear(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if weight.ndim() != 2 {
+        return Err(Error::invalid(
+            "linear",
+            "weight",
+            "a 2-d tensor [out_features, in_features]",
+            format!("shape {:?}", weight.shape()),
+        ));
+    }
+    if input.ndim() == 0 || input.shape()[input.ndim() - 1] != weight.shape()[1] {
+        return Err(Error::ShapeMismatch {
+            op: "linear",
+            lhs: input.shape().to_vec(),
+            rhs: weight.shape().to_vec(),
+        });
+    }
+    if input.dtype() != weight.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: "linear",
+            lhs: input.dtype(),
+            rhs: weight.dtype(),
+        });
+    }
+    let y = input.matmul(&weight.t()?)?;
+    match bias {
+        Some(b) => {
+            if b.shape() != [weight.shape()[0]] {
+                return Err(Error::ShapeMismatch {
+                    op: "linear (bias)",
+                    lhs: vec![weight.shape()[0]],
+                    rhs: b.shape().to_vec(),
+                });
+            }
+            y.add(b)
+        }
+        None => Ok(y),
+    }
+}
+
+/// `max(x, 0)` elementwise (`F.relu`).
+pub fn relu(input: &Tensor) -> Result<Tensor> {
+    input.relu()
+}
+
+/// Hyperbolic tangent elementwise (`F.tanh`).
+pub fn tanh(input: &Tensor) -> Result<Tensor> {
+    input.tanh()
+}
+
+pub(crate) fn check_dropout_p(p: f64) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::invalid("dropout", "p", "a probability in [0, 1)", p));
+    }
+    Ok(())
+}
+
+/// Dropout (`F.dropout(input, p, training)`): when `training`, each element is zeroed with
+/// probability `p` (one uniform draw per element from the default generator, kept when the
+/// draw is `>= p`) and the kept ones are scaled by `1 / (1 - p)`; otherwise, or when `p == 0`,
+/// the input is returned as it is. Differentiable (the mask is a constant). Float input only;
+/// errors when `p` is outside `[0, 1)`.
+pub fn dropout(input: &Tensor, p: f64, training: bool) -> Result<Tensor> {
+    check_dropout_p(p)?;
+    if !training || p == 0.0 || input.numel() == 0 {
+        return Ok(input.clone());
+    }
+    if !input.dtype().is_float() {
+        return Err(Error::UnsupportedDType {
+            op: "dropout",
+            dtype: input.dtype(),
+            expected: "float32 or float64",
+        });
+    }
+    let scale = 1.0 / (1.0 - p);
+    let mask: Vec<f64> = {
+        let mut g = default_generator();
+        (0..input.numel())
+            .map(|_| if g.uniform() >= p { scale } else { 0.0 })
+            .collect()
+    };
+    let mask = Tensor::from_vec(mask, input.shape())?
+        .to_dtype(input.dtype())?
+        .to_device(input.device())?;
+    input.mul(&mask)
+}
+
+/// Mean squared error `mean((input - target)^2)` (`F.mse_loss`, `reduction='mean'`), a 0-d
+/// tensor. Unlike PyTorch, which broadcasts with a warning, the shapes must be equal
+/// ([`Error::ShapeMismatch`] otherwise).
+pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if input.shape() != target.shape() {
+        return Err(Error::ShapeMismatch {
+            op: "mse_loss",
+            lhs: input.shape().to_vec(),
+            rhs: target.shape().to_vec(),
+        });
+    }
+    let d = input.sub(target)?;
+    d.mul(&d)?.mean()
+}
+
+/// Cross-entropy of logits against class indices, mean over the batch
+/// (`F.cross_entropy(input, target)` with the defaults): `input` `[N, C]` float, `target` `[N]`
+/// int64 in `0..C`; returns the 0-d mean of `logsumexp(input[i]) - input[i, target[i]]`.
+///
+/// One fused operation: the forward computes a numerically stable log-sum-exp per row (the
+/// row maximum is subtracted first); the backward is `(softmax(input) - onehot(target)) / N *
+/// grad`. Under `create_graph` that backward is built from differentiable tensor operations, so
+/// second derivatives work; otherwise it is one pass over the softmax saved by the forward.
+///
+/// Errors: [`Error::IndexOutOfBounds`] for a class index outside `0..C` (the error names `C`),
+/// [`Error::ShapeMismatch`] when `target` is not `[N]`, [`Error::UnsupportedDType`] for a
+/// non-float input or non-int64 target, [`Error::InvalidArgument`] for a non-2-d input.
+pub fn cross_entropy(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    Ok(apply(CrossEntropyFn, &[input, target])?.remove(0))
+}
+
+/// Rows of `weight` (`[num, dim]`) picked by the int64 `indices` (any shape), giving
+/// `[.., dim]` (`F.embedding`). The backward scatter-adds the output gradient into a zero
+/// `[num, dim]` gradient (repeated indices accumulate).
+///
+/// Errors: [`Error::IndexOutOfBounds`] for an index outside `0..num`;
+/// [`Error::UnsupportedDType`] for non-int64 indices or a non-float table.
+pub fn embedding(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    if weight.ndim() != 2 {
+        return Err(Error::invalid(
+            "embedding",
+            "weight",
+            "a 2-d tensor [num_embeddings, embedding_dim]",
+            format!("shape {:?}", weight.shape()),
+        ));
+    }
+    Ok(apply(EmbeddingFn, &[weight, indices])?.remove(0))
+}

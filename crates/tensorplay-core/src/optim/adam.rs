@@ -1,0 +1,289 @@
+//! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`).
+
+use super::{
+    Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, state, update_param,
+};
+use crate::ops::float_dispatch;
+use crate::{Error, Result, Tensor};
+
+/// Hyperparameters of [`Adam`], defaulting to PyTorch's: `lr = 1e-3`, `betas = (0.9, 0.999)`,
+/// `eps = 1e-8`, `weight_decay = 0`, `amsgrad = false`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamOptions {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay rates of the first and second moment estimates, each in `[0, 1)`.
+    pub betas: (f64, f64),
+    /// Added to the denominator for numerical stability.
+    pub eps: f64,
+    /// L2 penalty added to the gradient (`grad + weight_decay * param`).
+    pub weight_decay: f64,
+    /// Use the maximum of past second moments (AMSGrad).
+    pub amsgrad: bool,
+}
+
+impl Default for AdamOptions {
+    fn default() -> Self {
+        AdamOptions {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            amsgrad: false,
+        }
+    }
+}
+
+/// Hyperparameters of [`AdamW`], defaulting to PyTorch's: as [`AdamOptions`] but
+/// `weight_decay = 0.01`, applied decoupled from the gradient.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWOptions {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay rates of the first and second moment estimates, each in `[0, 1)`.
+    pub betas: (f64, f64),
+    /// Added to the denominator for numerical stability.
+    pub eps: f64,
+    /// Decoupled weight decay: `param *= 1 - lr * weight_decay` before the Adam step.
+    pub weight_decay: f64,
+    /// Use the maximum of past second moments (AMSGrad).
+    pub amsgrad: bool,
+}
+
+impl Default for AdamWOptions {
+    fn default() -> Self {
+        AdamWOptions {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-2,
+            amsgrad: false,
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct AdamState {
+    step: u64,
+    exp_avg: Option<Buf>,
+    exp_avg_sq: Option<Buf>,
+    max_exp_avg_sq: Option<Buf>,
+}
+
+/// The shared implementation: `decoupled` selects AdamW's weight decay.
+#[derive(Debug)]
+struct AdamCore {
+    params: Vec<Tensor>,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    amsgrad: bool,
+    decoupled: bool,
+    states: Vec<AdamState>,
+}
+
+impl AdamCore {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        op: &'static str,
+        params: Vec<Tensor>,
+        lr: f64,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+        decoupled: bool,
+    ) -> Result<AdamCore> {
+        check_lr(op, lr)?;
+        check_nonneg(op, "eps", eps)?;
+        check_nonneg(op, "weight_decay", weight_decay)?;
+        for (i, b) in [betas.0, betas.1].into_iter().enumerate() {
+            if !(0.0..1.0).contains(&b) {
+                return Err(Error::invalid(
+                    op,
+                    "betas",
+                    "betas in [0, 1)",
+                    format!("beta{} = {b}", i + 1),
+                ));
+            }
+        }
+        check_params(op, &params)?;
+        let n = params.len();
+        Ok(AdamCore {
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            decoupled,
+            states: vec![AdamState::default(); n],
+        })
+    }
+
+    fn step_with_grads(&mut self, op: &'static str, grads: &[Option<Tensor>]) -> Result<()> {
+        check_grads(op, &self.params, grads)?;
+        for (i, g) in grads.iter().enumerate() {
+            let Some(g) = g else { continue };
+            let p = self.params[i].clone();
+            float_dispatch!(p.dtype(), op, T => self.update::<T>(op, i, &p, g)?);
+        }
+        Ok(())
+    }
+
+    fn update<T: OptElem>(
+        &mut self,
+        op: &'static str,
+        i: usize,
+        p: &Tensor,
+        g: &Tensor,
+    ) -> Result<()> {
+        let n = p.numel();
+        let st = &mut self.states[i];
+        st.step += 1;
+        let (b1, b2) = self.betas;
+        let bias_c1 = 1.0 - b1.powi(st.step.min(i32::MAX as u64) as i32);
+        let bias_c2 = 1.0 - b2.powi(st.step.min(i32::MAX as u64) as i32);
+        let step_size = T::c(self.lr / bias_c1);
+        let bias_c2_sqrt = T::c(bias_c2.sqrt());
+        let (tb1, tb2) = (T::c(b1), T::c(b2));
+        let (one_b1, one_b2) = (T::c(1.0 - b1), T::c(1.0 - b2));
+        let eps = T::c(self.eps);
+        let wd = T::c(self.weight_decay);
+        let use_wd = self.weight_decay != 0.0;
+        let decay = T::c(1.0 - self.lr * self.weight_decay);
+        let decoupled = self.decoupled;
+        let m = std::mem::take(&mut st.exp_avg);
+        let v = std::mem::take(&mut st.exp_avg_sq);
+        let vmax = std::mem::take(&mut st.max_exp_avg_sq);
+        let (mut m, mut v, mut vmax) = (m, v, vmax);
+        {
+            let mv = state::<T>(&mut m, n, || vec![T::default(); n])?;
+            let vv = state::<T>(&mut v, n, || vec![T::default(); n])?;
+            let mut vmax_v = if self.amsgrad {
+                Some(state::<T>(&mut vmax, n, || vec![T::default(); n])?)
+            } else {
+                None
+            };
+            update_param::<T>(op, p, g, |ps, gs| {
+                for (j, (x, &gr)) in ps.iter_mut().zip(gs).enumerate() {
+                    let mut gr = gr;
+                    if use_wd {
+                        if decoupled {
+                            *x = *x * decay;
+                        } else {
+                            gr = gr + wd * *x;
+                        }
+                    }
+                    let mj = tb1 * mv[j] + one_b1 * gr;
+                    let vj = tb2 * vv[j] + one_b2 * gr * gr;
+                    mv[j] = mj;
+                    vv[j] = vj;
+                    let vd = match vmax_v.as_deref_mut() {
+                        Some(vm) => {
+                            let mx = if vm[j] > vj { vm[j] } else { vj };
+                            vm[j] = mx;
+                            mx
+                        }
+                        None => vj,
+                    };
+                    let denom = vd.sqrt() / bias_c2_sqrt + eps;
+                    *x = *x - step_size * (mj / denom);
+                }
+            })?;
+        }
+        let st = &mut self.states[i];
+        st.exp_avg = m;
+        st.exp_avg_sq = v;
+        st.max_exp_avg_sq = vmax;
+        Ok(())
+    }
+}
+
+/// Adam (`torch.optim.Adam`) with PyTorch's update, per parameter at step `t`:
+///
+/// ```text
+/// g = g + weight_decay * p
+/// m = beta1 * m + (1 - beta1) * g
+/// v = beta2 * v + (1 - beta2) * g^2
+/// vmax = max(vmax, v)                                  (amsgrad; then v = vmax below)
+/// step_size = lr / (1 - beta1^t)
+/// denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+/// p = p - step_size * m / denom
+/// ```
+#[derive(Debug)]
+pub struct Adam(AdamCore);
+
+impl Adam {
+    /// An optimizer over `params`. Errors ([`Error::InvalidArgument`]) on a negative or
+    /// non-finite `lr`, `eps` or `weight_decay`, betas outside `[0, 1)`, and non-float
+    /// parameters; [`Error::NotSupported`] for parameters on CUDA.
+    pub fn new(params: Vec<Tensor>, o: AdamOptions) -> Result<Adam> {
+        Ok(Adam(AdamCore::new(
+            "Adam",
+            params,
+            o.lr,
+            o.betas,
+            o.eps,
+            o.weight_decay,
+            o.amsgrad,
+            false,
+        )?))
+    }
+}
+
+impl Optimizer for Adam {
+    fn step_with_grads(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
+        self.0.step_with_grads("Adam.step", grads)
+    }
+    fn params(&self) -> &[Tensor] {
+        &self.0.params
+    }
+    fn lr(&self) -> f64 {
+        self.0.lr
+    }
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        check_lr("Adam.set_lr", lr)?;
+        self.0.lr = lr;
+        Ok(())
+    }
+}
+
+/// AdamW (`torch.optim.AdamW`): Adam with decoupled weight decay, `p = p * (1 - lr *
+/// weight_decay)` before the Adam update (which then runs without the L2 term).
+#[derive(Debug)]
+pub struct AdamW(AdamCore);
+
+impl AdamW {
+    /// An optimizer over `params`; errors as [`Adam::new`].
+    pub fn new(params: Vec<Tensor>, o: AdamWOptions) -> Result<AdamW> {
+        Ok(AdamW(AdamCore::new(
+            "AdamW",
+            params,
+            o.lr,
+            o.betas,
+            o.eps,
+            o.weight_decay,
+            o.amsgrad,
+            true,
+        )?))
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step_with_grads(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
+        self.0.step_with_grads("AdamW.step", grads)
+    }
+    fn params(&self) -> &[Tensor] {
+        &self.0.params
+    }
+    fn lr(&self) -> f64 {
+        self.0.lr
+    }
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        check_lr("AdamW.set_lr", lr)?;
+        self.0.lr = lr;
+        Ok(())
+    }
+}
