@@ -485,10 +485,11 @@ fn threshold_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     // integer tensors with a fractional scalar promote to float32, as in PyTorch
-    if let UnaryKind::AddScalar(c) | UnaryKind::MulScalar(c) | UnaryKind::DivScalar(c) = kind {
-        if !x.dtype().is_float() && (c.fract() != 0.0 || matches!(kind, UnaryKind::DivScalar(_))) {
-            return unary(kind, &x.to_dtype(DType::F32)?);
-        }
+    if let UnaryKind::AddScalar(c) | UnaryKind::MulScalar(c) | UnaryKind::DivScalar(c) = kind
+        && !x.dtype().is_float()
+        && (c.fract() != 0.0 || matches!(kind, UnaryKind::DivScalar(_)))
+    {
+        return unary(kind, &x.to_dtype(DType::F32)?);
     }
     Ok(apply(Unary(kind), &[x])?.remove(0))
 }
