@@ -9,45 +9,33 @@
 
 use std::time::Instant;
 
-use tensorplay_core::{self as tp, Tensor};
+use tensorplay_core::nn::{self, Module};
+use tensorplay_core::optim::{Optimizer, SGD, SgdOptions};
+use tensorplay_core::{self as tp};
 
 fn mlp_step_us() -> tp::Result<f64> {
     tp::manual_seed(0);
-    let init = |o: usize, i: usize| -> tp::Result<(Tensor, Tensor)> {
-        let b = 1.0 / (i as f64).sqrt();
-        let w = tp::rand(&[o, i])?
-            .mul_scalar(2.0 * b)?
-            .sub_scalar(b)?
-            .requires_grad_(true);
-        let bias = tp::rand(&[o])?
-            .mul_scalar(2.0 * b)?
-            .sub_scalar(b)?
-            .requires_grad_(true);
-        Ok((w, bias))
-    };
-    let layers = [init(64, 11)?, init(64, 64)?, init(10, 64)?];
+    let model = nn::Sequential::new()
+        .add(nn::Linear::new(11, 64, true)?)
+        .add(nn::ReLU::new())
+        .add(nn::Linear::new(64, 64, true)?)
+        .add(nn::ReLU::new())
+        .add(nn::Linear::new(64, 10, true)?);
+    let mut opt = SGD::new(
+        model.parameters(),
+        SgdOptions {
+            lr: 0.01,
+            ..Default::default()
+        },
+    )?;
+    let loss_fn = nn::CrossEntropyLoss::new();
     let x = tp::randn(&[64, 11])?;
-    let y = tp::randn(&[64, 10])?;
-    let step = || -> tp::Result<()> {
-        for (w, b) in &layers {
-            w.set_grad(None);
-            b.set_grad(None);
-        }
-        let mut h = x.clone();
-        for (i, (w, b)) in layers.iter().enumerate() {
-            h = h.matmul(&w.t()?)?.add(b)?;
-            if i < 2 {
-                h = h.relu()?;
-            }
-        }
-        let loss = h.sub(&y)?.pow_scalar(2.0)?.mean()?;
+    let y = tp::randint(0, 10, &[64])?;
+    let mut step = || -> tp::Result<()> {
+        opt.zero_grad()?;
+        let loss = loss_fn.forward(&model.call(&x)?, &y)?;
         loss.backward()?;
-        let _g = tp::no_grad();
-        for (w, b) in &layers {
-            w.sub_(&w.grad().unwrap().mul_scalar(0.01)?)?;
-            b.sub_(&b.grad().unwrap().mul_scalar(0.01)?)?;
-        }
-        Ok(())
+        opt.step()
     };
     for _ in 0..200 {
         step()?;

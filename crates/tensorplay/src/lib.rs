@@ -40,3 +40,8 @@ pub enum Error {
 
 /// `Result` with the facade's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The README's examples, compiled and run as doc tests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
