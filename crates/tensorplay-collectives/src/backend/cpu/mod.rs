@@ -1,0 +1,1 @@
+//! The `"cpu"` backend: host tensors over TCP between processes. (Being written.)

@@ -1,0 +1,1 @@
+//! The TCP store (`TCPStore`): a server thread and clients. (Being written.)
