@@ -1,5 +1,9 @@
 //! `cargo xtask <command>`: project automation.
 //!
+//! - `test-multigpu`: runs the multi-rank test scenarios, one process per rank: with `nccl` on
+//!   every GPU count up to the number of GPUs when there are GPUs, and with the `cpu` backend at
+//!   world sizes 2 to 4 always. Ends with `N passed, M failed`.
+//! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's.
 //! - `bench-core`: runs the core benchmark (`cargo bench -p tensorplay-core --bench core_step`)
 //!   and PyTorch's anchor script `torch_core_step.py` in one run on this machine, and prints
 //!   both with the ratios (ours / PyTorch's time; ours / PyTorch's GFLOP/s).
@@ -18,6 +22,23 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Multi-rank test scenarios (real processes over 127.0.0.1; NCCL where GPUs exist).
+    TestMultigpu,
+    /// Collective bandwidth (2 ranks, 4 KiB to 64 MiB) next to PyTorch gloo's.
+    BenchCollectives {
+        /// Folder holding the PyTorch anchor scripts.
+        #[arg(long, default_value = "../shared/anchors")]
+        anchors: PathBuf,
+        /// Python interpreter with PyTorch installed.
+        #[arg(long, env = "ANCHOR_PYTHON", default_value = "/tmp/tensorplay-anchor-venv/bin/python")]
+        python: PathBuf,
+        /// Number of ranks.
+        #[arg(long, default_value_t = 2)]
+        world: usize,
+        /// Largest size in MiB.
+        #[arg(long, default_value_t = 64)]
+        max_mib: usize,
+    },
     /// Core benchmark side by side with PyTorch (MLP training step, f32 matmul GFLOP/s).
     BenchCore {
         /// Folder holding the PyTorch anchor scripts.
@@ -176,9 +197,115 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
     Ok(())
 }
 
+/// Number of NVIDIA GPUs (`nvidia-smi -L`), 0 when there is no driver.
+fn gpu_count() -> usize {
+    Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or(0, |o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count())
+}
+
+const CPU_SCENARIOS: &[&str] = &[
+    "world_size_1_is_identity",
+    "world_size_2",
+    "world_size_3",
+    "world_size_4_with_subgroups",
+    "mismatched_shapes_are_an_error_on_every_rank",
+    "bad_arguments_are_clear_errors",
+    "a_dead_rank_is_reported_not_a_hang",
+    "a_rank_that_never_joins_times_out",
+];
+
+fn test_multigpu() -> Result<(), String> {
+    run_capture(Command::new("cargo").args(["test", "-p", "tensorplay-collectives", "--test", "multiprocess", "--no-run"]))?;
+    let mut scenarios: Vec<(String, Vec<(String, String)>)> = CPU_SCENARIOS.iter().map(|s| (s.to_string(), vec![])).collect();
+    let gpus = gpu_count();
+    for n in 1..=gpus {
+        scenarios.push(("nccl_world".to_string(), vec![("TENSORPLAY_TEST_NCCL_WORLD".into(), n.to_string())]));
+    }
+    if gpus == 0 {
+        println!("no GPU found: running the cpu-backend scenarios only");
+    }
+    let (mut passed, mut failed) = (0, 0);
+    for (name, env) in &scenarios {
+        let label = if env.is_empty() { name.clone() } else { format!("{name} {}", env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")) };
+        let out = Command::new("cargo")
+            .args(["test", "-q", "-p", "tensorplay-collectives", "--test", "multiprocess", "--", "--exact", name])
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .output()
+            .map_err(|e| format!("could not run cargo: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if out.status.success() && text.contains("1 passed") {
+            passed += 1;
+            println!("ok     {label}");
+        } else {
+            failed += 1;
+            println!("FAILED {label}\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 {
+        return Err(format!("{failed} scenario(s) failed"));
+    }
+    Ok(())
+}
+
+/// Parses `<prefix> <name> <bytes> B <us> us algbw <x> GB/s busbw <y> GB/s` into
+/// ((name, bytes), (us, busbw)).
+fn parse_coll(text: &str) -> Vec<((String, u64), (f64, f64))> {
+    text.lines()
+        .filter_map(|l| {
+            let t: Vec<&str> = l.split_whitespace().collect();
+            if t.len() < 12 || t[3] != "B" || t[5] != "us" {
+                return None;
+            }
+            Some(((t[1].to_string(), t[2].parse().ok()?), (t[4].parse().ok()?, t[10].parse().ok()?)))
+        })
+        .collect()
+}
+
+fn bench_collectives(anchors: &Path, python: &Path, world: usize, max_mib: usize) -> Result<(), String> {
+    run_capture(Command::new("cargo").args(["build", "--release", "-q", "-p", "tensorplay-collectives", "--example", "bench_collectives"]))?;
+    eprintln!("running tensorplay (cpu backend)");
+    let ours = run_capture(
+        Command::new("cargo")
+            .args(["run", "--release", "-q", "-p", "tensorplay-collectives", "--example", "bench_collectives", "--"])
+            .arg(world.to_string())
+            .arg(max_mib.to_string()),
+    )?;
+    print!("{ours}");
+    let script = anchors.join("torch_gloo_collectives.py");
+    let theirs = if script.exists() && python.exists() {
+        eprintln!("running PyTorch gloo");
+        let t = run_capture(Command::new(python).arg(&script).arg(world.to_string()).arg(max_mib.to_string()))?;
+        print!("{t}");
+        parse_coll(&t)
+    } else {
+        eprintln!("note: PyTorch anchor not found ({}); tensorplay only", python.display());
+        vec![]
+    };
+    println!();
+    println!("{:<15} {:>10}  {:>10} {:>10} {:>7}  {:>9} {:>9} {:>7}", "collective", "bytes", "us", "gloo us", "t ratio", "busbw", "gloo", "bw x");
+    for ((name, bytes), (us, bw)) in parse_coll(&ours) {
+        match theirs.iter().find(|(k, _)| k.0 == name && k.1 == bytes) {
+            Some((_, (tus, tbw))) => println!(
+                "{name:<15} {bytes:>10}  {us:>10.1} {tus:>10.1} {:>7.2}  {bw:>9.3} {tbw:>9.3} {:>7.2}",
+                us / tus,
+                if *tbw > 0.0 { bw / tbw } else { f64::NAN }
+            ),
+            None => println!("{name:<15} {bytes:>10}  {us:>10.1} {:>10} {:>7}  {bw:>9.3}", "-", "-"),
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
+        Cmd::TestMultigpu => test_multigpu(),
+        Cmd::BenchCollectives { anchors, python, world, max_mib } => bench_collectives(&anchors, &python, world, max_mib),
         Cmd::BenchCore {
             anchors,
             python,

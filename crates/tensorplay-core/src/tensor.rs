@@ -231,6 +231,57 @@ impl Tensor {
         }
     }
 
+    /// Low-level access for communication layers: runs `f` on the host elements as stored
+    /// (`f` receives the whole storage slice and this view's [`Layout`]; the view's elements
+    /// are at `layout.for_each_offset`). Errors with `UnsupportedDType` when `T` is not the
+    /// dtype and `NotSupported` for CUDA tensors. Holds a read lock on the storage while `f`
+    /// runs; does not record autograd history.
+    pub fn with_cpu_data<T: StorageElement, R>(&self, f: impl FnOnce(&[T], &Layout) -> R) -> Result<R> {
+        self.with_slice("with_cpu_data", f)
+    }
+
+    /// Like [`Tensor::with_cpu_data`] with mutable elements, for in-place collectives. Holds
+    /// the storage's write lock while `f` runs and bumps the version counter, so tensors saved
+    /// for backward notice the write. `f` must only write inside this view's elements.
+    pub fn with_cpu_data_mut<T: StorageElement, R>(
+        &self,
+        f: impl FnOnce(&mut [T], &Layout) -> R,
+    ) -> Result<R> {
+        self.with_slice_mut("with_cpu_data_mut", f)
+    }
+
+    /// Low-level access to the storage of any device (the NCCL backend's entry point):
+    /// runs `f` with the storage and this view's layout under the storage's read lock.
+    pub fn with_storage<R>(&self, f: impl FnOnce(&Storage, &Layout) -> R) -> R {
+        let g = self.0.storage.read();
+        f(&g, &self.0.layout)
+    }
+
+    /// Like [`Tensor::with_storage`] with the write lock; bumps the version counter.
+    pub fn with_storage_mut<R>(&self, f: impl FnOnce(&mut Storage, &Layout) -> R) -> R {
+        let mut g = self.0.storage.write();
+        f(&mut g, &self.0.layout)
+    }
+
+    /// A contiguous tensor over the given storage (all of it, row-major with `shape`); errors
+    /// when the storage's length is not the product of `shape`.
+    pub fn from_storage_checked(storage: Storage, shape: &[usize]) -> Result<Tensor> {
+        let len = match &storage {
+            Storage::Cpu(c) => c.len(),
+            Storage::Cuda(c) => c.len(),
+        };
+        let n: usize = shape.iter().product();
+        if n != len {
+            return Err(Error::invalid(
+                "from_storage",
+                "shape",
+                format!("a shape with {len} elements"),
+                format!("{shape:?}"),
+            ));
+        }
+        Ok(Tensor::from_storage(storage, shape))
+    }
+
     /// The elements in row-major order as a `Vec<T>`; errors when `T` is not the dtype.
     /// CUDA tensors are copied to the host first.
     pub fn to_vec<T: StorageElement>(&self) -> Result<Vec<T>> {

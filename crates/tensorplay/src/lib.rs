@@ -29,6 +29,33 @@ pub use tensorplay_core::{
 };
 pub use tensorplay_core::{nn, optim};
 
+/// `torch.distributed`: process groups, stores, collectives, `spawn`.
+///
+/// ```no_run
+/// use tensorplay as tp;
+/// use tp::distributed as dist;
+///
+/// fn main() -> tp::Result<()> {
+///     // env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (spawn and tensorplay-run set them)
+///     dist::init_process_group("cpu", Default::default())?;
+///     let x = tp::ones(&[4])?;
+///     dist::all_reduce(&x, dist::ReduceOp::Sum, None)?;
+///     dist::destroy_process_group()?;
+///     Ok(())
+/// }
+/// ```
+pub mod distributed {
+    pub use tensorplay_collectives::{
+        DEFAULT_TIMEOUT, Error, InitOptions, ProcessGroup, ReduceOp, Work, all_gather,
+        all_gather_into_tensor, all_gather_into_tensor_async, all_reduce, all_reduce_async,
+        all_to_all, all_to_all_single, all_to_all_single_async, backend, barrier, broadcast,
+        broadcast_async, default_group, destroy_process_group, gather, get_rank, get_world_size,
+        init_process_group, irecv, is_initialized, isend, new_group, recv, reduce,
+        reduce_scatter, reduce_scatter_tensor, reduce_scatter_tensor_async, rendezvous, scatter,
+        send, spawn, store, world_store,
+    };
+}
+
 /// The error of every tensorplay layer.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
@@ -36,6 +63,18 @@ pub enum Error {
     /// From the tensor/autograd core.
     #[error(transparent)]
     Core(#[from] tensorplay_core::Error),
+    /// From process groups, stores and collectives.
+    #[error(transparent)]
+    Distributed(tensorplay_collectives::Error),
+}
+
+impl From<tensorplay_collectives::Error> for Error {
+    fn from(e: tensorplay_collectives::Error) -> Self {
+        match e {
+            tensorplay_collectives::Error::Core(c) => Error::Core(c),
+            other => Error::Distributed(other),
+        }
+    }
 }
 
 /// `Result` with the facade's [`Error`].

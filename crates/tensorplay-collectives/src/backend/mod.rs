@@ -3,6 +3,7 @@
 //! strided tensors and global/group rank translation, and call into it.
 
 pub mod cpu;
+pub mod nccl;
 
 use std::time::Duration;
 

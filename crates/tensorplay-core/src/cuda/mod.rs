@@ -24,11 +24,16 @@ pub struct CudaStorage {
     stream: Arc<CudaStream>,
 }
 
+/// The typed device buffer inside a [`CudaStorage`].
 #[derive(Debug)]
-enum CudaData {
+pub enum CudaData {
+    /// float32 elements.
     F32(CudaSlice<f32>),
+    /// float64 elements.
     F64(CudaSlice<f64>),
+    /// int64 elements.
     I64(CudaSlice<i64>),
+    /// bool elements.
     Bool(CudaSlice<bool>),
 }
 
@@ -59,8 +64,9 @@ pub fn is_available() -> bool {
     device_count() > 0
 }
 
-/// The context of device `ordinal` (cached), or a clear error naming what is missing.
-pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+/// The context of device `ordinal` (cached, shared by every tensor on that device), or a
+/// clear [`Error::CudaUnavailable`] naming what is missing.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     if !is_driver_present() {
         return Err(Error::CudaUnavailable {
             reason: "the CUDA driver library (libcuda.so) was not found; install the NVIDIA \
@@ -163,6 +169,16 @@ impl CudaStorage {
     /// Whether there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The typed device buffer (for communication backends such as NCCL).
+    pub fn data(&self) -> &CudaData {
+        &self.data
+    }
+
+    /// The typed device buffer, mutably.
+    pub fn data_mut(&mut self) -> &mut CudaData {
+        &mut self.data
     }
 
     /// The stream work on this buffer is ordered on.

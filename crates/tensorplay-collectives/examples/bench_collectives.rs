@@ -1,0 +1,76 @@
+//! Collective bandwidth of the "cpu" backend on this machine, with nccl-tests conventions and
+//! the byte accounting of PyTorch's `torch_gloo_collectives.py` anchor, so the two can be
+//! compared line by line (`cargo xtask bench-collectives` runs both).
+//!
+//! Usage: `cargo run --release -p tensorplay-collectives --example bench_collectives [world] [max_mib]`
+//!
+//! The size is the per-rank tensor for all_reduce and broadcast, and the whole gathered output
+//! (world x per-rank chunk) for all_gather and the whole input for reduce_scatter;
+//! algbw = size / time; busbw = algbw * 2(n-1)/n for all_reduce, algbw * (n-1)/n for
+//! all_gather and reduce_scatter, algbw for broadcast.
+
+use std::time::{Duration, Instant};
+
+use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
+use tensorplay_core::{DType, Tensor};
+
+type R = std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+fn run(rank: usize, world: usize, max_mib: usize) -> R {
+    dist::init_process_group("cpu", InitOptions { timeout: Duration::from_secs(120), ..Default::default() })?;
+    let mut sizes = vec![4usize << 10];
+    while *sizes.last().unwrap_or(&0) < (max_mib << 20) {
+        let next = sizes.last().copied().unwrap_or(0) * 4;
+        sizes.push(next);
+    }
+    for name in ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] {
+        for &nbytes in &sizes {
+            let n = if matches!(name, "all_reduce" | "broadcast") { nbytes / 4 } else { nbytes / 4 / world };
+            let x = Tensor::ones(&[n], DType::F32)?;
+            let big = Tensor::ones(&[n * world], DType::F32)?;
+            let op = || -> dist::Result<()> {
+                match name {
+                    "all_reduce" => dist::all_reduce(&x, ReduceOp::Sum, None),
+                    "broadcast" => dist::broadcast(&x, 0, None),
+                    "all_gather" => dist::all_gather_into_tensor(&big, &x, None),
+                    _ => dist::reduce_scatter_tensor(&x, &big, ReduceOp::Sum, None),
+                }
+            };
+            let iters = (((64usize << 20) / nbytes).clamp(3, 200)) as u32;
+            for _ in 0..2 {
+                op()?;
+            }
+            dist::barrier(None)?;
+            let t = Instant::now();
+            for _ in 0..iters {
+                op()?;
+            }
+            dist::barrier(None)?;
+            let dt = t.elapsed().as_secs_f64() / iters as f64;
+            let algbw = nbytes as f64 / dt / 1e9;
+            let f = match name {
+                "all_reduce" => 2.0 * (world - 1) as f64 / world as f64,
+                "broadcast" => 1.0,
+                _ => (world - 1) as f64 / world as f64,
+            };
+            if rank == 0 {
+                println!(
+                    "tensorplay-cpu {name:15} {nbytes:>10} B  {:10.1} us  algbw {algbw:7.3} GB/s  busbw {:7.3} GB/s",
+                    dt * 1e6,
+                    algbw * f
+                );
+            }
+        }
+    }
+    dist::destroy_process_group()?;
+    Ok(())
+}
+
+fn main() -> R {
+    let args: Vec<String> = std::env::args().collect();
+    let world: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
+    let max_mib: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(64);
+    tensorplay_core::set_num_threads(1);
+    dist::spawn::spawn(world, move |rank| run(rank, world, max_mib))?;
+    Ok(())
+}

@@ -1,0 +1,346 @@
+//! Process groups: `init_process_group`, the default group, `new_group`, rank translation.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::backend::Backend;
+use crate::backend::cpu::{CpuBackend, CpuOptions};
+use crate::backend::nccl::NcclBackend;
+use crate::rendezvous::{InitMethod, rendezvous};
+use crate::store::{PrefixStore, Store};
+use crate::work::Sequencer;
+use crate::{Error, Result};
+
+/// The default timeout of collectives and rendezvous (PyTorch: 10 minutes for NCCL, 30 for
+/// gloo; ours is shorter so that a dead rank is reported while someone is still watching).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Options of [`init_process_group`] (`torch.distributed.init_process_group` keyword
+/// arguments).
+#[derive(Debug, Clone)]
+pub struct InitOptions {
+    /// `"env://"` (default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) or
+    /// `"tcp://host:port"` (then `rank` and `world_size` are required).
+    pub init_method: String,
+    /// This process's rank; overrides `RANK`.
+    pub rank: Option<usize>,
+    /// Number of processes; overrides `WORLD_SIZE`.
+    pub world_size: Option<usize>,
+    /// Timeout of rendezvous and of every collective on the default group.
+    pub timeout: Duration,
+}
+
+impl Default for InitOptions {
+    fn default() -> Self {
+        InitOptions {
+            init_method: "env://".into(),
+            rank: None,
+            world_size: None,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+pub(crate) enum BackendImpl {
+    Cpu(Box<dyn Backend>),
+    Nccl(NcclBackend),
+}
+
+pub(crate) struct GroupInner {
+    pub(crate) name: String,
+    /// Global rank of each group rank.
+    pub(crate) ranks: Vec<usize>,
+    /// This process's global rank.
+    pub(crate) global_rank: usize,
+    /// This process's rank in the group; `None` for a non-member handle.
+    pub(crate) group_rank: Option<usize>,
+    pub(crate) backend: Option<BackendImpl>,
+    pub(crate) timeout: Duration,
+    pub(crate) seq: Arc<Sequencer>,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) backend_name: String,
+    pub(crate) tag: AtomicU64,
+}
+
+/// A process group (`torch.distributed.ProcessGroup`): a set of ranks, a backend and a
+/// timeout. Cheap to clone. Operations on one group run in the order they are issued.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    pub(crate) inner: Arc<GroupInner>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ProcessGroup({}, backend={}, ranks={:?}, rank={:?})",
+            self.inner.name, self.inner.backend_name, self.inner.ranks, self.inner.group_rank
+        )
+    }
+}
+
+impl ProcessGroup {
+    /// This process's rank in the group (`group.rank()`); -1 for a process that is not a member
+    /// (PyTorch's `GroupMember.NON_GROUP_MEMBER`).
+    pub fn rank(&self) -> i64 {
+        self.inner.group_rank.map_or(-1, |r| r as i64)
+    }
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.ranks.len()
+    }
+    /// Whether this process belongs to the group.
+    pub fn is_member(&self) -> bool {
+        self.inner.group_rank.is_some()
+    }
+    /// The global ranks of the group's members, in group-rank order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.inner.ranks
+    }
+    /// The backend's name (`"cpu"` or `"nccl"`).
+    pub fn backend(&self) -> &str {
+        &self.inner.backend_name
+    }
+    /// The timeout of this group's operations.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+    /// The global rank of group rank `group_rank` (`get_global_rank`).
+    pub fn global_rank(&self, group_rank: usize) -> Result<usize> {
+        self.inner.ranks.get(group_rank).copied().ok_or_else(|| {
+            Error::invalid(
+                "get_global_rank",
+                self.inner.global_rank as i64,
+                "group_rank",
+                format!("< group size {}", self.size()),
+                group_rank,
+            )
+        })
+    }
+    /// The group rank of global rank `global_rank` (`get_group_rank`); an error when it is not
+    /// a member.
+    pub fn group_rank(&self, global_rank: usize) -> Result<usize> {
+        self.inner.ranks.iter().position(|&r| r == global_rank).ok_or_else(|| {
+            Error::invalid(
+                "get_group_rank",
+                self.inner.global_rank as i64,
+                "global_rank",
+                format!("one of the group's ranks {:?}", self.inner.ranks),
+                global_rank,
+            )
+        })
+    }
+    /// This process's global rank.
+    pub fn my_global_rank(&self) -> usize {
+        self.inner.global_rank
+    }
+    /// The group's store (prefixed for the group).
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+    /// Bytes this process has sent through the group's backend.
+    pub fn bytes_sent(&self) -> u64 {
+        match &self.inner.backend {
+            Some(BackendImpl::Cpu(b)) => b.bytes_sent(),
+            Some(BackendImpl::Nccl(n)) => n.bytes_sent(),
+            None => 0,
+        }
+    }
+    pub(crate) fn next_tag(&self) -> u64 {
+        self.inner.tag.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+struct World {
+    group: ProcessGroup,
+    store: Arc<dyn Store>,
+    next_group_id: u64,
+    local_rank: usize,
+}
+
+static WORLD: Mutex<Option<World>> = Mutex::new(None);
+
+fn world() -> std::sync::MutexGuard<'static, Option<World>> {
+    WORLD.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn make_backend(
+    backend: &str,
+    store: Arc<dyn Store>,
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    timeout: Duration,
+) -> Result<BackendImpl> {
+    match backend {
+        "cpu" | "gloo" => Ok(BackendImpl::Cpu(Box::new(CpuBackend::new(
+            store,
+            rank,
+            size,
+            timeout,
+            CpuOptions::default(),
+        )?))),
+        "nccl" => Ok(BackendImpl::Nccl(NcclBackend::new(
+            store, rank, size, local_rank, timeout,
+        )?)),
+        other => Err(Error::Backend {
+            backend: other.to_string(),
+            detail: "unknown backend; expected \"cpu\" (host tensors over TCP) or \"nccl\" (CUDA tensors)".into(),
+        }),
+    }
+}
+
+/// Initialises the default process group (`torch.distributed.init_process_group`): rendezvous
+/// through the store named by `options.init_method`, then connects the backend.
+///
+/// `backend` is `"cpu"` (host tensors over TCP; `"gloo"` is accepted as an alias) or `"nccl"`
+/// (CUDA tensors). Errors: already initialised, a bad init method or environment variable, a
+/// rendezvous timeout naming the ranks that did not join, or a backend that cannot run here
+/// (for NCCL: no CUDA driver, no `libnccl`, not enough GPUs), each with what to do about it.
+pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
+    let mut w = world();
+    if w.is_some() {
+        return Err(Error::invalid(
+            "init_process_group",
+            -1,
+            "default group",
+            "no default group yet (call destroy_process_group first)",
+            "already initialized",
+        ));
+    }
+    let init = InitMethod::parse(&options.init_method)?;
+    let info = rendezvous(&init, options.rank, options.world_size, options.timeout)?;
+    let pg_store: Arc<dyn Store> = Arc::new(PrefixStore::new("pg/world", info.store.clone()));
+    let b = make_backend(
+        backend,
+        pg_store.clone(),
+        info.rank,
+        info.world_size,
+        info.local_rank,
+        options.timeout,
+    )?;
+    let group = ProcessGroup {
+        inner: Arc::new(GroupInner {
+            name: "world".into(),
+            ranks: (0..info.world_size).collect(),
+            global_rank: info.rank,
+            group_rank: Some(info.rank),
+            backend: Some(b),
+            timeout: options.timeout,
+            seq: Sequencer::new(),
+            store: pg_store,
+            backend_name: backend.to_string(),
+            tag: AtomicU64::new(0),
+        }),
+    };
+    *w = Some(World {
+        group,
+        store: info.store,
+        next_group_id: 0,
+        local_rank: info.local_rank,
+    });
+    Ok(())
+}
+
+/// Tears down the default group (`destroy_process_group`); groups made by [`new_group`] stay
+/// usable until dropped. Errors when no default group exists.
+pub fn destroy_process_group() -> Result<()> {
+    let mut w = world();
+    if w.take().is_none() {
+        return Err(Error::NotInitialized {
+            op: "destroy_process_group".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Whether the default group exists (`is_initialized`).
+pub fn is_initialized() -> bool {
+    world().is_some()
+}
+
+/// The default group, or [`Error::NotInitialized`] naming `op`.
+pub fn default_group(op: &str) -> Result<ProcessGroup> {
+    world()
+        .as_ref()
+        .map(|w| w.group.clone())
+        .ok_or_else(|| Error::NotInitialized { op: op.to_string() })
+}
+
+/// This process's rank in `group` (default: the world) (`get_rank`).
+pub fn get_rank(group: Option<&ProcessGroup>) -> Result<i64> {
+    Ok(match group {
+        Some(g) => g.rank(),
+        None => default_group("get_rank")?.rank(),
+    })
+}
+
+/// Number of ranks in `group` (default: the world) (`get_world_size`).
+pub fn get_world_size(group: Option<&ProcessGroup>) -> Result<usize> {
+    Ok(match group {
+        Some(g) => g.size(),
+        None => default_group("get_world_size")?.size(),
+    })
+}
+
+/// The store of the default group's rendezvous, shared with other users of it (RPC) under
+/// their own prefixes.
+pub fn world_store() -> Result<Arc<dyn Store>> {
+    world()
+        .as_ref()
+        .map(|w| w.store.clone())
+        .ok_or_else(|| Error::NotInitialized { op: "world_store".into() })
+}
+
+/// Creates a group of the given global ranks (`new_group`). Every process of the world must
+/// call it, with the same ranks, in the same order as its other `new_group` calls (as in
+/// PyTorch); processes outside `ranks` get a non-member handle whose collectives return an
+/// error. `backend` defaults to the world's; `timeout` to the world's.
+///
+/// Errors: not initialised, empty or repeated ranks, ranks outside the world.
+pub fn new_group(ranks: &[usize], backend: Option<&str>, timeout: Option<Duration>) -> Result<ProcessGroup> {
+    let (world_group, store, id, local_rank) = {
+        let mut w = world();
+        let w = w.as_mut().ok_or_else(|| Error::NotInitialized { op: "new_group".into() })?;
+        let id = w.next_group_id;
+        w.next_group_id += 1;
+        (w.group.clone(), w.store.clone(), id, w.local_rank)
+    };
+    let me = world_group.inner.global_rank;
+    let n = world_group.size();
+    if ranks.is_empty() {
+        return Err(Error::invalid("new_group", me as i64, "ranks", "at least one rank", "[]"));
+    }
+    let mut seen = vec![false; n];
+    for &r in ranks {
+        if r >= n {
+            return Err(Error::invalid("new_group", me as i64, "ranks", format!("ranks < world size {n}"), format!("{ranks:?}")));
+        }
+        if std::mem::replace(&mut seen[r], true) {
+            return Err(Error::invalid("new_group", me as i64, "ranks", "distinct ranks", format!("{ranks:?}")));
+        }
+    }
+    let backend_name = backend.unwrap_or(world_group.backend()).to_string();
+    let timeout = timeout.unwrap_or(world_group.timeout());
+    let gstore: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("pg/group{id}"), store));
+    let group_rank = ranks.iter().position(|&r| r == me);
+    let b = match group_rank {
+        Some(gr) => Some(make_backend(&backend_name, gstore.clone(), gr, ranks.len(), local_rank, timeout)?),
+        None => None,
+    };
+    Ok(ProcessGroup {
+        inner: Arc::new(GroupInner {
+            name: format!("group{id}"),
+            ranks: ranks.to_vec(),
+            global_rank: me,
+            group_rank,
+            backend: b,
+            timeout,
+            seq: Sequencer::new(),
+            store: gstore,
+            backend_name,
+            tag: AtomicU64::new(0),
+        }),
+    })
+}

@@ -1,0 +1,210 @@
+//! `Work`: the handle of an asynchronous collective, and the per-group sequencer that keeps
+//! operations on one group in issue order.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{Receiver, Sender, bounded, unbounded};
+
+use crate::{Error, Result};
+
+type Job = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// Runs the operations of one group strictly in the order they were issued, whether they are
+/// blocking (run on the caller's thread) or asynchronous (run on the group's worker thread).
+pub(crate) struct Sequencer {
+    state: Mutex<SeqState>,
+    turn: Condvar,
+    worker: Mutex<Option<Sender<(u64, Job, Sender<Result<()>>)>>>,
+}
+
+struct SeqState {
+    next_ticket: u64,
+    now_serving: u64,
+    /// Tickets whose owners gave up waiting: skipped when their turn comes.
+    abandoned: std::collections::BTreeSet<u64>,
+}
+
+impl Sequencer {
+    pub(crate) fn new() -> Arc<Sequencer> {
+        Arc::new(Sequencer {
+            state: Mutex::new(SeqState {
+                next_ticket: 0,
+                now_serving: 0,
+                abandoned: Default::default(),
+            }),
+            turn: Condvar::new(),
+            worker: Mutex::new(None),
+        })
+    }
+
+    fn ticket(&self) -> u64 {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let t = s.next_ticket;
+        s.next_ticket += 1;
+        t
+    }
+
+    /// Waits for `ticket`'s turn (up to `timeout`), runs `f`, and passes the turn on even when
+    /// `f` fails.
+    fn run_turn<R>(&self, ticket: u64, timeout: Duration, op: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while s.now_serving != ticket {
+            let now = Instant::now();
+            if now >= deadline {
+                // give up our turn without blocking the ones after us
+                drop(s);
+                self.skip(ticket);
+                return Err(Error::Timeout {
+                    op: op.to_string(),
+                    rank: -1,
+                    timeout,
+                    detail: "an earlier operation on this group did not finish".into(),
+                });
+            }
+            s = self
+                .turn
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(s);
+        let r = f();
+        self.advance();
+        r
+    }
+
+    fn advance(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.now_serving += 1;
+        while s.abandoned.remove(&s.now_serving.clone()) {
+            s.now_serving += 1;
+        }
+        drop(s);
+        self.turn.notify_all();
+    }
+
+    /// Gives up `ticket`: it is skipped when its turn comes (or now, if it has come).
+    fn skip(&self, ticket: u64) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.now_serving == ticket {
+            drop(s);
+            self.advance();
+        } else {
+            s.abandoned.insert(ticket);
+        }
+    }
+
+    /// Runs `f` on this thread in issue order.
+    pub(crate) fn run_blocking<R>(&self, timeout: Duration, op: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let t = self.ticket();
+        self.run_turn(t, timeout, op, f)
+    }
+
+    /// Queues `f` on the group's worker thread in issue order; returns its handle.
+    pub(crate) fn submit(self: &Arc<Self>, timeout: Duration, op: &str, f: Job) -> Result<Work> {
+        let t = self.ticket();
+        let (tx, rx) = bounded(1);
+        let mut w = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        if w.is_none() {
+            let (jtx, jrx) = unbounded::<(u64, Job, Sender<Result<()>>)>();
+            let me = Arc::downgrade(self);
+            let op_name = op.to_string();
+            std::thread::Builder::new()
+                .name("tensorplay-collectives".into())
+                .spawn(move || {
+                    while let Ok((ticket, job, done)) = jrx.recv() {
+                        let Some(seq) = me.upgrade() else { break };
+                        let r = seq.run_turn(ticket, timeout, &op_name, job);
+                        let _ = done.send(r);
+                    }
+                })
+                .map_err(|e| Error::Io(format!("could not start the collectives worker thread: {e}")))?;
+            *w = Some(jtx);
+        }
+        let sender = w.as_ref().map(|s| s.send((t, f, tx)));
+        if !matches!(sender, Some(Ok(()))) {
+            return Err(Error::Io("the collectives worker thread has stopped".into()));
+        }
+        Ok(Work {
+            op: op.to_string(),
+            rx,
+            result: Mutex::new(None),
+        })
+    }
+}
+
+/// The handle of an asynchronous operation (`torch.distributed.Work`): `wait` blocks until it
+/// finishes and returns its result.
+#[derive(Debug)]
+pub struct Work {
+    op: String,
+    rx: Receiver<Result<()>>,
+    result: Mutex<Option<Result<()>>>,
+}
+
+impl Work {
+    /// Waits for completion, up to `timeout` (`None`: the operation's own timeout bounds it).
+    /// Returns the operation's error, or [`Error::Timeout`] if it did not finish in time; a
+    /// later `wait` may still succeed after a timeout.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        let mut r = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(res) = r.as_ref() {
+            return res.clone();
+        }
+        let got = match timeout {
+            Some(t) => self.rx.recv_timeout(t).map_err(|_| Error::Timeout {
+                op: self.op.clone(),
+                rank: -1,
+                timeout: t,
+                detail: "Work::wait".into(),
+            })?,
+            None => self
+                .rx
+                .recv()
+                .unwrap_or_else(|_| Err(Error::Io("the collectives worker thread stopped".into()))),
+        };
+        *r = Some(got.clone());
+        got
+    }
+
+    /// Whether the operation has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        let mut r = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        if r.is_some() {
+            return true;
+        }
+        if let Ok(v) = self.rx.try_recv() {
+            *r = Some(v);
+            return true;
+        }
+        false
+    }
+
+    /// A `Work` that is already complete with `result` (used where an operation finishes at
+    /// once, such as world size 1).
+    pub(crate) fn done(op: &str, result: Result<()>) -> Work {
+        let (_tx, rx) = bounded(1);
+        Work {
+            op: op.to_string(),
+            rx,
+            result: Mutex::new(Some(result)),
+        }
+    }
+}
+
+impl Work {
+    /// A pending `Work` and the sender that completes it.
+    pub(crate) fn pending(op: &str) -> (Sender<Result<()>>, Work) {
+        let (tx, rx) = bounded(1);
+        (
+            tx,
+            Work {
+                op: op.to_string(),
+                rx,
+                result: Mutex::new(None),
+            },
+        )
+    }
+}
