@@ -12,7 +12,7 @@ use std::time::Duration;
 
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
-// pub use tcp::{TcpStore, TcpStoreServer}; (being written)
+pub use tcp::{MAX_KEY_LEN, MAX_VALUE_LEN, TcpStore, TcpStoreServer};
 
 use crate::Result;
 
