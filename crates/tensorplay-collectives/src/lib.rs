@@ -4,9 +4,13 @@
 
 pub mod backend;
 mod error;
+pub mod rendezvous;
+pub mod spawn;
 pub mod store;
 
 pub use error::{Error, Result};
+pub use rendezvous::{InitMethod, RendezvousInfo, rendezvous, rendezvous_barrier};
+pub use spawn::{SpawnError, SpawnOptions, spawn, spawn_with};
 
 /// A reduction operation (`torch.distributed.ReduceOp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

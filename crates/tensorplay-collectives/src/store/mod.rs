@@ -6,7 +6,7 @@
 
 mod memory;
 mod prefix;
-mod tcp;
+pub(crate) mod tcp;
 
 use std::time::Duration;
 
