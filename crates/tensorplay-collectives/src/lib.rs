@@ -22,8 +22,9 @@ pub use ops::{
     broadcast, broadcast_async, gather, irecv, isend, recv, reduce, reduce_scatter,
     reduce_scatter_tensor, reduce_scatter_tensor_async, scatter, send,
 };
-pub use spawn::spawn;
 pub use work::Work;
+pub use rendezvous::{InitMethod, RendezvousInfo, rendezvous, rendezvous_barrier};
+pub use spawn::{SpawnError, SpawnOptions, spawn, spawn_with};
 
 /// A reduction operation (`torch.distributed.ReduceOp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

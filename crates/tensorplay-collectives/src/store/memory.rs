@@ -65,7 +65,11 @@ impl Store for MemoryStore {
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let mut m = self.lock();
         let cur = parse_counter(key, m.get(key).map(|v| v.as_slice()).unwrap_or(b""))?;
-        let new = cur + delta;
+        let new = cur.checked_add(delta).ok_or_else(|| {
+            Error::Store(format!(
+                "add: {cur} + {delta} overflows i64 for key {key:?}"
+            ))
+        })?;
         m.insert(key.to_string(), new.to_string().into_bytes());
         drop(m);
         self.changed.notify_all();

@@ -6,13 +6,13 @@
 
 mod memory;
 mod prefix;
-mod tcp;
+pub(crate) mod tcp;
 
 use std::time::Duration;
 
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
-// pub use tcp::{TcpStore, TcpStoreServer}; (being written)
+pub use tcp::{MAX_KEY_LEN, MAX_VALUE_LEN, TcpStore, TcpStoreServer};
 
 use crate::Result;
 

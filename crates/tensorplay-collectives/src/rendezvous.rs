@@ -1,0 +1,302 @@
+//! Rendezvous: how ranks find each other (`init_method` of `init_process_group`).
+//!
+//! Rank 0 starts a [`TcpStoreServer`](crate::store::TcpStoreServer) in its process, every rank
+//! connects a [`TcpStore`] to it, and all ranks then meet in a barrier on the store so that
+//! [`rendezvous`] returns only when the whole world has joined.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::store::{Store, TcpStore};
+use crate::{Error, Result};
+
+/// The key counting the ranks that joined the rendezvous barrier.
+pub const JOINED_KEY: &str = "rdzv/joined";
+/// The key set by the last rank to join, releasing the others.
+pub const COMPLETE_KEY: &str = "rdzv/complete";
+
+/// How ranks find the store (`init_method`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InitMethod {
+    /// `env://`: `MASTER_ADDR`, `MASTER_PORT` (and `RANK`, `WORLD_SIZE`, `LOCAL_RANK`) from
+    /// the environment, as set by [`spawn`](crate::spawn()) or `torchrun`.
+    Env,
+    /// `tcp://host:port`: the store server runs on rank 0 at `host:port`.
+    Tcp {
+        /// Host name or IP address of rank 0.
+        host: String,
+        /// Port of the store server.
+        port: u16,
+    },
+}
+
+impl FromStr for InitMethod {
+    type Err = Error;
+
+    /// Parses `"env://"` or `"tcp://host:port"` (IPv6 hosts in brackets: `tcp://[::1]:29500`).
+    fn from_str(s: &str) -> Result<InitMethod> {
+        let bad = |why: &str| {
+            Error::invalid(
+                "init_method",
+                -1,
+                "init_method",
+                format!("\"env://\" or \"tcp://host:port\" ({why})"),
+                format!("{s:?}"),
+            )
+        };
+        if s == "env://" {
+            return Ok(InitMethod::Env);
+        }
+        let Some(rest) = s.strip_prefix("tcp://") else {
+            return Err(bad("unknown scheme"));
+        };
+        let rest = rest.trim_end_matches('/');
+        let Some((host, port)) = rest.rsplit_once(':') else {
+            return Err(bad("missing port"));
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(bad("missing host"));
+        }
+        let port: u16 = port
+            .parse()
+            .map_err(|_| bad("the port is not a number in 0..=65535"))?;
+        Ok(InitMethod::Tcp {
+            host: host.to_string(),
+            port,
+        })
+    }
+}
+
+/// The result of [`rendezvous`]: this process's place in the world and the shared store.
+#[derive(Clone)]
+pub struct RendezvousInfo {
+    /// This process's global rank.
+    pub rank: usize,
+    /// Number of processes.
+    pub world_size: usize,
+    /// Rank on this machine (`LOCAL_RANK`, else the global rank).
+    pub local_rank: usize,
+    /// The store shared by all ranks (rank 0 hosts its server).
+    pub store: Arc<dyn Store>,
+}
+
+impl std::fmt::Debug for RendezvousInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RendezvousInfo")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("local_rank", &self.local_rank)
+            .finish_non_exhaustive()
+    }
+}
+
+fn env_usize(var: &str, rank: i64) -> Result<Option<usize>> {
+    match std::env::var(var) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::invalid(
+            "rendezvous",
+            rank,
+            var,
+            "a non-negative integer",
+            format!("{v:?}"),
+        )),
+        Ok(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
+            Error::invalid(
+                "rendezvous",
+                rank,
+                var,
+                "a non-negative integer",
+                format!("{v:?}"),
+            )
+        }),
+    }
+}
+
+fn required<T>(v: Option<T>, var: &str, rank: i64) -> Result<T> {
+    v.ok_or_else(|| {
+        Error::invalid(
+            "rendezvous",
+            rank,
+            var,
+            format!("the environment variable {var} to be set (env://)"),
+            "not set",
+        )
+    })
+}
+
+/// Rendezvous for `init_process_group`: finds rank, world size and the master's address,
+/// starts the store server on rank 0, connects every rank, and waits until all `world_size`
+/// ranks joined (see [`rendezvous_barrier`]). `timeout` (seconds-scale) bounds the whole
+/// call and becomes the store's timeout.
+///
+/// With `env://`, `MASTER_ADDR`, `MASTER_PORT` and (unless given explicitly) `RANK` and
+/// `WORLD_SIZE` are read from the environment; `LOCAL_RANK` is optional (defaults to the
+/// rank). With `tcp://host:port`, `rank` and `world_size` come from the arguments or, when
+/// `None`, from `RANK` / `WORLD_SIZE`. Rank 0 binds the unspecified address (`0.0.0.0` or `::`)
+/// on the port, so other machines can reach it.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the variable or argument when one is missing or invalid
+/// (including `rank >= world_size` and two processes claiming the same rank);
+/// [`Error::Store`] when rank 0 cannot bind the port; [`Error::Timeout`] when the store could
+/// not be reached or not all ranks joined within `timeout` (saying how many did).
+pub fn rendezvous(
+    init: &InitMethod,
+    rank: Option<usize>,
+    world_size: Option<usize>,
+    timeout: Duration,
+) -> Result<RendezvousInfo> {
+    let start = Instant::now();
+    let rank = match rank {
+        Some(r) => r,
+        None => required(env_usize("RANK", -1)?, "RANK", -1)?,
+    };
+    let r = rank as i64;
+    let world_size = match world_size {
+        Some(w) => w,
+        None => required(env_usize("WORLD_SIZE", r)?, "WORLD_SIZE", r)?,
+    };
+    if world_size == 0 {
+        return Err(Error::invalid(
+            "rendezvous",
+            r,
+            "world_size",
+            "at least 1",
+            0,
+        ));
+    }
+    if rank >= world_size {
+        return Err(Error::invalid(
+            "rendezvous",
+            r,
+            "rank",
+            format!("a rank in 0..{world_size} (world_size = {world_size})"),
+            rank,
+        ));
+    }
+    let local_rank = env_usize("LOCAL_RANK", r)?.unwrap_or(rank);
+    let (host, port) = match init {
+        InitMethod::Tcp { host, port } => (host.clone(), *port),
+        InitMethod::Env => {
+            let host = std::env::var("MASTER_ADDR").map_err(|_| {
+                Error::invalid(
+                    "rendezvous",
+                    r,
+                    "MASTER_ADDR",
+                    "the environment variable MASTER_ADDR to be set (env://)",
+                    "not set",
+                )
+            })?;
+            let port = required(env_usize("MASTER_PORT", r)?, "MASTER_PORT", r)?;
+            let port = u16::try_from(port).map_err(|_| {
+                Error::invalid("rendezvous", r, "MASTER_PORT", "a port in 0..=65535", port)
+            })?;
+            (host, port)
+        }
+    };
+    let master = crate::store::tcp::resolve(&host, port)?;
+    let store: TcpStore = if rank == 0 {
+        let bind_ip: IpAddr = if master.is_ipv4() {
+            Ipv4Addr::UNSPECIFIED.into()
+        } else {
+            Ipv6Addr::UNSPECIFIED.into()
+        };
+        TcpStore::new_server_or_client(&bind_ip.to_string(), port, true, timeout).map_err(|e| {
+            match e {
+                Error::Store(m) => Error::Store(format!("rendezvous on rank 0: {m}")),
+                other => other,
+            }
+        })?
+    } else {
+        TcpStore::connect(master, timeout).map_err(|e| with_rank(e, r))?
+    };
+    let store: Arc<dyn Store> = Arc::new(store);
+    let left = timeout.saturating_sub(start.elapsed());
+    rendezvous_barrier(&*store, rank, world_size, left)?;
+    Ok(RendezvousInfo {
+        rank,
+        world_size,
+        local_rank,
+        store,
+    })
+}
+
+fn with_rank(e: Error, rank: i64) -> Error {
+    match e {
+        Error::Timeout {
+            op,
+            timeout,
+            detail,
+            ..
+        } => Error::Timeout {
+            op,
+            rank,
+            timeout,
+            detail,
+        },
+        other => other,
+    }
+}
+
+/// The barrier of [`rendezvous`], usable on any store: registers `rank` (failing when another
+/// process already claimed it), adds 1 to [`JOINED_KEY`], and waits up to `timeout` until
+/// `world_size` ranks joined. The last rank to join sets [`COMPLETE_KEY`], which releases the
+/// others (no polling).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `rank >= world_size` or the rank was claimed twice;
+/// [`Error::Timeout`] saying how many of `world_size` ranks joined; store errors as returned
+/// by the store.
+pub fn rendezvous_barrier(
+    store: &dyn Store,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let r = rank as i64;
+    if rank >= world_size {
+        return Err(Error::invalid(
+            "rendezvous",
+            r,
+            "rank",
+            format!("a rank in 0..{world_size}"),
+            rank,
+        ));
+    }
+    if store.add(&format!("rdzv/rank/{rank}"), 1)? > 1 {
+        return Err(Error::invalid(
+            "rendezvous",
+            r,
+            "rank",
+            "a rank no other process uses",
+            format!("{rank}, which another process already claimed"),
+        ));
+    }
+    let joined = store.add(JOINED_KEY, 1)?;
+    if joined >= world_size as i64 {
+        store.set(COMPLETE_KEY, b"1")?;
+    }
+    match store.wait(&[COMPLETE_KEY], timeout) {
+        Ok(()) => Ok(()),
+        Err(Error::Timeout { .. }) => {
+            let joined = store.add(JOINED_KEY, 0).unwrap_or(joined);
+            let missing: Vec<String> = (0..world_size)
+                .filter(|q| !store.check(&[&format!("rdzv/rank/{q}")]).unwrap_or(true))
+                .map(|q| q.to_string())
+                .collect();
+            Err(Error::Timeout {
+                op: "rendezvous".into(),
+                rank: r,
+                timeout,
+                detail: format!(
+                    "only {joined} of {world_size} ranks joined (missing ranks: {})",
+                    missing.join(", ")
+                ),
+            })
+        }
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,457 @@
+//! `spawn`: run a function in `nprocs` processes (`torch.multiprocessing.spawn`).
+//!
+//! # How it works
+//!
+//! Rust cannot fork a closure into a fresh process safely, so [`spawn`] re-executes the current
+//! executable ([`std::env::current_exe`]) `nprocs` times with these environment variables:
+//! `TENSORPLAY_SPAWN_RANK=<r>`, `RANK=<r>`, `LOCAL_RANK=<r>`, `WORLD_SIZE=<n>`,
+//! `LOCAL_WORLD_SIZE=<n>`, `MASTER_ADDR=127.0.0.1` and `MASTER_PORT=<a free port>`, plus
+//! [`SpawnOptions::env`].
+//!
+//! * In the **parent** (no `TENSORPLAY_SPAWN_RANK`), `spawn` starts the children, captures
+//!   their output, and returns when all exited successfully, or as soon as one fails (non-zero
+//!   exit, signal, or the overall timeout): it then kills the others and returns
+//!   [`Error::Spawn`] for the first failing rank with its output.
+//! * In a **child**, the program runs again from the start and reaches the same `spawn` call;
+//!   that call sees `TENSORPLAY_SPAWN_RANK`, runs `f(rank)` and exits the process at once:
+//!   code 0 on `Ok`, 1 on `Err` (the error is printed to stderr), 101 on panic. Nothing after
+//!   the `spawn` call runs in a child. Code before it runs in every child too, so keep it
+//!   cheap and deterministic.
+//!
+//! When called from a libtest test (the current thread is named after the test, not `main`),
+//! the children re-run only that test (`<name> --exact --nocapture --test-threads=1 -q`);
+//! otherwise they get the parent's arguments, so binaries and examples that call `spawn` from
+//! `main` work the same way.
+//!
+//! **Nesting.** `f` may itself call `spawn` (at most once per run of `f`): the grandchildren
+//! carry the whole rank path in `TENSORPLAY_SPAWN_PATH` (for example `1,0`), re-run the outer
+//! `f` with their parent's rank up to the inner call, and run the inner `f` there. Each
+//! `spawn` call thus knows whether it is the parent or the child of its own level, and
+//! spawning never recurses without bound.
+//!
+//! Unix only (children killed by a signal are reported by signal number and name); on other
+//! platforms it compiles and reports exit codes only.
+
+use std::io::{Read, Write};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// Environment variable holding a child's rank (set by [`spawn`]; its presence marks a child).
+pub const SPAWN_RANK_ENV: &str = "TENSORPLAY_SPAWN_RANK";
+/// Environment variable holding the comma-separated rank path of nested spawns.
+pub const SPAWN_PATH_ENV: &str = "TENSORPLAY_SPAWN_PATH";
+/// Set to `1` to forward the children's output live, prefixed with `[rank N] `.
+pub const SPAWN_VERBOSE_ENV: &str = "TENSORPLAY_SPAWN_VERBOSE";
+/// The default overall timeout of [`spawn`] (300 seconds).
+pub const DEFAULT_SPAWN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How much of a failing child's output [`Error::Spawn`] keeps (the last 64 KiB).
+const MAX_OUTPUT: usize = 64 * 1024;
+/// Marker line a failing child prints, so the parent can quote the error in the reason.
+const FAIL_MARKER: &str = "tensorplay-spawn-error: ";
+
+/// The error type of a spawned function: any error, so `?` works on this crate's
+/// [`Error`], `tensorplay_core::Error`, I/O errors, and string messages (`"msg".into()`).
+pub type SpawnError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Options of [`spawn_with`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpawnOptions {
+    /// Number of processes (ranks `0..nprocs`); must be at least 1.
+    pub nprocs: usize,
+    /// Overall timeout: when the children have not all exited after this long, the remaining
+    /// ones are killed and the first of them is reported.
+    pub timeout: Duration,
+    /// Extra environment variables for the children (applied after the standard ones, so
+    /// they can override them).
+    pub env: Vec<(String, String)>,
+}
+
+impl SpawnOptions {
+    /// `nprocs` processes, the default timeout ([`DEFAULT_SPAWN_TIMEOUT`]) and no extra
+    /// environment.
+    pub fn new(nprocs: usize) -> SpawnOptions {
+        SpawnOptions {
+            nprocs,
+            timeout: DEFAULT_SPAWN_TIMEOUT,
+            env: Vec::new(),
+        }
+    }
+}
+
+/// Number of `f`s of enclosing `spawn` calls currently running in this (child) process.
+static LEVEL: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f(rank)` in `nprocs` processes (see the [module docs](self)) with the default
+/// timeout of 300 s.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `nprocs` is 0; [`Error::Spawn`] naming the first rank that
+/// failed (exit code, signal, or timeout) with its captured output, or rank 0 with the reason
+/// when the processes could not be started.
+pub fn spawn<F>(nprocs: usize, f: F) -> Result<()>
+where
+    F: Fn(usize) -> std::result::Result<(), SpawnError>,
+{
+    spawn_with(SpawnOptions::new(nprocs), f)
+}
+
+/// [`spawn`] with options (timeout, extra environment variables).
+///
+/// # Errors
+/// As [`spawn`].
+pub fn spawn_with<F>(opts: SpawnOptions, f: F) -> Result<()>
+where
+    F: Fn(usize) -> std::result::Result<(), SpawnError>,
+{
+    if opts.nprocs == 0 {
+        return Err(Error::invalid("spawn", -1, "nprocs", "at least 1", 0));
+    }
+    let level = LEVEL.load(Ordering::SeqCst);
+    let path = rank_path()?;
+    if path.len() > level {
+        return run_child(&opts, &path, level, f);
+    }
+    run_parent(&opts, &path)
+}
+
+/// The rank path from the environment (empty in a process not started by `spawn`).
+fn rank_path() -> Result<Vec<usize>> {
+    let parse = |var: &str, s: &str| -> Result<Vec<usize>> {
+        s.split(',')
+            .map(|p| p.trim().parse::<usize>())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|_| {
+                Error::invalid("spawn", -1, var, "comma-separated ranks", format!("{s:?}"))
+            })
+    };
+    if let Ok(p) = std::env::var(SPAWN_PATH_ENV) {
+        return parse(SPAWN_PATH_ENV, &p);
+    }
+    match std::env::var(SPAWN_RANK_ENV) {
+        Ok(r) => parse(SPAWN_RANK_ENV, &r),
+        Err(_) => Ok(Vec::new()),
+    }
+}
+
+/// In a child: runs `f` with this level's rank; at the innermost level, exits the process.
+fn run_child<F>(opts: &SpawnOptions, path: &[usize], level: usize, f: F) -> Result<()>
+where
+    F: Fn(usize) -> std::result::Result<(), SpawnError>,
+{
+    let rank = path[level];
+    let innermost = level + 1 == path.len();
+    if rank >= opts.nprocs {
+        eprintln!(
+            "{FAIL_MARKER}rank {rank} from {SPAWN_PATH_ENV} is out of range for nprocs {}",
+            opts.nprocs
+        );
+        exit_now(1);
+    }
+    LEVEL.store(level + 1, Ordering::SeqCst);
+    let outcome = catch_unwind(AssertUnwindSafe(|| f(rank)));
+    LEVEL.store(level, Ordering::SeqCst);
+    if !innermost {
+        // The nested spawn inside `f` should have run the inner function and exited.
+        eprintln!(
+            "{FAIL_MARKER}rank {rank}: the nested spawn call was not reached again in the child \
+             (spawn must be called deterministically)"
+        );
+        exit_now(1);
+    }
+    match outcome {
+        Ok(Ok(())) => exit_now(0),
+        Ok(Err(e)) => {
+            eprintln!("{FAIL_MARKER}{e}");
+            exit_now(1)
+        }
+        Err(payload) => {
+            let msg = panic_message(&*payload);
+            eprintln!("{FAIL_MARKER}panicked: {msg}");
+            exit_now(101)
+        }
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_string()
+    }
+}
+
+fn exit_now(code: i32) -> ! {
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::process::exit(code)
+}
+
+/// A started child: the process, its merged output and the threads that read it.
+struct Running {
+    child: Child,
+    output: Arc<Mutex<Vec<u8>>>,
+    readers: Vec<JoinHandle<()>>,
+    readers_done: Arc<AtomicUsize>,
+    status: Option<ExitStatus>,
+}
+
+fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
+    let spawn_err = |reason: String| Error::Spawn {
+        rank: 0,
+        reason,
+        output: String::new(),
+    };
+    let exe = std::env::current_exe()
+        .map_err(|e| spawn_err(format!("could not start: cannot find the executable: {e}")))?;
+    let args: Vec<String> = match std::thread::current().name() {
+        Some(name) if name != "main" => vec![
+            name.to_string(),
+            "--exact".into(),
+            "--nocapture".into(),
+            "--test-threads=1".into(),
+            "-q".into(),
+        ],
+        _ => std::env::args().skip(1).collect(),
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| spawn_err(format!("could not start: cannot find a free port: {e}")))?
+        .port();
+    let verbose = std::env::var(SPAWN_VERBOSE_ENV).is_ok_and(|v| v == "1");
+    let n = opts.nprocs;
+
+    let mut procs: Vec<Running> = Vec::with_capacity(n);
+    for rank in 0..n {
+        let mut full_path: Vec<String> = path.iter().map(|r| r.to_string()).collect();
+        full_path.push(rank.to_string());
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args)
+            .env(SPAWN_RANK_ENV, rank.to_string())
+            .env(SPAWN_PATH_ENV, full_path.join(","))
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .envs(opts.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                kill_all(&mut procs);
+                return Err(Error::Spawn {
+                    rank,
+                    reason: format!("could not be started ({}): {e}", exe.display()),
+                    output: String::new(),
+                });
+            }
+        };
+        let output = Arc::new(Mutex::new(Vec::new()));
+        let readers_done = Arc::new(AtomicUsize::new(0));
+        let mut readers = Vec::new();
+        let out: Option<Box<dyn Read + Send>> = child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>);
+        let err: Option<Box<dyn Read + Send>> = child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>);
+        for pipe in [out, err].into_iter().flatten() {
+            let output = Arc::clone(&output);
+            let done = Arc::clone(&readers_done);
+            readers.push(std::thread::spawn(move || {
+                read_pipe(pipe, &output, verbose.then_some(rank));
+                done.fetch_add(1, Ordering::SeqCst);
+            }));
+        }
+        procs.push(Running {
+            child,
+            output,
+            readers,
+            readers_done,
+            status: None,
+        });
+    }
+
+    let start = Instant::now();
+    let failure: Option<(usize, String)> = loop {
+        let mut all_done = true;
+        let mut failed = None;
+        for (rank, p) in procs.iter_mut().enumerate() {
+            if p.status.is_some() {
+                continue;
+            }
+            match p.child.try_wait() {
+                Ok(Some(st)) => {
+                    p.status = Some(st);
+                    if !st.success() && failed.is_none() {
+                        failed = Some((rank, describe_status(st)));
+                    }
+                }
+                Ok(None) => all_done = false,
+                Err(e) => {
+                    if failed.is_none() {
+                        failed = Some((rank, format!("could not be waited for: {e}")));
+                    }
+                }
+            }
+        }
+        if failed.is_some() {
+            break failed;
+        }
+        if all_done {
+            break None;
+        }
+        if start.elapsed() >= opts.timeout {
+            let rank = procs.iter().position(|p| p.status.is_none()).unwrap_or(0);
+            break Some((
+                rank,
+                format!(
+                    "timed out after {:.1}s (still running; killed)",
+                    opts.timeout.as_secs_f64()
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+
+    kill_all(&mut procs);
+    let Some((rank, reason)) = failure else {
+        return Ok(());
+    };
+    let output = collect_output(&mut procs[rank]);
+    let reason = match output
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix(FAIL_MARKER))
+    {
+        Some(msg) => format!("failed: {msg} ({reason})"),
+        None => reason,
+    };
+    Err(Error::Spawn {
+        rank,
+        reason,
+        output,
+    })
+}
+
+/// Copies a child's pipe into `output`, echoing lines prefixed with `[rank N] ` when verbose.
+fn read_pipe(mut pipe: Box<dyn Read + Send>, output: &Mutex<Vec<u8>>, echo: Option<usize>) {
+    let mut buf = [0u8; 8192];
+    let mut line = Vec::new();
+    loop {
+        let n = match pipe.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        output
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(&buf[..n]);
+        if let Some(rank) = echo {
+            for &b in &buf[..n] {
+                line.push(b);
+                if b == b'\n' {
+                    eprint!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+                    line.clear();
+                }
+            }
+        }
+    }
+    if let Some(rank) = echo
+        && !line.is_empty()
+    {
+        eprintln!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+    }
+}
+
+/// Kills the children still running and reaps them all.
+fn kill_all(procs: &mut [Running]) {
+    for p in procs.iter_mut() {
+        if p.status.is_none() {
+            let _ = p.child.kill();
+        }
+    }
+    for p in procs.iter_mut() {
+        if p.status.is_none() {
+            p.status = p.child.wait().ok();
+        }
+    }
+}
+
+/// Waits (up to 2 s: a grandchild may still hold the pipes) for the readers, then returns the
+/// last [`MAX_OUTPUT`] bytes of the output.
+fn collect_output(p: &mut Running) -> String {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while p.readers_done.load(Ordering::SeqCst) < p.readers.len() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if p.readers_done.load(Ordering::SeqCst) == p.readers.len() {
+        for h in p.readers.drain(..) {
+            let _ = h.join();
+        }
+    }
+    let out = p.output.lock().unwrap_or_else(|e| e.into_inner());
+    let start = out.len().saturating_sub(MAX_OUTPUT);
+    let mut s = String::from_utf8_lossy(&out[start..]).into_owned();
+    if start > 0 {
+        s.insert_str(0, "[... output truncated ...]\n");
+    }
+    s
+}
+
+fn describe_status(st: ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = st.signal() {
+            return format!("was killed by signal {sig} ({})", signal_name(sig));
+        }
+    }
+    match st.code() {
+        Some(c) => format!("exited with code {c}"),
+        None => format!("exited abnormally ({st})"),
+    }
+}
+
+/// The name of a Linux signal number ("unknown signal" elsewhere: numbers differ).
+#[cfg(unix)]
+fn signal_name(sig: i32) -> &'static str {
+    if !cfg!(target_os = "linux") {
+        return "unknown signal";
+    }
+    match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        5 => "SIGTRAP",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        _ => "unknown signal",
+    }
+}
+
+/// Whether this process is a child started by [`spawn`] (`TENSORPLAY_SPAWN_RANK` is set).
+pub fn is_spawned_child() -> bool {
+    std::env::var_os(SPAWN_RANK_ENV).is_some()
+}

@@ -1,0 +1,207 @@
+//! `spawn`: real child processes re-running each test. Code before a `spawn` call also runs in
+//! the children, so the tests pass their scratch directory down through an env var.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use tensorplay_collectives::spawn::is_spawned_child;
+use tensorplay_collectives::{Error, SpawnOptions, spawn, spawn_with};
+
+/// A scratch directory shared by the parent and its children (`TP_TEST_DIR`).
+fn shared_dir(tag: &str) -> PathBuf {
+    if let Ok(d) = std::env::var("TP_TEST_DIR") {
+        return d.into();
+    }
+    let d = std::env::temp_dir().join(format!("tp-spawn-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn opts(n: usize, dir: &std::path::Path, timeout_s: u64) -> SpawnOptions {
+    SpawnOptions {
+        nprocs: n,
+        timeout: Duration::from_secs(timeout_s),
+        env: vec![("TP_TEST_DIR".into(), dir.display().to_string())],
+    }
+}
+
+#[test]
+fn three_ranks_run_with_their_env() {
+    let dir = shared_dir("env");
+    spawn_with(opts(3, &dir, 60), |rank| {
+        assert!(is_spawned_child());
+        let env = |k: &str| std::env::var(k).unwrap_or_default();
+        let line = format!(
+            "{rank} {} {} {} {} {} {}",
+            env("RANK"),
+            env("WORLD_SIZE"),
+            env("LOCAL_RANK"),
+            env("LOCAL_WORLD_SIZE"),
+            env("MASTER_ADDR"),
+            env("MASTER_PORT")
+                .parse::<u16>()
+                .map(|_| "port")
+                .unwrap_or("bad"),
+        );
+        std::fs::write(dir.join(format!("rank{rank}")), line)?;
+        Ok(())
+    })
+    .unwrap();
+    for r in 0..3 {
+        let got = std::fs::read_to_string(dir.join(format!("rank{r}"))).unwrap();
+        assert_eq!(got, format!("{r} {r} 3 {r} 3 127.0.0.1 port"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failing_rank_is_reported_with_its_message() {
+    let err = spawn(3, |rank| {
+        if rank == 1 {
+            return Err("rank one failed on purpose".into());
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    match &err {
+        Error::Spawn { rank, reason, .. } => {
+            assert_eq!(*rank, 1, "{err}");
+            assert!(reason.contains("rank one failed on purpose"), "{err}");
+            assert!(reason.contains("code 1"), "{err}");
+        }
+        other => panic!("expected Spawn, got {other}"),
+    }
+}
+
+#[test]
+fn crate_errors_propagate_with_question_mark() {
+    let err = spawn(2, |rank| {
+        if rank == 0 {
+            Err(Error::Store("custom store failure".into()))?;
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(matches!(&err, Error::Spawn { rank: 0, .. }), "{err}");
+    assert!(err.to_string().contains("custom store failure"), "{err}");
+}
+
+#[test]
+fn a_panicking_rank_is_reported_with_the_panic_text() {
+    let err = spawn(3, |rank| {
+        if rank == 2 {
+            panic!("boom from rank two");
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    match &err {
+        Error::Spawn {
+            rank,
+            reason,
+            output,
+        } => {
+            assert_eq!(*rank, 2, "{err}");
+            assert!(reason.contains("boom from rank two"), "{err}");
+            assert!(output.contains("boom from rank two"), "{err}");
+        }
+        other => panic!("expected Spawn, got {other}"),
+    }
+}
+
+#[test]
+fn a_hanging_rank_is_killed_by_the_overall_timeout() {
+    let dir = shared_dir("hang");
+    let start = Instant::now();
+    let err = spawn_with(opts(3, &dir, 3), |rank| {
+        if rank == 1 {
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    let took = start.elapsed();
+    assert!(took >= Duration::from_secs(3), "{took:?}");
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    match &err {
+        Error::Spawn { rank, reason, .. } => {
+            assert_eq!(*rank, 1, "{err}");
+            assert!(reason.contains("timed out after 3"), "{err}");
+        }
+        other => panic!("expected Spawn, got {other}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[cfg(unix)]
+#[test]
+fn an_aborting_rank_is_reported_with_its_signal() {
+    let err = spawn(2, |rank| {
+        if rank == 0 {
+            std::process::abort();
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    match &err {
+        Error::Spawn { rank, reason, .. } => {
+            assert_eq!(*rank, 0, "{err}");
+            assert!(reason.contains("signal 6"), "{err}");
+            assert!(reason.contains("SIGABRT"), "{err}");
+        }
+        other => panic!("expected Spawn, got {other}"),
+    }
+}
+
+#[test]
+fn other_ranks_are_killed_when_one_fails() {
+    let dir = shared_dir("kill");
+    let start = Instant::now();
+    let err = spawn_with(opts(3, &dir, 120), |rank| {
+        if rank == 0 {
+            std::thread::sleep(Duration::from_millis(200));
+            return Err("rank zero gives up".into());
+        }
+        std::thread::sleep(Duration::from_secs(30));
+        std::fs::write(dir.join(format!("finished{rank}")), "x")?;
+        Ok(())
+    })
+    .unwrap_err();
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    assert!(matches!(&err, Error::Spawn { rank: 0, .. }), "{err}");
+    std::thread::sleep(Duration::from_millis(200));
+    for r in 1..3 {
+        assert!(!dir.join(format!("finished{r}")).exists());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn zero_processes_is_an_invalid_argument() {
+    assert!(matches!(
+        spawn(0, |_| Ok(())),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn nested_spawn_runs_grandchildren() {
+    let dir = shared_dir("nested");
+    spawn_with(opts(2, &dir, 60), |outer| {
+        let d = dir.clone();
+        spawn_with(opts(2, &d, 60), |inner| {
+            std::fs::write(d.join(format!("n{outer}{inner}")), "x")?;
+            Ok(())
+        })?;
+        Ok(())
+    })
+    .unwrap();
+    for o in 0..2 {
+        for i in 0..2 {
+            assert!(dir.join(format!("n{o}{i}")).exists(), "n{o}{i}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
