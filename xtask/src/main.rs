@@ -30,7 +30,11 @@ enum Cmd {
         #[arg(long, default_value = "../shared/anchors")]
         anchors: PathBuf,
         /// Python interpreter with PyTorch installed.
-        #[arg(long, env = "ANCHOR_PYTHON", default_value = "/tmp/tensorplay-anchor-venv/bin/python")]
+        #[arg(
+            long,
+            env = "ANCHOR_PYTHON",
+            default_value = "/tmp/tensorplay-anchor-venv/bin/python"
+        )]
         python: PathBuf,
         /// Number of ranks.
         #[arg(long, default_value_t = 2)]
@@ -204,7 +208,12 @@ fn gpu_count() -> usize {
         .output()
         .ok()
         .filter(|o| o.status.success())
-        .map_or(0, |o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count())
+        .map_or(0, |o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        })
 }
 
 const CPU_SCENARIOS: &[&str] = &[
@@ -219,20 +228,53 @@ const CPU_SCENARIOS: &[&str] = &[
 ];
 
 fn test_multigpu() -> Result<(), String> {
-    run_capture(Command::new("cargo").args(["test", "-p", "tensorplay-collectives", "--test", "multiprocess", "--no-run"]))?;
-    let mut scenarios: Vec<(String, Vec<(String, String)>)> = CPU_SCENARIOS.iter().map(|s| (s.to_string(), vec![])).collect();
+    run_capture(Command::new("cargo").args([
+        "test",
+        "-p",
+        "tensorplay-collectives",
+        "--test",
+        "multiprocess",
+        "--no-run",
+    ]))?;
+    let mut scenarios: Vec<(String, Vec<(String, String)>)> = CPU_SCENARIOS
+        .iter()
+        .map(|s| (s.to_string(), vec![]))
+        .collect();
     let gpus = gpu_count();
     for n in 1..=gpus {
-        scenarios.push(("nccl_world".to_string(), vec![("TENSORPLAY_TEST_NCCL_WORLD".into(), n.to_string())]));
+        scenarios.push((
+            "nccl_world".to_string(),
+            vec![("TENSORPLAY_TEST_NCCL_WORLD".into(), n.to_string())],
+        ));
     }
     if gpus == 0 {
         println!("no GPU found: running the cpu-backend scenarios only");
     }
     let (mut passed, mut failed) = (0, 0);
     for (name, env) in &scenarios {
-        let label = if env.is_empty() { name.clone() } else { format!("{name} {}", env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")) };
+        let label = if env.is_empty() {
+            name.clone()
+        } else {
+            format!(
+                "{name} {}",
+                env.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )
+        };
         let out = Command::new("cargo")
-            .args(["test", "-q", "-p", "tensorplay-collectives", "--test", "multiprocess", "--", "--exact", name])
+            .args([
+                "test",
+                "-q",
+                "-p",
+                "tensorplay-collectives",
+                "--test",
+                "multiprocess",
+                "--",
+                "--exact",
+                name,
+            ])
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .output()
             .map_err(|e| format!("could not run cargo: {e}"))?;
@@ -242,7 +284,10 @@ fn test_multigpu() -> Result<(), String> {
             println!("ok     {label}");
         } else {
             failed += 1;
-            println!("FAILED {label}\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+            println!(
+                "FAILED {label}\n{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
     }
     println!("{passed} passed, {failed} failed");
@@ -261,17 +306,42 @@ fn parse_coll(text: &str) -> Vec<((String, u64), (f64, f64))> {
             if t.len() < 12 || t[3] != "B" || t[5] != "us" {
                 return None;
             }
-            Some(((t[1].to_string(), t[2].parse().ok()?), (t[4].parse().ok()?, t[10].parse().ok()?)))
+            Some((
+                (t[1].to_string(), t[2].parse().ok()?),
+                (t[4].parse().ok()?, t[10].parse().ok()?),
+            ))
         })
         .collect()
 }
 
-fn bench_collectives(anchors: &Path, python: &Path, world: usize, max_mib: usize) -> Result<(), String> {
-    run_capture(Command::new("cargo").args(["build", "--release", "-q", "-p", "tensorplay-collectives", "--example", "bench_collectives"]))?;
+fn bench_collectives(
+    anchors: &Path,
+    python: &Path,
+    world: usize,
+    max_mib: usize,
+) -> Result<(), String> {
+    run_capture(Command::new("cargo").args([
+        "build",
+        "--release",
+        "-q",
+        "-p",
+        "tensorplay-collectives",
+        "--example",
+        "bench_collectives",
+    ]))?;
     eprintln!("running tensorplay (cpu backend)");
     let ours = run_capture(
         Command::new("cargo")
-            .args(["run", "--release", "-q", "-p", "tensorplay-collectives", "--example", "bench_collectives", "--"])
+            .args([
+                "run",
+                "--release",
+                "-q",
+                "-p",
+                "tensorplay-collectives",
+                "--example",
+                "bench_collectives",
+                "--",
+            ])
             .arg(world.to_string())
             .arg(max_mib.to_string()),
     )?;
@@ -279,15 +349,26 @@ fn bench_collectives(anchors: &Path, python: &Path, world: usize, max_mib: usize
     let script = anchors.join("torch_gloo_collectives.py");
     let theirs = if script.exists() && python.exists() {
         eprintln!("running PyTorch gloo");
-        let t = run_capture(Command::new(python).arg(&script).arg(world.to_string()).arg(max_mib.to_string()))?;
+        let t = run_capture(
+            Command::new(python)
+                .arg(&script)
+                .arg(world.to_string())
+                .arg(max_mib.to_string()),
+        )?;
         print!("{t}");
         parse_coll(&t)
     } else {
-        eprintln!("note: PyTorch anchor not found ({}); tensorplay only", python.display());
+        eprintln!(
+            "note: PyTorch anchor not found ({}); tensorplay only",
+            python.display()
+        );
         vec![]
     };
     println!();
-    println!("{:<15} {:>10}  {:>10} {:>10} {:>7}  {:>9} {:>9} {:>7}", "collective", "bytes", "us", "gloo us", "t ratio", "busbw", "gloo", "bw x");
+    println!(
+        "{:<15} {:>10}  {:>10} {:>10} {:>7}  {:>9} {:>9} {:>7}",
+        "collective", "bytes", "us", "gloo us", "t ratio", "busbw", "gloo", "bw x"
+    );
     for ((name, bytes), (us, bw)) in parse_coll(&ours) {
         match theirs.iter().find(|(k, _)| k.0 == name && k.1 == bytes) {
             Some((_, (tus, tbw))) => println!(
@@ -295,7 +376,10 @@ fn bench_collectives(anchors: &Path, python: &Path, world: usize, max_mib: usize
                 us / tus,
                 if *tbw > 0.0 { bw / tbw } else { f64::NAN }
             ),
-            None => println!("{name:<15} {bytes:>10}  {us:>10.1} {:>10} {:>7}  {bw:>9.3}", "-", "-"),
+            None => println!(
+                "{name:<15} {bytes:>10}  {us:>10.1} {:>10} {:>7}  {bw:>9.3}",
+                "-", "-"
+            ),
         }
     }
     Ok(())
@@ -305,7 +389,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
         Cmd::TestMultigpu => test_multigpu(),
-        Cmd::BenchCollectives { anchors, python, world, max_mib } => bench_collectives(&anchors, &python, world, max_mib),
+        Cmd::BenchCollectives {
+            anchors,
+            python,
+            world,
+            max_mib,
+        } => bench_collectives(&anchors, &python, world, max_mib),
         Cmd::BenchCore {
             anchors,
             python,

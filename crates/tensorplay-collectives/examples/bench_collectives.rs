@@ -14,10 +14,16 @@ use std::time::{Duration, Instant};
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
-type R = std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
+type R = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 fn run(rank: usize, world: usize, max_mib: usize) -> R {
-    dist::init_process_group("cpu", InitOptions { timeout: Duration::from_secs(120), ..Default::default() })?;
+    dist::init_process_group(
+        "cpu",
+        InitOptions {
+            timeout: Duration::from_secs(120),
+            ..Default::default()
+        },
+    )?;
     let mut sizes = vec![4usize << 10];
     while *sizes.last().unwrap_or(&0) < (max_mib << 20) {
         let next = sizes.last().copied().unwrap_or(0) * 4;
@@ -25,7 +31,11 @@ fn run(rank: usize, world: usize, max_mib: usize) -> R {
     }
     for name in ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] {
         for &nbytes in &sizes {
-            let n = if matches!(name, "all_reduce" | "broadcast") { nbytes / 4 } else { nbytes / 4 / world };
+            let n = if matches!(name, "all_reduce" | "broadcast") {
+                nbytes / 4
+            } else {
+                nbytes / 4 / world
+            };
             let x = Tensor::ones(&[n], DType::F32)?;
             let big = Tensor::ones(&[n * world], DType::F32)?;
             let op = || -> dist::Result<()> {

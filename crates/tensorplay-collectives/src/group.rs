@@ -1,6 +1,5 @@
 //! Process groups: `init_process_group`, the default group, `new_group`, rank translation.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,7 +43,7 @@ impl Default for InitOptions {
 
 pub(crate) enum BackendImpl {
     Cpu(Box<dyn Backend>),
-    Nccl(NcclBackend),
+    Nccl(Box<NcclBackend>),
 }
 
 pub(crate) struct GroupInner {
@@ -60,7 +59,6 @@ pub(crate) struct GroupInner {
     pub(crate) seq: Arc<Sequencer>,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) backend_name: String,
-    pub(crate) tag: AtomicU64,
 }
 
 /// A process group (`torch.distributed.ProcessGroup`): a set of ranks, a backend and a
@@ -121,15 +119,19 @@ impl ProcessGroup {
     /// The group rank of global rank `global_rank` (`get_group_rank`); an error when it is not
     /// a member.
     pub fn group_rank(&self, global_rank: usize) -> Result<usize> {
-        self.inner.ranks.iter().position(|&r| r == global_rank).ok_or_else(|| {
-            Error::invalid(
-                "get_group_rank",
-                self.inner.global_rank as i64,
-                "global_rank",
-                format!("one of the group's ranks {:?}", self.inner.ranks),
-                global_rank,
-            )
-        })
+        self.inner
+            .ranks
+            .iter()
+            .position(|&r| r == global_rank)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "get_group_rank",
+                    self.inner.global_rank as i64,
+                    "global_rank",
+                    format!("one of the group's ranks {:?}", self.inner.ranks),
+                    global_rank,
+                )
+            })
     }
     /// This process's global rank.
     pub fn my_global_rank(&self) -> usize {
@@ -146,9 +148,6 @@ impl ProcessGroup {
             Some(BackendImpl::Nccl(n)) => n.bytes_sent(),
             None => 0,
         }
-    }
-    pub(crate) fn next_tag(&self) -> u64 {
-        self.inner.tag.fetch_add(1, Ordering::Relaxed)
     }
 }
 
@@ -174,16 +173,16 @@ fn make_backend(
     timeout: Duration,
 ) -> Result<BackendImpl> {
     match backend {
-        "cpu" | "gloo" => Ok(BackendImpl::Cpu(Box::new(CpuBackend::new(
+        "cpu" | "gloo" => Ok(BackendImpl::Cpu(Box::new(CpuBackend::with_options(
             store,
             rank,
             size,
             timeout,
             CpuOptions::default(),
         )?))),
-        "nccl" => Ok(BackendImpl::Nccl(NcclBackend::new(
+        "nccl" => Ok(BackendImpl::Nccl(Box::new(NcclBackend::new(
             store, rank, size, local_rank, timeout,
-        )?)),
+        )?))),
         other => Err(Error::Backend {
             backend: other.to_string(),
             detail: "unknown backend; expected \"cpu\" (host tensors over TCP) or \"nccl\" (CUDA tensors)".into(),
@@ -209,7 +208,7 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
             "already initialized",
         ));
     }
-    let init = InitMethod::parse(&options.init_method)?;
+    let init: InitMethod = options.init_method.parse()?;
     let info = rendezvous(&init, options.rank, options.world_size, options.timeout)?;
     let pg_store: Arc<dyn Store> = Arc::new(PrefixStore::new("pg/world", info.store.clone()));
     let b = make_backend(
@@ -231,7 +230,6 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
             seq: Sequencer::new(),
             store: pg_store,
             backend_name: backend.to_string(),
-            tag: AtomicU64::new(0),
         }),
     };
     *w = Some(World {
@@ -290,7 +288,9 @@ pub fn world_store() -> Result<Arc<dyn Store>> {
     world()
         .as_ref()
         .map(|w| w.store.clone())
-        .ok_or_else(|| Error::NotInitialized { op: "world_store".into() })
+        .ok_or_else(|| Error::NotInitialized {
+            op: "world_store".into(),
+        })
 }
 
 /// Creates a group of the given global ranks (`new_group`). Every process of the world must
@@ -299,10 +299,16 @@ pub fn world_store() -> Result<Arc<dyn Store>> {
 /// error. `backend` defaults to the world's; `timeout` to the world's.
 ///
 /// Errors: not initialised, empty or repeated ranks, ranks outside the world.
-pub fn new_group(ranks: &[usize], backend: Option<&str>, timeout: Option<Duration>) -> Result<ProcessGroup> {
+pub fn new_group(
+    ranks: &[usize],
+    backend: Option<&str>,
+    timeout: Option<Duration>,
+) -> Result<ProcessGroup> {
     let (world_group, store, id, local_rank) = {
         let mut w = world();
-        let w = w.as_mut().ok_or_else(|| Error::NotInitialized { op: "new_group".into() })?;
+        let w = w.as_mut().ok_or_else(|| Error::NotInitialized {
+            op: "new_group".into(),
+        })?;
         let id = w.next_group_id;
         w.next_group_id += 1;
         (w.group.clone(), w.store.clone(), id, w.local_rank)
@@ -310,23 +316,48 @@ pub fn new_group(ranks: &[usize], backend: Option<&str>, timeout: Option<Duratio
     let me = world_group.inner.global_rank;
     let n = world_group.size();
     if ranks.is_empty() {
-        return Err(Error::invalid("new_group", me as i64, "ranks", "at least one rank", "[]"));
+        return Err(Error::invalid(
+            "new_group",
+            me as i64,
+            "ranks",
+            "at least one rank",
+            "[]",
+        ));
     }
     let mut seen = vec![false; n];
     for &r in ranks {
         if r >= n {
-            return Err(Error::invalid("new_group", me as i64, "ranks", format!("ranks < world size {n}"), format!("{ranks:?}")));
+            return Err(Error::invalid(
+                "new_group",
+                me as i64,
+                "ranks",
+                format!("ranks < world size {n}"),
+                format!("{ranks:?}"),
+            ));
         }
         if std::mem::replace(&mut seen[r], true) {
-            return Err(Error::invalid("new_group", me as i64, "ranks", "distinct ranks", format!("{ranks:?}")));
+            return Err(Error::invalid(
+                "new_group",
+                me as i64,
+                "ranks",
+                "distinct ranks",
+                format!("{ranks:?}"),
+            ));
         }
     }
-    let backend_name = backend.unwrap_or(world_group.backend()).to_string();
-    let timeout = timeout.unwrap_or(world_group.timeout());
+    let backend_name = backend.unwrap_or_else(|| world_group.backend()).to_string();
+    let timeout = timeout.unwrap_or_else(|| world_group.timeout());
     let gstore: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("pg/group{id}"), store));
     let group_rank = ranks.iter().position(|&r| r == me);
     let b = match group_rank {
-        Some(gr) => Some(make_backend(&backend_name, gstore.clone(), gr, ranks.len(), local_rank, timeout)?),
+        Some(gr) => Some(make_backend(
+            &backend_name,
+            gstore.clone(),
+            gr,
+            ranks.len(),
+            local_rank,
+            timeout,
+        )?),
         None => None,
     };
     Ok(ProcessGroup {
@@ -340,7 +371,6 @@ pub fn new_group(ranks: &[usize], backend: Option<&str>, timeout: Option<Duratio
             seq: Sequencer::new(),
             store: gstore,
             backend_name,
-            tag: AtomicU64::new(0),
         }),
     })
 }

@@ -13,18 +13,18 @@ mod work;
 
 pub use error::{Error, Result};
 pub use group::{
-    DEFAULT_TIMEOUT, InitOptions, ProcessGroup, default_group, destroy_process_group,
-    get_rank, get_world_size, init_process_group, is_initialized, new_group, world_store,
+    DEFAULT_TIMEOUT, InitOptions, ProcessGroup, default_group, destroy_process_group, get_rank,
+    get_world_size, init_process_group, is_initialized, new_group, world_store,
 };
 pub use ops::{
-    all_gather, all_gather_into_tensor, all_gather_into_tensor_async, all_reduce,
-    all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async, barrier,
-    broadcast, broadcast_async, gather, irecv, isend, recv, reduce, reduce_scatter,
-    reduce_scatter_tensor, reduce_scatter_tensor_async, scatter, send,
+    all_gather, all_gather_into_tensor, all_gather_into_tensor_async, all_reduce, all_reduce_async,
+    all_to_all, all_to_all_single, all_to_all_single_async, barrier, broadcast, broadcast_async,
+    gather, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor,
+    reduce_scatter_tensor_async, scatter, send,
 };
-pub use work::Work;
 pub use rendezvous::{InitMethod, RendezvousInfo, rendezvous, rendezvous_barrier};
 pub use spawn::{SpawnError, SpawnOptions, spawn, spawn_with};
+pub use work::Work;
 
 /// A reduction operation (`torch.distributed.ReduceOp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

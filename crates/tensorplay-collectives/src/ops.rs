@@ -104,7 +104,10 @@ impl Call<'_> {
             self.op,
             self.grank,
             "group",
-            format!("a group this rank belongs to (members: {:?})", self.g.ranks()),
+            format!(
+                "a group this rank belongs to (members: {:?})",
+                self.g.ranks()
+            ),
             format!("group {:?} without rank {}", self.g.ranks(), self.grank),
         )
     }
@@ -115,13 +118,18 @@ impl Call<'_> {
 
     /// Translates a global root rank into a group rank.
     fn root(&self, arg: &str, global: usize) -> Result<usize> {
-        self.g.inner.ranks.iter().position(|&r| r == global).ok_or_else(|| {
-            self.err(
-                arg,
-                format!("a global rank in the group {:?}", self.g.ranks()),
-                global,
-            )
-        })
+        self.g
+            .inner
+            .ranks
+            .iter()
+            .position(|&r| r == global)
+            .ok_or_else(|| {
+                self.err(
+                    arg,
+                    format!("a global rank in the group {:?}", self.g.ranks()),
+                    global,
+                )
+            })
     }
 
     /// Checks a host tensor for the cpu backend.
@@ -147,7 +155,12 @@ impl Call<'_> {
         }
         let mut out = vec![0i64; n * self.size];
         let counts = vec![n; self.size];
-        self.cpu_or_meta()?.all_gather(BufRef::I64(desc), BufMut::I64(&mut out), &counts, self.timeout())?;
+        self.cpu_or_meta()?.all_gather(
+            BufRef::I64(desc),
+            BufMut::I64(&mut out),
+            &counts,
+            self.timeout(),
+        )?;
         Ok(out.chunks(n).map(|c| c.to_vec()).collect())
     }
 
@@ -178,7 +191,13 @@ fn call<'a>(g: &'a ProcessGroup, op: &'static str) -> Result<Call<'a>> {
             format!("group {:?} without rank {grank}", g.ranks()),
         )
     })?;
-    Ok(Call { op, g, rank, size: g.size(), grank })
+    Ok(Call {
+        op,
+        g,
+        rank,
+        size: g.size(),
+        grank,
+    })
 }
 
 fn dtype_code(d: DType) -> i64 {
@@ -217,12 +236,21 @@ fn shape_desc(t: &Tensor) -> Vec<i64> {
 }
 fn fmt_shape(d: &[i64]) -> String {
     let nd = d[1].max(0) as usize;
-    let dims: Vec<String> = d[2..2 + nd.min(MAX_DIMS)].iter().map(|x| x.to_string()).collect();
+    let dims: Vec<String> = d[2..2 + nd.min(MAX_DIMS)]
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
     format!("{} [{}]", dtype_name(d[0]), dims.join(", "))
 }
 
 /// Errors on every rank when field `range` of the descriptors differs across ranks.
-fn agree(c: &Call<'_>, all: &[Vec<i64>], range: std::ops::Range<usize>, what: &str, fmt: impl Fn(&[i64]) -> String) -> Result<()> {
+fn agree(
+    c: &Call<'_>,
+    all: &[Vec<i64>],
+    range: std::ops::Range<usize>,
+    what: &str,
+    fmt: impl Fn(&[i64]) -> String,
+) -> Result<()> {
     let first = &all[0][range.clone()];
     if all.iter().all(|d| &d[range.clone()] == first) {
         return Ok(());
@@ -255,7 +283,11 @@ fn read_host<T: CommElem, R>(t: &Tensor, f: impl FnOnce(BufRef<'_>) -> Result<R>
 
 fn check_writable(c: &Call<'_>, arg: &str, t: &Tensor) -> Result<()> {
     let l = t.layout();
-    if l.shape().iter().zip(l.strides()).any(|(&n, &s)| n > 1 && s == 0) {
+    if l.shape()
+        .iter()
+        .zip(l.strides())
+        .any(|(&n, &s)| n > 1 && s == 0)
+    {
         return Err(c.err(
             arg,
             "a tensor whose elements do not overlap in memory (not an expanded view); call contiguous() first",
@@ -311,7 +343,11 @@ fn check_op(c: &Call<'_>, op: ReduceOp, dt: DType) -> Result<()> {
     if !ok {
         return Err(c.err(
             "op",
-            if dt.is_float() { "Sum, Product, Min, Max or Avg for floating tensors" } else { "Sum, Product, Min, Max, BAnd, BOr or BXor for int64 tensors" },
+            if dt.is_float() {
+                "Sum, Product, Min, Max or Avg for floating tensors"
+            } else {
+                "Sum, Product, Min, Max, BAnd, BOr or BXor for int64 tensors"
+            },
             format!("{op:?} on {dt}"),
         ));
     }
@@ -326,15 +362,26 @@ fn check_op(c: &Call<'_>, op: ReduceOp, dt: DType) -> Result<()> {
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<()> {
     let g = resolve(group, "all_reduce")?;
     let t = tensor.clone();
-    g.inner.seq.clone().run_blocking(g.timeout(), "all_reduce", || all_reduce_impl(&g, &t, op))
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "all_reduce", || all_reduce_impl(&g, &t, op))
 }
 
 /// [`all_reduce`] with `async_op=True`: returns a [`Work`] to wait on.
-pub fn all_reduce_async(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<Work> {
+pub fn all_reduce_async(
+    tensor: &Tensor,
+    op: ReduceOp,
+    group: Option<&ProcessGroup>,
+) -> Result<Work> {
     let g = resolve(group, "all_reduce")?;
     let t = tensor.clone();
     let g2 = g.clone();
-    g.inner.seq.submit(g.timeout(), "all_reduce", Box::new(move || all_reduce_impl(&g2, &t, op)))
+    g.inner.seq.submit(
+        g.timeout(),
+        "all_reduce",
+        Box::new(move || all_reduce_impl(&g2, &t, op)),
+    )
 }
 
 fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
@@ -350,7 +397,9 @@ fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
         d.push(op_code(op));
         let all = c.exchange(&d)?;
         agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| format!("op #{}", v[0]))?;
+        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
+            format!("op #{}", v[0])
+        })?;
     }
     let b = c.cpu()?;
     dispatch!(t.dtype(), "all_reduce", c.grank, T => write_host::<T, ()>(t, |mut buf| {
@@ -365,14 +414,21 @@ fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
 /// In-place broadcast from global rank `src` (`dist.broadcast`).
 pub fn broadcast(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<()> {
     let g = resolve(group, "broadcast")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "broadcast", || broadcast_impl(&g, tensor, src))
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "broadcast", || broadcast_impl(&g, tensor, src))
 }
 
 /// [`broadcast`] with `async_op=True`.
 pub fn broadcast_async(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<Work> {
     let g = resolve(group, "broadcast")?;
     let (t, g2) = (tensor.clone(), g.clone());
-    g.inner.seq.submit(g.timeout(), "broadcast", Box::new(move || broadcast_impl(&g2, &t, src)))
+    g.inner.seq.submit(
+        g.timeout(),
+        "broadcast",
+        Box::new(move || broadcast_impl(&g2, &t, src)),
+    )
 }
 
 fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
@@ -388,7 +444,9 @@ fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
         d.push(src as i64);
         let all = c.exchange(&d)?;
         agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| format!("src {}", v[0]))?;
+        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| {
+            format!("src {}", v[0])
+        })?;
     }
     let b = c.cpu()?;
     dispatch!(t.dtype(), "broadcast", c.grank, T => write_host::<T, ()>(t, |buf| b.broadcast(buf, root, c.timeout())))
@@ -396,7 +454,12 @@ fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
 
 /// Reduces every rank's `tensor` into global rank `dst`'s `tensor` (`dist.reduce`); the other
 /// ranks' tensors are left unchanged (PyTorch leaves partial results there).
-pub fn reduce(tensor: &Tensor, dst: usize, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn reduce(
+    tensor: &Tensor,
+    dst: usize,
+    op: ReduceOp,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "reduce")?;
     g.inner.seq.clone().run_blocking(g.timeout(), "reduce", || {
         let c = call(&g, "reduce")?;
@@ -412,7 +475,9 @@ pub fn reduce(tensor: &Tensor, dst: usize, op: ReduceOp, group: Option<&ProcessG
             d.extend([dst as i64, op_code(op)]);
             let all = c.exchange(&d)?;
             agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-            agree(&c, &all, 2 + MAX_DIMS..4 + MAX_DIMS, "dst and op", |v| format!("dst {} op #{}", v[0], v[1]))?;
+            agree(&c, &all, 2 + MAX_DIMS..4 + MAX_DIMS, "dst and op", |v| {
+                format!("dst {} op #{}", v[0], v[1])
+            })?;
         }
         let b = c.cpu()?;
         dispatch!(tensor.dtype(), "reduce", c.grank, T => write_host::<T, ()>(tensor, |mut buf| {
@@ -428,7 +493,11 @@ pub fn reduce(tensor: &Tensor, dst: usize, op: ReduceOp, group: Option<&ProcessG
 /// Every rank's `tensor` is written into `tensor_list[r]` on every rank (`dist.all_gather`).
 /// `tensor_list` has one tensor per rank of the group; rank `r`'s input may have its own
 /// shape, and `tensor_list[r]` must have that shape.
-pub fn all_gather(tensor_list: &[Tensor], tensor: &Tensor, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn all_gather(
+    tensor_list: &[Tensor],
+    tensor: &Tensor,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "all_gather")?;
     g.inner.seq.clone().run_blocking(g.timeout(), "all_gather", || {
         let c = call(&g, "all_gather")?;
@@ -479,16 +548,33 @@ fn copy_into<T: CommElem>(dst: &mut BufMut<'_>, src: &[T]) {
 /// Gathers every rank's `input` into `output`, concatenated along the first dimension in rank
 /// order (`dist.all_gather_into_tensor`); `output` has `size * input.numel()` elements
 /// (shape `[size * d0, ...]` or `[size, d0, ...]`). `input` may be a view into `output`.
-pub fn all_gather_into_tensor(output: &Tensor, input: &Tensor, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn all_gather_into_tensor(
+    output: &Tensor,
+    input: &Tensor,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "all_gather_into_tensor")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "all_gather_into_tensor", || agit_impl(&g, output, input))
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "all_gather_into_tensor", || {
+            agit_impl(&g, output, input)
+        })
 }
 
 /// [`all_gather_into_tensor`] with `async_op=True`.
-pub fn all_gather_into_tensor_async(output: &Tensor, input: &Tensor, group: Option<&ProcessGroup>) -> Result<Work> {
+pub fn all_gather_into_tensor_async(
+    output: &Tensor,
+    input: &Tensor,
+    group: Option<&ProcessGroup>,
+) -> Result<Work> {
     let g = resolve(group, "all_gather_into_tensor")?;
     let (o, i, g2) = (output.clone(), input.clone(), g.clone());
-    g.inner.seq.submit(g.timeout(), "all_gather_into_tensor", Box::new(move || agit_impl(&g2, &o, &i)))
+    g.inner.seq.submit(
+        g.timeout(),
+        "all_gather_into_tensor",
+        Box::new(move || agit_impl(&g2, &o, &i)),
+    )
 }
 
 fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
@@ -502,13 +588,25 @@ fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
     if output.dtype() != input.dtype() || output.numel() != input.numel() * c.size {
         return Err(c.err(
             "output",
-            format!("{} with {} elements (world {} x input {})", input.dtype(), input.numel() * c.size, c.size, input.numel()),
+            format!(
+                "{} with {} elements (world {} x input {})",
+                input.dtype(),
+                input.numel() * c.size,
+                c.size,
+                input.numel()
+            ),
             format!("{} with {} elements", output.dtype(), output.numel()),
         ));
     }
     if checks_enabled() {
         let all = c.exchange(&shape_desc(input))?;
-        agree(&c, &all, 0..2 + MAX_DIMS, "input dtype and shape", fmt_shape)?;
+        agree(
+            &c,
+            &all,
+            0..2 + MAX_DIMS,
+            "input dtype and shape",
+            fmt_shape,
+        )?;
     }
     let counts = vec![input.numel(); c.size];
     let b = c.cpu()?;
@@ -524,55 +622,84 @@ fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
 
 /// Reduces `input_list[r]` over ranks into rank `r`'s `output` (`dist.reduce_scatter`); all
 /// tensors have `output`'s shape.
-pub fn reduce_scatter(output: &Tensor, input_list: &[Tensor], op: ReduceOp, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn reduce_scatter(
+    output: &Tensor,
+    input_list: &[Tensor],
+    op: ReduceOp,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "reduce_scatter")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "reduce_scatter", || {
-        let c = call(&g, "reduce_scatter")?;
-        if input_list.len() != c.size {
-            return Err(c.err("input_list", format!("{} tensors (one per rank)", c.size), input_list.len()));
-        }
-        for (r, t) in input_list.iter().enumerate() {
-            if t.shape() != output.shape() || t.dtype() != output.dtype() {
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "reduce_scatter", || {
+            let c = call(&g, "reduce_scatter")?;
+            if input_list.len() != c.size {
                 return Err(c.err(
-                    &format!("input_list[{r}]"),
-                    format!("output's {} {:?}", output.dtype(), output.shape()),
-                    format!("{} {:?}", t.dtype(), t.shape()),
+                    "input_list",
+                    format!("{} tensors (one per rank)", c.size),
+                    input_list.len(),
                 ));
             }
-        }
-        let parts = input_list
-            .iter()
-            .map(|t| t.reshape(&[t.numel()]))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let flat = Tensor::cat(&parts, 0)?;
-        rs_impl(&c, output, &flat, op)
-    })
+            for (r, t) in input_list.iter().enumerate() {
+                if t.shape() != output.shape() || t.dtype() != output.dtype() {
+                    return Err(c.err(
+                        &format!("input_list[{r}]"),
+                        format!("output's {} {:?}", output.dtype(), output.shape()),
+                        format!("{} {:?}", t.dtype(), t.shape()),
+                    ));
+                }
+            }
+            let parts = input_list
+                .iter()
+                .map(|t| t.reshape(&[t.numel()]))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let flat = Tensor::cat(&parts, 0)?;
+            rs_impl(&c, output, &flat, op)
+        })
 }
 
 /// Reduces `input` (`size * output.numel()` elements, blocks in rank order) over ranks and
 /// leaves block `rank` in `output` (`dist.reduce_scatter_tensor`).
-pub fn reduce_scatter_tensor(output: &Tensor, input: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn reduce_scatter_tensor(
+    output: &Tensor,
+    input: &Tensor,
+    op: ReduceOp,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "reduce_scatter_tensor")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "reduce_scatter_tensor", || {
-        let c = call(&g, "reduce_scatter_tensor")?;
-        if let Some(BackendImpl::Nccl(n)) = &g.inner.backend {
-            return n.reduce_scatter_tensor(&c.grank, output, input, op, c.timeout());
-        }
-        rs_impl(&c, output, input, op)
-    })
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "reduce_scatter_tensor", || {
+            let c = call(&g, "reduce_scatter_tensor")?;
+            if let Some(BackendImpl::Nccl(n)) = &g.inner.backend {
+                return n.reduce_scatter_tensor(&c.grank, output, input, op, c.timeout());
+            }
+            rs_impl(&c, output, input, op)
+        })
 }
 
 /// [`reduce_scatter_tensor`] with `async_op=True`.
-pub fn reduce_scatter_tensor_async(output: &Tensor, input: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<Work> {
+pub fn reduce_scatter_tensor_async(
+    output: &Tensor,
+    input: &Tensor,
+    op: ReduceOp,
+    group: Option<&ProcessGroup>,
+) -> Result<Work> {
     let g = resolve(group, "reduce_scatter_tensor")?;
     let (o, i, g2) = (output.clone(), input.clone(), g.clone());
-    g.inner.seq.submit(g.timeout(), "reduce_scatter_tensor", Box::new(move || {
-        let c = call(&g2, "reduce_scatter_tensor")?;
-        if let Some(BackendImpl::Nccl(n)) = &g2.inner.backend {
-            return n.reduce_scatter_tensor(&c.grank, &o, &i, op, c.timeout());
-        }
-        rs_impl(&c, &o, &i, op)
-    }))
+    g.inner.seq.submit(
+        g.timeout(),
+        "reduce_scatter_tensor",
+        Box::new(move || {
+            let c = call(&g2, "reduce_scatter_tensor")?;
+            if let Some(BackendImpl::Nccl(n)) = &g2.inner.backend {
+                return n.reduce_scatter_tensor(&c.grank, &o, &i, op, c.timeout());
+            }
+            rs_impl(&c, &o, &i, op)
+        }),
+    )
 }
 
 fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
@@ -583,7 +710,13 @@ fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Resul
     if output.dtype() != input.dtype() || input.numel() != output.numel() * c.size {
         return Err(c.err(
             "input",
-            format!("{} with {} elements (world {} x output {})", output.dtype(), output.numel() * c.size, c.size, output.numel()),
+            format!(
+                "{} with {} elements (world {} x output {})",
+                output.dtype(),
+                output.numel() * c.size,
+                c.size,
+                output.numel()
+            ),
             format!("{} with {} elements", input.dtype(), input.numel()),
         ));
     }
@@ -591,8 +724,16 @@ fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Resul
         let mut d = shape_desc(output);
         d.push(op_code(op));
         let all = c.exchange(&d)?;
-        agree(c, &all, 0..2 + MAX_DIMS, "output dtype and shape", fmt_shape)?;
-        agree(c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| format!("op #{}", v[0]))?;
+        agree(
+            c,
+            &all,
+            0..2 + MAX_DIMS,
+            "output dtype and shape",
+            fmt_shape,
+        )?;
+        agree(c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
+            format!("op #{}", v[0])
+        })?;
     }
     let b = c.cpu()?;
     dispatch!(input.dtype(), c.op, c.grank, T => {
@@ -610,7 +751,12 @@ fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Resul
 /// Gathers every rank's `tensor` into `gather_list` on global rank `dst` (`dist.gather`).
 /// `gather_list` is required on `dst` (one tensor per rank, each of that rank's input shape)
 /// and ignored elsewhere.
-pub fn gather(tensor: &Tensor, gather_list: Option<&[Tensor]>, dst: usize, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn gather(
+    tensor: &Tensor,
+    gather_list: Option<&[Tensor]>,
+    dst: usize,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "gather")?;
     g.inner.seq.clone().run_blocking(g.timeout(), "gather", || {
         let c = call(&g, "gather")?;
@@ -658,7 +804,12 @@ pub fn gather(tensor: &Tensor, gather_list: Option<&[Tensor]>, dst: usize, group
 /// Sends `scatter_list[r]` of global rank `src` to rank `r`'s `tensor` (`dist.scatter`).
 /// `scatter_list` is required on `src` (one tensor per rank, of that rank's `tensor` shape);
 /// other ranks pass `None`.
-pub fn scatter(tensor: &Tensor, scatter_list: Option<&[Tensor]>, src: usize, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn scatter(
+    tensor: &Tensor,
+    scatter_list: Option<&[Tensor]>,
+    src: usize,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "scatter")?;
     g.inner.seq.clone().run_blocking(g.timeout(), "scatter", || {
         let c = call(&g, "scatter")?;
@@ -728,50 +879,59 @@ pub fn scatter(tensor: &Tensor, scatter_list: Option<&[Tensor]>, src: usize, gro
 
 fn numel_of(d: &[i64]) -> usize {
     let nd = d[1].max(0) as usize;
-    (0..nd.min(MAX_DIMS)).map(|i| d[2 + i].max(0) as usize).product()
+    (0..nd.min(MAX_DIMS))
+        .map(|i| d[2 + i].max(0) as usize)
+        .product()
 }
 
 /// Rank `r` sends `input_list[s]` to rank `s`, which receives it into `output_list[r]`
 /// (`dist.all_to_all`). Sizes may differ per pair but must agree between sender and receiver.
-pub fn all_to_all(output_list: &[Tensor], input_list: &[Tensor], group: Option<&ProcessGroup>) -> Result<()> {
+pub fn all_to_all(
+    output_list: &[Tensor],
+    input_list: &[Tensor],
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let g = resolve(group, "all_to_all")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "all_to_all", || {
-        let c = call(&g, "all_to_all")?;
-        for (name, l) in [("output_list", output_list), ("input_list", input_list)] {
-            if l.len() != c.size {
-                return Err(c.err(name, format!("{} tensors (one per rank)", c.size), l.len()));
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "all_to_all", || {
+            let c = call(&g, "all_to_all")?;
+            for (name, l) in [("output_list", output_list), ("input_list", input_list)] {
+                if l.len() != c.size {
+                    return Err(c.err(name, format!("{} tensors (one per rank)", c.size), l.len()));
+                }
             }
-        }
-        let dt = input_list[0].dtype();
-        for (r, t) in input_list.iter().chain(output_list).enumerate() {
-            c.host(&format!("tensor {r} of the lists"), t)?;
-            if t.dtype() != dt {
-                return Err(c.err("lists", format!("one dtype ({dt})"), t.dtype()));
+            let dt = input_list[0].dtype();
+            for (r, t) in input_list.iter().chain(output_list).enumerate() {
+                c.host(&format!("tensor {r} of the lists"), t)?;
+                if t.dtype() != dt {
+                    return Err(c.err("lists", format!("one dtype ({dt})"), t.dtype()));
+                }
             }
-        }
-        for (r, t) in output_list.iter().enumerate() {
-            check_writable(&c, &format!("output_list[{r}]"), t)?;
-        }
-        let send: Vec<usize> = input_list.iter().map(|t| t.numel()).collect();
-        let recv: Vec<usize> = output_list.iter().map(|t| t.numel()).collect();
-        a2a_check(&c, dt, &send, &recv)?;
-        let b = c.cpu()?;
-        dispatch!(dt, "all_to_all", c.grank, T => {
-            let mut flat: Vec<T> = Vec::with_capacity(send.iter().sum());
-            for t in input_list {
-                flat.extend(host_vec::<T>(t)?);
+            for (r, t) in output_list.iter().enumerate() {
+                check_writable(&c, &format!("output_list[{r}]"), t)?;
             }
-            let mut out = vec![T::default(); recv.iter().sum()];
-            b.all_to_all(T::buf_ref(&flat), &send, T::buf_mut(&mut out), &recv, c.timeout())?;
-            let mut off = 0;
-            for (o, &n) in output_list.iter().zip(&recv) {
-                let block = &out[off..off + n];
-                write_host::<T, ()>(o, |mut dst| { copy_into::<T>(&mut dst, block); Ok(()) })?;
-                off += n;
-            }
-            Ok(())
+            let send: Vec<usize> = input_list.iter().map(|t| t.numel()).collect();
+            let recv: Vec<usize> = output_list.iter().map(|t| t.numel()).collect();
+            a2a_check(&c, dt, &send, &recv)?;
+            let b = c.cpu()?;
+            dispatch!(dt, "all_to_all", c.grank, T => {
+                let mut flat: Vec<T> = Vec::with_capacity(send.iter().sum());
+                for t in input_list {
+                    flat.extend(host_vec::<T>(t)?);
+                }
+                let mut out = vec![T::default(); recv.iter().sum()];
+                b.all_to_all(T::buf_ref(&flat), &send, T::buf_mut(&mut out), &recv, c.timeout())?;
+                let mut off = 0;
+                for (o, &n) in output_list.iter().zip(&recv) {
+                    let block = &out[off..off + n];
+                    write_host::<T, ()>(o, |mut dst| { copy_into::<T>(&mut dst, block); Ok(()) })?;
+                    off += n;
+                }
+                Ok(())
+            })
         })
-    })
 }
 
 /// Checks that what each rank sends to each other rank is what that rank expects to receive.
@@ -791,7 +951,10 @@ fn a2a_check(c: &Call<'_>, dt: DType, send: &[usize], recv: &[usize]) -> Result<
                     op: c.op.to_string(),
                     detail: format!(
                         "rank {} sends {sends} elements to rank {} but rank {} expects {expects} from rank {}",
-                        c.g.ranks()[r], c.g.ranks()[s], c.g.ranks()[s], c.g.ranks()[r]
+                        c.g.ranks()[r],
+                        c.g.ranks()[s],
+                        c.g.ranks()[s],
+                        c.g.ranks()[r]
                     ),
                 });
             }
@@ -811,7 +974,12 @@ pub fn all_to_all_single(
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
     let g = resolve(group, "all_to_all_single")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "all_to_all_single", || a2as_impl(&g, output, input, output_split_sizes, input_split_sizes))
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "all_to_all_single", || {
+            a2as_impl(&g, output, input, output_split_sizes, input_split_sizes)
+        })
 }
 
 /// [`all_to_all_single`] with `async_op=True`.
@@ -824,43 +992,91 @@ pub fn all_to_all_single_async(
 ) -> Result<Work> {
     let g = resolve(group, "all_to_all_single")?;
     let (o, i, g2) = (output.clone(), input.clone(), g.clone());
-    g.inner.seq.submit(g.timeout(), "all_to_all_single", Box::new(move || {
-        a2as_impl(&g2, &o, &i, output_split_sizes.as_deref(), input_split_sizes.as_deref())
-    }))
+    g.inner.seq.submit(
+        g.timeout(),
+        "all_to_all_single",
+        Box::new(move || {
+            a2as_impl(
+                &g2,
+                &o,
+                &i,
+                output_split_sizes.as_deref(),
+                input_split_sizes.as_deref(),
+            )
+        }),
+    )
 }
 
-fn a2as_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor, out_splits: Option<&[usize]>, in_splits: Option<&[usize]>) -> Result<()> {
+fn a2as_impl(
+    g: &ProcessGroup,
+    output: &Tensor,
+    input: &Tensor,
+    out_splits: Option<&[usize]>,
+    in_splits: Option<&[usize]>,
+) -> Result<()> {
     let c = call(g, "all_to_all_single")?;
     c.host("input", input)?;
     c.host("output", output)?;
     check_writable(&c, "output", output)?;
     if input.dtype() != output.dtype() {
-        return Err(c.err("output", format!("input's dtype {}", input.dtype()), output.dtype()));
+        return Err(c.err(
+            "output",
+            format!("input's dtype {}", input.dtype()),
+            output.dtype(),
+        ));
     }
     let rows = |t: &Tensor| if t.ndim() == 0 { 1 } else { t.shape()[0] };
-    let row_numel = |t: &Tensor| if t.ndim() == 0 { 1 } else { t.shape()[1..].iter().product::<usize>() };
+    let row_numel = |t: &Tensor| {
+        if t.ndim() == 0 {
+            1
+        } else {
+            t.shape()[1..].iter().product::<usize>()
+        }
+    };
     if input.ndim() > 0 && output.ndim() > 0 && input.shape()[1..] != output.shape()[1..] {
-        return Err(c.err("output", format!("rows of shape {:?} like input's", &input.shape()[1..]), format!("{:?}", &output.shape()[1..])));
+        return Err(c.err(
+            "output",
+            format!("rows of shape {:?} like input's", &input.shape()[1..]),
+            format!("{:?}", &output.shape()[1..]),
+        ));
     }
     let splits = |given: Option<&[usize]>, t: &Tensor, arg: &str| -> Result<Vec<usize>> {
         match given {
             Some(s) => {
                 if s.len() != c.size || s.iter().sum::<usize>() != rows(t) {
-                    return Err(c.err(arg, format!("{} sizes summing to {} rows", c.size, rows(t)), format!("{s:?}")));
+                    return Err(c.err(
+                        arg,
+                        format!("{} sizes summing to {} rows", c.size, rows(t)),
+                        format!("{s:?}"),
+                    ));
                 }
                 Ok(s.to_vec())
             }
             None => {
                 if rows(t) % c.size != 0 {
-                    return Err(c.err(arg, format!("given, since {} rows do not split evenly over {} ranks", rows(t), c.size), "None"));
+                    return Err(c.err(
+                        arg,
+                        format!(
+                            "given, since {} rows do not split evenly over {} ranks",
+                            rows(t),
+                            c.size
+                        ),
+                        "None",
+                    ));
                 }
                 Ok(vec![rows(t) / c.size; c.size])
             }
         }
     };
     let rn = row_numel(input);
-    let send: Vec<usize> = splits(in_splits, input, "input_split_sizes")?.iter().map(|r| r * rn).collect();
-    let recv: Vec<usize> = splits(out_splits, output, "output_split_sizes")?.iter().map(|r| r * rn).collect();
+    let send: Vec<usize> = splits(in_splits, input, "input_split_sizes")?
+        .iter()
+        .map(|r| r * rn)
+        .collect();
+    let recv: Vec<usize> = splits(out_splits, output, "output_split_sizes")?
+        .iter()
+        .map(|r| r * rn)
+        .collect();
     a2a_check(&c, input.dtype(), &send, &recv)?;
     let b = c.cpu()?;
     dispatch!(input.dtype(), "all_to_all_single", c.grank, T => {
@@ -872,10 +1088,13 @@ fn a2as_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor, out_splits: Opti
 /// Blocks until every rank of the group has called it (`dist.barrier`).
 pub fn barrier(group: Option<&ProcessGroup>) -> Result<()> {
     let g = resolve(group, "barrier")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "barrier", || {
-        let c = call(&g, "barrier")?;
-        c.cpu_or_meta()?.barrier(c.timeout())
-    })
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "barrier", || {
+            let c = call(&g, "barrier")?;
+            c.cpu_or_meta()?.barrier(c.timeout())
+        })
 }
 
 /// Sends `tensor` to global rank `dst` (`dist.send`); `tag` must match the receiver's.

@@ -9,13 +9,14 @@ use crossbeam::channel::{Receiver, Sender, bounded, unbounded};
 use crate::{Error, Result};
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
+type Queued = (u64, Job, Sender<Result<()>>);
 
 /// Runs the operations of one group strictly in the order they were issued, whether they are
 /// blocking (run on the caller's thread) or asynchronous (run on the group's worker thread).
 pub(crate) struct Sequencer {
     state: Mutex<SeqState>,
     turn: Condvar,
-    worker: Mutex<Option<Sender<(u64, Job, Sender<Result<()>>)>>>,
+    worker: Mutex<Option<Sender<Queued>>>,
 }
 
 struct SeqState {
@@ -47,7 +48,13 @@ impl Sequencer {
 
     /// Waits for `ticket`'s turn (up to `timeout`), runs `f`, and passes the turn on even when
     /// `f` fails.
-    fn run_turn<R>(&self, ticket: u64, timeout: Duration, op: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    fn run_turn<R>(
+        &self,
+        ticket: u64,
+        timeout: Duration,
+        op: &str,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
         let deadline = Instant::now() + timeout;
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         while s.now_serving != ticket {
@@ -78,7 +85,11 @@ impl Sequencer {
     fn advance(&self) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.now_serving += 1;
-        while s.abandoned.remove(&s.now_serving.clone()) {
+        loop {
+            let next = s.now_serving;
+            if !s.abandoned.remove(&next) {
+                break;
+            }
             s.now_serving += 1;
         }
         drop(s);
@@ -97,7 +108,12 @@ impl Sequencer {
     }
 
     /// Runs `f` on this thread in issue order.
-    pub(crate) fn run_blocking<R>(&self, timeout: Duration, op: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    pub(crate) fn run_blocking<R>(
+        &self,
+        timeout: Duration,
+        op: &str,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
         let t = self.ticket();
         self.run_turn(t, timeout, op, f)
     }
@@ -120,12 +136,18 @@ impl Sequencer {
                         let _ = done.send(r);
                     }
                 })
-                .map_err(|e| Error::Io(format!("could not start the collectives worker thread: {e}")))?;
+                .map_err(|e| {
+                    Error::Io(format!(
+                        "could not start the collectives worker thread: {e}"
+                    ))
+                })?;
             *w = Some(jtx);
         }
         let sender = w.as_ref().map(|s| s.send((t, f, tx)));
         if !matches!(sender, Some(Ok(()))) {
-            return Err(Error::Io("the collectives worker thread has stopped".into()));
+            return Err(Error::Io(
+                "the collectives worker thread has stopped".into(),
+            ));
         }
         Ok(Work {
             op: op.to_string(),
@@ -180,17 +202,6 @@ impl Work {
             return true;
         }
         false
-    }
-
-    /// A `Work` that is already complete with `result` (used where an operation finishes at
-    /// once, such as world size 1).
-    pub(crate) fn done(op: &str, result: Result<()>) -> Work {
-        let (_tx, rx) = bounded(1);
-        Work {
-            op: op.to_string(),
-            rx,
-            result: Mutex::new(Some(result)),
-        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
-type TestResult = std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 fn init(timeout_s: u64) -> dist::Result<()> {
     dist::init_process_group(
@@ -56,7 +56,12 @@ fn reduce_ref(op: ReduceOp, xs: &[Vec<f64>]) -> Vec<f64> {
 }
 
 fn ops_for(dt: DType) -> Vec<ReduceOp> {
-    let mut v = vec![ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max];
+    let mut v = vec![
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+    ];
     if dt == DType::I64 {
         v.extend([ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor]);
     } else {
@@ -66,14 +71,24 @@ fn ops_for(dt: DType) -> Vec<ReduceOp> {
 }
 
 fn check(what: &str, got: Vec<f64>, want: Vec<f64>) -> TestResult {
-    if got.len() != want.len() || got.iter().zip(&want).any(|(a, b)| (a - b).abs() > 1e-5 * (1.0 + b.abs())) {
+    if got.len() != want.len()
+        || got
+            .iter()
+            .zip(&want)
+            .any(|(a, b)| (a - b).abs() > 1e-5 * (1.0 + b.abs()))
+    {
         return Err(format!("{what}: got {got:?}, want {want:?}").into());
     }
     Ok(())
 }
 
 /// Every collective, dtype and op in one world, against single-process results.
-fn all_collectives(rank: usize, n: usize, group: Option<&dist::ProcessGroup>, members: &[usize]) -> TestResult {
+fn all_collectives(
+    rank: usize,
+    n: usize,
+    group: Option<&dist::ProcessGroup>,
+    members: &[usize],
+) -> TestResult {
     let me = members.iter().position(|&m| m == rank).expect("member");
     let k = members.len();
     for dt in [DType::F32, DType::F64, DType::I64] {
@@ -82,12 +97,20 @@ fn all_collectives(rank: usize, n: usize, group: Option<&dist::ProcessGroup>, me
                 let xs: Vec<Vec<f64>> = (0..k).map(|r| values(members[r], len, 1)).collect();
                 let t = tensor(&xs[me], &[len], dt);
                 dist::all_reduce(&t, op, group)?;
-                check(&format!("all_reduce {op:?} {dt} len {len} (world {n})"), as_f64(&t), reduce_ref(op, &xs))?;
+                check(
+                    &format!("all_reduce {op:?} {dt} len {len} (world {n})"),
+                    as_f64(&t),
+                    reduce_ref(op, &xs),
+                )?;
                 // reduce to every root; non-roots unchanged
                 for (root_idx, &root) in members.iter().enumerate() {
                     let t = tensor(&xs[me], &[len], dt);
                     dist::reduce(&t, root, op, group)?;
-                    let want = if me == root_idx { reduce_ref(op, &xs) } else { xs[me].clone() };
+                    let want = if me == root_idx {
+                        reduce_ref(op, &xs)
+                    } else {
+                        xs[me].clone()
+                    };
                     check(&format!("reduce {op:?} {dt} to {root}"), as_f64(&t), want)?;
                 }
             }
@@ -95,60 +118,120 @@ fn all_collectives(rank: usize, n: usize, group: Option<&dist::ProcessGroup>, me
             for (root_idx, &root) in members.iter().enumerate() {
                 let t = tensor(&values(rank, len, 2), &[len], dt);
                 dist::broadcast(&t, root, group)?;
-                check(&format!("broadcast {dt} from {root}"), as_f64(&t), values(members[root_idx], len, 2))?;
+                check(
+                    &format!("broadcast {dt} from {root}"),
+                    as_f64(&t),
+                    values(members[root_idx], len, 2),
+                )?;
             }
         }
         // all_gather with uneven shapes: rank r has r+1 rows of 3
         let rows = |r: usize| r + 1;
         let mine = tensor(&values(rank, rows(me) * 3, 3), &[rows(me), 3], dt);
-        let outs: Vec<Tensor> = (0..k).map(|r| Tensor::zeros(&[rows(r), 3], dt).expect("zeros")).collect();
+        let outs: Vec<Tensor> = (0..k)
+            .map(|r| Tensor::zeros(&[rows(r), 3], dt).expect("zeros"))
+            .collect();
         dist::all_gather(&outs, &mine, group)?;
         for r in 0..k {
-            check(&format!("all_gather {dt} block {r}"), as_f64(&outs[r]), values(members[r], rows(r) * 3, 3))?;
+            check(
+                &format!("all_gather {dt} block {r}"),
+                as_f64(&outs[r]),
+                values(members[r], rows(r) * 3, 3),
+            )?;
         }
         // all_gather_into_tensor, also in place (input is a view of the output)
         let out = Tensor::zeros(&[k * 2, 2], dt)?;
         dist::all_gather_into_tensor(&out, &tensor(&values(rank, 4, 4), &[2, 2], dt), group)?;
         let want: Vec<f64> = members.iter().flat_map(|&m| values(m, 4, 4)).collect();
-        check(&format!("all_gather_into_tensor {dt}"), as_f64(&out), want.clone())?;
+        check(
+            &format!("all_gather_into_tensor {dt}"),
+            as_f64(&out),
+            want.clone(),
+        )?;
         let out2 = Tensor::zeros(&[k * 2, 2], dt)?;
-        out2.narrow(0, me * 2, 2)?.copy_(&tensor(&values(rank, 4, 4), &[2, 2], dt))?;
+        out2.narrow(0, me * 2, 2)?
+            .copy_(&tensor(&values(rank, 4, 4), &[2, 2], dt))?;
         dist::all_gather_into_tensor(&out2, &out2.narrow(0, me * 2, 2)?, group)?;
-        check(&format!("in-place all_gather_into_tensor {dt}"), as_f64(&out2), want)?;
+        check(
+            &format!("in-place all_gather_into_tensor {dt}"),
+            as_f64(&out2),
+            want,
+        )?;
         // reduce_scatter (list and tensor)
         for op in ops_for(dt) {
             let xs: Vec<Vec<f64>> = (0..k).map(|r| values(members[r], 3 * k, 5)).collect();
             let full = reduce_ref(op, &xs);
             let out = Tensor::zeros(&[3], dt)?;
             dist::reduce_scatter_tensor(&out, &tensor(&xs[me], &[3 * k], dt), op, group)?;
-            check(&format!("reduce_scatter_tensor {op:?} {dt}"), as_f64(&out), full[me * 3..me * 3 + 3].to_vec())?;
-            let list: Vec<Tensor> = (0..k).map(|j| tensor(&xs[me][j * 3..j * 3 + 3], &[3], dt)).collect();
+            check(
+                &format!("reduce_scatter_tensor {op:?} {dt}"),
+                as_f64(&out),
+                full[me * 3..me * 3 + 3].to_vec(),
+            )?;
+            let list: Vec<Tensor> = (0..k)
+                .map(|j| tensor(&xs[me][j * 3..j * 3 + 3], &[3], dt))
+                .collect();
             let out = Tensor::zeros(&[3], dt)?;
             dist::reduce_scatter(&out, &list, op, group)?;
-            check(&format!("reduce_scatter {op:?} {dt}"), as_f64(&out), full[me * 3..me * 3 + 3].to_vec())?;
+            check(
+                &format!("reduce_scatter {op:?} {dt}"),
+                as_f64(&out),
+                full[me * 3..me * 3 + 3].to_vec(),
+            )?;
         }
         // gather / scatter with every root
         for (root_idx, &root) in members.iter().enumerate() {
             let x = tensor(&values(rank, 2, 6), &[2], dt);
-            let list: Vec<Tensor> = (0..k).map(|_| Tensor::zeros(&[2], dt).expect("zeros")).collect();
+            let list: Vec<Tensor> = (0..k)
+                .map(|_| Tensor::zeros(&[2], dt).expect("zeros"))
+                .collect();
             dist::gather(&x, (me == root_idx).then_some(list.as_slice()), root, group)?;
             if me == root_idx {
                 for r in 0..k {
-                    check(&format!("gather {dt} to {root} block {r}"), as_f64(&list[r]), values(members[r], 2, 6))?;
+                    check(
+                        &format!("gather {dt} to {root} block {r}"),
+                        as_f64(&list[r]),
+                        values(members[r], 2, 6),
+                    )?;
                 }
             }
             let out = Tensor::zeros(&[2], dt)?;
-            let src: Vec<Tensor> = (0..k).map(|r| tensor(&values(r * 10, 2, 7), &[2], dt)).collect();
-            dist::scatter(&out, (me == root_idx).then_some(src.as_slice()), root, group)?;
-            check(&format!("scatter {dt} from {root}"), as_f64(&out), values(me * 10, 2, 7))?;
+            let src: Vec<Tensor> = (0..k)
+                .map(|r| tensor(&values(r * 10, 2, 7), &[2], dt))
+                .collect();
+            dist::scatter(
+                &out,
+                (me == root_idx).then_some(src.as_slice()),
+                root,
+                group,
+            )?;
+            check(
+                &format!("scatter {dt} from {root}"),
+                as_f64(&out),
+                values(me * 10, 2, 7),
+            )?;
         }
         // all_to_all with uneven sizes: rank r sends (r + s + 1) elements to s
         let sizes = |from: usize, to: usize| from + to + 1;
-        let inputs: Vec<Tensor> = (0..k).map(|s| tensor(&values(rank * 100 + s, sizes(me, s), 8), &[sizes(me, s)], dt)).collect();
-        let outputs: Vec<Tensor> = (0..k).map(|r| Tensor::zeros(&[sizes(r, me)], dt).expect("zeros")).collect();
+        let inputs: Vec<Tensor> = (0..k)
+            .map(|s| {
+                tensor(
+                    &values(rank * 100 + s, sizes(me, s), 8),
+                    &[sizes(me, s)],
+                    dt,
+                )
+            })
+            .collect();
+        let outputs: Vec<Tensor> = (0..k)
+            .map(|r| Tensor::zeros(&[sizes(r, me)], dt).expect("zeros"))
+            .collect();
         dist::all_to_all(&outputs, &inputs, group)?;
         for r in 0..k {
-            check(&format!("all_to_all {dt} from {r}"), as_f64(&outputs[r]), values(members[r] * 100 + me, sizes(r, me), 8))?;
+            check(
+                &format!("all_to_all {dt} from {r}"),
+                as_f64(&outputs[r]),
+                values(members[r] * 100 + me, sizes(r, me), 8),
+            )?;
         }
         // all_to_all_single with uneven splits (rows of 2)
         let in_splits: Vec<usize> = (0..k).map(|s| sizes(me, s)).collect();
@@ -168,29 +251,49 @@ fn all_collectives(rank: usize, n: usize, group: Option<&dist::ProcessGroup>, me
         check(&format!("all_to_all_single {dt}"), as_f64(&output), want)?;
     }
     // strided views: a column of a (3, 2) matrix; the other column must stay untouched
-    let base = Tensor::from_vec((0..6).map(|i| (i + 10 * rank) as f32).collect::<Vec<f32>>(), &[3, 2])?;
+    let base = Tensor::from_vec(
+        (0..6).map(|i| (i + 10 * rank) as f32).collect::<Vec<f32>>(),
+        &[3, 2],
+    )?;
     let col = base.select(1, 0)?;
     dist::all_reduce(&col, ReduceOp::Sum, group)?;
-    let want_col: Vec<f64> = (0..3).map(|i| members.iter().map(|&m| (2 * i + 10 * m) as f64).sum()).collect();
+    let want_col: Vec<f64> = (0..3)
+        .map(|i| members.iter().map(|&m| (2 * i + 10 * m) as f64).sum())
+        .collect();
     check("all_reduce of a column view", as_f64(&col), want_col)?;
     let other: Vec<f64> = (0..3).map(|i| (2 * i + 1 + 10 * rank) as f64).collect();
-    check("the other column is untouched", as_f64(&base.select(1, 1)?), other)?;
+    check(
+        "the other column is untouched",
+        as_f64(&base.select(1, 1)?),
+        other,
+    )?;
     // a transposed tensor on one rank, row-major on the others: logical values agree
     let logical: Vec<f32> = (0..6).map(|i| i as f32).collect();
     let t = if me == 0 {
-        Tensor::from_vec(logical.clone(), &[3, 2])?.t()?.contiguous()?.t()? // column-major memory
+        Tensor::from_vec(logical.clone(), &[3, 2])?
+            .t()?
+            .contiguous()?
+            .t()? // column-major memory
     } else {
         Tensor::zeros(&[3, 2], DType::F32)?
     };
     dist::broadcast(&t, members[0], group)?;
-    check("broadcast into different layouts", as_f64(&t), logical.iter().map(|&v| v as f64).collect())?;
+    check(
+        "broadcast into different layouts",
+        as_f64(&t),
+        logical.iter().map(|&v| v as f64).collect(),
+    )?;
     // async op and issue order
     let a = tensor(&[1.0, 2.0], &[2], DType::F64);
     let w = dist::all_reduce_async(&a, ReduceOp::Sum, group)?;
     let b = tensor(&[1.0], &[1], DType::F64);
     dist::all_reduce(&b, ReduceOp::Sum, group)?;
     w.wait(Some(Duration::from_secs(20)))?;
-    check("async all_reduce", as_f64(&a), vec![k as f64, 2.0 * k as f64])?;
+    check(
+        "async all_reduce",
+        as_f64(&a),
+        vec![k as f64, 2.0 * k as f64],
+    )?;
     check("blocking after async", as_f64(&b), vec![k as f64])?;
     // point to point around a ring
     if k > 1 {
@@ -258,8 +361,12 @@ fn world_size_4_with_subgroups() -> TestResult {
         for i in 0..3 {
             let t = tensor(&[rank as f64 + i as f64], &[1], DType::F64);
             dist::all_reduce(&t, ReduceOp::Sum, Some(pair))?;
-            let partner = if rank % 2 == 0 { rank ^ 2 } else { rank ^ 2 };
-            check("pair group", as_f64(&t), vec![(rank + partner) as f64 + 2.0 * i as f64])?;
+            let partner = rank ^ 2;
+            check(
+                "pair group",
+                as_f64(&t),
+                vec![(rank + partner) as f64 + 2.0 * i as f64],
+            )?;
             let w = tensor(&[1.0], &[1], DType::F64);
             dist::all_reduce(&w, ReduceOp::Sum, None)?;
             check("world between pair ops", as_f64(&w), vec![4.0])?;
@@ -284,7 +391,10 @@ fn mismatched_shapes_are_an_error_on_every_rank() -> TestResult {
         let t = Tensor::zeros(&[3 + rank], DType::F32)?;
         let e = dist::all_reduce(&t, ReduceOp::Sum, None).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("rank 0 passed float32 [3]") && msg.contains("rank 1 passed float32 [4]"), "{msg}");
+        assert!(
+            msg.contains("rank 0 passed float32 [3]") && msg.contains("rank 1 passed float32 [4]"),
+            "{msg}"
+        );
         // splits that disagree
         let x = Tensor::zeros(&[4], DType::F32)?;
         let y = Tensor::zeros(&[4], DType::F32)?;
@@ -340,7 +450,11 @@ fn a_dead_rank_is_reported_not_a_hang() -> TestResult {
         let t = Tensor::ones(&[4], DType::F32)?;
         let start = std::time::Instant::now();
         let e = dist::all_reduce(&t, ReduceOp::Sum, None).unwrap_err();
-        assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "took {:?}",
+            start.elapsed()
+        );
         assert!(e.to_string().contains('2'), "the error names rank 2: {e}");
         Ok(())
     })?;
@@ -355,8 +469,15 @@ fn a_rank_that_never_joins_times_out() -> TestResult {
         }
         let start = std::time::Instant::now();
         let e = init(3).unwrap_err();
-        assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
-        assert!(e.to_string().contains("2 of 3") || e.to_string().contains("rank 2"), "{e}");
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "took {:?}",
+            start.elapsed()
+        );
+        assert!(
+            e.to_string().contains("2 of 3") || e.to_string().contains("rank 2"),
+            "{e}"
+        );
         Ok(())
     })?;
     Ok(())
@@ -368,8 +489,18 @@ fn nccl_without_gpu_is_a_clear_error() {
         return;
     }
     let e = dist::spawn::spawn(1, |_rank| -> TestResult {
-        let e = dist::init_process_group("nccl", InitOptions { timeout: Duration::from_secs(5), ..Default::default() }).unwrap_err();
-        assert!(e.to_string().contains("libcuda") || e.to_string().contains("GPU"), "{e}");
+        let e = dist::init_process_group(
+            "nccl",
+            InitOptions {
+                timeout: Duration::from_secs(5),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("libcuda") || e.to_string().contains("GPU"),
+            "{e}"
+        );
         Ok(())
     });
     assert!(e.is_ok(), "{e:?}");
@@ -379,27 +510,59 @@ fn nccl_without_gpu_is_a_clear_error() {
 /// `TENSORPLAY_TEST_NCCL_WORLD` to each world size up to the GPU count); a no-op elsewhere.
 #[test]
 fn nccl_world() -> TestResult {
-    let Some(n) = std::env::var("TENSORPLAY_TEST_NCCL_WORLD").ok().and_then(|v| v.parse::<usize>().ok()) else {
-        println!("SKIP nccl_world: set TENSORPLAY_TEST_NCCL_WORLD=N (cargo xtask test-multigpu does on GPU machines)");
+    let Some(n) = std::env::var("TENSORPLAY_TEST_NCCL_WORLD")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    else {
+        println!(
+            "SKIP nccl_world: set TENSORPLAY_TEST_NCCL_WORLD=N (cargo xtask test-multigpu does on GPU machines)"
+        );
         return Ok(());
     };
     dist::spawn::spawn(n, move |rank| -> TestResult {
-        dist::init_process_group("nccl", InitOptions { timeout: Duration::from_secs(60), ..Default::default() })?;
+        dist::init_process_group(
+            "nccl",
+            InitOptions {
+                timeout: Duration::from_secs(60),
+                ..Default::default()
+            },
+        )?;
         let dev = format!("cuda:{rank}");
         let xs: Vec<Vec<f64>> = (0..n).map(|r| values(r, 1000, 1)).collect();
-        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product, ReduceOp::Avg] {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Product,
+            ReduceOp::Avg,
+        ] {
             let t = tensor(&xs[rank], &[1000], DType::F32).to(dev.as_str())?;
             dist::all_reduce(&t, op, None)?;
-            check(&format!("nccl all_reduce {op:?}"), as_f64(&t.cpu()?), reduce_ref(op, &xs))?;
+            check(
+                &format!("nccl all_reduce {op:?}"),
+                as_f64(&t.cpu()?),
+                reduce_ref(op, &xs),
+            )?;
         }
         let t = tensor(&values(rank, 10, 2), &[10], DType::F64).to(dev.as_str())?;
         dist::broadcast(&t, 0, None)?;
         check("nccl broadcast", as_f64(&t.cpu()?), values(0, 10, 2))?;
         let out = Tensor::zeros(&[n * 4], DType::F32)?.to(dev.as_str())?;
-        dist::all_gather_into_tensor(&out, &tensor(&values(rank, 4, 3), &[4], DType::F32).to(dev.as_str())?, None)?;
-        check("nccl all_gather_into_tensor", as_f64(&out.cpu()?), (0..n).flat_map(|r| values(r, 4, 3)).collect())?;
+        dist::all_gather_into_tensor(
+            &out,
+            &tensor(&values(rank, 4, 3), &[4], DType::F32).to(dev.as_str())?,
+            None,
+        )?;
+        check(
+            "nccl all_gather_into_tensor",
+            as_f64(&out.cpu()?),
+            (0..n).flat_map(|r| values(r, 4, 3)).collect(),
+        )?;
         let host = Tensor::zeros(&[2], DType::F32)?;
-        assert!(dist::all_reduce(&host, ReduceOp::Sum, None).is_err(), "a CPU tensor to nccl is refused");
+        assert!(
+            dist::all_reduce(&host, ReduceOp::Sum, None).is_err(),
+            "a CPU tensor to nccl is refused"
+        );
         dist::barrier(None)?;
         dist::destroy_process_group()?;
         Ok(())

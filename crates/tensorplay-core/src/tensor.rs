@@ -236,7 +236,10 @@ impl Tensor {
     /// are at `layout.for_each_offset`). Errors with `UnsupportedDType` when `T` is not the
     /// dtype and `NotSupported` for CUDA tensors. Holds a read lock on the storage while `f`
     /// runs; does not record autograd history.
-    pub fn with_cpu_data<T: StorageElement, R>(&self, f: impl FnOnce(&[T], &Layout) -> R) -> Result<R> {
+    pub fn with_cpu_data<T: StorageElement, R>(
+        &self,
+        f: impl FnOnce(&[T], &Layout) -> R,
+    ) -> Result<R> {
         self.with_slice("with_cpu_data", f)
     }
 

@@ -50,9 +50,9 @@ pub mod distributed {
         all_gather_into_tensor, all_gather_into_tensor_async, all_reduce, all_reduce_async,
         all_to_all, all_to_all_single, all_to_all_single_async, backend, barrier, broadcast,
         broadcast_async, default_group, destroy_process_group, gather, get_rank, get_world_size,
-        init_process_group, irecv, is_initialized, isend, new_group, recv, reduce,
-        reduce_scatter, reduce_scatter_tensor, reduce_scatter_tensor_async, rendezvous, scatter,
-        send, spawn, store, world_store,
+        init_process_group, irecv, is_initialized, isend, new_group, recv, reduce, reduce_scatter,
+        reduce_scatter_tensor, reduce_scatter_tensor_async, rendezvous, scatter, send, spawn,
+        store, world_store,
     };
 }
 

@@ -40,7 +40,12 @@ pub fn nccl_search_dirs() -> Vec<PathBuf> {
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
         .collect();
-    for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/cuda/lib64", "/usr/lib"] {
+    for d in [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/local/cuda/lib64",
+        "/usr/lib",
+    ] {
         dirs.push(PathBuf::from(d));
     }
     // pip's nvidia-nccl-cu* package inside a virtual environment
@@ -66,7 +71,10 @@ fn locate_nccl() -> std::result::Result<(), String> {
         return Ok(());
     }
     let dirs = nccl_search_dirs();
-    let found = dirs.iter().map(|d| d.join("libnccl.so.2")).find(|p| p.exists());
+    let found = dirs
+        .iter()
+        .map(|d| d.join("libnccl.so.2"))
+        .find(|p| p.exists());
     match found {
         Some(p) => {
             let shim = link_dir(&p);
@@ -76,17 +84,30 @@ fn locate_nccl() -> std::result::Result<(), String> {
                  tensorplay-run set it for their children).",
                 p.display(),
                 match &shim {
-                    Ok(d) => format!("A link libnccl.so -> libnccl.so.2 is ready in {}. ", d.display()),
+                    Ok(d) => format!(
+                        "A link libnccl.so -> libnccl.so.2 is ready in {}. ",
+                        d.display()
+                    ),
                     Err(e) => format!("(Could not create a libnccl.so link: {e}.) "),
                 },
-                shim.as_ref().map_or_else(|_| p.parent().unwrap_or(Path::new(".")).display().to_string(), |d| d.display().to_string())
+                shim.as_ref().map_or_else(
+                    |_| p
+                        .parent()
+                        .unwrap_or_else(|| Path::new("."))
+                        .display()
+                        .to_string(),
+                    |d| d.display().to_string()
+                )
             ))
         }
         None => Err(format!(
             "the NCCL library (libnccl.so or libnccl.so.2) was not found; looked in {}. Install \
              NCCL (for example the pip package nvidia-nccl-cu12) and add its lib folder to \
              LD_LIBRARY_PATH",
-            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+            dirs.iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         )),
     }
 }
@@ -112,7 +133,9 @@ fn to_nccl(op: ReduceOp) -> Result<NcclOp> {
         other => {
             return Err(Error::Backend {
                 backend: "nccl".into(),
-                detail: format!("{other:?} is not supported by NCCL; use the cpu backend for bitwise reductions"),
+                detail: format!(
+                    "{other:?} is not supported by NCCL; use the cpu backend for bitwise reductions"
+                ),
             });
         }
     })
@@ -139,7 +162,13 @@ impl NcclBackend {
     /// Creates the communicator of rank `rank` of `size` on `cuda:local_rank`, exchanging the
     /// unique id through `store`. Errors: no CUDA driver, fewer GPUs than `local_rank + 1`, no
     /// NCCL library (naming where it looked), or ranks that do not join within `timeout`.
-    pub fn new(store: Arc<dyn Store>, rank: usize, size: usize, local_rank: usize, timeout: Duration) -> Result<NcclBackend> {
+    pub fn new(
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        local_rank: usize,
+        timeout: Duration,
+    ) -> Result<NcclBackend> {
         if !tensorplay_core::cuda::is_driver_present() {
             return Err(Error::Backend {
                 backend: "nccl".into(),
@@ -155,11 +184,18 @@ impl NcclBackend {
                 ),
             });
         }
-        locate_nccl().map_err(|detail| Error::Backend { backend: "nccl".into(), detail })?;
+        locate_nccl().map_err(|detail| Error::Backend {
+            backend: "nccl".into(),
+            detail,
+        })?;
         let meta_store: Arc<dyn Store> = Arc::new(PrefixStore::new("meta", store.clone()));
-        let meta = CpuBackend::new(meta_store, rank, size, timeout, CpuOptions::default())?;
+        let meta =
+            CpuBackend::with_options(meta_store, rank, size, timeout, CpuOptions::default())?;
         let ctx = tensorplay_core::cuda::context(local_rank)?;
-        let stream = ctx.new_stream().map_err(|e| Error::Backend { backend: "nccl".into(), detail: format!("could not create a stream: {e:?}") })?;
+        let stream = ctx.new_stream().map_err(|e| Error::Backend {
+            backend: "nccl".into(),
+            detail: format!("could not create a stream: {e:?}"),
+        })?;
         let id = if rank == 0 {
             let id = Id::new().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
             let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
@@ -167,7 +203,12 @@ impl NcclBackend {
             id
         } else {
             let bytes = store.get("nccl_unique_id")?;
-            let arr: [u8; 128] = bytes.as_slice().try_into().map_err(|_| Error::Store(format!("the NCCL unique id has {} bytes, expected 128", bytes.len())))?;
+            let arr: [u8; 128] = bytes.as_slice().try_into().map_err(|_| {
+                Error::Store(format!(
+                    "the NCCL unique id has {} bytes, expected 128",
+                    bytes.len()
+                ))
+            })?;
             Id::uninit(arr.map(|b| b as std::ffi::c_char))
         };
         // ncclCommInitRank blocks until every rank joins: watch it with the timeout
@@ -189,7 +230,15 @@ impl NcclBackend {
                 });
             }
         };
-        Ok(NcclBackend { comm, stream, device: Device::Cuda(local_rank), meta, rank, size, sent: AtomicU64::new(0) })
+        Ok(NcclBackend {
+            comm,
+            stream,
+            device: Device::Cuda(local_rank),
+            meta,
+            rank,
+            size,
+            sent: AtomicU64::new(0),
+        })
     }
 
     /// The CPU backend used for metadata checks and barriers.
@@ -208,21 +257,36 @@ impl NcclBackend {
                 "nccl collective",
                 *grank,
                 arg,
-                format!("a tensor on {} (NCCL works on this rank's GPU; use the \"cpu\" backend for host tensors)", self.device),
+                format!(
+                    "a tensor on {} (NCCL works on this rank's GPU; use the \"cpu\" backend for host tensors)",
+                    self.device
+                ),
                 format!("a tensor on {}", t.device()),
             ));
         }
         t.layout().contiguous_range().ok_or_else(|| {
-            Error::invalid("nccl collective", *grank, arg, "a contiguous CUDA tensor (call contiguous() on the host first)", "a strided view")
+            Error::invalid(
+                "nccl collective",
+                *grank,
+                arg,
+                "a contiguous CUDA tensor (call contiguous() on the host first)",
+                "a strided view",
+            )
         })
     }
 
     fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| Error::Backend { backend: "nccl".into(), detail: format!("stream synchronize failed: {e:?}") })
+        self.stream.synchronize().map_err(|e| Error::Backend {
+            backend: "nccl".into(),
+            detail: format!("stream synchronize failed: {e:?}"),
+        })
     }
 
     fn count(&self, t: &Tensor) {
-        self.sent.fetch_add((t.numel() * t.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
+        self.sent.fetch_add(
+            (t.numel() * t.dtype().size_in_bytes()) as u64,
+            Ordering::Relaxed,
+        );
     }
 }
 
@@ -234,52 +298,156 @@ macro_rules! on_cuda_mut {
     ($t:expr, $range:expr, |$s:ident| $body:expr) => {
         $t.with_storage_mut(|st, _| -> Result<()> {
             let Storage::Cuda(c) = st else {
-                return Err(Error::Backend { backend: "nccl".into(), detail: "expected CUDA storage".into() });
+                return Err(Error::Backend {
+                    backend: "nccl".into(),
+                    detail: "expected CUDA storage".into(),
+                });
             };
             match c.data_mut() {
-                CudaData::F32(x) => { let mut $s = x.slice_mut($range); $body }
-                CudaData::F64(x) => { let mut $s = x.slice_mut($range); $body }
-                CudaData::I64(x) => { let mut $s = x.slice_mut($range); $body }
-                CudaData::Bool(_) => Err(Error::Backend { backend: "nccl".into(), detail: "bool tensors are not supported; use int64".into() }),
+                CudaData::F32(x) => {
+                    #[allow(unused_mut)]
+                    let mut $s = x.slice_mut($range);
+                    $body
+                }
+                CudaData::F64(x) => {
+                    #[allow(unused_mut)]
+                    let mut $s = x.slice_mut($range);
+                    $body
+                }
+                CudaData::I64(x) => {
+                    #[allow(unused_mut)]
+                    let mut $s = x.slice_mut($range);
+                    $body
+                }
+                CudaData::Bool(_) => Err(Error::Backend {
+                    backend: "nccl".into(),
+                    detail: "bool tensors are not supported; use int64".into(),
+                }),
+            }
+        })
+    };
+}
+
+/// Runs `$body` with the input view `$x` and the output view `$o` of one dtype.
+macro_rules! two_buf {
+    ($out:expr, $ci:expr, $ro:expr, $ri:expr, |$x:ident, $o:ident| $body:expr) => {
+        $out.with_storage_mut(|st, _| -> Result<()> {
+            let Storage::Cuda(c) = st else {
+                return Err(Error::Backend {
+                    backend: "nccl".into(),
+                    detail: "expected CUDA storage".into(),
+                });
+            };
+            match ($ci, c.data_mut()) {
+                (CudaData::F32(xi), CudaData::F32(xo)) => {
+                    let $x = xi.slice($ri);
+                    let mut $o = xo.slice_mut($ro);
+                    $body
+                }
+                (CudaData::F64(xi), CudaData::F64(xo)) => {
+                    let $x = xi.slice($ri);
+                    let mut $o = xo.slice_mut($ro);
+                    $body
+                }
+                (CudaData::I64(xi), CudaData::I64(xo)) => {
+                    let $x = xi.slice($ri);
+                    let mut $o = xo.slice_mut($ro);
+                    $body
+                }
+                _ => Err(Error::Backend {
+                    backend: "nccl".into(),
+                    detail: "input and output must be float32, float64 or int64 of one dtype"
+                        .into(),
+                }),
             }
         })
     };
 }
 
 impl NcclBackend {
-    pub(crate) fn all_reduce(&self, grank: &i64, t: &Tensor, op: ReduceOp, _timeout: Duration) -> Result<()> {
+    pub(crate) fn all_reduce(
+        &self,
+        grank: &i64,
+        t: &Tensor,
+        op: ReduceOp,
+        _timeout: Duration,
+    ) -> Result<()> {
         let r = self.check(grank, "tensor", t)?;
         let op = to_nccl(op)?;
-        on_cuda_mut!(t, r, |s| self.comm.all_reduce_in_place(&mut s, &op).map(|_| ()).map_err(|e| nccl_err("all_reduce", e)))?;
+        on_cuda_mut!(t, r, |s| self
+            .comm
+            .all_reduce_in_place(&mut s, &op)
+            .map(|_| ())
+            .map_err(|e| nccl_err("all_reduce", e)))?;
         self.count(t);
         self.sync()
     }
 
-    pub(crate) fn broadcast(&self, grank: &i64, t: &Tensor, root: usize, _timeout: Duration) -> Result<()> {
+    pub(crate) fn broadcast(
+        &self,
+        grank: &i64,
+        t: &Tensor,
+        root: usize,
+        _timeout: Duration,
+    ) -> Result<()> {
         let r = self.check(grank, "tensor", t)?;
-        on_cuda_mut!(t, r, |s| self.comm.broadcast_in_place(&mut s, root as i32).map(|_| ()).map_err(|e| nccl_err("broadcast", e)))?;
+        on_cuda_mut!(t, r, |s| self
+            .comm
+            .broadcast_in_place(&mut s, root as i32)
+            .map(|_| ())
+            .map_err(|e| nccl_err("broadcast", e)))?;
         self.count(t);
         self.sync()
     }
 
-    pub(crate) fn reduce(&self, grank: &i64, t: &Tensor, op: ReduceOp, root: usize, _timeout: Duration) -> Result<()> {
+    pub(crate) fn reduce(
+        &self,
+        grank: &i64,
+        t: &Tensor,
+        op: ReduceOp,
+        root: usize,
+        _timeout: Duration,
+    ) -> Result<()> {
         let r = self.check(grank, "tensor", t)?;
         let op = to_nccl(op)?;
-        on_cuda_mut!(t, r, |s| self.comm.reduce_in_place(&mut s, &op, root as i32).map(|_| ()).map_err(|e| nccl_err("reduce", e)))?;
+        on_cuda_mut!(t, r, |s| self
+            .comm
+            .reduce_in_place(&mut s, &op, root as i32)
+            .map(|_| ())
+            .map_err(|e| nccl_err("reduce", e)))?;
         self.count(t);
         self.sync()
     }
 
-    pub(crate) fn send(&self, grank: &i64, t: &Tensor, peer: usize, _timeout: Duration) -> Result<()> {
+    pub(crate) fn send(
+        &self,
+        grank: &i64,
+        t: &Tensor,
+        peer: usize,
+        _timeout: Duration,
+    ) -> Result<()> {
         let r = self.check(grank, "tensor", t)?;
-        on_cuda_mut!(t, r, |s| self.comm.send(&s, peer as i32).map_err(|e| nccl_err("send", e)))?;
+        on_cuda_mut!(t, r, |s| self
+            .comm
+            .send(&s, peer as i32)
+            .map_err(|e| nccl_err("send", e)))?;
         self.count(t);
         self.sync()
     }
 
-    pub(crate) fn recv(&self, grank: &i64, t: &Tensor, peer: usize, _timeout: Duration) -> Result<()> {
+    pub(crate) fn recv(
+        &self,
+        grank: &i64,
+        t: &Tensor,
+        peer: usize,
+        _timeout: Duration,
+    ) -> Result<()> {
         let r = self.check(grank, "tensor", t)?;
-        on_cuda_mut!(t, r, |s| self.comm.recv(&mut s, peer as i32).map(|_| ()).map_err(|e| nccl_err("recv", e)))?;
+        on_cuda_mut!(t, r, |s| self
+            .comm
+            .recv(&mut s, peer as i32)
+            .map(|_| ())
+            .map_err(|e| nccl_err("recv", e)))?;
         self.sync()
     }
 
@@ -293,40 +461,85 @@ impl NcclBackend {
         Ok(input.clone())
     }
 
-    pub(crate) fn all_gather_into_tensor(&self, grank: &i64, output: &Tensor, input: &Tensor, _timeout: Duration) -> Result<()> {
+    pub(crate) fn all_gather_into_tensor(
+        &self,
+        grank: &i64,
+        output: &Tensor,
+        input: &Tensor,
+        _timeout: Duration,
+    ) -> Result<()> {
         let ro = self.check(grank, "output", output)?;
         if output.numel() != input.numel() * self.size || output.dtype() != input.dtype() {
-            return Err(Error::invalid("all_gather_into_tensor", *grank, "output", format!("{} elements of {}", input.numel() * self.size, input.dtype()), format!("{} elements of {}", output.numel(), output.dtype())));
+            return Err(Error::invalid(
+                "all_gather_into_tensor",
+                *grank,
+                "output",
+                format!(
+                    "{} elements of {}",
+                    input.numel() * self.size,
+                    input.dtype()
+                ),
+                format!("{} elements of {}", output.numel(), output.dtype()),
+            ));
         }
         let input = self.staged_input(grank, output, input)?;
         let ri = input.layout().contiguous_range().unwrap_or(0..0);
         input.with_storage(|si, _| -> Result<()> {
-            let Storage::Cuda(ci) = si else { return Err(Error::Backend { backend: "nccl".into(), detail: "expected CUDA storage".into() }) };
+            let Storage::Cuda(ci) = si else {
+                return Err(Error::Backend {
+                    backend: "nccl".into(),
+                    detail: "expected CUDA storage".into(),
+                });
+            };
             let ci = ci.data();
-            on_cuda_mut!(output, ro.clone(), |o| match ci {
-                CudaData::F32(x) => self.comm.all_gather(&x.slice(ri.clone()), &mut cast_view(&mut o)?).map(|_| ()).map_err(|e| nccl_err("all_gather", e)),
-                _ => Err(Error::Backend { backend: "nccl".into(), detail: "all_gather_into_tensor on NCCL supports float32 for now".into() }),
-            })
+            two_buf!(output, ci, ro.clone(), ri.clone(), |x, o| self
+                .comm
+                .all_gather(&x, &mut o)
+                .map(|_| ())
+                .map_err(|e| nccl_err("all_gather", e)))
         })?;
         self.count(&input);
         self.sync()
     }
 
-    pub(crate) fn reduce_scatter_tensor(&self, grank: &i64, output: &Tensor, input: &Tensor, op: ReduceOp, _timeout: Duration) -> Result<()> {
+    pub(crate) fn reduce_scatter_tensor(
+        &self,
+        grank: &i64,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+        _timeout: Duration,
+    ) -> Result<()> {
         let ro = self.check(grank, "output", output)?;
         if input.numel() != output.numel() * self.size || output.dtype() != input.dtype() {
-            return Err(Error::invalid("reduce_scatter_tensor", *grank, "input", format!("{} elements of {}", output.numel() * self.size, output.dtype()), format!("{} elements of {}", input.numel(), input.dtype())));
+            return Err(Error::invalid(
+                "reduce_scatter_tensor",
+                *grank,
+                "input",
+                format!(
+                    "{} elements of {}",
+                    output.numel() * self.size,
+                    output.dtype()
+                ),
+                format!("{} elements of {}", input.numel(), input.dtype()),
+            ));
         }
         let op = to_nccl(op)?;
         let input = self.staged_input(grank, output, input)?;
         let ri = input.layout().contiguous_range().unwrap_or(0..0);
         input.with_storage(|si, _| -> Result<()> {
-            let Storage::Cuda(ci) = si else { return Err(Error::Backend { backend: "nccl".into(), detail: "expected CUDA storage".into() }) };
+            let Storage::Cuda(ci) = si else {
+                return Err(Error::Backend {
+                    backend: "nccl".into(),
+                    detail: "expected CUDA storage".into(),
+                });
+            };
             let ci = ci.data();
-            on_cuda_mut!(output, ro.clone(), |o| match ci {
-                CudaData::F32(x) => self.comm.reduce_scatter(&x.slice(ri.clone()), &mut cast_view(&mut o)?, &op).map(|_| ()).map_err(|e| nccl_err("reduce_scatter", e)),
-                _ => Err(Error::Backend { backend: "nccl".into(), detail: "reduce_scatter_tensor on NCCL supports float32 for now".into() }),
-            })
+            two_buf!(output, ci, ro.clone(), ri.clone(), |x, o| self
+                .comm
+                .reduce_scatter(&x, &mut o, &op)
+                .map(|_| ())
+                .map_err(|e| nccl_err("reduce_scatter", e)))
         })?;
         self.count(&input);
         self.sync()
@@ -335,16 +548,5 @@ impl NcclBackend {
     /// This rank in the group.
     pub fn rank(&self) -> usize {
         self.rank
-    }
-}
-
-/// Reinterprets a typed view as the float32 view the two-buffer calls above need; errors when
-/// the output is not float32.
-fn cast_view<'a, 'b, T: 'static>(v: &'b mut cudarc::driver::CudaViewMut<'a, T>) -> Result<&'b mut cudarc::driver::CudaViewMut<'a, f32>> {
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
-        // SAFETY: T is f32 (checked just above), so the two types are the same type.
-        Ok(unsafe { &mut *(v as *mut cudarc::driver::CudaViewMut<'a, T>).cast::<cudarc::driver::CudaViewMut<'a, f32>>() })
-    } else {
-        Err(Error::Backend { backend: "nccl".into(), detail: "input and output dtypes differ".into() })
     }
 }
