@@ -64,11 +64,18 @@ fn run(rank: usize, world: usize, max_mib: usize) -> R {
                 _ => (world - 1) as f64 / world as f64,
             };
             if rank == 0 {
-                println!(
-                    "tensorplay-cpu {name:15} {nbytes:>10} B  {:10.1} us  algbw {algbw:7.3} GB/s  busbw {:7.3} GB/s",
+                // the children's output is captured by spawn: rank 0 reports through a file
+                let line = format!(
+                    "tensorplay-cpu {name:15} {nbytes:>10} B  {:10.1} us  algbw {algbw:7.3} GB/s  busbw {:7.3} GB/s\n",
                     dt * 1e6,
                     algbw * f
                 );
+                use std::io::Write;
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(report_path())?
+                    .write_all(line.as_bytes())?;
             }
         }
     }
@@ -76,11 +83,28 @@ fn run(rank: usize, world: usize, max_mib: usize) -> R {
     Ok(())
 }
 
+fn report_path() -> std::path::PathBuf {
+    let parent =
+        std::env::var("TENSORPLAY_BENCH_PARENT").unwrap_or_else(|_| std::process::id().to_string());
+    std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"))
+}
+
 fn main() -> R {
     let args: Vec<String> = std::env::args().collect();
     let world: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     let max_mib: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(64);
     tensorplay_core::set_num_threads(1);
-    dist::spawn::spawn(world, move |rank| run(rank, world, max_mib))?;
+    let parent = std::process::id().to_string();
+    let report = std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"));
+    let _ = std::fs::remove_file(&report);
+    let mut opts = dist::SpawnOptions::new(world);
+    opts.timeout = Duration::from_secs(1800);
+    opts.env.push(("TENSORPLAY_BENCH_PARENT".into(), parent));
+    let r = dist::spawn::spawn_with(opts, move |rank| run(rank, world, max_mib));
+    if let Ok(text) = std::fs::read_to_string(&report) {
+        print!("{text}");
+    }
+    let _ = std::fs::remove_file(&report);
+    r?;
     Ok(())
 }

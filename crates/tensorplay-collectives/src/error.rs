@@ -89,6 +89,18 @@ pub enum Error {
     Io(String),
 }
 
+/// Collectives errors travel through code written against the core's `Result` (custom
+/// autograd functions, modules, the facade) as [`tensorplay_core::Error::External`]; core
+/// errors are unwrapped back to themselves.
+impl From<Error> for tensorplay_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Core(c) => c,
+            other => tensorplay_core::Error::external(other),
+        }
+    }
+}
+
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

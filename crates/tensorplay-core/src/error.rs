@@ -123,6 +123,10 @@ pub enum Error {
     /// gradients of wrong shape, and the like.
     #[error("autograd: {0}")]
     Autograd(String),
+    /// An error of a higher layer (collectives, RPC) carried whole, so that one error type
+    /// serves the whole stack; [`Error::downcast_ref`] gets the original back.
+    #[error("{0}")]
+    External(std::sync::Arc<dyn std::error::Error + Send + Sync>),
     /// A user-supplied function (hook, custom `Function`) failed.
     #[error("{context}: {message}")]
     Custom {
@@ -137,6 +141,19 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Wraps an error of another layer (see [`Error::External`]).
+    pub fn external(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::External(std::sync::Arc::new(e))
+    }
+
+    /// The original error of a higher layer, when this is an [`Error::External`] of type `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            Error::External(e) => e.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
+
     pub(crate) fn invalid(
         op: &'static str,
         arg: &'static str,

@@ -314,7 +314,8 @@ impl Tensor {
         self.to_dtype(DType::F64)?.to_vec::<f64>()
     }
 
-    /// The single element of a one-element tensor (`torch.Tensor.item`).
+    /// The single element of a one-element tensor (`torch.Tensor.item`), converted to `T`
+    /// when the dtype differs (`x.item::<f64>()` works on a float32 tensor).
     pub fn item<T: StorageElement>(&self) -> Result<T> {
         if self.numel() != 1 {
             return Err(Error::invalid(
@@ -324,7 +325,11 @@ impl Tensor {
                 format!("shape {:?}", self.shape()),
             ));
         }
-        Ok(self.to_vec::<T>()?[0])
+        if self.dtype() == T::DTYPE {
+            return Ok(self.to_vec::<T>()?[0]);
+        }
+        // like Python's `tensor.item()`, any dtype converts to the requested number type
+        Ok(T::from_f64(self.to_dtype(DType::F64)?.to_vec::<f64>()?[0]))
     }
 
     /// The single element converted to `f64`.

@@ -767,7 +767,14 @@ fn errors_not_panics() -> tp::Result<()> {
         t.add(&Tensor::zeros(&[2], DType::F64)?),
         Err(Error::ShapeMismatch { .. })
     ));
-    assert!(matches!(t.matmul(&t), Err(Error::ShapeMismatch { .. })));
+    assert!(matches!(
+        t.matmul(&t),
+        Err(Error::InvalidArgument {
+            op: "matmul",
+            arg: "other",
+            ..
+        })
+    ));
     assert!(t.matmul(&Tensor::scalar(1.0f64)).is_err());
     assert!(t.mm(&Tensor::zeros(&[3], DType::F64)?).is_err());
     assert!(matches!(

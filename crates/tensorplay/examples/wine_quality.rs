@@ -161,7 +161,7 @@ fn run() -> Result<f64, Box<dyn std::error::Error>> {
         bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
         bar.inc(1);
     }
-    bar.finish();
+    bar.finish_and_clear();
 
     model.eval()?;
     let _g = no_grad();

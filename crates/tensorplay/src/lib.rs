@@ -22,12 +22,13 @@
 //! Every layer's error converts into the one [`Error`] of this crate, so `?` works across
 //! layers in a function returning [`Result`].
 
+pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
-    CpuStorage, DType, Device, IntoDevice, Layout, Storage, Tensor, TensorId, TensorOptions,
-    arange, autograd, cuda, full, get_num_threads, manual_seed, no_grad, ones, rand, randint,
-    randn, random, set_grad_enabled, set_num_threads, zeros,
+    CpuStorage, DType, Device, Element, FloatElement, IntoDevice, Layout, ShapeArg, Storage,
+    StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, broadcast_shapes, cat, cuda,
+    full, get_num_threads, manual_seed, nn, no_grad, ones, optim, rand, randint, randn, random,
+    set_grad_enabled, set_num_threads, stack, zeros,
 };
-pub use tensorplay_core::{nn, optim};
 
 /// `torch.distributed`: process groups, stores, collectives, `spawn`.
 ///
@@ -56,29 +57,11 @@ pub mod distributed {
     };
 }
 
-/// The error of every tensorplay layer.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// From the tensor/autograd core.
-    #[error(transparent)]
-    Core(#[from] tensorplay_core::Error),
-    /// From process groups, stores and collectives.
-    #[error(transparent)]
-    Distributed(tensorplay_collectives::Error),
-}
-
-impl From<tensorplay_collectives::Error> for Error {
-    fn from(e: tensorplay_collectives::Error) -> Self {
-        match e {
-            tensorplay_collectives::Error::Core(c) => Error::Core(c),
-            other => Error::Distributed(other),
-        }
-    }
-}
-
-/// `Result` with the facade's [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+/// The one error of the stack: the core's error, into which every layer's error converts
+/// (higher layers' errors are carried as [`Error::External`]; use [`Error::downcast_ref`] to
+/// get, say, a [`distributed::Error`] back). Custom `autograd::Function`s and `nn::Module`s
+/// return this [`Result`] too.
+pub use tensorplay_core::{Error, Result};
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../../../README.md")]

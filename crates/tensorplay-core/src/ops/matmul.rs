@@ -112,11 +112,12 @@ fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (m, k) = (a.shape()[ra - 2], a.shape()[ra - 1]);
     let (k2, n) = (b.shape()[rb - 2], b.shape()[rb - 1]);
     if k != k2 {
-        return Err(Error::ShapeMismatch {
-            op: "matmul",
-            lhs: a.shape().to_vec(),
-            rhs: b.shape().to_vec(),
-        });
+        return Err(Error::invalid(
+            "matmul",
+            "other",
+            format!("{k} rows, matching the {k} columns of self {:?}", a.shape()),
+            format!("shape {:?} with {k2} rows", b.shape()),
+        ));
     }
     let batch = broadcast_shapes(&a.shape()[..ra - 2], &b.shape()[..rb - 2], "matmul")?;
     let mut sa = batch.clone();

@@ -86,6 +86,35 @@ impl<const N: usize> ShapeArg for [isize; N] {
         resolve_shape(numel, self, op)
     }
 }
+impl ShapeArg for Vec<isize> {
+    fn resolve(&self, numel: usize, op: &'static str) -> Result<Vec<usize>> {
+        resolve_shape(numel, self, op)
+    }
+}
+
+// Plain integer literals (`x.reshape(&[4, -1])`) infer as i32, so i32 and i64 shapes work too.
+macro_rules! signed_shape {
+    ($t:ty) => {
+        impl ShapeArg for [$t] {
+            fn resolve(&self, numel: usize, op: &'static str) -> Result<Vec<usize>> {
+                let v: Vec<isize> = self.iter().map(|&s| s as isize).collect();
+                resolve_shape(numel, &v, op)
+            }
+        }
+        impl<const N: usize> ShapeArg for [$t; N] {
+            fn resolve(&self, numel: usize, op: &'static str) -> Result<Vec<usize>> {
+                self.as_slice().resolve(numel, op)
+            }
+        }
+        impl ShapeArg for Vec<$t> {
+            fn resolve(&self, numel: usize, op: &'static str) -> Result<Vec<usize>> {
+                self.as_slice().resolve(numel, op)
+            }
+        }
+    };
+}
+signed_shape!(i32);
+signed_shape!(i64);
 
 /// A view with another layout over the same storage.
 struct Restride {

@@ -75,6 +75,15 @@ pub(crate) fn check_nonneg(op: &'static str, arg: &'static str, v: f64) -> Resul
 
 /// Checks the parameters given to an optimizer: floating tensors on the CPU.
 pub(crate) fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
+    // PyTorch: "optimizer got an empty parameter list"; almost always unregistered parameters
+    if params.is_empty() {
+        return Err(Error::invalid(
+            op,
+            "params",
+            "at least one parameter (is the module's parameters() empty?)",
+            "an empty parameter list",
+        ));
+    }
     for (i, p) in params.iter().enumerate() {
         if !p.dtype().is_float() {
             return Err(Error::invalid(
