@@ -170,7 +170,27 @@ impl Layout {
     }
 }
 
-/// The broadcast shape of `a` and `b` (NumPy/PyTorch rules), or a `ShapeMismatch` naming `op`.
+/// The number of elements of `shape`, or an [`Error::InvalidArgument`] naming `op` when that
+/// number, or the row-major strides of `shape` (which treat size-0 dims as size 1), overflow
+/// `usize`.
+pub(crate) fn checked_numel(shape: &[usize], op: &'static str) -> Result<usize> {
+    let fits = shape
+        .iter()
+        .try_fold(1usize, |acc, &s| acc.checked_mul(s.max(1)))
+        .is_some();
+    if !fits {
+        return Err(Error::invalid(
+            op,
+            "shape",
+            "a shape whose number of elements fits in usize",
+            format!("{shape:?}"),
+        ));
+    }
+    Ok(shape.iter().product())
+}
+
+/// The broadcast shape of `a` and `b` (NumPy/PyTorch rules), or a `ShapeMismatch` naming `op`
+/// (an `InvalidArgument` when the broadcast shape has more elements than `usize` can count).
 pub fn broadcast_shapes(a: &[usize], b: &[usize], op: &'static str) -> Result<Vec<usize>> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
@@ -197,6 +217,7 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize], op: &'static str) -> Result<Ve
             });
         };
     }
+    checked_numel(&out, op)?;
     Ok(out)
 }
 

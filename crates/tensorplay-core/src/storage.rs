@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::cuda::CudaStorage;
-use crate::{DType, Device, Element};
+use crate::{DType, Device, Element, Error, Result};
 
 /// Host memory of one dtype.
 #[derive(Debug, Clone)]
@@ -51,6 +51,27 @@ impl CpuStorage {
             DType::Bool => CpuStorage::Bool(vec![false; n]),
         }
     }
+}
+
+/// `n` copies of `value`, or an [`Error::InvalidArgument`] naming `op` and `arg` when the
+/// memory cannot be allocated (instead of aborting the process).
+pub(crate) fn try_vec<T: Clone>(
+    n: usize,
+    value: T,
+    op: &'static str,
+    arg: &'static str,
+) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::invalid(
+            op,
+            arg,
+            "a tensor that fits in memory",
+            format!("{n} elements of {} bytes", size_of::<T>().max(1)),
+        )
+    })?;
+    v.resize(n, value);
+    Ok(v)
 }
 
 /// Conversion between a typed `Vec`/slice and [`CpuStorage`].

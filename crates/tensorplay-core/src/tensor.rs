@@ -60,6 +60,9 @@ pub(crate) struct AutogradMeta {
     /// Cached accumulate-grad node of a leaf.
     pub(crate) grad_accumulator: Weak<Node>,
     pub(crate) retains_grad: bool,
+    /// Hooks registered on this leaf: kept here because the accumulate-grad node is only
+    /// held weakly, and given to every accumulator created for the leaf.
+    pub(crate) leaf_hooks: Vec<crate::autograd::Hook>,
 }
 
 impl Tensor {
@@ -99,7 +102,7 @@ impl Tensor {
 
     /// A tensor of `shape` holding `data` in row-major order; errors when the lengths differ.
     pub fn from_vec<T: StorageElement>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
+        let n = crate::layout::checked_numel(shape, "from_vec")?;
         if n != data.len() {
             return Err(Error::invalid(
                 "from_vec",

@@ -4,7 +4,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use super::grad_mode::set_grad_enabled;
-use super::graph::{Edge, GradientEdge, Node, NodeKind};
+use super::graph::{Edge, GradientEdge, Node, NodeKind, TensorMeta};
 use crate::{Error, Result, Tensor};
 
 /// How a backward pass runs and where leaf gradients go.
@@ -84,7 +84,8 @@ fn accumulate(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
 /// says. Distributed autograd starts passes from received gradients this way.
 ///
 /// Errors: a backward function's error (prefixed with its node's name), gradients of the
-/// wrong count or shape, or backward through a freed graph.
+/// wrong count or shape, a root gradient or a hook's gradient whose shape, dtype or device
+/// differs from its tensor's, or backward through a freed graph.
 pub fn run_backward(
     roots: &[(GradientEdge, Tensor)],
     capture: &[GradientEdge],
@@ -161,6 +162,9 @@ pub fn run_backward(
                 n.num_outputs()
             )));
         }
+        check_grad_meta(&n.output_meta[e.0.input_nr], g, || {
+            format!("root gradient for input {} of {}", e.0.input_nr, n.name())
+        })?;
         let buf = buffers
             .entry(key(n))
             .or_insert_with(|| vec![None; n.num_outputs()]);
@@ -197,6 +201,9 @@ pub fn run_backward(
                 if let Some(g) = grads.get(nr).and_then(|g| g.as_ref())
                     && let Some(new) = h(g)?
                 {
+                    check_grad_meta(&node.output_meta[nr], &new, || {
+                        format!("gradient returned by a hook on {}", node.name())
+                    })?;
                     grads[nr] = Some(new);
                 }
             }
@@ -221,17 +228,7 @@ pub fn run_backward(
                     match options.leaf_sink {
                         LeafSink::AccumulateGrad if needed.is_none() => {
                             let g = if options.create_graph { g } else { g.detach() };
-                            let mut meta = leaf.meta();
-                            let prev = meta.grad.take();
-                            drop(meta);
-                            let new = match prev {
-                                None => g,
-                                Some(p) => {
-                                    let s = p.add(&g)?;
-                                    if options.create_graph { s } else { s.detach() }
-                                }
-                            };
-                            leaf.meta().grad = Some(new);
+                            accumulate_into_leaf(leaf, g, options.create_graph)?;
                         }
                         LeafSink::Collect => match leaf_index.get(&k) {
                             Some(&i) => {
@@ -309,6 +306,51 @@ pub fn run_backward(
         }
     }
     Ok(result)
+}
+
+/// Adds `g` to `leaf.grad` without holding the leaf's lock during the addition (which may
+/// lock other tensors) and without losing a gradient that another thread's backward stored
+/// meanwhile: the sum is stored only if `.grad` is still the tensor it was computed from,
+/// and recomputed otherwise.
+fn accumulate_into_leaf(leaf: &Tensor, g: Tensor, create_graph: bool) -> Result<()> {
+    loop {
+        let prev = leaf.meta().grad.clone();
+        let new = match &prev {
+            None => g.clone(),
+            Some(p) => {
+                let s = p.add(&g)?;
+                if create_graph { s } else { s.detach() }
+            }
+        };
+        let mut meta = leaf.meta();
+        let unchanged = match (&meta.grad, &prev) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(&a.0, &b.0),
+            _ => false,
+        };
+        if unchanged {
+            meta.grad = Some(new);
+            return Ok(());
+        }
+    }
+}
+
+/// Errors when a gradient entering a node (a root gradient, or one a hook returned) differs
+/// in shape, dtype or device from the tensor it is the gradient of.
+fn check_grad_meta(meta: &TensorMeta, g: &Tensor, what: impl FnOnce() -> String) -> Result<()> {
+    if g.shape() != meta.shape.as_slice() || g.dtype() != meta.dtype || g.device() != meta.device {
+        return Err(Error::Autograd(format!(
+            "{}: got shape {:?}, dtype {}, device {}; expected shape {:?}, dtype {}, device {}",
+            what(),
+            g.shape(),
+            g.dtype(),
+            g.device(),
+            meta.shape,
+            meta.dtype,
+            meta.device
+        )));
+    }
+    Ok(())
 }
 
 fn check_grads(node: &Node, out: &[Option<Tensor>]) -> Result<()> {

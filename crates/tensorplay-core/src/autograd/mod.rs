@@ -111,6 +111,9 @@ impl Tensor {
             Some(n) => n,
             None => {
                 let n = Node::accumulate_grad(self);
+                for h in &m.leaf_hooks {
+                    n.add_pre_hook(0, h.clone());
+                }
                 m.grad_accumulator = Arc::downgrade(&n);
                 n
             }
@@ -131,7 +134,7 @@ impl Tensor {
     }
 
     /// `backward(gradient, retain_graph, create_graph)`: `gradient` must have this tensor's
-    /// shape; it may be `None` only for one-element tensors.
+    /// shape, dtype and device; it may be `None` only for one-element tensors.
     pub fn backward_with(
         &self,
         gradient: Option<&Tensor>,
@@ -158,7 +161,13 @@ impl Tensor {
                 "cannot register a hook on a tensor that doesn't require gradient".into(),
             )
         })?;
-        e.node.add_pre_hook(e.input_nr, Arc::new(hook));
+        let hook: Hook = Arc::new(hook);
+        if e.node.leaf().is_some() {
+            // the accumulator is held weakly: keep the hook with the leaf so that it survives
+            // until the leaf is used
+            self.meta().leaf_hooks.push(hook.clone());
+        }
+        e.node.add_pre_hook(e.input_nr, hook);
         Ok(())
     }
 
@@ -215,6 +224,20 @@ fn root_grads(tensors: &[Tensor], grads: &[Option<Tensor>]) -> Result<Vec<(Gradi
                         op: "backward (grad_tensors)",
                         lhs: t.shape().to_vec(),
                         rhs: g.shape().to_vec(),
+                    });
+                }
+                if g.dtype() != t.dtype() {
+                    return Err(Error::DTypeMismatch {
+                        op: "backward (grad_tensors)",
+                        lhs: t.dtype(),
+                        rhs: g.dtype(),
+                    });
+                }
+                if g.device() != t.device() {
+                    return Err(Error::DeviceMismatch {
+                        op: "backward (grad_tensors)",
+                        lhs: t.device(),
+                        rhs: g.device(),
                     });
                 }
                 g.clone()

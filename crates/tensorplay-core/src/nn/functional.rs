@@ -11,7 +11,7 @@ use crate::{Error, Result, Tensor};
 /// broadcasting.
 ///
 /// Errors: [`Error::ShapeMismatch`] when `input`'s last dimension is not `in` or the bias is
-/// not `[out]`; [`Error::DTypeMismatch`] when dtypes differ.
+/// not `[out]`; [`Error::DTypeMismatch`] when the dtypes of input, weight and bias differ.
 pub fn linear(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     if weight.ndim() != 2 {
         return Err(Error::invalid(
@@ -38,6 +38,13 @@ pub fn linear(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<
     let y = input.matmul(&weight.t()?)?;
     match bias {
         Some(b) => {
+            if b.dtype() != weight.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: "linear",
+                    lhs: weight.dtype(),
+                    rhs: b.dtype(),
+                });
+            }
             if b.shape() != [weight.shape()[0]] {
                 return Err(Error::ShapeMismatch {
                     op: "linear (bias)",
@@ -100,8 +107,15 @@ pub fn dropout(input: &Tensor, p: f64, training: bool) -> Result<Tensor> {
 
 /// Mean squared error `mean((input - target)^2)` (`F.mse_loss`, `reduction='mean'`), a 0-d
 /// tensor. Unlike PyTorch, which broadcasts with a warning, the shapes must be equal
-/// ([`Error::ShapeMismatch`] otherwise).
+/// ([`Error::ShapeMismatch`] otherwise); the input must be float ([`Error::UnsupportedDType`]).
 pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if !input.dtype().is_float() {
+        return Err(Error::UnsupportedDType {
+            op: "mse_loss",
+            dtype: input.dtype(),
+            expected: "float32 or float64",
+        });
+    }
     if input.shape() != target.shape() {
         return Err(Error::ShapeMismatch {
             op: "mse_loss",

@@ -5,9 +5,10 @@ use std::fmt;
 use super::functional;
 use super::module::{Module, ModuleCore};
 use crate::autograd::{Context, Function, apply};
+use crate::layout::checked_numel;
 use crate::ops::float_dispatch;
 use crate::random::default_generator;
-use crate::storage::StorageElement;
+use crate::storage::{StorageElement, try_vec};
 use crate::{DType, Error, Result, Tensor};
 
 // ---------------------------------------------------------------------------------------------
@@ -29,26 +30,27 @@ impl Linear {
     /// A float32 layer with PyTorch's default initialisation (`reset_parameters`:
     /// `kaiming_uniform_(a=sqrt(5))`, which is `U(-1/sqrt(in), 1/sqrt(in))` for the weight, and
     /// the same bound for the bias), drawn from the default generator, weight first.
-    /// With `in_features == 0` the bound is 0.
+    /// With `in_features == 0` the bound is 0. Errors when the weight has more elements than
+    /// fit in memory.
     pub fn new(in_features: usize, out_features: usize, bias: bool) -> Result<Linear> {
         let bound = if in_features == 0 {
             0.0
         } else {
             1.0 / (in_features as f64).sqrt()
         };
-        let uniform = |n: usize| -> Vec<f32> {
+        let uniform = |n: usize| -> Result<Vec<f32>> {
+            let mut v = try_vec(n, 0.0f32, "Linear::new", "shape")?;
             let mut g = default_generator();
-            (0..n)
-                .map(|_| (-bound + 2.0 * bound * g.uniform()) as f32)
-                .collect()
+            for x in &mut v {
+                *x = (-bound + 2.0 * bound * g.uniform()) as f32;
+            }
+            Ok(v)
         };
-        let weight = Tensor::from_vec(
-            uniform(in_features * out_features),
-            &[out_features, in_features],
-        )?
-        .requires_grad_(true);
+        let n = checked_numel(&[out_features, in_features], "Linear::new")?;
+        let weight =
+            Tensor::from_vec(uniform(n)?, &[out_features, in_features])?.requires_grad_(true);
         let bias = if bias {
-            Some(Tensor::from_vec(uniform(out_features), &[out_features])?.requires_grad_(true))
+            Some(Tensor::from_vec(uniform(out_features)?, &[out_features])?.requires_grad_(true))
         } else {
             None
         };

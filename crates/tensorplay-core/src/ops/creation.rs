@@ -1,7 +1,8 @@
 //! Creation functions: zeros, ones, full, arange, rand, randn, randint.
 
+use crate::layout::checked_numel;
 use crate::random::default_generator;
-use crate::storage::CpuStorage;
+use crate::storage::{CpuStorage, try_vec};
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// Dtype and device of a new tensor (`dtype=`, `device=` keyword arguments).
@@ -54,27 +55,46 @@ fn place(t: Tensor, device: Device) -> Result<Tensor> {
     }
 }
 
-impl Tensor {
-    /// A tensor of `shape` filled with `value` (converted to the dtype).
-    pub fn full(shape: &[usize], value: f64, options: impl Into<TensorOptions>) -> Result<Tensor> {
-        let o = options.into();
-        let n = shape.iter().product();
-        let s = match o.dtype {
-            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
-            DType::F64 => CpuStorage::F64(vec![value; n]),
-            DType::I64 => CpuStorage::I64(vec![value as i64; n]),
-            DType::Bool => CpuStorage::Bool(vec![value != 0.0; n]),
-        };
-        place(Tensor::from_cpu(s, shape), o.device)
+/// Errors when `value` cannot be stored in `dtype` without loss of meaning: NaN, infinite or
+/// out-of-range values for int64 (PyTorch refuses these too).
+pub(crate) fn check_fill_value(op: &'static str, value: f64, dtype: DType) -> Result<()> {
+    // i64::MIN is exactly -2^63, and -(i64::MIN as f64) is 2^63: every f64 in between converts
+    // without saturating
+    if dtype == DType::I64 && !(value >= i64::MIN as f64 && value < -(i64::MIN as f64)) {
+        return Err(Error::invalid(
+            op,
+            "value",
+            "a finite value in the range of int64",
+            value,
+        ));
     }
-    /// Zeros of `shape`.
+    Ok(())
+}
+
+/// A CPU tensor of `shape` filled with `value`, then placed on the device; shape overflow and
+/// allocation failure are errors naming `op`.
+fn filled(op: &'static str, shape: &[usize], value: f64, o: TensorOptions) -> Result<Tensor> {
+    check_fill_value(op, value, o.dtype)?;
+    let n = checked_numel(shape, op)?;
+    let s = match o.dtype {
+        DType::F32 => CpuStorage::F32(try_vec(n, value as f32, op, "shape")?),
+        DType::F64 => CpuStorage::F64(try_vec(n, value, op, "shape")?),
+        DType::I64 => CpuStorage::I64(try_vec(n, value as i64, op, "shape")?),
+        DType::Bool => CpuStorage::Bool(try_vec(n, value != 0.0, op, "shape")?),
+    };
+    place(Tensor::from_cpu(s, shape), o.device)
+}
+
+impl Tensor {
+    /// A tensor of `shape` filled with `value` (converted to the dtype). Errors when the shape
+    /// has more elements than fit in memory, or when `value` is NaN, infinite or out of range
+    /// for an int64 tensor.
+    pub fn full(shape: &[usize], value: f64, options: impl Into<TensorOptions>) -> Result<Tensor> {
+        filled("full", shape, value, options.into())
+    }
+    /// Zeros of `shape`; errors when the shape has more elements than fit in memory.
     pub fn zeros(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
-        let o = options.into();
-        let n = shape.iter().product();
-        place(
-            Tensor::from_cpu(CpuStorage::zeros(o.dtype, n), shape),
-            o.device,
-        )
+        filled("zeros", shape, 0.0, options.into())
     }
     /// Ones of `shape`.
     pub fn ones(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
@@ -94,7 +114,8 @@ impl Tensor {
     }
 
     /// `[start, start + step, ...)` up to `end` exclusive (`torch.arange`); errors when
-    /// `step` is 0 or has the wrong sign.
+    /// `start` or `end` is not finite, `step` is 0, not finite or has the wrong sign, or the
+    /// range has more elements than fit in memory.
     pub fn arange(
         start: f64,
         end: f64,
@@ -102,6 +123,11 @@ impl Tensor {
         options: impl Into<TensorOptions>,
     ) -> Result<Tensor> {
         let o = options.into();
+        for (arg, v) in [("start", start), ("end", end)] {
+            if !v.is_finite() {
+                return Err(Error::invalid("arange", arg, "a finite number", v));
+            }
+        }
         if step == 0.0 || !step.is_finite() || (end - start) * step < 0.0 {
             return Err(Error::invalid(
                 "arange",
@@ -110,8 +136,21 @@ impl Tensor {
                 format!("start={start}, end={end}, step={step}"),
             ));
         }
-        let n = ((end - start) / step).ceil().max(0.0) as usize;
-        let v: Vec<f64> = (0..n).map(|i| start + i as f64 * step).collect();
+        let count = ((end - start) / step).ceil().max(0.0);
+        // beyond 2^53 elements consecutive values are no longer distinct f64s
+        if count.is_nan() || count >= 9_007_199_254_740_992.0 {
+            return Err(Error::invalid(
+                "arange",
+                "end",
+                "a range of fewer than 2^53 elements",
+                format!("start={start}, end={end}, step={step}"),
+            ));
+        }
+        let n = count as usize;
+        let mut v = try_vec(n, 0.0f64, "arange", "end")?;
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = start + i as f64 * step;
+        }
         Tensor::from_vec(v, &[n])?
             .to_dtype(o.dtype)?
             .to_device(o.device)
@@ -120,21 +159,23 @@ impl Tensor {
     /// Uniform samples in `[0, 1)` from the default generator (`torch.rand`).
     pub fn rand(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
         let o = options.into();
-        let n: usize = shape.iter().product();
-        let v: Vec<f64> = {
+        let n = checked_numel(shape, "rand")?;
+        let mut v = try_vec(n, 0.0f64, "rand", "shape")?;
+        {
             let mut g = default_generator();
-            (0..n).map(|_| g.uniform()).collect()
-        };
+            v.iter_mut().for_each(|x| *x = g.uniform());
+        }
         float_from_f64("rand", v, shape, o)
     }
     /// Standard normal samples from the default generator (`torch.randn`).
     pub fn randn(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
         let o = options.into();
-        let n: usize = shape.iter().product();
-        let v: Vec<f64> = {
+        let n = checked_numel(shape, "randn")?;
+        let mut v = try_vec(n, 0.0f64, "randn", "shape")?;
+        {
             let mut g = default_generator();
-            (0..n).map(|_| g.normal()).collect()
-        };
+            v.iter_mut().for_each(|x| *x = g.normal());
+        }
         float_from_f64("randn", v, shape, o)
     }
     /// Uniform integers in `[low, high)` as int64 (`torch.randint`); errors when `high <= low`.
@@ -147,11 +188,12 @@ impl Tensor {
                 high,
             ));
         }
-        let n: usize = shape.iter().product();
-        let v: Vec<i64> = {
+        let n = checked_numel(shape, "randint")?;
+        let mut v = try_vec(n, 0i64, "randint", "shape")?;
+        {
             let mut g = default_generator();
-            (0..n).map(|_| g.int_range(low, high)).collect()
-        };
+            v.iter_mut().for_each(|x| *x = g.int_range(low, high));
+        }
         place(Tensor::from_vec(v, shape)?, device)
     }
 }

@@ -1,7 +1,7 @@
 //! Elementwise operations with broadcasting: arithmetic, unary math, activations,
 //! comparisons, `where`, dtype casts and in-place updates.
 
-use super::{any_dispatch, float_dispatch, numeric_dispatch, same_device, with_two};
+use super::{WrappingArith, any_dispatch, float_dispatch, numeric_dispatch, same_device, with_two};
 use crate::autograd::{Context, Function, apply, is_grad_enabled};
 use crate::layout::{Layout, broadcast_shapes};
 use crate::storage::StorageElement;
@@ -155,9 +155,9 @@ fn binary_kernel(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         Pow => {
             float_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x: T, y: T| x.powf(y)))
         }
-        Add => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x + y)),
-        Sub => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x - y)),
-        Mul => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x * y)),
+        Add => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, T::wadd)),
+        Sub => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, T::wsub)),
+        Mul => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, T::wmul)),
         #[allow(clippy::eq_op)]
         Maximum => numeric_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| {
             if x >= y || x != x { x } else { y }
@@ -309,16 +309,38 @@ fn gelu<T: FloatElement>(x: T) -> T {
     x * half * (T::one() + FloatElement::erf(x * inv_sqrt2))
 }
 
+/// The public name of a unary operation, for error messages.
+fn unary_op_name(kind: UnaryKind) -> &'static str {
+    use UnaryKind::*;
+    match kind {
+        Neg => "neg",
+        Exp => "exp",
+        Log => "log",
+        Sqrt => "sqrt",
+        Abs => "abs",
+        Relu => "relu",
+        Sigmoid => "sigmoid",
+        Tanh => "tanh",
+        Gelu => "gelu",
+        Erf => "erf",
+        AddScalar(_) => "add",
+        MulScalar(_) => "mul",
+        DivScalar(_) => "div",
+        PowScalar(_) => "pow",
+    }
+}
+
 fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     use UnaryKind::*;
-    let op = "unary";
+    let op = unary_op_name(kind);
     match kind {
         Neg | Abs | AddScalar(_) | MulScalar(_) | Relu if x.dtype() == DType::I64 => {
-            return unary_map::<i64, i64>(x, "unary", |v| match kind {
-                Neg => -v,
-                Abs => v.abs(),
-                AddScalar(c) => v + c as i64,
-                MulScalar(c) => v * c as i64,
+            // int64 arithmetic wraps on overflow, as in PyTorch
+            return unary_map::<i64, i64>(x, op, |v| match kind {
+                Neg => v.wrapping_neg(),
+                Abs => v.wrapping_abs(),
+                AddScalar(c) => v.wrapping_add(c as i64),
+                MulScalar(c) => v.wrapping_mul(c as i64),
                 _ => v.max(0),
             });
         }
@@ -492,6 +514,22 @@ fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
         return unary(kind, &x.to_dtype(DType::F32)?);
     }
     Ok(apply(Unary(kind), &[x])?.remove(0))
+}
+
+/// The history an overwritten tensor takes when the new values do not require grad: the
+/// identity forward, and a zero gradient for the old values (PyTorch's `FillBackward` /
+/// `CopyBackwards`).
+struct DiscardHistory;
+impl Function for DiscardHistory {
+    fn name(&self) -> &str {
+        "CopyBackwards"
+    }
+    fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        Ok(vec![inputs[0].detach()])
+    }
+    fn backward(&self, _ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(g[0].zeros_like()?)])
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -722,9 +760,17 @@ impl Tensor {
     // in-place
 
     /// Writes `value` (already of `self`'s shape and dtype) into `self`'s storage through its
-    /// layout, and makes `self` take `value`'s autograd history when recording.
+    /// layout, and, when recording, makes `self` take `value`'s autograd history (or, when
+    /// `value` has none but `self` had one, a history that sends zero gradient to the
+    /// overwritten values).
+    ///
+    /// `value` is read completely before `self` is written, so sources that alias `self`
+    /// (`x.copy_(&x.t())`) give the right result. Errors when `self` is a leaf that requires
+    /// grad (while recording), or when several of its elements share one memory location (an
+    /// expanded view).
     fn assign_inplace(&self, op: &'static str, value: Tensor) -> Result<()> {
-        if is_grad_enabled() && self.requires_grad() && self.is_leaf() {
+        let recording = is_grad_enabled();
+        if recording && self.requires_grad() && self.is_leaf() {
             return Err(Error::Autograd(format!(
                 "{op}: a leaf tensor that requires grad is being used in an in-place \
                  operation; wrap it in no_grad() or use an out-of-place operation"
@@ -736,7 +782,39 @@ impl Tensor {
                 detail: "on CUDA tensors yet".into(),
             });
         }
+        let l = self.layout();
+        if l.shape
+            .iter()
+            .zip(&l.strides)
+            .any(|(&n, &st)| n > 1 && st == 0)
+        {
+            return Err(Error::invalid(
+                op,
+                "self",
+                "a tensor whose elements do not share memory (not an expanded view; \
+                 clone it first)",
+                format!("strides {:?} for shape {:?}", l.strides, l.shape),
+            ));
+        }
         let value = value.expand(self.shape())?;
+        // a leaf source gets a node of its own, so that `self` does not share the leaf's
+        // accumulator as its grad_fn
+        let value = if recording && value.requires_grad() && value.is_leaf() {
+            value.deep_clone()?
+        } else {
+            value
+        };
+        let history = if !recording {
+            None
+        } else if value.requires_grad() {
+            Some(value.meta().grad_fn.clone())
+        } else if self.requires_grad() {
+            let cut = apply(DiscardHistory, &[self])?.remove(0);
+            let edge = cut.meta().grad_fn.clone();
+            Some(edge)
+        } else {
+            None
+        };
         any_dispatch!(self.dtype(), T => {
             let src: Vec<T> = value.with_slice(op, |s: &[T], l| super::gather_strided(s, l))?;
             self.with_slice_mut(op, |d: &mut [T], l: &Layout| {
@@ -750,8 +828,7 @@ impl Tensor {
                 }
             })?;
         });
-        if is_grad_enabled() && value.requires_grad() {
-            let edge = value.meta().grad_fn.clone();
+        if let Some(edge) = history {
             self.meta().grad_fn = edge;
         }
         Ok(())
@@ -815,10 +892,11 @@ impl Tensor {
         };
         self.assign_inplace("copy_", s)
     }
-    /// Sets every element to `value` (`fill_`).
+    /// Sets every element to `value` (`fill_`). Errors like the other in-place operations,
+    /// and when `value` does not fit an int64 tensor (NaN, infinite, out of range).
     pub fn fill_(&self, value: f64) -> Result<()> {
+        super::creation::check_fill_value("fill_", value, self.dtype())?;
         let v = Tensor::full(&[], value, self.dtype())?;
-        let _g = crate::autograd::no_grad();
         self.assign_inplace("fill_", v)
     }
     /// Sets every element to zero (`zero_`).

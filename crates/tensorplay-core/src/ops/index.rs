@@ -1,7 +1,7 @@
 //! Indexing with int64 index tensors: `index_select`, `gather`, `scatter_add`. Each one's
 //! backward is written with the others, so every order of derivative works.
 
-use super::{any_dispatch, gather_strided, numeric_dispatch, same_device};
+use super::{WrappingArith, any_dispatch, gather_strided, numeric_dispatch, same_device};
 use crate::autograd::{Context, Function, apply};
 use crate::layout::{Layout, contiguous_strides, normalize_dim};
 use crate::storage::StorageElement;
@@ -111,7 +111,7 @@ fn scatter_add_kernel(x: &Tensor, d: usize, index: &Tensor, src: &Tensor) -> Res
         let mut k = 0usize;
         base.for_each_offset(|o| {
             let t = o + idx[k] as usize * sd;
-            out[t] += srcv[k];
+            out[t] = out[t].wadd(srcv[k]);
             k += 1;
         });
         Ok(Tensor::from_cpu(T::into_storage(out), x.shape()))

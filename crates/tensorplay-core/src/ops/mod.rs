@@ -90,6 +90,41 @@ macro_rules! any_dispatch {
 }
 pub(crate) use {any_dispatch, float_dispatch, numeric_dispatch};
 
+/// Addition, subtraction and multiplication that wrap around on int64 overflow (as PyTorch's
+/// do) instead of panicking; plain IEEE arithmetic on floats.
+pub(crate) trait WrappingArith: Copy {
+    fn wadd(self, o: Self) -> Self;
+    fn wsub(self, o: Self) -> Self;
+    fn wmul(self, o: Self) -> Self;
+}
+macro_rules! impl_wrapping_float {
+    ($($t:ty),*) => {$(
+        impl WrappingArith for $t {
+            #[inline]
+            fn wadd(self, o: Self) -> Self { self + o }
+            #[inline]
+            fn wsub(self, o: Self) -> Self { self - o }
+            #[inline]
+            fn wmul(self, o: Self) -> Self { self * o }
+        }
+    )*};
+}
+impl_wrapping_float!(f32, f64);
+impl WrappingArith for i64 {
+    #[inline]
+    fn wadd(self, o: Self) -> Self {
+        self.wrapping_add(o)
+    }
+    #[inline]
+    fn wsub(self, o: Self) -> Self {
+        self.wrapping_sub(o)
+    }
+    #[inline]
+    fn wmul(self, o: Self) -> Self {
+        self.wrapping_mul(o)
+    }
+}
+
 /// Runs `f` on the elements of two tensors of element types `A` and `B`, locking a shared
 /// storage only once.
 pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(

@@ -82,7 +82,10 @@ pub(crate) fn reduce_kernel<T: StorageElement, R: StorageElement>(
         let mut out = Vec::with_capacity(outer.numel());
         let inner_contig = inner.iter().enumerate().all(|(i, &o)| o == i);
         outer.for_each_offset(|o| {
-            if inner_contig {
+            if inner.is_empty() {
+                // an empty reduction must not index the storage (it may be empty)
+                out.push(f(&mut std::iter::empty()));
+            } else if inner_contig {
                 let mut it = s[o..o + inner.len()].iter().copied();
                 out.push(f(&mut it));
             } else {
@@ -94,15 +97,16 @@ pub(crate) fn reduce_kernel<T: StorageElement, R: StorageElement>(
     })
 }
 
-fn sum_values<T: StorageElement + std::ops::Add<Output = T>>(it: &mut dyn Iterator<Item = T>) -> T {
-    // eight interleaved partial sums: fewer rounding steps than one running sum
+fn sum_values<T: StorageElement + super::WrappingArith>(it: &mut dyn Iterator<Item = T>) -> T {
+    // eight interleaved partial sums: fewer rounding steps than one running sum; int64 sums
+    // wrap on overflow
     let mut acc = [T::default(); 8];
     for (i, v) in it.enumerate() {
-        acc[i & 7] = acc[i & 7] + v;
+        acc[i & 7] = acc[i & 7].wadd(v);
     }
-    let a = (acc[0] + acc[4]) + (acc[1] + acc[5]);
-    let b = (acc[2] + acc[6]) + (acc[3] + acc[7]);
-    a + b
+    let a = (acc[0].wadd(acc[4])).wadd(acc[1].wadd(acc[5]));
+    let b = (acc[2].wadd(acc[6])).wadd(acc[3].wadd(acc[7]));
+    a.wadd(b)
 }
 
 fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
@@ -165,7 +169,11 @@ impl Tensor {
             });
         }
         let d = reduce_dims(dims, self.ndim(), "mean")?;
-        let count: usize = d.iter().map(|&i| self.shape()[i]).product();
+        // a 0-d tensor reduces over its "dim 0" of size 1
+        let count: usize = d
+            .iter()
+            .map(|&i| self.shape().get(i).copied().unwrap_or(1))
+            .product();
         self.sum_dims(dims, keepdim)?.div_scalar(count as f64)
     }
 

@@ -109,7 +109,19 @@ impl Tensor {
                 });
             }
         }
-        let sizes = tensors.iter().map(|t| t.shape()[d]).collect();
+        let sizes: Vec<usize> = tensors.iter().map(|t| t.shape()[d]).collect();
+        if sizes
+            .iter()
+            .try_fold(0usize, |a, &s| a.checked_add(s))
+            .is_none()
+        {
+            return Err(Error::invalid(
+                op,
+                "tensors",
+                "sizes along dim whose sum fits in usize",
+                format!("{sizes:?}"),
+            ));
+        }
         let refs: Vec<&Tensor> = tensors.iter().collect();
         Ok(apply(Cat { dim: d, sizes }, &refs)?.remove(0))
     }
@@ -167,13 +179,13 @@ impl Tensor {
         let op = "split_with_sizes";
         let d = self.split_dim(dim, op)?;
         let size = self.shape()[d];
-        let total: usize = sizes.iter().sum();
-        if total != size {
+        let total = sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
+        if total != Some(size) {
             return Err(Error::invalid(
                 op,
                 "split_sizes",
                 format!("sizes adding up to {size} (the size of dimension {d})"),
-                format!("{sizes:?} (sum {total})"),
+                format!("{sizes:?}"),
             ));
         }
         let mut start = 0;

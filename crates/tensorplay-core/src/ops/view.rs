@@ -3,7 +3,7 @@
 
 use super::any_dispatch;
 use crate::autograd::{Context, Function, apply};
-use crate::layout::{Layout, contiguous_strides, normalize_dim};
+use crate::layout::{Layout, checked_numel, contiguous_strides, normalize_dim};
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
 
@@ -29,7 +29,14 @@ fn resolve_shape(numel: usize, shape: &[isize], op: &'static str) -> Result<Vec<
                 format!("{shape:?}"),
             ));
         } else {
-            known *= s as usize;
+            known = known.checked_mul(s as usize).ok_or_else(|| {
+                Error::invalid(
+                    op,
+                    "shape",
+                    "a shape whose number of elements fits in usize",
+                    format!("{shape:?}"),
+                )
+            })?;
         }
     }
     let mut out: Vec<usize> = shape.iter().map(|&s| s.max(0) as usize).collect();
@@ -44,7 +51,7 @@ fn resolve_shape(numel: usize, shape: &[isize], op: &'static str) -> Result<Vec<
         }
         out[i] = numel / known;
     }
-    if out.iter().product::<usize>() != numel {
+    if checked_numel(&out, op)? != numel {
         return Err(Error::invalid(
             op,
             "shape",
@@ -62,7 +69,19 @@ pub trait ShapeArg {
 }
 impl ShapeArg for [usize] {
     fn resolve(&self, numel: usize, op: &'static str) -> Result<Vec<usize>> {
-        let v: Vec<isize> = self.iter().map(|&s| s as isize).collect();
+        // a size above isize::MAX must not wrap around to -1 (and be inferred)
+        let v = self
+            .iter()
+            .map(|&s| isize::try_from(s))
+            .collect::<std::result::Result<Vec<isize>, _>>()
+            .map_err(|_| {
+                Error::invalid(
+                    op,
+                    "shape",
+                    "sizes of at most isize::MAX",
+                    format!("{self:?}"),
+                )
+            })?;
         resolve_shape(numel, &v, op)
     }
 }
@@ -450,11 +469,13 @@ impl Tensor {
     }
 
     /// Broadcasts to `shape` without copying (`expand`): dims of size 1 may grow, and new
-    /// leading dims may be added.
+    /// leading dims may be added. Errors when the shapes do not broadcast or `shape` has more
+    /// elements than `usize` can count.
     pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
         if shape == self.shape() {
             return Ok(self.clone());
         }
+        checked_numel(shape, "expand")?;
         let layout = self.layout().broadcast_to(shape, "expand")?;
         self.restride(
             "ExpandBackward",
