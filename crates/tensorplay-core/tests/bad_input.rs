@@ -536,11 +536,8 @@ fn matmul_errors() {
     let a = f32s(&[1.0; 6], &[2, 3]);
     assert_invalid!(a.matmul(&Tensor::scalar(1.0f32)), "matmul", "operands");
     assert_invalid!(Tensor::scalar(1.0f32).matmul(&a), "matmul", "operands");
-    assert_err!(a.matmul(&a), Error::ShapeMismatch { op: "matmul", .. });
-    assert_err!(
-        a.matmul(&f32s(&[1.0; 2], &[2])),
-        Error::ShapeMismatch { op: "matmul", .. }
-    );
+    assert_invalid!(a.matmul(&a), "matmul", "other");
+    assert_invalid!(a.matmul(&f32s(&[1.0; 2], &[2])), "matmul", "other");
     assert_err!(
         a.matmul(&f64s(&[1.0; 3], &[3, 1])),
         Error::DTypeMismatch { op: "matmul", .. }
