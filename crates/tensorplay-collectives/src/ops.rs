@@ -737,14 +737,22 @@ fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Resul
     }
     let b = c.cpu()?;
     dispatch!(input.dtype(), c.op, c.grank, T => {
-        let inp = host_vec::<T>(input)?;
-        write_host::<T, ()>(output, |mut out| {
-            b.reduce_scatter(T::buf_ref(&inp), out.slice_mut(0..out.len()), op, c.timeout())?;
-            if op == ReduceOp::Avg {
-                finish_avg::<T>(&mut out, c.size);
-            }
-            Ok(())
-        })
+        let run = |inp: BufRef<'_>| {
+            write_host::<T, ()>(output, |mut out| {
+                b.reduce_scatter(inp, out.slice_mut(0..out.len()), op, c.timeout())?;
+                if op == ReduceOp::Avg {
+                    finish_avg::<T>(&mut out, c.size);
+                }
+                Ok(())
+            })
+        };
+        if input.shares_storage_with(output) {
+            // the output is a view of the input: copy the input so the two locks never nest
+            let inp = host_vec::<T>(input)?;
+            run(T::buf_ref(&inp))
+        } else {
+            read_host::<T, ()>(input, run)
+        }
     })
 }
 
@@ -1080,8 +1088,12 @@ fn a2as_impl(
     a2a_check(&c, input.dtype(), &send, &recv)?;
     let b = c.cpu()?;
     dispatch!(input.dtype(), "all_to_all_single", c.grank, T => {
-        let inp = host_vec::<T>(input)?;
-        write_host::<T, ()>(output, |out| b.all_to_all(T::buf_ref(&inp), &send, out, &recv, c.timeout()))
+        if input.shares_storage_with(output) {
+            let inp = host_vec::<T>(input)?;
+            write_host::<T, ()>(output, |out| b.all_to_all(T::buf_ref(&inp), &send, out, &recv, c.timeout()))
+        } else {
+            write_host::<T, ()>(output, |out| read_host::<T, ()>(input, |inp| b.all_to_all(inp, &send, out, &recv, c.timeout())))
+        }
     })
 }
 
