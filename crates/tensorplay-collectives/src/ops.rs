@@ -148,11 +148,16 @@ impl Call<'_> {
     }
 
     /// All ranks' descriptors (one all-gather of `desc`, which has the same length on every rank).
+    /// The collective's name travels with it: ranks that called different collectives get an
+    /// [`Error::Mismatch`] naming them instead of pairing unrelated descriptors.
     fn exchange(&self, desc: &[i64]) -> Result<Vec<Vec<i64>>> {
-        let n = desc.len();
         if self.size == 1 {
             return Ok(vec![desc.to_vec()]);
         }
+        let mut d = vec![op_id(self.op)];
+        d.extend_from_slice(desc);
+        let n = d.len();
+        let desc = &d[..];
         let mut out = vec![0i64; n * self.size];
         let counts = vec![n; self.size];
         self.cpu_or_meta()?.all_gather(
@@ -161,7 +166,11 @@ impl Call<'_> {
             &counts,
             self.timeout(),
         )?;
-        Ok(out.chunks(n).map(|c| c.to_vec()).collect())
+        let all: Vec<Vec<i64>> = out.chunks(n).map(|c| c.to_vec()).collect();
+        agree(self, &all, 0..1, "the collective called", |v| {
+            OP_NAMES.get(v[0] as usize).unwrap_or(&"?").to_string()
+        })?;
+        Ok(all.into_iter().map(|mut v| v.split_off(1)).collect())
     }
 
     fn cpu_or_meta(&self) -> Result<&dyn Backend> {
@@ -171,6 +180,33 @@ impl Call<'_> {
             None => Err(self.not_member()),
         }
     }
+}
+
+/// The collectives that exchange descriptors, by id.
+const OP_NAMES: &[&str] = &[
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+];
+fn op_id(op: &str) -> i64 {
+    // the list form of reduce_scatter runs reduce_scatter_tensor's exchange
+    let op = if op == "reduce_scatter" {
+        "reduce_scatter_tensor"
+    } else {
+        op
+    };
+    OP_NAMES
+        .iter()
+        .position(|&o| o == op)
+        .map_or(-1, |i| i as i64)
 }
 
 fn resolve(group: Option<&ProcessGroup>, op: &'static str) -> Result<ProcessGroup> {
@@ -770,28 +806,65 @@ pub fn gather(
         let c = call(&g, "gather")?;
         let root = c.root("dst", dst)?;
         c.host("tensor", tensor)?;
+        // descriptor: own input shape, dst, whether the list on dst is usable, and (on dst) the
+        // list's shapes, so that a bad gather_list is an error on every rank, not only on dst
+        let w = 2 + MAX_DIMS;
         let mut d = shape_desc(tensor);
         d.push(dst as i64);
-        let all = c.exchange(&d)?;
-        agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]).to_string())?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "dst", |v| format!("dst {}", v[0]))?;
-        let counts: Vec<usize> = all
-            .iter()
-            .map(|d| (0..d[1].max(0) as usize).map(|i| d[2 + i.min(MAX_DIMS - 1)].max(0) as usize).product())
-            .collect();
-        let b = c.cpu()?;
+        let mut local_err = None;
         if c.rank == root {
-            let list = gather_list.ok_or_else(|| c.err("gather_list", format!("{} tensors on the destination rank", c.size), "None"))?;
-            if list.len() != c.size {
-                return Err(c.err("gather_list", format!("{} tensors (one per rank)", c.size), list.len()));
-            }
-            for (r, o) in list.iter().enumerate() {
-                c.host(&format!("gather_list[{r}]"), o)?;
-                check_writable(&c, &format!("gather_list[{r}]"), o)?;
-                if shape_desc(o)[..2 + MAX_DIMS] != all[r][..2 + MAX_DIMS] {
-                    return Err(c.err(&format!("gather_list[{r}]"), format!("the shape rank {} passed: {}", c.g.ranks()[r], fmt_shape(&all[r])), fmt_shape(&shape_desc(o))));
+            let checked = (|| -> Result<&[Tensor]> {
+                let list = gather_list.ok_or_else(|| c.err("gather_list", format!("{} tensors on the destination rank", c.size), "None"))?;
+                if list.len() != c.size {
+                    return Err(c.err("gather_list", format!("{} tensors (one per rank)", c.size), list.len()));
+                }
+                for (r, o) in list.iter().enumerate() {
+                    c.host(&format!("gather_list[{r}]"), o)?;
+                    check_writable(&c, &format!("gather_list[{r}]"), o)?;
+                }
+                Ok(list)
+            })();
+            match checked {
+                Ok(list) => {
+                    d.push(1);
+                    list.iter().for_each(|o| d.extend_from_slice(&shape_desc(o)[..w]));
+                }
+                Err(e) => {
+                    d.push(0);
+                    d.extend(std::iter::repeat_n(0, c.size * w));
+                    local_err = Some(e);
                 }
             }
+        } else {
+            d.push(1);
+            d.extend(std::iter::repeat_n(0, c.size * w));
+        }
+        let all = c.exchange(&d)?;
+        agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]).to_string())?;
+        agree(&c, &all, w..w + 1, "dst", |v| format!("dst {}", v[0]))?;
+        let rd = &all[root];
+        if rd[w + 1] == 0 {
+            return Err(local_err.unwrap_or_else(|| Error::Mismatch {
+                op: "gather".into(),
+                detail: format!("the destination rank {dst} passed no usable gather_list of {} tensors", c.size),
+            }));
+        }
+        for r in 0..c.size {
+            let listed = &rd[w + 2 + r * w..w + 2 + (r + 1) * w];
+            if listed != &all[r][..w] {
+                return Err(Error::Mismatch {
+                    op: "gather".into(),
+                    detail: format!(
+                        "gather_list[{r}] on the destination rank {dst} is {} but rank {} passed {}",
+                        fmt_shape(listed), c.g.ranks()[r], fmt_shape(&all[r])
+                    ),
+                });
+            }
+        }
+        let counts: Vec<usize> = all.iter().map(|d| numel_of(d)).collect();
+        let b = c.cpu()?;
+        if c.rank == root {
+            let list = gather_list.unwrap_or(&[]);
             dispatch!(tensor.dtype(), "gather", c.grank, T => {
                 let mut out = vec![T::default(); counts.iter().sum()];
                 read_host::<T, ()>(tensor, |inp| b.gather(inp, Some(T::buf_mut(&mut out)), &counts, root, c.timeout()))?;
@@ -827,13 +900,33 @@ pub fn scatter(
         // descriptor: own output shape, src, and (on src) the list's element counts
         let mut d = shape_desc(tensor);
         d.push(src as i64);
+        let mut local_err = None;
         let list_ok = if c.rank == root {
-            match scatter_list {
-                Some(l) if l.len() == c.size => {
+            let checked = match scatter_list {
+                Some(l) if l.len() == c.size => l
+                    .iter()
+                    .enumerate()
+                    .try_for_each(|(r, t)| {
+                        c.host(&format!("scatter_list[{r}]"), t)?;
+                        if t.dtype() != tensor.dtype() {
+                            return Err(c.err(&format!("scatter_list[{r}]"), format!("{} (the dtype of tensor)", tensor.dtype()), t.dtype()));
+                        }
+                        Ok(())
+                    })
+                    .map(|()| l),
+                l => Err(c.err(
+                    "scatter_list",
+                    format!("{} tensors (one per rank) on the source rank", c.size),
+                    l.map_or_else(|| "None".to_string(), |l| format!("{} tensors", l.len())),
+                )),
+            };
+            match checked {
+                Ok(l) => {
                     d.extend(l.iter().map(|t| t.numel() as i64));
                     1
                 }
-                _ => {
+                Err(e) => {
+                    local_err = Some(e);
                     d.extend(std::iter::repeat_n(-1, c.size));
                     0
                 }
@@ -848,10 +941,10 @@ pub fn scatter(
         agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| format!("src {}", v[0]))?;
         let sd = &all[root];
         if sd[sd.len() - 1] == 0 {
-            return Err(Error::Mismatch {
+            return Err(local_err.unwrap_or_else(|| Error::Mismatch {
                 op: "scatter".into(),
-                detail: format!("the source rank {src} passed no scatter_list of {} tensors", c.size),
-            });
+                detail: format!("the source rank {src} passed no usable scatter_list of {} tensors", c.size),
+            }));
         }
         let counts: Vec<usize> = all.iter().map(|d| numel_of(d)).collect();
         for r in 0..c.size {

@@ -56,7 +56,12 @@ impl FromStr for InitMethod {
         let Some((host, port)) = rest.rsplit_once(':') else {
             return Err(bad("missing port"));
         };
-        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let host = match host.strip_prefix('[') {
+            Some(h) => h
+                .strip_suffix(']')
+                .ok_or_else(|| bad("an IPv6 host must be in brackets: tcp://[::1]:29500"))?,
+            None => host,
+        };
         if host.is_empty() {
             return Err(bad("missing host"));
         }
@@ -297,6 +302,11 @@ pub fn rendezvous_barrier(
                 ),
             })
         }
+        // rank 0 hosts the store: when it gave up first, the others lose the server
+        Err(Error::Store(m)) => Err(Error::Store(format!(
+            "rendezvous on rank {r}: {m}; {joined} of {world_size} ranks had joined when this \
+             rank did (rank 0, which hosts the store, probably timed out waiting for the rest)"
+        ))),
         Err(e) => Err(e),
     }
 }
