@@ -160,12 +160,25 @@ impl Call<'_> {
         let desc = &d[..];
         let mut out = vec![0i64; n * self.size];
         let counts = vec![n; self.size];
-        self.cpu_or_meta()?.all_gather(
-            BufRef::I64(desc),
-            BufMut::I64(&mut out),
-            &counts,
-            self.timeout(),
-        )?;
+        self.cpu_or_meta()?
+            .all_gather(
+                BufRef::I64(desc),
+                BufMut::I64(&mut out),
+                &counts,
+                self.timeout(),
+            )
+            .map_err(|e| match e {
+                // name the collective the user called, not the check's internal all_gather
+                Error::PeerFailed {
+                    rank, peer, detail, ..
+                } => Error::PeerFailed {
+                    rank,
+                    peer,
+                    op: format!("{} (while checking arguments across ranks)", self.op),
+                    detail: format!("{detail} (did rank {peer} exit or fail?)"),
+                },
+                other => other,
+            })?;
         let all: Vec<Vec<i64>> = out.chunks(n).map(|c| c.to_vec()).collect();
         agree(self, &all, 0..1, "the collective called", |v| {
             OP_NAMES.get(v[0] as usize).unwrap_or(&"?").to_string()

@@ -8,8 +8,9 @@
 //! `LOCAL_WORLD_SIZE=<n>`, `MASTER_ADDR=127.0.0.1` and `MASTER_PORT=<a free port>`, plus
 //! [`SpawnOptions::env`].
 //!
-//! * In the **parent** (no `TENSORPLAY_SPAWN_RANK`), `spawn` starts the children, captures
-//!   their output, and returns when all exited successfully, or as soon as one fails (non-zero
+//! * In the **parent** (no `TENSORPLAY_SPAWN_RANK`), `spawn` starts the children, forwards
+//!   their output line by line prefixed with `[rank N] ` (set `TENSORPLAY_SPAWN_VERBOSE=0` to
+//!   silence it) while keeping it for failure reports, and returns when all exited successfully, or as soon as one fails (non-zero
 //!   exit, signal, or the overall timeout): it then kills the others and returns
 //!   [`Error::Spawn`] for the first failing rank with its output.
 //! * In a **child**, the program runs again from the start and reaches the same `spawn` call;
@@ -46,7 +47,9 @@ use crate::{Error, Result};
 pub const SPAWN_RANK_ENV: &str = "TENSORPLAY_SPAWN_RANK";
 /// Environment variable holding the comma-separated rank path of nested spawns.
 pub const SPAWN_PATH_ENV: &str = "TENSORPLAY_SPAWN_PATH";
-/// Set to `1` to forward the children's output live, prefixed with `[rank N] `.
+/// The children's output is forwarded live to this process's stdout/stderr, each line
+/// prefixed with `[rank N] ` (and also kept for failure reports); set this variable to `0` to
+/// only keep it.
 pub const SPAWN_VERBOSE_ENV: &str = "TENSORPLAY_SPAWN_VERBOSE";
 /// The default overall timeout of [`spawn`] (300 seconds).
 pub const DEFAULT_SPAWN_TIMEOUT: Duration = Duration::from_secs(300);
@@ -226,7 +229,8 @@ fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
         .and_then(|l| l.local_addr())
         .map_err(|e| spawn_err(format!("could not start: cannot find a free port: {e}")))?
         .port();
-    let verbose = std::env::var(SPAWN_VERBOSE_ENV).is_ok_and(|v| v == "1");
+    // like torch.multiprocessing.spawn, children's output reaches the terminal by default
+    let verbose = std::env::var(SPAWN_VERBOSE_ENV).map_or(true, |v| v != "0");
     let n = opts.nprocs;
 
     let mut procs: Vec<Running> = Vec::with_capacity(n);
