@@ -151,10 +151,19 @@ impl Call<'_> {
     /// The collective's name travels with it: ranks that called different collectives get an
     /// [`Error::Mismatch`] naming them instead of pairing unrelated descriptors.
     fn exchange(&self, desc: &[i64]) -> Result<Vec<Vec<i64>>> {
+        self.exchange_local(desc, Ok(()))
+    }
+
+    /// Like [`Call::exchange`], for a rank whose own argument checks gave `local`: it still
+    /// takes part (with a flag), so that when one rank alone passes bad arguments every rank
+    /// fails this call together — that rank with its own error, the others with an
+    /// [`Error::Mismatch`] naming it — and the ranks stay in step for the next call.
+    fn exchange_local(&self, desc: &[i64], local: Result<()>) -> Result<Vec<Vec<i64>>> {
         if self.size == 1 {
+            local?;
             return Ok(vec![desc.to_vec()]);
         }
-        let mut d = vec![op_id(self.op)];
+        let mut d = vec![op_id(self.op), i64::from(local.is_err())];
         d.extend_from_slice(desc);
         let n = d.len();
         let desc = &d[..];
@@ -183,7 +192,20 @@ impl Call<'_> {
         agree(self, &all, 0..1, "the collective called", |v| {
             OP_NAMES.get(v[0] as usize).unwrap_or(&"?").to_string()
         })?;
-        Ok(all.into_iter().map(|mut v| v.split_off(1)).collect())
+        local?;
+        let bad: Vec<usize> = (0..self.size)
+            .filter(|&r| all[r][1] != 0)
+            .map(|r| self.g.ranks()[r])
+            .collect();
+        if !bad.is_empty() {
+            return Err(Error::Mismatch {
+                op: self.op.to_string(),
+                detail: format!(
+                    "rank(s) {bad:?} rejected their own arguments (their errors say why)"
+                ),
+            });
+        }
+        Ok(all.into_iter().map(|mut v| v.split_off(2)).collect())
     }
 
     fn cpu_or_meta(&self) -> Result<&dyn Backend> {
@@ -438,13 +460,16 @@ fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
     if let Some(BackendImpl::Nccl(n)) = &g.inner.backend {
         return n.all_reduce(&c.grank, t, op, c.timeout());
     }
-    c.host("tensor", t)?;
-    check_writable(&c, "tensor", t)?;
-    check_op(&c, op, t.dtype())?;
-    if checks_enabled() {
+    let local = c
+        .host("tensor", t)
+        .and_then(|_| check_writable(&c, "tensor", t))
+        .and_then(|_| check_op(&c, op, t.dtype()));
+    if !checks_enabled() {
+        local?;
+    } else {
         let mut d = shape_desc(t);
         d.push(op_code(op));
-        let all = c.exchange(&d)?;
+        let all = c.exchange_local(&d, local)?;
         agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
         agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
             format!("op #{}", v[0])
@@ -482,21 +507,28 @@ pub fn broadcast_async(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>
 
 fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
     let c = call(g, "broadcast")?;
-    let root = c.root("src", src)?;
+    let root = c.root("src", src);
     if let Some(BackendImpl::Nccl(n)) = &g.inner.backend {
-        return n.broadcast(&c.grank, t, root, c.timeout());
+        return n.broadcast(&c.grank, t, root?, c.timeout());
     }
-    c.host("tensor", t)?;
-    check_writable(&c, "tensor", t)?;
-    if checks_enabled() {
+    let local = root
+        .as_ref()
+        .map(|_| ())
+        .map_err(Clone::clone)
+        .and_then(|_| c.host("tensor", t))
+        .and_then(|_| check_writable(&c, "tensor", t));
+    if !checks_enabled() {
+        local?;
+    } else {
         let mut d = shape_desc(t);
         d.push(src as i64);
-        let all = c.exchange(&d)?;
+        let all = c.exchange_local(&d, local)?;
         agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
         agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| {
             format!("src {}", v[0])
         })?;
     }
+    let root = root?;
     let b = c.cpu()?;
     dispatch!(t.dtype(), "broadcast", c.grank, T => write_host::<T, ()>(t, |buf| b.broadcast(buf, root, c.timeout())))
 }

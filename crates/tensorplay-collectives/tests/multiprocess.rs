@@ -401,6 +401,29 @@ fn mismatched_shapes_are_an_error_on_every_rank() -> TestResult {
         let splits: &[usize] = if rank == 0 { &[1, 3] } else { &[2, 2] };
         let e = dist::all_to_all_single(&y, &x, Some(&[2, 2]), Some(splits), None).unwrap_err();
         assert!(e.to_string().contains("sends"), "{e}");
+        // bad arguments on one rank only: that rank gets its own error, the other a mismatch
+        // naming it, and both stay in step for the next call
+        let t = if rank == 0 {
+            Tensor::zeros(&[2], DType::Bool)?
+        } else {
+            Tensor::zeros(&[2], DType::F32)?
+        };
+        let e = dist::all_reduce(&t, ReduceOp::Sum, None).unwrap_err();
+        if rank == 0 {
+            assert!(e.to_string().contains("float32, float64 or int64"), "{e}");
+        } else {
+            assert!(
+                e.to_string().contains("[0] rejected their own arguments"),
+                "{e}"
+            );
+        }
+        let t = Tensor::zeros(&[2], DType::F32)?;
+        let e = dist::broadcast(&t, if rank == 0 { 9 } else { 0 }, None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(if rank == 0 { "src" } else { "rejected" }),
+            "{e}"
+        );
         // the group still works afterwards
         let ok = Tensor::ones(&[2], DType::F32)?;
         dist::all_reduce(&ok, ReduceOp::Sum, None)?;
