@@ -544,22 +544,29 @@ pub fn reduce(
     let g = resolve(group, "reduce")?;
     g.inner.seq.clone().run_blocking(g.timeout(), "reduce", || {
         let c = call(&g, "reduce")?;
-        let root = c.root("dst", dst)?;
+        let root = c.root("dst", dst);
         if let Some(BackendImpl::Nccl(n)) = &g.inner.backend {
-            return n.reduce(&c.grank, tensor, op, root, c.timeout());
+            return n.reduce(&c.grank, tensor, op, root?, c.timeout());
         }
-        c.host("tensor", tensor)?;
-        check_writable(&c, "tensor", tensor)?;
-        check_op(&c, op, tensor.dtype())?;
-        if checks_enabled() {
+        let local = root
+            .as_ref()
+            .map(|_| ())
+            .map_err(Clone::clone)
+            .and_then(|_| c.host("tensor", tensor))
+            .and_then(|_| check_writable(&c, "tensor", tensor))
+            .and_then(|_| check_op(&c, op, tensor.dtype()));
+        if !checks_enabled() {
+            local?;
+        } else {
             let mut d = shape_desc(tensor);
             d.extend([dst as i64, op_code(op)]);
-            let all = c.exchange(&d)?;
+            let all = c.exchange_local(&d, local)?;
             agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
             agree(&c, &all, 2 + MAX_DIMS..4 + MAX_DIMS, "dst and op", |v| {
                 format!("dst {} op #{}", v[0], v[1])
             })?;
         }
+        let root = root?;
         let b = c.cpu()?;
         dispatch!(tensor.dtype(), "reduce", c.grank, T => write_host::<T, ()>(tensor, |mut buf| {
             b.reduce(buf.slice_mut(0..buf.len()), op, root, c.timeout())?;
@@ -663,9 +670,27 @@ fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
     if let Some(BackendImpl::Nccl(n)) = &g.inner.backend {
         return n.all_gather_into_tensor(&c.grank, output, input, c.timeout());
     }
-    c.host("input", input)?;
-    c.host("output", output)?;
-    check_writable(&c, "output", output)?;
+    let local = c
+        .host("input", input)
+        .and_then(|_| c.host("output", output))
+        .and_then(|_| check_writable(&c, "output", output))
+        .and_then(|_| agit_sizes(&c, output, input));
+    if !checks_enabled() {
+        local?;
+    } else {
+        let all = c.exchange_local(&shape_desc(input), local)?;
+        agree(
+            &c,
+            &all,
+            0..2 + MAX_DIMS,
+            "input dtype and shape",
+            fmt_shape,
+        )?;
+    }
+    agit_run(&c, output, input)
+}
+
+fn agit_sizes(c: &Call<'_>, output: &Tensor, input: &Tensor) -> Result<()> {
     if output.dtype() != input.dtype() || output.numel() != input.numel() * c.size {
         return Err(c.err(
             "output",
@@ -679,16 +704,10 @@ fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
             format!("{} with {} elements", output.dtype(), output.numel()),
         ));
     }
-    if checks_enabled() {
-        let all = c.exchange(&shape_desc(input))?;
-        agree(
-            &c,
-            &all,
-            0..2 + MAX_DIMS,
-            "input dtype and shape",
-            fmt_shape,
-        )?;
-    }
+    Ok(())
+}
+
+fn agit_run(c: &Call<'_>, output: &Tensor, input: &Tensor) -> Result<()> {
     let counts = vec![input.numel(); c.size];
     let b = c.cpu()?;
     dispatch!(input.dtype(), "all_gather_into_tensor", c.grank, T => {
@@ -784,10 +803,33 @@ pub fn reduce_scatter_tensor_async(
 }
 
 fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
-    c.host("input", input)?;
-    c.host("output", output)?;
-    check_writable(c, "output", output)?;
-    check_op(c, op, input.dtype())?;
+    let local = c
+        .host("input", input)
+        .and_then(|_| c.host("output", output))
+        .and_then(|_| check_writable(c, "output", output))
+        .and_then(|_| check_op(c, op, input.dtype()))
+        .and_then(|_| rs_sizes(c, output, input));
+    if !checks_enabled() {
+        local?;
+    } else {
+        let mut d = shape_desc(output);
+        d.push(op_code(op));
+        let all = c.exchange_local(&d, local)?;
+        agree(
+            c,
+            &all,
+            0..2 + MAX_DIMS,
+            "output dtype and shape",
+            fmt_shape,
+        )?;
+        agree(c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
+            format!("op #{}", v[0])
+        })?;
+    }
+    rs_run(c, output, input, op)
+}
+
+fn rs_sizes(c: &Call<'_>, output: &Tensor, input: &Tensor) -> Result<()> {
     if output.dtype() != input.dtype() || input.numel() != output.numel() * c.size {
         return Err(c.err(
             "input",
@@ -801,21 +843,10 @@ fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Resul
             format!("{} with {} elements", input.dtype(), input.numel()),
         ));
     }
-    if checks_enabled() {
-        let mut d = shape_desc(output);
-        d.push(op_code(op));
-        let all = c.exchange(&d)?;
-        agree(
-            c,
-            &all,
-            0..2 + MAX_DIMS,
-            "output dtype and shape",
-            fmt_shape,
-        )?;
-        agree(c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
-            format!("op #{}", v[0])
-        })?;
-    }
+    Ok(())
+}
+
+fn rs_run(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
     let b = c.cpu()?;
     dispatch!(input.dtype(), c.op, c.grank, T => {
         let run = |inp: BufRef<'_>| {

@@ -424,6 +424,27 @@ fn mismatched_shapes_are_an_error_on_every_rank() -> TestResult {
                 .contains(if rank == 0 { "src" } else { "rejected" }),
             "{e}"
         );
+        let out = Tensor::zeros(&[4 + rank], DType::F32)?; // wrong size on rank 1 only
+        let e = dist::all_gather_into_tensor(&out, &Tensor::zeros(&[2], DType::F32)?, None)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(if rank == 1 { "elements" } else { "rejected" }),
+            "{e}"
+        );
+        let out = Tensor::zeros(&[2], DType::I64)?;
+        let op = if rank == 0 {
+            ReduceOp::Avg
+        } else {
+            ReduceOp::Sum
+        }; // Avg on int64: rank 0 only
+        let e = dist::reduce_scatter_tensor(&out, &Tensor::zeros(&[4], DType::I64)?, op, None)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(if rank == 0 { "Avg" } else { "rejected" }),
+            "{e}"
+        );
         // the group still works afterwards
         let ok = Tensor::ones(&[2], DType::F32)?;
         dist::all_reduce(&ok, ReduceOp::Sum, None)?;
