@@ -20,22 +20,29 @@ struct Cli {
     command: Cmd,
 }
 
+/// Where PyTorch's anchor scripts and interpreter are (shared by the benchmark commands).
+#[derive(clap::Args)]
+struct Anchor {
+    /// Folder holding the PyTorch anchor scripts.
+    #[arg(long, default_value = "../shared/anchors")]
+    anchors: PathBuf,
+    /// Python interpreter with PyTorch installed (the anchors' setup.sh prints it).
+    #[arg(
+        long,
+        env = "ANCHOR_PYTHON",
+        default_value = "/tmp/tensorplay-anchor-venv/bin/python"
+    )]
+    python: PathBuf,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Multi-rank test scenarios (real processes over 127.0.0.1; NCCL where GPUs exist).
     TestMultigpu,
     /// Collective bandwidth (2 ranks, 4 KiB to 64 MiB) next to PyTorch gloo's.
     BenchCollectives {
-        /// Folder holding the PyTorch anchor scripts.
-        #[arg(long, default_value = "../shared/anchors")]
-        anchors: PathBuf,
-        /// Python interpreter with PyTorch installed.
-        #[arg(
-            long,
-            env = "ANCHOR_PYTHON",
-            default_value = "/tmp/tensorplay-anchor-venv/bin/python"
-        )]
-        python: PathBuf,
+        #[command(flatten)]
+        anchor: Anchor,
         /// Number of ranks.
         #[arg(long, default_value_t = 2)]
         world: usize,
@@ -45,16 +52,8 @@ enum Cmd {
     },
     /// Core benchmark side by side with PyTorch (MLP training step, f32 matmul GFLOP/s).
     BenchCore {
-        /// Folder holding the PyTorch anchor scripts.
-        #[arg(long, default_value = "../shared/anchors")]
-        anchors: PathBuf,
-        /// Python interpreter with PyTorch installed (the anchors' setup.sh prints it).
-        #[arg(
-            long,
-            env = "ANCHOR_PYTHON",
-            default_value = "/tmp/tensorplay-anchor-venv/bin/python"
-        )]
-        python: PathBuf,
+        #[command(flatten)]
+        anchor: Anchor,
         /// How many times to alternate the two programs (the machines are noisy).
         #[arg(long, default_value_t = 5)]
         rounds: usize,
@@ -390,16 +389,11 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Cmd::TestMultigpu => test_multigpu(),
         Cmd::BenchCollectives {
-            anchors,
-            python,
+            anchor,
             world,
             max_mib,
-        } => bench_collectives(&anchors, &python, world, max_mib),
-        Cmd::BenchCore {
-            anchors,
-            python,
-            rounds,
-        } => bench_core(&anchors, &python, rounds),
+        } => bench_collectives(&anchor.anchors, &anchor.python, world, max_mib),
+        Cmd::BenchCore { anchor, rounds } => bench_core(&anchor.anchors, &anchor.python, rounds),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
