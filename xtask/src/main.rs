@@ -3,6 +3,8 @@
 //! - `test-multigpu`: runs the multi-rank test scenarios, one process per rank: with `nccl` on
 //!   every GPU count up to the number of GPUs when there are GPUs, and with the `cpu` backend at
 //!   world sizes 2 to 4 always. Ends with `N passed, M failed`.
+//! - `conformance --vectors FILE [--backend nccl]`: runs a conformance vectors file against the
+//!   differentiable collectives (`crates/tensorplay-conformance`).
 //! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's.
 //! - `bench-core`: runs the core benchmark (`cargo bench -p tensorplay-core --bench core_step`)
 //!   and PyTorch's anchor script `torch_core_step.py` in one run on this machine, and prints
@@ -49,6 +51,19 @@ enum Cmd {
         /// Largest size in MiB.
         #[arg(long, default_value_t = 64)]
         max_mib: usize,
+    },
+    /// Runs a conformance vectors file against the differentiable collectives (one world of
+    /// processes per world size in the file); ends with `N passed, M failed`.
+    Conformance {
+        /// The vectors file (format: conformance/README.md).
+        #[arg(long)]
+        vectors: PathBuf,
+        /// Process-group backend: "cpu", or "nccl" on a GPU machine.
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// Timeout of each collective, in seconds.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
     },
     /// Core benchmark side by side with PyTorch (MLP training step, f32 matmul GFLOP/s).
     BenchCore {
@@ -384,6 +399,25 @@ fn bench_collectives(
     Ok(())
 }
 
+/// Builds and runs the `tensorplay-conformance` program (in `crates/tensorplay-conformance`).
+fn conformance(vectors: &Path, backend: &str, timeout: u64) -> Result<(), String> {
+    // resolve the path before cargo changes directory
+    let vectors = std::fs::canonicalize(vectors)
+        .map_err(|e| format!("cannot read {}: {e}", vectors.display()))?;
+    let status = Command::new("cargo")
+        .args(["run", "-q", "-p", "tensorplay-conformance", "--"])
+        .arg("--vectors")
+        .arg(&vectors)
+        .args(["--backend", backend, "--timeout", &timeout.to_string()])
+        .status()
+        .map_err(|e| format!("could not run cargo: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("conformance failed ({status})"))
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
@@ -394,6 +428,11 @@ fn main() -> ExitCode {
             max_mib,
         } => bench_collectives(&anchor.anchors, &anchor.python, world, max_mib),
         Cmd::BenchCore { anchor, rounds } => bench_core(&anchor.anchors, &anchor.python, rounds),
+        Cmd::Conformance {
+            vectors,
+            backend,
+            timeout,
+        } => conformance(&vectors, &backend, timeout),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

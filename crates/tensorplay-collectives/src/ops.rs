@@ -144,7 +144,30 @@ impl Call<'_> {
         if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::I64) {
             return Err(self.err(arg, "a float32, float64 or int64 tensor", t.dtype()));
         }
-        Ok(())
+        self.not_differentiable(arg, t)
+    }
+
+    /// The blocking collectives are not differentiable: a tensor that requires grad while
+    /// gradients are recorded is refused (PyTorch silently acts as the identity in backward,
+    /// losing the other ranks' contributions, pytorch/pytorch#121587). Point-to-point calls
+    /// (`send`, `recv`) are exempt.
+    fn not_differentiable(&self, arg: &str, t: &Tensor) -> Result<()> {
+        if matches!(self.op, "send" | "recv" | "isend" | "irecv")
+            || !t.requires_grad()
+            || !tensorplay_core::autograd::is_grad_enabled()
+        {
+            return Ok(());
+        }
+        Err(self.err(
+            arg,
+            format!(
+                "a tensor that does not require grad: the blocking collectives are not differentiable; \
+                 use tensorplay::distributed::nn::functional::{} for a collective with a backward, \
+                 or call this one on `tensor.detach()` or under `no_grad()`",
+                functional_name(self.op)
+            ),
+            "a tensor that requires grad",
+        ))
     }
 
     /// All ranks' descriptors (one all-gather of `desc`, which has the same length on every rank).
@@ -189,9 +212,7 @@ impl Call<'_> {
                 other => other,
             })?;
         let all: Vec<Vec<i64>> = out.chunks(n).map(|c| c.to_vec()).collect();
-        agree(self, &all, 0..1, "the collective called", |v| {
-            OP_NAMES.get(v[0] as usize).unwrap_or(&"?").to_string()
-        })?;
+        agree(self, &all, 0..1, "the collective called", |v| op_name(v[0]))?;
         local?;
         let bad: Vec<usize> = (0..self.size)
             .filter(|&r| all[r][1] != 0)
@@ -217,6 +238,15 @@ impl Call<'_> {
     }
 }
 
+/// The name of the differentiable counterpart of a blocking collective.
+fn functional_name(op: &str) -> &str {
+    match op {
+        "all_gather_into_tensor" => "all_gather",
+        "reduce_scatter_tensor" => "reduce_scatter",
+        o => o,
+    }
+}
+
 /// The collectives that exchange descriptors, by id.
 const OP_NAMES: &[&str] = &[
     "all_reduce",
@@ -238,10 +268,64 @@ fn op_id(op: &str) -> i64 {
     } else {
         op
     };
-    OP_NAMES
+    match OP_NAMES.iter().position(|&o| o == op) {
+        Some(i) => i as i64,
+        None => {
+            // other callers of the exchange (`all_gather_metadata`): a stable hash of the name,
+            // remembered so that a mismatch can be reported by name
+            let h = op.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            let id = 1000 + (h % 1_000_000_000) as i64;
+            let mut names = EXTRA_OPS.lock().unwrap_or_else(|e| e.into_inner());
+            if !names.iter().any(|(i, _)| *i == id) {
+                names.push((id, op.to_string()));
+            }
+            id
+        }
+    }
+}
+
+static EXTRA_OPS: std::sync::Mutex<Vec<(i64, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// The name of an exchange id (see [`op_id`]).
+fn op_name(id: i64) -> String {
+    if let Some(n) = usize::try_from(id).ok().and_then(|i| OP_NAMES.get(i)) {
+        return (*n).to_string();
+    }
+    let names = EXTRA_OPS.lock().unwrap_or_else(|e| e.into_inner());
+    names
         .iter()
-        .position(|&o| o == op)
-        .map_or(-1, |i| i as i64)
+        .find(|(i, _)| *i == id)
+        .map_or_else(|| format!("another collective (#{id})"), |(_, n)| n.clone())
+}
+
+/// All-gathers a short `i64` vector (metadata: shapes, split sizes, flags) from every rank of
+/// `group` (the default group for `None`); returns one vector per group rank, in group-rank
+/// order. Every rank must pass a vector of the same length.
+///
+/// `op` names the caller's operation; ranks calling different operations fail with
+/// [`Error::Mismatch`]. A rank whose own argument checks failed passes them as `local`: it
+/// still takes part, so that every rank fails together — that rank with its own error, the
+/// others with an [`Error::Mismatch`] naming it — and the ranks stay in step. This is how the
+/// layers above (the differentiable collectives) agree on shapes before moving data; it runs in
+/// the group's collective order and honours the group's timeout (an [`Error::Timeout`] naming
+/// the rank that did not arrive). With one rank it returns `[desc]` without communicating.
+///
+/// # Errors
+/// [`Error::NotInitialized`] without a default group, [`Error::InvalidArgument`] when this rank
+/// is not in `group`, `local`'s error, [`Error::Mismatch`], [`Error::Timeout`],
+/// [`Error::PeerFailed`].
+pub fn all_gather_metadata(
+    op: &'static str,
+    desc: &[i64],
+    local: Result<()>,
+    group: Option<&ProcessGroup>,
+) -> Result<Vec<Vec<i64>>> {
+    let g = resolve(group, op)?;
+    g.inner.seq.clone().run_blocking(g.timeout(), op, || {
+        call(&g, op)?.exchange_local(desc, local)
+    })
 }
 
 fn resolve(group: Option<&ProcessGroup>, op: &'static str) -> Result<ProcessGroup> {

@@ -57,6 +57,15 @@ pub mod distributed {
         reduce_scatter_tensor, reduce_scatter_tensor_async, rendezvous, scatter, send, spawn,
         store, world_store,
     };
+
+    /// `torch.distributed.nn`: the distributed layers that take part in autograd.
+    pub mod nn {
+        /// `torch.distributed.nn.functional`: differentiable collectives whose backward is the
+        /// inverse collective (see the module docs for the gradient convention).
+        pub mod functional {
+            pub use tensorplay_distributed_nn::functional::*;
+        }
+    }
 }
 
 /// The one error of the stack: the core's error, into which every layer's error converts
