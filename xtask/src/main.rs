@@ -2,7 +2,8 @@
 //!
 //! - `test-multigpu`: runs the multi-rank test scenarios, one process per rank: with `nccl` on
 //!   every GPU count up to the number of GPUs when there are GPUs, and with the `cpu` backend at
-//!   world sizes 2 to 4 always. Ends with `N passed, M failed`.
+//!   world sizes 2 to 4 always; then the differentiable collectives' test suites and the
+//!   conformance vectors (cpu, and nccl with GPUs). Ends with `N passed, M failed`.
 //! - `conformance --vectors FILE [--backend nccl]`: runs a conformance vectors file against the
 //!   differentiable collectives (`crates/tensorplay-conformance`).
 //! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's.
@@ -300,6 +301,52 @@ fn test_multigpu() -> Result<(), String> {
             failed += 1;
             println!(
                 "FAILED {label}\n{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    // the differentiable collectives: their multi-process test suites and the conformance
+    // vectors (cpu backend; nccl too where there are GPUs)
+    let mut suites: Vec<(String, Command)> = vec![];
+    let mut tests = Command::new("cargo");
+    tests.args(["test", "-q", "-p", "tensorplay-distributed-nn", "--tests"]);
+    suites.push(("tensorplay-distributed-nn tests".into(), tests));
+    let mut backends = vec!["cpu"];
+    if gpus > 0 {
+        backends.push("nccl");
+    }
+    for file in [
+        "conformance/functional-w2.json",
+        "conformance/functional-subgroup-w3.json",
+    ] {
+        for backend in &backends {
+            let mut c = Command::new("cargo");
+            c.args([
+                "run",
+                "-q",
+                "-p",
+                "tensorplay-conformance",
+                "--",
+                "--vectors",
+                file,
+            ])
+            .args(["--backend", backend]);
+            suites.push((format!("conformance {file} --backend {backend}"), c));
+        }
+    }
+    for (label, mut cmd) in suites {
+        let out = cmd
+            .env("TENSORPLAY_SPAWN_VERBOSE", "0")
+            .output()
+            .map_err(|e| format!("could not run cargo: {e}"))?;
+        if out.status.success() {
+            passed += 1;
+            println!("ok     {label}");
+        } else {
+            failed += 1;
+            println!(
+                "FAILED {label}\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );
         }
