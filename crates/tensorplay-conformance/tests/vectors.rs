@@ -28,3 +28,17 @@ fn functional_world_2() {
 fn functional_subgroup_world_3() {
     run("functional-subgroup-w3.json", 20);
 }
+
+/// Generated from the collectives' math by `conformance/tools/generate.py` (world size 3:
+/// every function and op, ties, uneven shapes and splits, the renumbered subgroup {1, 2}).
+#[test]
+fn generated_world_3() {
+    run("functional-w3.json", 220);
+}
+
+/// As above for world size 4, with subgroups {1, 2, 3}, {0, 2} and [3, 1] (group rank order
+/// differing from global order).
+#[test]
+fn generated_world_4() {
+    run("functional-w4.json", 528);
+}
