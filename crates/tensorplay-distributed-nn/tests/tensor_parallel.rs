@@ -1,0 +1,315 @@
+//! Megatron-style tensor parallelism built from the differentiable collectives: a
+//! column-parallel `Linear` (weight split by output features; input replicated through a
+//! "copy to group" step: identity forward, all-reduce backward), `tanh`, then a row-parallel
+//! `Linear` (weight split by input features; partial outputs summed with
+//! `functional::all_reduce(Sum)`; bias added once, after the sum). Outputs and gradients of
+//! every rank are compared with the single-process pair `Linear -> tanh -> Linear`
+//! (float64, tolerance 1e-10), for world sizes 2, 3 and 4, and on subgroups.
+//!
+//! # The gradient convention, and the losses used here
+//!
+//! Every rank calls `backward` on its own loss and receives `d(Σ_k loss_k)/dθ_r`. After the
+//! row-parallel all-reduce every rank holds the same output `y` (= the single-process
+//! output), so if every rank computed the full loss `L(y)`, `Σ_k loss_k = W·L` and the
+//! gradients of everything before the all-reduce (both weight shards, the first bias shard, the
+//! input) would be `W` times the single-process ones. The test uses two losses that make the
+//! comparison exact, and checks the `W`-times case as well:
+//!
+//! - **mean**: `loss_r = L(y_r) / W` on every rank, so `Σ_k loss_k = L`. Every shard's gradient
+//!   is exactly the matching slice of the single-process gradient, and so is the input's (the
+//!   copy-to-group backward sums the ranks' partial input gradients). The replicated bias `b2`
+//!   only feeds its own rank's output, so each rank's copy gets `dL/db2 / W`; summed over the
+//!   ranks (what a data-parallel gradient sync of a replicated parameter does) it is `dL/db2`.
+//! - **rank 0 only**: `loss_0 = L(y_0)`, `loss_r = 0·L(y_r)` on the other ranks (they still call
+//!   backward: the backward collectives need every rank). Then `Σ_k loss_k = L` again: shards
+//!   and input exact, `b2`'s gradient `dL/db2` on rank 0 and zero elsewhere.
+//! - **full loss on every rank** (no scaling): shards and input get `W·dL/dθ`, `b2` `dL/db2`.
+
+use std::time::Duration;
+
+use tensorplay_collectives::{self as dist, InitOptions, ProcessGroup, ReduceOp};
+use tensorplay_core::Tensor;
+use tensorplay_core::autograd::{Context, Function, apply};
+use tensorplay_core::nn::functional::linear;
+use tensorplay_distributed_nn::functional as df;
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+const TOL: f64 = 1e-10;
+
+/// Batch, input features, hidden features (divisible by 2, 3 and 4), output features.
+const B: usize = 3;
+const D_IN: usize = 4;
+const H: usize = 12;
+const D_OUT: usize = 5;
+
+// ---------------------------------------------------------------------------------------------
+// the parallel building blocks
+
+/// Megatron's `f` ("copy to tensor-parallel region"): identity forward, all-reduce (Sum) of the
+/// gradient backward, so that a replicated input receives the full gradient on every rank.
+struct CopyToGroup {
+    group: Option<ProcessGroup>,
+}
+
+impl Function for CopyToGroup {
+    fn name(&self) -> &str {
+        "CopyToGroupBackward"
+    }
+    fn forward(
+        &self,
+        _ctx: &mut Context,
+        inputs: &[&Tensor],
+    ) -> tensorplay_core::Result<Vec<Tensor>> {
+        Ok(vec![inputs[0].detach().deep_clone()?])
+    }
+    fn backward(
+        &self,
+        _ctx: &Context,
+        grads: &[Tensor],
+    ) -> tensorplay_core::Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(df::all_reduce(
+            &grads[0],
+            ReduceOp::Sum,
+            self.group.as_ref(),
+        )?)])
+    }
+}
+
+fn copy_to_group(x: &Tensor, group: Option<&ProcessGroup>) -> R<Tensor> {
+    Ok(apply(
+        CopyToGroup {
+            group: group.cloned(),
+        },
+        &[x],
+    )?
+    .remove(0))
+}
+
+/// The full (single-process) parameters, input and loss weights: deterministic values, the same
+/// on every rank.
+struct Problem {
+    x: Vec<f64>,
+    w1: Vec<f64>,
+    b1: Vec<f64>,
+    w2: Vec<f64>,
+    b2: Vec<f64>,
+    /// `L(y) = Σ y ⊙ c`.
+    c: Vec<f64>,
+}
+
+fn values(n: usize, seed: f64) -> Vec<f64> {
+    (0..n)
+        .map(|i| 0.8 * (0.37 * i as f64 + seed).sin() + 0.1 * (1.3 * i as f64 * seed).cos())
+        .collect()
+}
+
+impl Problem {
+    fn new() -> Problem {
+        Problem {
+            x: values(B * D_IN, 0.3),
+            w1: values(H * D_IN, 1.1),
+            b1: values(H, 2.7),
+            w2: values(D_OUT * H, 0.9),
+            b2: values(D_OUT, 3.3),
+            c: values(B * D_OUT, 5.1),
+        }
+    }
+}
+
+fn leaf(v: &[f64], shape: &[usize]) -> R<Tensor> {
+    Ok(Tensor::from_vec(v.to_vec(), shape)?.requires_grad_(true))
+}
+
+fn grad(t: &Tensor) -> R<Vec<f64>> {
+    Ok(t.grad().ok_or("no gradient")?.to_vec_f64()?)
+}
+
+fn close(what: &str, got: &[f64], want: &[f64]) -> TestResult {
+    let bad = got.len() != want.len()
+        || got
+            .iter()
+            .zip(want)
+            .any(|(a, b)| (a - b).abs() > TOL * b.abs().max(1.0));
+    if bad {
+        return Err(format!("{what}: got {got:?}, want {want:?}").into());
+    }
+    Ok(())
+}
+
+fn scaled(v: &[f64], s: f64) -> Vec<f64> {
+    v.iter().map(|a| a * s).collect()
+}
+
+/// Single-process reference: output and the gradients of `L` (x, w1, b1, w2, b2).
+struct Reference {
+    y: Vec<f64>,
+    dx: Vec<f64>,
+    dw1: Tensor,
+    db1: Tensor,
+    dw2: Tensor,
+    db2: Vec<f64>,
+}
+
+fn reference(p: &Problem) -> R<Reference> {
+    let x = leaf(&p.x, &[B, D_IN])?;
+    let w1 = leaf(&p.w1, &[H, D_IN])?;
+    let b1 = leaf(&p.b1, &[H])?;
+    let w2 = leaf(&p.w2, &[D_OUT, H])?;
+    let b2 = leaf(&p.b2, &[D_OUT])?;
+    let h = linear(&x, &w1, Some(&b1))?.tanh()?;
+    let y = linear(&h, &w2, Some(&b2))?;
+    let c = Tensor::from_vec(p.c.clone(), &[B, D_OUT])?;
+    y.mul(&c)?.sum()?.backward()?;
+    Ok(Reference {
+        y: y.to_vec_f64()?,
+        dx: grad(&x)?,
+        dw1: w1.grad().ok_or("no dw1")?,
+        db1: b1.grad().ok_or("no db1")?,
+        dw2: w2.grad().ok_or("no dw2")?,
+        db2: grad(&b2)?,
+    })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Loss {
+    /// `L / W` on every rank.
+    Mean,
+    /// `L` on the group's rank 0, `0·L` elsewhere.
+    RankZero,
+    /// `L` on every rank (gradients of the sharded part come out `W` times).
+    Full,
+}
+
+/// One forward/backward of the tensor-parallel pair on this rank (group rank `gr` of `w`),
+/// checked against the reference.
+fn check_tp(p: &Problem, rf: &Reference, group: Option<&ProcessGroup>, loss: Loss) -> TestResult {
+    let w = dist::get_world_size(group)?;
+    let gr = usize::try_from(dist::get_rank(group)?)?;
+    let s = H / w;
+    let lo = gr * s;
+    let what = |name: &str| format!("{name} (W={w}, group rank {gr}, {loss:?} loss)");
+
+    // this rank's shards: rows lo..lo+s of w1 and b1, columns lo..lo+s of w2
+    let w1_full = Tensor::from_vec(p.w1.clone(), &[H, D_IN])?;
+    let w2_full = Tensor::from_vec(p.w2.clone(), &[D_OUT, H])?;
+    let w1 = leaf(&w1_full.narrow(0, lo, s)?.to_vec_f64()?, &[s, D_IN])?;
+    let b1 = leaf(&p.b1[lo..lo + s], &[s])?;
+    let w2 = leaf(&w2_full.narrow(1, lo, s)?.to_vec_f64()?, &[D_OUT, s])?;
+    let b2 = leaf(&p.b2, &[D_OUT])?;
+    let x = leaf(&p.x, &[B, D_IN])?;
+
+    // column-parallel Linear (+ tanh): [B, s], this rank's slice of the hidden features
+    let h = linear(&copy_to_group(&x, group)?, &w1, Some(&b1))?.tanh()?;
+    // row-parallel Linear: partial products summed over the group, the bias added once
+    let partial = linear(&h, &w2, None)?;
+    let y = df::all_reduce(&partial, ReduceOp::Sum, group)?.add(&b2)?;
+    close(&what("output"), &y.to_vec_f64()?, &rf.y)?;
+
+    let c = Tensor::from_vec(p.c.clone(), &[B, D_OUT])?;
+    let full = y.mul(&c)?.sum()?;
+    let scale = match loss {
+        Loss::Mean => 1.0 / w as f64,
+        Loss::RankZero => f64::from(u8::from(gr == 0)),
+        Loss::Full => 1.0,
+    };
+    full.mul_scalar(scale)?.backward()?;
+
+    // everything before the all-reduce: Σ_k loss_k = L (mean, rank zero) or W·L (full)
+    let k = if loss == Loss::Full { w as f64 } else { 1.0 };
+    close(
+        &what("dw1 shard"),
+        &grad(&w1)?,
+        &scaled(&rf.dw1.narrow(0, lo, s)?.to_vec_f64()?, k),
+    )?;
+    close(
+        &what("db1 shard"),
+        &grad(&b1)?,
+        &scaled(&rf.db1.narrow(0, lo, s)?.to_vec_f64()?, k),
+    )?;
+    close(
+        &what("dw2 shard"),
+        &grad(&w2)?,
+        &scaled(&rf.dw2.narrow(1, lo, s)?.to_vec_f64()?, k),
+    )?;
+    close(&what("dx"), &grad(&x)?, &scaled(&rf.dx, k))?;
+
+    // the replicated bias after the all-reduce only feeds its own rank's loss
+    let db2 = grad(&b2)?;
+    close(&what("db2"), &db2, &scaled(&rf.db2, scale))?;
+    if loss == Loss::Mean {
+        // summed over the group (a replicated parameter's gradient sync): dL/db2
+        let summed = df::all_reduce(&Tensor::from_vec(db2, &[D_OUT])?, ReduceOp::Sum, group)?;
+        close(
+            &what("db2 summed over the group"),
+            &summed.to_vec_f64()?,
+            &rf.db2,
+        )?;
+    }
+    Ok(())
+}
+
+fn world(n: usize, f: impl Fn(usize) -> TestResult) {
+    let res = dist::spawn(n, |rank| -> TestResult {
+        dist::init_process_group(
+            "cpu",
+            InitOptions {
+                timeout: TIMEOUT,
+                ..Default::default()
+            },
+        )?;
+        f(rank)?;
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    });
+    if let Err(e) = res {
+        panic!("{e}");
+    }
+}
+
+/// The three losses over the default group of a world of `n`.
+fn whole_world(n: usize) {
+    world(n, |_rank| {
+        let p = Problem::new();
+        let rf = reference(&p)?;
+        for loss in [Loss::Mean, Loss::RankZero, Loss::Full] {
+            check_tp(&p, &rf, None, loss)?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn tensor_parallel_mlp_world_2() {
+    whole_world(2);
+}
+
+#[test]
+fn tensor_parallel_mlp_world_3() {
+    whole_world(3);
+}
+
+#[test]
+fn tensor_parallel_mlp_world_4() {
+    whole_world(4);
+}
+
+/// Two tensor-parallel groups side by side in a world of 4, `{0, 2}` and `{1, 3}` (group ranks
+/// differ from global ranks), as in a 2 × 2 data × tensor mesh.
+#[test]
+fn tensor_parallel_mlp_subgroups_of_world_4() {
+    world(4, |rank| {
+        let p = Problem::new();
+        let rf = reference(&p)?;
+        let even = dist::new_group(&[0, 2], None, Some(TIMEOUT))?;
+        let odd = dist::new_group(&[1, 3], None, Some(TIMEOUT))?;
+        let mine = if rank % 2 == 0 { &even } else { &odd };
+        for loss in [Loss::Mean, Loss::RankZero, Loss::Full] {
+            check_tp(&p, &rf, Some(mine), loss)?;
+        }
+        Ok(())
+    });
+}
