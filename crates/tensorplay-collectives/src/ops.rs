@@ -818,28 +818,35 @@ pub fn reduce_scatter(
         .clone()
         .run_blocking(g.timeout(), "reduce_scatter", || {
             let c = call(&g, "reduce_scatter")?;
-            if input_list.len() != c.size {
-                return Err(c.err(
-                    "input_list",
-                    format!("{} tensors (one per rank)", c.size),
-                    input_list.len(),
-                ));
-            }
-            for (r, t) in input_list.iter().enumerate() {
-                if t.shape() != output.shape() || t.dtype() != output.dtype() {
+            let pre = (|| {
+                if input_list.len() != c.size {
                     return Err(c.err(
-                        &format!("input_list[{r}]"),
-                        format!("output's {} {:?}", output.dtype(), output.shape()),
-                        format!("{} {:?}", t.dtype(), t.shape()),
+                        "input_list",
+                        format!("{} tensors (one per rank)", c.size),
+                        input_list.len(),
                     ));
                 }
+                for (r, t) in input_list.iter().enumerate() {
+                    if t.shape() != output.shape() || t.dtype() != output.dtype() {
+                        return Err(c.err(
+                            &format!("input_list[{r}]"),
+                            format!("output's {} {:?}", output.dtype(), output.shape()),
+                            format!("{} {:?}", t.dtype(), t.shape()),
+                        ));
+                    }
+                }
+                Ok(())
+            })();
+            if let Err(e) = pre {
+                // still join the cross-rank check, so that every rank fails this call
+                return rs_impl(&c, output, output, op, Err(e));
             }
             let parts = input_list
                 .iter()
                 .map(|t| t.reshape(&[t.numel()]))
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             let flat = Tensor::cat(&parts, 0)?;
-            rs_impl(&c, output, &flat, op)
+            rs_impl(&c, output, &flat, op, Ok(()))
         })
 }
 
@@ -860,7 +867,7 @@ pub fn reduce_scatter_tensor(
             if let Some(BackendImpl::Nccl(n)) = &g.inner.backend {
                 return n.reduce_scatter_tensor(&c.grank, output, input, op, c.timeout());
             }
-            rs_impl(&c, output, input, op)
+            rs_impl(&c, output, input, op, Ok(()))
         })
 }
 
@@ -881,14 +888,20 @@ pub fn reduce_scatter_tensor_async(
             if let Some(BackendImpl::Nccl(n)) = &g2.inner.backend {
                 return n.reduce_scatter_tensor(&c.grank, &o, &i, op, c.timeout());
             }
-            rs_impl(&c, &o, &i, op)
+            rs_impl(&c, &o, &i, op, Ok(()))
         }),
     )
 }
 
-fn rs_impl(c: &Call<'_>, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
-    let local = c
-        .host("input", input)
+fn rs_impl(
+    c: &Call<'_>,
+    output: &Tensor,
+    input: &Tensor,
+    op: ReduceOp,
+    pre: Result<()>,
+) -> Result<()> {
+    let local = pre
+        .and_then(|_| c.host("input", input))
         .and_then(|_| c.host("output", output))
         .and_then(|_| check_writable(c, "output", output))
         .and_then(|_| check_op(c, op, input.dtype()))

@@ -528,24 +528,21 @@ pub fn reduce_scatter(
 ) -> Result<Tensor> {
     const OP: &str = "reduce_scatter";
     let gp = Grp::new(group, OP)?;
-    if input_list.len() != gp.size {
-        // fail alone: the list's length is what every other check needs
-        return Err(gp
-            .err(
+    let local = (|| {
+        if input_list.len() != gp.size {
+            return Err(gp.err(
                 OP,
                 "input_list",
                 format!("{} tensors (one per rank of the group)", gp.size),
                 input_list.len(),
-            )
-            .into());
-    }
-    let first = &input_list[0];
-    for (i, t) in input_list.iter().enumerate() {
-        let arg = format!("input_list[{i}]");
-        check_tensor(&gp, OP, &arg, t)?;
-        if t.shape() != first.shape() || t.dtype() != first.dtype() {
-            return Err(gp
-                .err(
+            ));
+        }
+        let first = &input_list[0];
+        for (i, t) in input_list.iter().enumerate() {
+            let arg = format!("input_list[{i}]");
+            check_tensor(&gp, OP, &arg, t)?;
+            if t.shape() != first.shape() || t.dtype() != first.dtype() {
+                return Err(gp.err(
                     OP,
                     &arg,
                     format!(
@@ -554,9 +551,21 @@ pub fn reduce_scatter(
                         first.dtype()
                     ),
                     format!("{} {}", fmt_shape(t.shape()), t.dtype()),
-                )
-                .into());
+                ));
+            }
         }
+        Ok(())
+    })();
+    if let Err(e) = local {
+        // let the blocking collective's cross-rank check fail the call on every rank; this
+        // rank's own error is what it reports
+        let out = match input_list.first() {
+            Some(t) => zeros(t.shape(), t.dtype(), t.device())?,
+            None => zeros(&[0], DType::F32, Device::Cpu)?,
+        };
+        let _ng = tensorplay_core::no_grad();
+        let _ = coll::reduce_scatter(&out, input_list, op, gp.pg());
+        return Err(e.into());
     }
     let refs: Vec<&Tensor> = input_list.iter().collect();
     Ok(apply(ReduceScatter { gp, op }, &refs)?.remove(0))
