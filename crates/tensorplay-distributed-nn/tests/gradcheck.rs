@@ -503,8 +503,7 @@ fn cases(cx: Ctx<'_>) -> Vec<Case<'_>> {
                     })
                     .collect()
             }),
-            // gather's double backward: the ranks call different collectives
-            double: false,
+            double: true,
         });
     }
 
@@ -762,6 +761,46 @@ fn double_backward_exact_values() -> TestResult {
             let gg = x.grad().expect("second-order gradient").to_vec_f64()?;
             assert_eq!(gg, vec![second[rank]], "{op:?} second order");
         }
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Gather's double backward runs the same collectives on every rank. W = 2, dst 0,
+/// `x_r = [r + 1]`, `loss_r = Σ_k y_k²` (on rank 1 the outputs are zeros): `Σ_k loss_k =
+/// x_0² + x_1²`, so `g_r = 2 x_r` (2 and 4) and `d(Σ_k g_k)/dx_r = 2` on both ranks. Before the
+/// fix, rank 1 passed `None` to the scatter of gather's backward, so its double backward never
+/// reached its own gather node while dst's did: the ranks called different collectives.
+#[test]
+fn gather_double_backward_exact_values() -> TestResult {
+    dist::spawn::spawn(2, |rank| -> TestResult {
+        init(30)?;
+        let x = Tensor::from_vec(vec![rank as f64 + 1.0], &[1])?.requires_grad_(true);
+        let ys = df::gather(&x, 0, None)?;
+        let mut loss = Tensor::scalar(0.0f64);
+        for y in &ys {
+            loss = loss.add(&y.mul(y)?.sum()?)?;
+        }
+        let g = autograd::grad(
+            &[loss],
+            std::slice::from_ref(&x),
+            &[],
+            GradOptions {
+                create_graph: true,
+                ..Default::default()
+            },
+        )?
+        .remove(0)
+        .expect("a gradient");
+        assert_eq!(
+            g.to_vec_f64()?,
+            vec![2.0 * (rank as f64 + 1.0)],
+            "first order"
+        );
+        g.sum()?.backward()?;
+        let gg = x.grad().expect("second-order gradient").to_vec_f64()?;
+        assert_eq!(gg, vec![2.0], "second order");
         dist::destroy_process_group()?;
         Ok(())
     })?;
