@@ -717,6 +717,31 @@ fn gradcheck_subgroups_of_4() -> TestResult {
             },
             true,
         )?;
+        // a root outside the group fails on every member (src/dst are global ranks: the
+        // other pair's ranks are not in this one), and a non-member cannot call at all
+        let x = Tensor::from_vec(vec![1.0f64, 2.0], &[2])?.requires_grad_(true);
+        let outside = rank ^ 1;
+        let errors = [
+            ("broadcast", df::broadcast(&x, outside, Some(g)).err()),
+            (
+                "reduce",
+                df::reduce(&x, outside, ReduceOp::Sum, Some(g)).err(),
+            ),
+            ("gather", df::gather(&x, outside, Some(g)).err()),
+            ("scatter", df::scatter(None, outside, Some(g)).err()),
+        ];
+        for (name, e) in errors {
+            let e = e.ok_or_else(|| format!("{name} to rank {outside} outside {members:?}"))?;
+            assert!(
+                e.to_string().contains("src") || e.to_string().contains("dst"),
+                "{name}: {e}"
+            );
+        }
+        if rank == 0 {
+            let e = df::all_reduce(&x, ReduceOp::Sum, Some(&g123))
+                .expect_err("rank 0 is not in [1, 2, 3]");
+            assert!(e.to_string().contains("belongs to"), "{e}");
+        }
         // rank 0 hosts the store: nobody leaves before everyone is done
         dist::barrier(None)?;
         dist::destroy_process_group()?;

@@ -597,41 +597,78 @@ fn max_min_route_the_gradient_to_nan_holders() -> TestResult {
 // ---------------------------------------------------------------------------------------------
 // a rank that skips the backward collective
 
-/// Rank 2's loss ignores the collective's output, so it runs no backward collective: ranks 0
-/// and 1 fail after the group's 2 s timeout with an error naming rank 2 (not a hang), while
-/// rank 2 stays alive on a world barrier with a longer timeout.
-#[test]
-fn a_rank_that_skips_the_backward_collective_is_named() -> TestResult {
-    dist::spawn::spawn(3, |rank| -> TestResult {
+/// A differentiable collective of one `[2]` input per rank, for the skip checks.
+type Collective = fn(&Tensor, &dist::ProcessGroup) -> tp::Result<Vec<Tensor>>;
+
+fn skip_collectives() -> Vec<(&'static str, Collective)> {
+    vec![
+        ("all_reduce", |x, g| {
+            Ok(vec![df::all_reduce(x, ReduceOp::Sum, Some(g))?])
+        }),
+        ("all_reduce Max", |x, g| {
+            Ok(vec![df::all_reduce(x, ReduceOp::Max, Some(g))?])
+        }),
+        ("broadcast", |x, g| Ok(vec![df::broadcast(x, 0, Some(g))?])),
+        ("all_gather", |x, g| df::all_gather(x, Some(g))),
+        ("all_to_all_single", |x, g| {
+            let n = g.size();
+            let xs = x.expand(&[n, 2])?.contiguous()?;
+            Ok(vec![df::all_to_all_single(&xs, None, None, Some(g))?])
+        }),
+    ]
+}
+
+/// In a world of `n`, rank `skipper`'s loss ignores the collective's output, so it runs no
+/// backward collective: the other ranks fail after the group's 2 s timeout with an error
+/// naming it (not a hang), while the skipper stays alive on a world barrier with a longer
+/// timeout. One fresh group per collective.
+fn skipped_backward(n: usize, skipper: usize) -> TestResult {
+    dist::spawn::spawn(n, move |rank| -> TestResult {
         init(60)?;
-        let g = dist::new_group(&[0, 1, 2], None, Some(Duration::from_secs(2)))?;
-        let x = f64_tensor(vec![1.0, 2.0], &[2])?.requires_grad_(true);
-        let y = df::all_reduce(&x, ReduceOp::Sum, Some(&g))?;
-        if rank == 2 {
-            x.sum()?.backward()?; // ignores y
-        } else {
-            let start = std::time::Instant::now();
-            let e = y
-                .sum()?
-                .backward()
-                .expect_err("the backward all_reduce must fail");
-            let msg = e.to_string();
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "took {:?}: {msg}",
-                start.elapsed()
-            );
-            assert!(msg.contains("timed out"), "a timeout: {msg}");
-            assert!(
-                msg.contains("rank 2") || msg.contains("[2]"),
-                "the error names rank 2: {msg}"
-            );
+        let ranks: Vec<usize> = (0..n).collect();
+        for (name, f) in skip_collectives() {
+            let g = dist::new_group(&ranks, None, Some(Duration::from_secs(2)))?;
+            let x = f64_tensor(vec![1.0 + rank as f64, 2.0], &[2])?.requires_grad_(true);
+            let ys = f(&x, &g)?;
+            if rank == skipper {
+                x.sum()?.backward()?; // ignores ys
+            } else {
+                let mut loss = Tensor::scalar(0.0f64);
+                for y in &ys {
+                    loss = loss.add(&y.sum()?)?;
+                }
+                let start = std::time::Instant::now();
+                let e = loss
+                    .backward()
+                    .expect_err("the backward collective must fail");
+                let msg = e.to_string();
+                assert!(
+                    start.elapsed() < Duration::from_secs(20),
+                    "{name}: took {:?}: {msg}",
+                    start.elapsed()
+                );
+                assert!(msg.contains("timed out"), "{name}: a timeout: {msg}");
+                assert!(
+                    msg.contains(&format!("rank {skipper}")),
+                    "{name}: the error names rank {skipper}: {msg}"
+                );
+            }
+            dist::barrier(None)?;
         }
-        dist::barrier(None)?;
         dist::destroy_process_group()?;
         Ok(())
     })?;
     Ok(())
+}
+
+#[test]
+fn a_rank_that_skips_the_backward_collective_is_named_world_3() -> TestResult {
+    skipped_backward(3, 2)
+}
+
+#[test]
+fn a_rank_that_skips_the_backward_collective_is_named_world_4() -> TestResult {
+    skipped_backward(4, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
