@@ -686,8 +686,10 @@ impl Function for Gather {
         Ok(outs)
     }
     fn backward(&self, _ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let list = (self.gp.global == self.dst).then_some(grads);
-        Ok(vec![Some(scatter(list, self.dst, self.gp.pg())?)])
+        // off dst the gradients go in as placeholders (ignored, zero gradients): with
+        // create_graph they keep this rank's double backward connected to its outputs, so that
+        // it runs this node's collectives again as dst does
+        Ok(vec![Some(scatter(Some(grads), self.dst, self.gp.pg())?)])
     }
 }
 
