@@ -22,7 +22,9 @@ pub use ops::{
     broadcast, broadcast_async, gather, irecv, isend, recv, reduce, reduce_scatter,
     reduce_scatter_tensor, reduce_scatter_tensor_async, scatter, send,
 };
-pub use rendezvous::{InitMethod, RendezvousInfo, rendezvous, rendezvous_barrier};
+pub use rendezvous::{
+    InitMethod, RendezvousInfo, rendezvous, rendezvous_barrier, rendezvous_scoped,
+};
 pub use spawn::{SpawnError, SpawnOptions, spawn, spawn_with};
 pub use work::Work;
 

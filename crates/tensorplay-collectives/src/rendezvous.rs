@@ -154,6 +154,32 @@ pub fn rendezvous(
     world_size: Option<usize>,
     timeout: Duration,
 ) -> Result<RendezvousInfo> {
+    rendezvous_scoped(init, rank, world_size, timeout, "pg")
+}
+
+/// Live stores of this process by master address: the process group and RPC of one job share
+/// the store at `MASTER_ADDR:MASTER_PORT`, whichever is initialised first (rank 0 hosts one
+/// server), and each initialisation works under its own key prefix.
+static SHARED: std::sync::Mutex<Vec<SharedStore>> = std::sync::Mutex::new(Vec::new());
+
+/// A live store: its master address key, the store, and how many times it was reused.
+type SharedStore = (String, std::sync::Weak<dyn Store>, usize);
+
+/// [`rendezvous`] for one user of the job's store (`scope`: `"pg"` for process groups, `"rpc"`
+/// for RPC): reuses this process's live store for the same master address when there is one,
+/// and returns the store under the prefix `"<scope><n>/"`, `n` counting this scope's
+/// initialisations in this process (every process initialises in the same order, so the
+/// prefixes agree, and a re-initialisation after shutdown starts from clean keys).
+///
+/// # Errors
+/// As [`rendezvous`].
+pub fn rendezvous_scoped(
+    init: &InitMethod,
+    rank: Option<usize>,
+    world_size: Option<usize>,
+    timeout: Duration,
+    scope: &str,
+) -> Result<RendezvousInfo> {
     let start = Instant::now();
     let rank = match rank {
         Some(r) => r,
@@ -203,6 +229,70 @@ pub fn rendezvous(
         }
     };
     let master = crate::store::tcp::resolve(&host, port)?;
+    let key = format!("{master}/{world_size}");
+    let cached = {
+        let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        shared.retain(|(_, w, _)| w.strong_count() > 0);
+        shared
+            .iter_mut()
+            .find(|(k, _, _)| *k == key)
+            .and_then(|(_, w, uses)| {
+                let s = w.upgrade()?;
+                *uses += 1;
+                Some(s)
+            })
+    };
+    let store: Arc<dyn Store> = match cached {
+        Some(s) => s,
+        None => {
+            let s = connect_store(rank, master, port, timeout)?;
+            SHARED.lock().unwrap_or_else(|e| e.into_inner()).push((
+                key.clone(),
+                Arc::downgrade(&s),
+                1,
+            ));
+            s
+        }
+    };
+    let generation = {
+        let mut gens = SCOPES.lock().unwrap_or_else(|e| e.into_inner());
+        let k = format!("{key}/{scope}");
+        match gens.iter_mut().find(|(kk, _)| *kk == k) {
+            Some((_, n)) => {
+                *n += 1;
+                *n
+            }
+            None => {
+                gens.push((k, 0));
+                0
+            }
+        }
+    };
+    let store: Arc<dyn Store> = Arc::new(crate::store::PrefixStore::new(
+        format!("{scope}{generation}/"),
+        store,
+    ));
+    let left = timeout.saturating_sub(start.elapsed());
+    rendezvous_barrier(&*store, rank, world_size, left)?;
+    Ok(RendezvousInfo {
+        rank,
+        world_size,
+        local_rank,
+        store,
+    })
+}
+
+/// How many times each scope initialised on each master address, in this process.
+static SCOPES: std::sync::Mutex<Vec<(String, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// Starts the store server (rank 0) or connects to it.
+fn connect_store(
+    rank: usize,
+    master: std::net::SocketAddr,
+    port: u16,
+    timeout: Duration,
+) -> Result<Arc<dyn Store>> {
+    let r = rank as i64;
     let store: TcpStore = if rank == 0 {
         let bind_ip: IpAddr = if master.is_ipv4() {
             Ipv4Addr::UNSPECIFIED.into()
@@ -218,15 +308,7 @@ pub fn rendezvous(
     } else {
         TcpStore::connect(master, timeout).map_err(|e| with_rank(e, r))?
     };
-    let store: Arc<dyn Store> = Arc::new(store);
-    let left = timeout.saturating_sub(start.elapsed());
-    rendezvous_barrier(&*store, rank, world_size, left)?;
-    Ok(RendezvousInfo {
-        rank,
-        world_size,
-        local_rank,
-        store,
-    })
+    Ok(Arc::new(store))
 }
 
 fn with_rank(e: Error, rank: i64) -> Error {

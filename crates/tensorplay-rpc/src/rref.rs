@@ -1,0 +1,1196 @@
+//! Remote references (`torch.distributed.rpc.RRef`) and their ownership protocol.
+//!
+//! A value created by [`remote`] lives on its **owner**; every other worker holding an
+//! [`RRef`] to it is a **user** with its own fork id. The owner keeps the value while any fork
+//! is registered or a local handle lives, following PyTorch's protocol:
+//! - `remote()` (A → B): A allocates the RRef id and its fork id; B runs the function, stores
+//!   the value and registers the fork, then acknowledges (A's RRef is then confirmed).
+//! - Passing an RRef in an argument or result: the sender allocates a child fork id. An owner
+//!   sender registers the child at once ("early fork registration"); a user sender keeps its
+//!   own RRef alive until the child says it was accepted. A receiving user asks the owner to
+//!   register its fork (`FORK_REQUEST`) and then tells the parent (`CHILD_ACCEPT`); a
+//!   receiving owner resolves to its own value and tells a user parent at once.
+//! - Dropping a user RRef sends `USER_DELETE` to the owner once its fork is confirmed; the
+//!   owner drops the value when no fork and no local handle remains.
+//! - Messages between two workers are not ordered (one QUIC stream each): an owner that is
+//!   asked for a value before the creating call arrived waits for it (within the timeout).
+//!
+//! A graceful [`shutdown`](crate::shutdown) deletes the user RRefs still alive, waits until
+//! every deletion was acknowledged, and then every owner table is empty ([`debug_info`]).
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use tensorplay_core::Tensor;
+use tokio::sync::watch;
+
+use crate::agent::{Agent, CallCtx, agent, from_core, run_blocking, signature};
+use crate::frame::{Envelope, kind};
+use crate::wire::{Decoder, Encoder, Wire, decode_value, encode_value};
+use crate::{Error, Result, RpcFuture, To, WorkerInfo};
+
+/// A globally unique id: the worker that created it and a per-process counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GloballyUniqueId {
+    /// The creating worker's id.
+    pub created_on: usize,
+    /// The creating process's counter value.
+    pub local_id: u64,
+}
+
+impl std::fmt::Display for GloballyUniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GloballyUniqueId(created_on={}, local_id={})",
+            self.created_on, self.local_id
+        )
+    }
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+fn new_id(me: usize) -> GloballyUniqueId {
+    GloballyUniqueId {
+        created_on: me,
+        local_id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+    }
+}
+
+/// A value stored on its owner: type-erased, with the function that encodes it for a fetch.
+#[derive(Clone)]
+pub(crate) struct Stored {
+    value: Arc<dyn Any + Send + Sync>,
+    encode: EncodeFn,
+}
+
+/// Encodes a stored value for a worker.
+type EncodeFn = Arc<dyn Fn(&(dyn Any + Send + Sync), usize) -> Result<Encoder> + Send + Sync>;
+
+impl Stored {
+    pub(crate) fn new<T: Wire + Clone + Sync>(v: T) -> Stored {
+        Stored {
+            value: Arc::new(v),
+            encode: Arc::new(|v: &(dyn Any + Send + Sync), dest| {
+                let v = v
+                    .downcast_ref::<T>()
+                    .ok_or_else(|| Error::Serialization("RRef value of another type".into()))?;
+                encode_value(v, dest)
+            }),
+        }
+    }
+}
+
+/// An owner's entry for one RRef.
+struct OwnerEntry {
+    /// The value, or the creation's error, once known.
+    value: watch::Sender<Option<std::result::Result<Stored, Error>>>,
+    /// Registered user forks.
+    forks: HashSet<GloballyUniqueId>,
+    /// Live local (owner) handles.
+    local: usize,
+}
+
+impl OwnerEntry {
+    fn new() -> OwnerEntry {
+        OwnerEntry {
+            value: watch::channel(None).0,
+            forks: HashSet::new(),
+            local: 0,
+        }
+    }
+}
+
+/// Per-agent RRef state.
+#[derive(Default)]
+pub(crate) struct RRefContext {
+    owners: Mutex<HashMap<GloballyUniqueId, OwnerEntry>>,
+    /// Parents kept alive until their child fork is accepted.
+    pending_children: Mutex<HashMap<GloballyUniqueId, Arc<Inner>>>,
+    /// Live user RRefs (deleted at graceful shutdown).
+    users: Mutex<Vec<Weak<Inner>>>,
+    /// Deletions and requests in flight.
+    outstanding: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Counts of the RRef tables (`_rref_context_get_debug_info`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RRefDebugInfo {
+    /// Values this worker owns (with forks or local handles).
+    pub num_owner_rrefs: usize,
+    /// User forks registered on this worker's owned values.
+    pub num_forks: usize,
+    /// User RRefs on this worker not yet confirmed by their owner.
+    pub num_pending_users: usize,
+    /// Parents kept alive until their children are accepted.
+    pub num_pending_children: usize,
+}
+
+/// The RRef tables of this worker.
+///
+/// # Errors
+/// [`Error::NotInitialized`].
+pub fn debug_info() -> Result<RRefDebugInfo> {
+    let a = agent("debug_info")?;
+    Ok(a.rrefs.info())
+}
+
+impl RRefContext {
+    fn info(&self) -> RRefDebugInfo {
+        let owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        let users = self.users.lock().unwrap_or_else(|e| e.into_inner());
+        RRefDebugInfo {
+            num_owner_rrefs: owners.len(),
+            num_forks: owners.values().map(|e| e.forks.len()).sum(),
+            num_pending_users: users
+                .iter()
+                .filter_map(Weak::upgrade)
+                .filter(|u| !*u.confirmed.borrow())
+                .count(),
+            num_pending_children: self
+                .pending_children
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len(),
+        }
+    }
+
+    fn with_entry<R>(&self, id: GloballyUniqueId, f: impl FnOnce(&mut OwnerEntry) -> R) -> R {
+        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        let e = owners.entry(id).or_insert_with(OwnerEntry::new);
+        f(e)
+    }
+
+    /// Drops the entry when nothing refers to it any more.
+    fn maybe_remove(&self, id: GloballyUniqueId) {
+        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        if owners
+            .get(&id)
+            .is_some_and(|e| e.forks.is_empty() && e.local == 0)
+        {
+            owners.remove(&id);
+        }
+    }
+
+    fn set_value(&self, id: GloballyUniqueId, v: std::result::Result<Stored, Error>) {
+        self.with_entry(id, |e| {
+            e.value.send_replace(Some(v));
+        });
+    }
+
+    /// Waits for the value of `id` (its creation may not have arrived yet).
+    async fn value(&self, id: GloballyUniqueId, timeout: Option<Duration>) -> Result<Stored> {
+        let mut rx = self.with_entry(id, |e| e.value.subscribe());
+        let wait = async {
+            loop {
+                if let Some(v) = rx.borrow_and_update().clone() {
+                    return v;
+                }
+                if rx.changed().await.is_err() {
+                    return Err(Error::Remote {
+                        worker: String::new(),
+                        kind: "RRef".into(),
+                        message: format!("RRef {id} was deleted"),
+                    });
+                }
+            }
+        };
+        match timeout {
+            Some(t) => tokio::time::timeout(t, wait)
+                .await
+                .map_err(|_| Error::Timeout {
+                    op: format!("waiting for the value of RRef {id} on its owner"),
+                    worker: String::new(),
+                    timeout: t,
+                })?,
+            None => wait.await,
+        }
+    }
+
+    /// Deletes the remaining user RRefs and waits until every deletion and fork message was
+    /// acknowledged.
+    pub(crate) fn flush(&self, agent: &Arc<Agent>, limit: Duration) -> Result<()> {
+        let users: Vec<Arc<Inner>> = self
+            .users
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for u in users {
+            u.delete_now(agent);
+        }
+        let start = Instant::now();
+        loop {
+            let children = self
+                .pending_children
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len();
+            if self.outstanding.load(Ordering::SeqCst) == 0 && children == 0 {
+                return Ok(());
+            }
+            if start.elapsed() > limit {
+                return Err(Error::Timeout {
+                    op: format!(
+                        "shutdown: RRef messages still unacknowledged ({children} pending children)"
+                    ),
+                    worker: agent.me.name.clone(),
+                    timeout: limit,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Forgets everything (after shutdown).
+    pub(crate) fn clear(&self) {
+        self.owners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.pending_children
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        for u in self
+            .users
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            if let Some(u) = u.upgrade() {
+                u.deleted.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// The shared state of an RRef handle.
+pub(crate) struct Inner {
+    owner: WorkerInfo,
+    rref_id: GloballyUniqueId,
+    /// The fork id (a user's own; the RRef id for the owner's handles).
+    fork_id: GloballyUniqueId,
+    is_owner: bool,
+    /// Confirmed by the owner (always true for owner handles).
+    confirmed: watch::Sender<bool>,
+    /// Set when the creating call failed (to_here then returns it).
+    creation_error: Mutex<Option<Error>>,
+    /// The deletion was sent (or the agent is gone).
+    deleted: AtomicBool,
+    /// The agent this handle belongs to.
+    agent: Weak<Agent>,
+    type_name: &'static str,
+}
+
+impl Inner {
+    /// Sends the user's deletion to the owner once confirmed (at most once).
+    fn delete_now(self: &Arc<Self>, agent: &Arc<Agent>) {
+        if self.is_owner || self.deleted.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut confirmed = self.confirmed.subscribe();
+        let (owner, rref_id, fork_id) = (self.owner.id, self.rref_id, self.fork_id);
+        let a = agent.clone();
+        let outstanding = agent.rrefs.outstanding.clone();
+        outstanding.fetch_add(1, Ordering::SeqCst);
+        agent.handle.spawn(async move {
+            // a fork the owner has not registered yet must not be deleted before it is
+            let _ = tokio::time::timeout(Duration::from_secs(60), async {
+                while !*confirmed.borrow_and_update() {
+                    if confirmed.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })
+            .await;
+            let env = Envelope {
+                kind: kind::USER_DELETE,
+                ids: ids(owner, rref_id, fork_id, 0),
+                ..Envelope::default()
+            };
+            // control messages are retried: the owner's handling is idempotent
+            for _ in 0..3 {
+                let r = a
+                    .clone()
+                    .request(
+                        owner,
+                        env.clone(),
+                        vec![],
+                        Some(Duration::from_secs(20)),
+                        "rref delete".into(),
+                    )
+                    .await;
+                if !matches!(r, Err(Error::Timeout { .. })) {
+                    break;
+                }
+            }
+            outstanding.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let Some(agent) = self.agent.upgrade() else {
+            return;
+        };
+        if self.is_owner {
+            agent
+                .rrefs
+                .with_entry(self.rref_id, |e| e.local = e.local.saturating_sub(1));
+            agent.rrefs.maybe_remove(self.rref_id);
+            return;
+        }
+        if self.deleted.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // same as delete_now, without an Arc of self
+        let mut confirmed = self.confirmed.subscribe();
+        let (owner, rref_id, fork_id) = (self.owner.id, self.rref_id, self.fork_id);
+        let outstanding = agent.rrefs.outstanding.clone();
+        outstanding.fetch_add(1, Ordering::SeqCst);
+        let a = agent.clone();
+        agent.handle.spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(60), async {
+                while !*confirmed.borrow_and_update() {
+                    if confirmed.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })
+            .await;
+            let env = Envelope {
+                kind: kind::USER_DELETE,
+                ids: ids(owner, rref_id, fork_id, 0),
+                ..Envelope::default()
+            };
+            for _ in 0..3 {
+                let r = a
+                    .clone()
+                    .request(
+                        owner,
+                        env.clone(),
+                        vec![],
+                        Some(Duration::from_secs(20)),
+                        "rref delete".into(),
+                    )
+                    .await;
+                if !matches!(r, Err(Error::Timeout { .. })) {
+                    break;
+                }
+            }
+            outstanding.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+}
+
+fn ids(owner: usize, rref: GloballyUniqueId, fork: GloballyUniqueId, parent: usize) -> Vec<u64> {
+    vec![
+        owner as u64,
+        rref.created_on as u64,
+        rref.local_id,
+        fork.created_on as u64,
+        fork.local_id,
+        parent as u64,
+    ]
+}
+
+fn parse_ids(v: &[u64]) -> Result<(usize, GloballyUniqueId, GloballyUniqueId, usize)> {
+    if v.len() != 6 {
+        return Err(Error::Serialization(format!(
+            "RRef message with {} ids",
+            v.len()
+        )));
+    }
+    let gid = |c: u64, l: u64| GloballyUniqueId {
+        created_on: c as usize,
+        local_id: l,
+    };
+    Ok((
+        v[0] as usize,
+        gid(v[1], v[2]),
+        gid(v[3], v[4]),
+        v[5] as usize,
+    ))
+}
+
+/// A reference to a value that lives on its owner (`torch.distributed.rpc.RRef`).
+///
+/// Cloning the handle shares it (one fork). `to_here` fetches a copy of the value, `rpc_sync`
+/// and `rpc_async` run a registered method on it on the owner, and the RRef can be passed in
+/// the arguments and results of RPCs to any worker.
+pub struct RRef<T> {
+    inner: Arc<Inner>,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for RRef<T> {
+    fn clone(&self) -> Self {
+        RRef {
+            inner: self.inner.clone(),
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for RRef<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.inner.is_owner {
+            write!(f, "OwnerRRef({})", self.inner.rref_id)
+        } else {
+            write!(
+                f,
+                "UserRRef(RRefId = {}, ForkId = {})",
+                self.inner.rref_id, self.inner.fork_id
+            )
+        }
+    }
+}
+
+impl<T: Wire + Clone + Sync> RRef<T> {
+    /// An RRef owned by this worker holding `value` (`RRef(value)`).
+    ///
+    /// # Errors
+    /// [`Error::NotInitialized`].
+    pub fn new(value: T) -> Result<RRef<T>> {
+        let a = agent("RRef::new")?;
+        let id = new_id(a.me.id);
+        a.rrefs.set_value(id, Ok(Stored::new(value)));
+        Ok(RRef::owner_handle(&a, id))
+    }
+}
+
+impl<T> RRef<T> {
+    fn owner_handle(a: &Arc<Agent>, id: GloballyUniqueId) -> RRef<T> {
+        a.rrefs.with_entry(id, |e| e.local += 1);
+        RRef {
+            inner: Arc::new(Inner {
+                owner: a.me.clone(),
+                rref_id: id,
+                fork_id: id,
+                is_owner: true,
+                confirmed: watch::channel(true).0,
+                creation_error: Mutex::new(None),
+                deleted: AtomicBool::new(false),
+                agent: Arc::downgrade(a),
+                type_name: std::any::type_name::<T>(),
+            }),
+            _t: PhantomData,
+        }
+    }
+
+    fn user_handle(
+        a: &Arc<Agent>,
+        owner: usize,
+        rref_id: GloballyUniqueId,
+        fork_id: GloballyUniqueId,
+        confirmed: bool,
+    ) -> RRef<T> {
+        let inner = Arc::new(Inner {
+            owner: a.workers[owner].clone(),
+            rref_id,
+            fork_id,
+            is_owner: false,
+            confirmed: watch::channel(confirmed).0,
+            creation_error: Mutex::new(None),
+            deleted: AtomicBool::new(false),
+            agent: Arc::downgrade(a),
+            type_name: std::any::type_name::<T>(),
+        });
+        a.rrefs
+            .users
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::downgrade(&inner));
+        RRef {
+            inner,
+            _t: PhantomData,
+        }
+    }
+
+    /// Whether this worker owns the value.
+    pub fn is_owner(&self) -> bool {
+        self.inner.is_owner
+    }
+
+    /// The owner.
+    pub fn owner(&self) -> WorkerInfo {
+        self.inner.owner.clone()
+    }
+
+    /// The owner's name.
+    pub fn owner_name(&self) -> String {
+        self.inner.owner.name.clone()
+    }
+
+    /// Whether the owner has acknowledged this reference (always true on the owner).
+    pub fn confirmed_by_owner(&self) -> bool {
+        *self.inner.confirmed.borrow()
+    }
+
+    /// The RRef's id.
+    pub fn rref_id(&self) -> GloballyUniqueId {
+        self.inner.rref_id
+    }
+
+    /// This handle's fork id (the RRef id on the owner).
+    pub fn fork_id(&self) -> GloballyUniqueId {
+        self.inner.fork_id
+    }
+
+    fn agent(&self, op: &str) -> Result<Arc<Agent>> {
+        let a = agent(op)?;
+        match self.inner.agent.upgrade() {
+            Some(b) if Arc::ptr_eq(&a, &b) => Ok(a),
+            _ => Err(Error::invalid(
+                op,
+                "rref",
+                "an RRef of the current RPC session",
+                format!("{self:?}, created before the last shutdown (it has been deleted)"),
+            )),
+        }
+    }
+
+    fn check_created(&self) -> Result<()> {
+        match &*self
+            .inner
+            .creation_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<T: Wire + Clone + Sync> RRef<T> {
+    /// The value, on the owner only (`local_value`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a user, naming this worker and the owner; the creation's
+    /// error; [`Error::Timeout`] after the default timeout when the value never arrives.
+    pub fn local_value(&self) -> Result<T> {
+        let a = self.agent("local_value")?;
+        if !self.inner.is_owner {
+            return Err(Error::invalid(
+                "local_value",
+                "rref",
+                format!(
+                    "to be called on the owner {} (call to_here() on users)",
+                    self.inner.owner
+                ),
+                format!("{self:?} on user {}", a.me),
+            ));
+        }
+        let id = self.inner.rref_id;
+        let a2 = a.clone();
+        let timeout = crate::get_rpc_timeout().ok().filter(|t| !t.is_zero());
+        let s = block_on(&a, async move { a2.rrefs.value(id, timeout).await })?;
+        s.value.downcast_ref::<T>().cloned().ok_or_else(|| {
+            Error::Serialization(format!("the RRef does not hold a {}", self.inner.type_name))
+        })
+    }
+
+    /// A copy of the value, fetched from the owner (`to_here`); on the owner, the value itself.
+    /// `timeout`: `None` for the default, `Some(ZERO)` for none.
+    ///
+    /// # Errors
+    /// The creating call's error ([`Error::Remote`]); [`Error::Timeout`];
+    /// [`Error::WorkerUnreachable`]; [`Error::NotInitialized`].
+    pub fn to_here(&self, timeout: Option<Duration>) -> Result<T> {
+        self.to_here_async(timeout)?.wait()
+    }
+
+    /// [`RRef::to_here`] as a future.
+    ///
+    /// # Errors
+    /// As [`RRef::to_here`].
+    pub fn to_here_async(&self, timeout: Option<Duration>) -> Result<RpcFuture<T>> {
+        let a = self.agent("to_here")?;
+        self.check_created()?;
+        if self.inner.is_owner {
+            return Ok(RpcFuture::ready(self.local_value()));
+        }
+        let owner = self.inner.owner.id;
+        let env = Envelope {
+            kind: kind::FETCH,
+            ids: ids(owner, self.inner.rref_id, self.inner.fork_id, 0),
+            ..Envelope::default()
+        };
+        let t = timeout
+            .or_else(|| crate::get_rpc_timeout().ok())
+            .filter(|t| !t.is_zero());
+        let a2 = a.clone();
+        let keep = self.clone();
+        Ok(a.spawn_call(async move {
+            let (resp, tensors) = a2
+                .clone()
+                .request(owner, env, vec![], t, "to_here".into())
+                .await?;
+            let v = decode_value::<T>(&resp.payload, tensors, owner, "RRef value");
+            drop(keep);
+            v
+        }))
+    }
+
+    /// Runs the registered method `method` (see [`register_method`]) on the value on its owner
+    /// and returns the result (the proxy `rref.rpc_sync().method(args)`).
+    ///
+    /// # Errors
+    /// As [`rpc_sync`](crate::rpc_sync).
+    pub fn rpc_sync<A: Wire, R: Wire>(
+        &self,
+        method: &str,
+        args: A,
+        timeout: Option<Duration>,
+    ) -> Result<R> {
+        self.rpc_async(method, args, timeout)?.wait()
+    }
+
+    /// [`RRef::rpc_sync`] returning a future (the proxy `rref.rpc_async()`).
+    ///
+    /// # Errors
+    /// As [`rpc_async`](crate::rpc_async).
+    pub fn rpc_async<A: Wire, R: Wire>(
+        &self,
+        method: &str,
+        args: A,
+        timeout: Option<Duration>,
+    ) -> Result<RpcFuture<R>> {
+        let a = self.agent("rref.rpc_async")?;
+        self.check_created()?;
+        let owner = self.inner.owner.id;
+        let enc = encode_value(&args, owner)?;
+        let env = Envelope {
+            kind: kind::METHOD,
+            func: method.to_string(),
+            sig: method_signature::<T, A, R>(),
+            ids: ids(owner, self.inner.rref_id, self.inner.fork_id, 0),
+            payload: enc.bytes,
+            ..Envelope::default()
+        };
+        let t = timeout
+            .or_else(|| crate::get_rpc_timeout().ok())
+            .filter(|t| !t.is_zero());
+        let a2 = a.clone();
+        let keep = self.clone();
+        let forks = enc.forks;
+        let what = format!("result of method {method}");
+        Ok(a.spawn_call(async move {
+            let r = a2
+                .clone()
+                .request(owner, env, enc.tensors, t, what.clone())
+                .await;
+            after_send(&a2, forks, r.is_ok());
+            let (resp, tensors) = r?;
+            drop(keep);
+            decode_value::<R>(&resp.payload, tensors, owner, &what)
+        }))
+    }
+}
+
+fn block_on<T: Send + 'static>(
+    a: &Arc<Agent>,
+    fut: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    a.spawn_call(fut).wait()
+}
+
+/// Calls the registered function `func` on worker `to` and keeps its result there: returns
+/// at once with an [`RRef`] to it, owned by `to` (`rpc.remote`). Errors of the function show
+/// when the value is used (`to_here`, methods). `to` may be this worker (the RRef is then an
+/// owner RRef).
+///
+/// # Errors
+/// [`Error::UnknownWorker`], [`Error::NotInitialized`], arguments that cannot be encoded.
+pub fn remote<A: Wire, R: Wire + Clone + Sync>(
+    to: impl Into<To>,
+    func: &str,
+    args: A,
+    timeout: Option<Duration>,
+) -> Result<RRef<R>> {
+    let a = agent("remote")?;
+    let to = a.resolve(&to.into())?;
+    let reg_sig = signature::<A, R>();
+    let rref_id = new_id(a.me.id);
+    let t = timeout
+        .or_else(|| crate::get_rpc_timeout().ok())
+        .filter(|t| !t.is_zero());
+    if to == a.me.id {
+        // the owner is this worker: run the function here, off the caller's thread
+        let rref = RRef::<R>::owner_handle(&a, rref_id);
+        let reg = crate::agent::lookup(func, &reg_sig);
+        let enc = encode_value(&args, to)?;
+        let a2 = a.clone();
+        let me = a.me.id;
+        a.spawn_call(async move {
+            let r = match reg {
+                Ok(reg) => {
+                    let payload = enc.bytes;
+                    let tensors = enc.tensors;
+                    run_blocking(move || (reg.remote)(&CallCtx { caller: me }, &payload, tensors))
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            a2.rrefs.set_value(rref_id, r.map_err(|e| named(&a2, e)));
+            Ok(())
+        });
+        return Ok(rref);
+    }
+    let fork_id = new_id(a.me.id);
+    let rref = RRef::<R>::user_handle(&a, to, rref_id, fork_id, false);
+    let enc = encode_value(&args, to)?;
+    let env = Envelope {
+        kind: kind::REMOTE,
+        func: func.to_string(),
+        sig: reg_sig,
+        ids: ids(to, rref_id, fork_id, a.me.id),
+        payload: enc.bytes,
+        ..Envelope::default()
+    };
+    let a2 = a.clone();
+    let inner = rref.inner.clone();
+    let forks = enc.forks;
+    a.spawn_call(async move {
+        let r = a2
+            .clone()
+            .request(to, env, enc.tensors, t, "remote".into())
+            .await;
+        after_send(&a2, forks, r.is_ok());
+        match r {
+            Ok(_) => {
+                inner.confirmed.send_replace(true);
+            }
+            Err(e) => {
+                *inner
+                    .creation_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(e);
+                // nothing was registered on the owner: nothing to delete
+                inner.deleted.store(true, Ordering::SeqCst);
+                inner.confirmed.send_replace(true);
+            }
+        }
+        Ok(())
+    });
+    Ok(rref)
+}
+
+fn named(a: &Agent, e: Error) -> Error {
+    match e {
+        Error::Remote {
+            worker,
+            kind,
+            message,
+        } if worker.is_empty() => Error::Remote {
+            worker: a.me.name.clone(),
+            kind,
+            message,
+        },
+        Error::Remote { .. } => e,
+        other => Error::Remote {
+            worker: a.me.name.clone(),
+            kind: other.kind(),
+            message: other.to_string(),
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// methods
+
+type MethodHandler = Arc<
+    dyn Fn(&(dyn Any + Send + Sync), &[u8], Vec<Tensor>, usize) -> Result<Encoder> + Send + Sync,
+>;
+
+static METHODS: LazyLock<RwLock<HashMap<String, (String, MethodHandler)>>> =
+    LazyLock::new(|| RwLock::new(HashMap::new()));
+
+fn method_signature<T, A, R>() -> String {
+    format!(
+        "{}::({}) -> {}",
+        std::any::type_name::<T>(),
+        std::any::type_name::<A>(),
+        std::any::type_name::<R>()
+    )
+}
+
+/// Registers `f` as the method `name` of RRef values of type `T`: `rref.rpc_sync(name, args,
+/// timeout)` runs it on the owner with the value (the proxies of PyTorch's RRefs, which call
+/// a Python method by name).
+///
+/// ```
+/// use tensorplay_rpc as rpc;
+/// use tensorplay_core::Tensor;
+///
+/// rpc::register_method("numel", |t: &Tensor, (): ()| Ok(t.numel()));
+/// ```
+pub fn register_method<T, A, R, F>(name: &str, f: F)
+where
+    T: Send + Sync + 'static,
+    A: Wire,
+    R: Wire,
+    F: Fn(&T, A) -> tensorplay_core::Result<R> + Send + Sync + 'static,
+{
+    let mname = name.to_string();
+    let h: MethodHandler = Arc::new(move |v, payload, tensors, caller| {
+        let v = v.downcast_ref::<T>().ok_or_else(|| Error::Remote {
+            worker: String::new(),
+            kind: "Signature".into(),
+            message: format!("the RRef's value is not a {}", std::any::type_name::<T>()),
+        })?;
+        let args: A = decode_value(
+            payload,
+            tensors,
+            caller,
+            &format!("arguments of method {mname}"),
+        )?;
+        let r = f(v, args).map_err(from_core)?;
+        encode_value(&r, caller)
+    });
+    METHODS
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(name.to_string(), (method_signature::<T, A, R>(), h));
+}
+
+// ---------------------------------------------------------------------------------------------
+// passing RRefs in messages
+
+/// A fork made while encoding a message, settled once the message was delivered.
+pub(crate) struct PendingFork {
+    child: GloballyUniqueId,
+    rref_id: GloballyUniqueId,
+    /// An owner sender's early fork registration (else a user sender's kept parent).
+    early: bool,
+}
+
+/// After a message carrying RRefs was sent: when it did not arrive, undo what encoding did
+/// (the parents kept alive for their children, the forks registered early).
+pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: bool) {
+    if delivered {
+        return;
+    }
+    for f in forks {
+        if f.early {
+            a.rrefs.with_entry(f.rref_id, |e| e.forks.remove(&f.child));
+            a.rrefs.maybe_remove(f.rref_id);
+        } else {
+            a.rrefs
+                .pending_children
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&f.child);
+        }
+    }
+}
+
+/// Keeps a user parent alive until its child is accepted (registered before the message
+/// leaves: the acceptance may arrive before the call's response).
+fn keep_parent(a: &Agent, child: GloballyUniqueId, parent: &Arc<Inner>) {
+    a.rrefs
+        .pending_children
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(child, parent.clone());
+}
+
+impl<T: Send + 'static> Wire for RRef<T> {
+    fn encode(&self, e: &mut Encoder) -> Result<()> {
+        let a = self.agent("sending an RRef")?;
+        if self.inner.deleted.load(Ordering::SeqCst) && !self.inner.is_owner {
+            return Err(Error::invalid(
+                "rpc",
+                "rref",
+                "a live RRef",
+                format!("{self:?}, which has been deleted"),
+            ));
+        }
+        self.check_created()?;
+        let dest = e.dest.unwrap_or(a.me.id);
+        let owner = self.inner.owner.id;
+        let child = new_id(a.me.id);
+        if dest != owner {
+            if self.inner.is_owner {
+                // early fork registration by the owner
+                a.rrefs
+                    .with_entry(self.inner.rref_id, |en| en.forks.insert(child));
+                e.forks.push(PendingFork {
+                    child,
+                    rref_id: self.inner.rref_id,
+                    early: true,
+                });
+            } else {
+                keep_parent(&a, child, &self.inner);
+                e.forks.push(PendingFork {
+                    child,
+                    rref_id: self.inner.rref_id,
+                    early: false,
+                });
+            }
+        } else if !self.inner.is_owner {
+            // to the owner: it resolves to its own value and accepts the child at once
+            keep_parent(&a, child, &self.inner);
+            e.forks.push(PendingFork {
+                child,
+                rref_id: self.inner.rref_id,
+                early: false,
+            });
+        }
+        (owner as u64).encode(e)?;
+        (self.inner.rref_id.created_on as u64).encode(e)?;
+        self.inner.rref_id.local_id.encode(e)?;
+        (child.created_on as u64).encode(e)?;
+        child.local_id.encode(e)?;
+        (a.me.id as u64).encode(e)?;
+        u8::from(self.inner.is_owner).encode(e)?;
+        self.inner.type_name.to_string().encode(e)
+    }
+
+    fn decode(d: &mut Decoder) -> Result<Self> {
+        let a = agent("receiving an RRef")?;
+        let n = a.workers.len() as u64;
+        let rank = |v: u64| -> Result<usize> {
+            if v < n {
+                Ok(v as usize)
+            } else {
+                Err(Error::Serialization(format!(
+                    "RRef names worker {v} of {n}"
+                )))
+            }
+        };
+        let owner = rank(u64::decode(d)?)?;
+        let rref_id = GloballyUniqueId {
+            created_on: rank(u64::decode(d)?)?,
+            local_id: u64::decode(d)?,
+        };
+        let child = GloballyUniqueId {
+            created_on: rank(u64::decode(d)?)?,
+            local_id: u64::decode(d)?,
+        };
+        let parent = rank(u64::decode(d)?)?;
+        let parent_is_owner = bool::decode(d)?;
+        let type_name = String::decode(d)?;
+        if type_name != std::any::type_name::<T>() {
+            return Err(Error::Serialization(format!(
+                "an RRef of {type_name} where an RRef of {} was expected",
+                std::any::type_name::<T>()
+            )));
+        }
+        if owner == a.me.id {
+            // we own it: a local handle; a user parent is told its child was accepted
+            let r = RRef::owner_handle(&a, rref_id);
+            if !parent_is_owner && parent != a.me.id {
+                send_control(
+                    &a,
+                    parent,
+                    kind::CHILD_ACCEPT,
+                    ids(owner, rref_id, child, parent),
+                );
+            } else if !parent_is_owner {
+                a.rrefs
+                    .pending_children
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&child);
+            }
+            return Ok(r);
+        }
+        if parent_is_owner {
+            // registered early by the owner
+            return Ok(RRef::user_handle(&a, owner, rref_id, child, true));
+        }
+        // from another user: ask the owner to register our fork, then accept with the parent
+        let r = RRef::user_handle(&a, owner, rref_id, child, false);
+        let inner = r.inner.clone();
+        let a2 = a.clone();
+        let outstanding = a.rrefs.outstanding.clone();
+        outstanding.fetch_add(1, Ordering::SeqCst);
+        a.handle.spawn(async move {
+            let env = Envelope {
+                kind: kind::FORK_REQUEST,
+                ids: ids(owner, rref_id, child, parent),
+                ..Envelope::default()
+            };
+            let ok = a2
+                .clone()
+                .request(
+                    owner,
+                    env,
+                    vec![],
+                    Some(Duration::from_secs(60)),
+                    "rref fork".into(),
+                )
+                .await
+                .is_ok();
+            if ok {
+                inner.confirmed.send_replace(true);
+            } else {
+                *inner
+                    .creation_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(Error::Remote {
+                    worker: a2.workers[owner].name.clone(),
+                    kind: "RRef".into(),
+                    message: "the owner did not register this RRef's fork".into(),
+                });
+                inner.deleted.store(true, Ordering::SeqCst);
+                inner.confirmed.send_replace(true);
+            }
+            let env = Envelope {
+                kind: kind::CHILD_ACCEPT,
+                ids: ids(owner, rref_id, child, parent),
+                ..Envelope::default()
+            };
+            if parent == a2.me.id {
+                a2.rrefs
+                    .pending_children
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&child);
+            } else {
+                let _ = a2
+                    .clone()
+                    .request(
+                        parent,
+                        env,
+                        vec![],
+                        Some(Duration::from_secs(60)),
+                        "rref accept".into(),
+                    )
+                    .await;
+            }
+            outstanding.fetch_sub(1, Ordering::SeqCst);
+        });
+        Ok(r)
+    }
+}
+
+/// Sends a control message in the background (counted until acknowledged).
+fn send_control(a: &Arc<Agent>, to: usize, k: u8, ids: Vec<u64>) {
+    let a2 = a.clone();
+    let outstanding = a.rrefs.outstanding.clone();
+    outstanding.fetch_add(1, Ordering::SeqCst);
+    a.handle.spawn(async move {
+        let env = Envelope {
+            kind: k,
+            ids,
+            ..Envelope::default()
+        };
+        let _ = a2
+            .clone()
+            .request(
+                to,
+                env,
+                vec![],
+                Some(Duration::from_secs(60)),
+                "rref control".into(),
+            )
+            .await;
+        outstanding.fetch_sub(1, Ordering::SeqCst);
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// serving RRef messages
+
+pub(crate) async fn dispatch(
+    a: &Arc<Agent>,
+    peer: usize,
+    env: Envelope,
+    tensors: Vec<Tensor>,
+) -> Result<Encoder> {
+    let (owner, rref_id, fork_id, _parent) = parse_ids(&env.ids)?;
+    if owner != a.me.id {
+        return Err(Error::Serialization(format!(
+            "RRef message for owner {owner} delivered to worker {}",
+            a.me.id
+        )));
+    }
+    let timeout = crate::get_rpc_timeout().ok().filter(|t| !t.is_zero());
+    match env.kind {
+        kind::REMOTE => {
+            let reg = crate::agent::lookup(&env.func, &env.sig)?;
+            a.rrefs.with_entry(rref_id, |e| e.forks.insert(fork_id));
+            let payload = env.payload;
+            let r =
+                run_blocking(move || (reg.remote)(&CallCtx { caller: peer }, &payload, tensors))
+                    .await;
+            match r {
+                Ok(v) => {
+                    a.rrefs.set_value(rref_id, Ok(v));
+                    Ok(Encoder::default())
+                }
+                Err(e) => {
+                    // the creator will not send a deletion: forget the fork now
+                    let e = named(a, e);
+                    a.rrefs.with_entry(rref_id, |en| en.forks.remove(&fork_id));
+                    a.rrefs.maybe_remove(rref_id);
+                    Err(e)
+                }
+            }
+        }
+        kind::FETCH => {
+            let v = a.rrefs.value(rref_id, timeout).await?;
+            (v.encode)(&*v.value, peer)
+        }
+        kind::USER_DELETE => {
+            a.rrefs.with_entry(rref_id, |e| e.forks.remove(&fork_id));
+            a.rrefs.maybe_remove(rref_id);
+            Ok(Encoder::default())
+        }
+        kind::FORK_REQUEST => {
+            a.rrefs.with_entry(rref_id, |e| e.forks.insert(fork_id));
+            Ok(Encoder::default())
+        }
+        kind::CHILD_ACCEPT => Ok(Encoder::default()),
+        kind::METHOD => {
+            let (sig, h) = METHODS
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&env.func)
+                .cloned()
+                .ok_or_else(|| Error::Remote {
+                    worker: a.me.name.clone(),
+                    kind: "UnknownMethod".into(),
+                    message: format!(
+                        "no method named {:?} is registered on this worker",
+                        env.func
+                    ),
+                })?;
+            if sig != env.sig {
+                return Err(Error::Remote {
+                    worker: a.me.name.clone(),
+                    kind: "Signature".into(),
+                    message: format!(
+                        "method {:?} is registered as {sig} but was called as {}",
+                        env.func, env.sig
+                    ),
+                });
+            }
+            let v = a.rrefs.value(rref_id, timeout).await?;
+            let payload = env.payload;
+            run_blocking(move || h(&*v.value, &payload, tensors, peer)).await
+        }
+        k => Err(Error::Serialization(format!("unknown message kind {k}"))),
+    }
+}
+
+/// Handles a child's acceptance on the parent (outside the owner check of [`dispatch`]).
+pub(crate) fn child_accepted(a: &Agent, env: &Envelope) -> Result<()> {
+    let (_, _, child, _) = parse_ids(&env.ids)?;
+    a.rrefs
+        .pending_children
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&child);
+    Ok(())
+}
