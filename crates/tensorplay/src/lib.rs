@@ -58,6 +58,12 @@ pub mod distributed {
         store, world_store,
     };
 
+    /// `torch.distributed.rpc`: remote calls and remote references between workers over QUIC
+    /// (see the crate docs of `tensorplay-rpc`).
+    pub mod rpc {
+        pub use tensorplay_rpc::*;
+    }
+
     /// `torch.distributed.nn`: the distributed layers that take part in autograd.
     pub mod nn {
         /// `torch.distributed.nn.functional`: differentiable collectives whose backward is the
