@@ -451,6 +451,14 @@ fn conformance(vectors: &Path, backend: &str, timeout: u64) -> Result<(), String
     // resolve the path before cargo changes directory
     let vectors = std::fs::canonicalize(vectors)
         .map_err(|e| format!("cannot read {}: {e}", vectors.display()))?;
+    // the first build takes minutes: let cargo show it
+    let built = Command::new("cargo")
+        .args(["build", "-p", "tensorplay-conformance"])
+        .status()
+        .map_err(|e| format!("could not run cargo: {e}"))?;
+    if !built.success() {
+        return Err(format!("building tensorplay-conformance failed ({built})"));
+    }
     let status = Command::new("cargo")
         .args(["run", "-q", "-p", "tensorplay-conformance", "--"])
         .arg("--vectors")

@@ -186,7 +186,11 @@ impl Call<'_> {
             local?;
             return Ok(vec![desc.to_vec()]);
         }
-        let mut d = vec![op_id(self.op), i64::from(local.is_err())];
+        let mut d = vec![
+            op_id(self.op),
+            phase_id(current_phase()),
+            i64::from(local.is_err()),
+        ];
         d.extend_from_slice(desc);
         let n = d.len();
         let desc = &d[..];
@@ -209,13 +213,28 @@ impl Call<'_> {
                     op: format!("{} (while checking arguments across ranks)", self.op),
                     detail: format!("{detail} (did rank {peer} exit or fail?)"),
                 },
+                Error::Timeout {
+                    rank,
+                    timeout,
+                    detail,
+                    ..
+                } => Error::Timeout {
+                    op: format!("{} (while checking arguments across ranks)", self.op),
+                    rank,
+                    timeout,
+                    detail: format!(
+                        "{detail} (did that rank skip this call, for example a backward pass the other ranks run?)"
+                    ),
+                },
                 other => other,
             })?;
         let all: Vec<Vec<i64>> = out.chunks(n).map(|c| c.to_vec()).collect();
-        agree(self, &all, 0..1, "the collective called", |v| op_name(v[0]))?;
+        agree(self, &all, 0..2, "the collective called", |v| {
+            format!("{}{}", op_name(v[0]), phase_name(v[1]))
+        })?;
         local?;
         let bad: Vec<usize> = (0..self.size)
-            .filter(|&r| all[r][1] != 0)
+            .filter(|&r| all[r][2] != 0)
             .map(|r| self.g.ranks()[r])
             .collect();
         if !bad.is_empty() {
@@ -226,7 +245,7 @@ impl Call<'_> {
                 ),
             });
         }
-        Ok(all.into_iter().map(|mut v| v.split_off(2)).collect())
+        Ok(all.into_iter().map(|mut v| v.split_off(3)).collect())
     }
 
     fn cpu_or_meta(&self) -> Result<&dyn Backend> {
@@ -236,6 +255,46 @@ impl Call<'_> {
             None => Err(self.not_member()),
         }
     }
+}
+
+thread_local! {
+    static PHASE: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the collectives it issues on this thread marked as belonging to `phase` (for
+/// example `"backward"`; up to 8 ASCII bytes are compared and shown): the cross-rank check then
+/// also compares phases, so that a rank in a backward pass never pairs its collective with
+/// another rank's forward collective of the same shape (which would silently mix their data).
+/// The innermost phase wins; the layers above use this, users rarely need to.
+pub fn with_phase<R>(phase: &'static str, f: impl FnOnce() -> R) -> R {
+    let prev = PHASE.with(|p| p.replace(Some(phase)));
+    let r = f();
+    PHASE.with(|p| p.set(prev));
+    r
+}
+
+fn current_phase() -> Option<&'static str> {
+    PHASE.with(std::cell::Cell::get)
+}
+
+/// A phase as carried in the descriptor: its first 8 bytes, packed (0 for none), so that
+/// every process can name it.
+fn phase_id(phase: Option<&'static str>) -> i64 {
+    let Some(p) = phase else { return 0 };
+    let mut b = [0u8; 8];
+    for (d, s) in b.iter_mut().zip(p.bytes()) {
+        *d = s;
+    }
+    i64::from_le_bytes(b)
+}
+
+fn phase_name(id: i64) -> String {
+    if id == 0 {
+        return String::new();
+    }
+    let b = id.to_le_bytes();
+    let n = b.iter().position(|&c| c == 0).unwrap_or(8);
+    format!(" (in {})", String::from_utf8_lossy(&b[..n]))
 }
 
 /// The name of the differentiable counterpart of a blocking collective.

@@ -51,8 +51,10 @@ pub const SPAWN_PATH_ENV: &str = "TENSORPLAY_SPAWN_PATH";
 /// prefixed with `[rank N] ` (and also kept for failure reports); set this variable to `0` to
 /// only keep it.
 pub const SPAWN_VERBOSE_ENV: &str = "TENSORPLAY_SPAWN_VERBOSE";
-/// The default overall timeout of [`spawn`] (300 seconds).
-pub const DEFAULT_SPAWN_TIMEOUT: Duration = Duration::from_secs(300);
+/// The default overall timeout of [`spawn`] (600 seconds): longer than the collectives' default
+/// timeout (300 s), so that a stuck collective reports its own error (naming the rank it waited
+/// for) before `spawn` gives up on the processes.
+pub const DEFAULT_SPAWN_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How much of a failing child's output [`Error::Spawn`] keeps (the last 64 KiB).
 const MAX_OUTPUT: usize = 64 * 1024;
@@ -273,11 +275,14 @@ fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
             .stderr
             .take()
             .map(|s| Box::new(s) as Box<dyn Read + Send>);
-        for pipe in [out, err].into_iter().flatten() {
+        for (pipe, is_stdout) in [(out, true), (err, false)]
+            .into_iter()
+            .filter_map(|(p, o)| p.map(|p| (p, o)))
+        {
             let output = Arc::clone(&output);
             let done = Arc::clone(&readers_done);
             readers.push(std::thread::spawn(move || {
-                read_pipe(pipe, &output, verbose.then_some(rank));
+                read_pipe(pipe, &output, verbose.then_some(rank), is_stdout);
                 done.fetch_add(1, Ordering::SeqCst);
             }));
         }
@@ -353,7 +358,14 @@ fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
 }
 
 /// Copies a child's pipe into `output`, echoing lines prefixed with `[rank N] ` when verbose.
-fn read_pipe(mut pipe: Box<dyn Read + Send>, output: &Mutex<Vec<u8>>, echo: Option<usize>) {
+/// Keeps a child's output and, when `echo`, forwards it line by line with a rank prefix: the
+/// child's stdout to this process's stdout, its stderr to stderr.
+fn read_pipe(
+    mut pipe: Box<dyn Read + Send>,
+    output: &Mutex<Vec<u8>>,
+    echo: Option<usize>,
+    is_stdout: bool,
+) {
     let mut buf = [0u8; 8192];
     let mut line = Vec::new();
     loop {
@@ -369,7 +381,11 @@ fn read_pipe(mut pipe: Box<dyn Read + Send>, output: &Mutex<Vec<u8>>, echo: Opti
             for &b in &buf[..n] {
                 line.push(b);
                 if b == b'\n' {
-                    eprint!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+                    if is_stdout {
+                        print!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+                    } else {
+                        eprint!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+                    }
                     line.clear();
                 }
             }
@@ -378,7 +394,11 @@ fn read_pipe(mut pipe: Box<dyn Read + Send>, output: &Mutex<Vec<u8>>, echo: Opti
     if let Some(rank) = echo
         && !line.is_empty()
     {
-        eprintln!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+        if is_stdout {
+            println!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+        } else {
+            eprintln!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+        }
     }
 }
 

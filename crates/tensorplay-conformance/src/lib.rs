@@ -4,7 +4,7 @@
 //! The format (one JSON record per case and rank, the loss weights, the comparison rule, the
 //! run order and the failure line) is described in `conformance/README.md` at the root of the
 //! repository. [`run_file`] launches one world of real processes (through
-//! [`spawn`](tensorplay_collectives::spawn)) for every world size in the file, rebuilds each
+//! [`spawn`](tensorplay_collectives::spawn())) for every world size in the file, rebuilds each
 //! case on every rank, runs forward and backward, and compares outputs and gradients.
 //!
 //! `cargo xtask conformance --vectors FILE` is the command-line front end; this crate's tests

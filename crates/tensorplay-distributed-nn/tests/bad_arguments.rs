@@ -112,3 +112,41 @@ fn one_ranks_bad_list_fails_every_rank_and_the_group_goes_on() -> TestResult {
     })?;
     Ok(())
 }
+
+/// A rank that skips a backward pass and calls the same collective with the same shape does
+/// not get its data mixed with the other rank's backward collective: both calls fail, naming
+/// the backward.
+#[test]
+fn a_skipped_backward_never_pairs_with_a_forward_collective() -> TestResult {
+    dist::spawn(2, |rank| -> TestResult {
+        dist::init_process_group(
+            "cpu",
+            InitOptions {
+                timeout: Duration::from_secs(60),
+                ..Default::default()
+            },
+        )?;
+        let x = f64s(&[1.0, 2.0], &[2]).requires_grad_(true);
+        let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
+        let r = if rank == 0 {
+            y.sum()?.backward().map(|_| ())
+        } else {
+            let m = f64s(&[100.0, 100.0], &[2]);
+            dist::all_reduce(&m, ReduceOp::Sum, None)
+                .map_err(tensorplay_core::Error::from)
+                .map(|_| ())
+        };
+        let e = match r {
+            Ok(()) => return Err(format!("rank {rank}: the mismatched calls succeeded").into()),
+            Err(e) => e.to_string(),
+        };
+        if !e.contains("(in backward)") {
+            return Err(format!("rank {rank}: the error should name the backward: {e}").into());
+        }
+        still_works(rank)?;
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
+    Ok(())
+}

@@ -37,7 +37,7 @@ pub use tensorplay_core::{
 /// use tp::distributed as dist;
 ///
 /// fn main() -> tp::Result<()> {
-///     // env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (spawn and tensorplay-run set them)
+///     // env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (spawn sets them)
 ///     dist::init_process_group("cpu", Default::default())?;
 ///     let x = tp::ones(&[4])?;
 ///     dist::all_reduce(&x, dist::ReduceOp::Sum, None)?;
@@ -66,11 +66,8 @@ pub mod distributed {
 
     /// `torch.distributed.nn`: the distributed layers that take part in autograd.
     pub mod nn {
-        /// `torch.distributed.nn.functional`: differentiable collectives whose backward is the
-        /// inverse collective (see the module docs for the gradient convention).
-        pub mod functional {
-            pub use tensorplay_distributed_nn::functional::*;
-        }
+        #[doc(inline)]
+        pub use tensorplay_distributed_nn::functional;
     }
 }
 

@@ -80,8 +80,8 @@ fn locate_nccl() -> std::result::Result<(), String> {
             let shim = link_dir(&p);
             Err(format!(
                 "NCCL is installed at {} but cudarc loads it as `libnccl.so`, which is not on the \
-                 library path. {}Run with LD_LIBRARY_PATH={}:$LD_LIBRARY_PATH (spawn and \
-                 tensorplay-run set it for their children).",
+                 library path. {}Run with LD_LIBRARY_PATH={}:$LD_LIBRARY_PATH (spawn sets it \
+                 for its children).",
                 p.display(),
                 match &shim {
                     Ok(d) => format!(

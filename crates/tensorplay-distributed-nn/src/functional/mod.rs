@@ -3,7 +3,7 @@
 //! Each function runs the blocking collective of `tensorplay-collectives` on a copy of its
 //! input and returns **new** tensors (inputs are never written) that carry a `grad_fn` when an
 //! input requires grad. The backward of each is the inverse collective, written with the same
-//! public [`Function`](tensorplay_core::autograd::Function) trait a user would use, out of these
+//! public [`Function`] trait a user would use, out of these
 //! very functions — so gradients of gradients (double backward) work too.
 //!
 //! # The gradient convention
@@ -280,12 +280,14 @@ impl Function for Broadcast {
         Ok(vec![y])
     }
     fn backward(&self, _ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        Ok(vec![Some(reduce(
-            &grads[0],
-            self.src,
-            ReduceOp::Sum,
-            self.gp.pg(),
-        )?)])
+        coll::with_phase("backward", || {
+            Ok(vec![Some(reduce(
+                &grads[0],
+                self.src,
+                ReduceOp::Sum,
+                self.gp.pg(),
+            )?)])
+        })
     }
 }
 
@@ -341,21 +343,23 @@ impl Function for Reduce {
         Ok(vec![y])
     }
     fn backward(&self, ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let g = broadcast(&grads[0], self.dst, self.gp.pg())?;
-        let dx = if adjoints::needs_values(self.op) {
-            let saved = ctx.saved_tensors()?;
-            // the reduced value lives on dst only: every rank needs it for the routing mask
-            let y = {
-                let _ng = tensorplay_core::no_grad();
-                let y = fresh(&saved[1])?;
-                coll::broadcast(&y, self.dst, self.gp.pg())?;
-                y
+        coll::with_phase("backward", || {
+            let g = broadcast(&grads[0], self.dst, self.gp.pg())?;
+            let dx = if adjoints::needs_values(self.op) {
+                let saved = ctx.saved_tensors()?;
+                // the reduced value lives on dst only: every rank needs it for the routing mask
+                let y = {
+                    let _ng = tensorplay_core::no_grad();
+                    let y = fresh(&saved[1])?;
+                    coll::broadcast(&y, self.dst, self.gp.pg())?;
+                    y
+                };
+                adjoints::route(&self.gp, self.op, &g, &saved[0], &y)?
+            } else {
+                adjoints::route_linear(&self.gp, self.op, g)?
             };
-            adjoints::route(&self.gp, self.op, &g, &saved[0], &y)?
-        } else {
-            adjoints::route_linear(&self.gp, self.op, g)?
-        };
-        Ok(vec![Some(dx)])
+            Ok(vec![Some(dx)])
+        })
     }
 }
 
@@ -398,15 +402,17 @@ impl Function for AllReduce {
         Ok(vec![y])
     }
     fn backward(&self, ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let dx = if adjoints::needs_values(self.op) {
-            let g = all_reduce(&grads[0], ReduceOp::Sum, self.gp.pg())?;
-            let saved = ctx.saved_tensors()?;
-            adjoints::route(&self.gp, self.op, &g, &saved[0], &saved[1])?
-        } else {
-            // Sum and Avg are their own adjoints
-            all_reduce(&grads[0], self.op, self.gp.pg())?
-        };
-        Ok(vec![Some(dx)])
+        coll::with_phase("backward", || {
+            let dx = if adjoints::needs_values(self.op) {
+                let g = all_reduce(&grads[0], ReduceOp::Sum, self.gp.pg())?;
+                let saved = ctx.saved_tensors()?;
+                adjoints::route(&self.gp, self.op, &g, &saved[0], &saved[1])?
+            } else {
+                // Sum and Avg are their own adjoints
+                all_reduce(&grads[0], self.op, self.gp.pg())?
+            };
+            Ok(vec![Some(dx)])
+        })
     }
 }
 
@@ -481,14 +487,16 @@ impl Function for AllGather {
         Ok(outs)
     }
     fn backward(&self, _ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let even = self.shapes.iter().all(|s| *s == self.shapes[0]);
-        let dx = if even {
-            reduce_scatter(grads, ReduceOp::Sum, self.gp.pg())?
-        } else {
-            let parts = all_to_all(grads, self.gp.pg())?;
-            sum_all(&parts)?
-        };
-        Ok(vec![Some(dx)])
+        coll::with_phase("backward", || {
+            let even = self.shapes.iter().all(|s| *s == self.shapes[0]);
+            let dx = if even {
+                reduce_scatter(grads, ReduceOp::Sum, self.gp.pg())?
+            } else {
+                let parts = all_to_all(grads, self.gp.pg())?;
+                sum_all(&parts)?
+            };
+            Ok(vec![Some(dx)])
+        })
     }
 }
 
@@ -596,17 +604,19 @@ impl Function for ReduceScatter {
         Ok(vec![out])
     }
     fn backward(&self, ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let g = all_gather(&grads[0], self.gp.pg())?;
-        let dxs = if adjoints::needs_values(self.op) {
-            let saved = ctx.saved_tensors()?;
-            let (xs, y) = saved.split_at(self.gp.size);
-            adjoints::route_scattered(&self.gp, self.op, &g, xs, &y[0])?
-        } else {
-            g.into_iter()
-                .map(|gi| adjoints::route_linear(&self.gp, self.op, gi))
-                .collect::<Result<Vec<_>>>()?
-        };
-        Ok(dxs.into_iter().map(Some).collect())
+        coll::with_phase("backward", || {
+            let g = all_gather(&grads[0], self.gp.pg())?;
+            let dxs = if adjoints::needs_values(self.op) {
+                let saved = ctx.saved_tensors()?;
+                let (xs, y) = saved.split_at(self.gp.size);
+                adjoints::route_scattered(&self.gp, self.op, &g, xs, &y[0])?
+            } else {
+                g.into_iter()
+                    .map(|gi| adjoints::route_linear(&self.gp, self.op, gi))
+                    .collect::<Result<Vec<_>>>()?
+            };
+            Ok(dxs.into_iter().map(Some).collect())
+        })
     }
 }
 
@@ -686,10 +696,12 @@ impl Function for Gather {
         Ok(outs)
     }
     fn backward(&self, _ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        // off dst the gradients go in as placeholders (ignored, zero gradients): with
-        // create_graph they keep this rank's double backward connected to its outputs, so that
-        // it runs this node's collectives again as dst does
-        Ok(vec![Some(scatter(Some(grads), self.dst, self.gp.pg())?)])
+        coll::with_phase("backward", || {
+            // off dst the gradients go in as placeholders (ignored, zero gradients): with
+            // create_graph they keep this rank's double backward connected to its outputs, so that
+            // it runs this node's collectives again as dst does
+            Ok(vec![Some(scatter(Some(grads), self.dst, self.gp.pg())?)])
+        })
     }
 }
 
@@ -825,16 +837,18 @@ impl Function for Scatter {
         Ok(vec![out])
     }
     fn backward(&self, ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let gathered = gather(&grads[0], self.src, self.gp.pg())?;
-        if self.gp.global == self.src {
-            return Ok(gathered.into_iter().map(Some).collect());
-        }
-        // placeholders (and the anchor) get zeros of their own shapes
-        let _ = ctx;
-        self.placeholders
-            .iter()
-            .map(|(shape, dt, dev)| Ok(Some(zeros(shape, *dt, *dev)?)))
-            .collect()
+        coll::with_phase("backward", || {
+            let gathered = gather(&grads[0], self.src, self.gp.pg())?;
+            if self.gp.global == self.src {
+                return Ok(gathered.into_iter().map(Some).collect());
+            }
+            // placeholders (and the anchor) get zeros of their own shapes
+            let _ = ctx;
+            self.placeholders
+                .iter()
+                .map(|(shape, dt, dev)| Ok(Some(zeros(shape, *dt, *dev)?)))
+                .collect()
+        })
     }
 }
 
@@ -910,10 +924,12 @@ impl Function for AllToAll {
         Ok(outs)
     }
     fn backward(&self, _ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        Ok(all_to_all(grads, self.gp.pg())?
-            .into_iter()
-            .map(Some)
-            .collect())
+        coll::with_phase("backward", || {
+            Ok(all_to_all(grads, self.gp.pg())?
+                .into_iter()
+                .map(Some)
+                .collect())
+        })
     }
 }
 
@@ -1096,11 +1112,13 @@ impl Function for AllToAllSingle {
         Ok(vec![out])
     }
     fn backward(&self, _ctx: &Context, grads: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        Ok(vec![Some(all_to_all_single(
-            &grads[0],
-            Some(&self.in_splits),
-            Some(&self.out_splits),
-            self.gp.pg(),
-        )?)])
+        coll::with_phase("backward", || {
+            Ok(vec![Some(all_to_all_single(
+                &grads[0],
+                Some(&self.in_splits),
+                Some(&self.out_splits),
+                self.gp.pg(),
+            )?)])
+        })
     }
 }
