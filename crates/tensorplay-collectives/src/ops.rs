@@ -1317,7 +1317,8 @@ fn a2as_impl(
     let splits = |given: Option<&[usize]>, t: &Tensor, arg: &str| -> Result<Vec<usize>> {
         match given {
             Some(s) => {
-                if s.len() != c.size || s.iter().sum::<usize>() != rows(t) {
+                let sum = s.iter().try_fold(0usize, |a, &v| a.checked_add(v));
+                if s.len() != c.size || sum != Some(rows(t)) {
                     return Err(c.err(
                         arg,
                         format!("{} sizes summing to {} rows", c.size, rows(t)),

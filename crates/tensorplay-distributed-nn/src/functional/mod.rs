@@ -969,13 +969,16 @@ pub fn all_to_all_single(
                         format!("{} sizes {s:?}", s.len()),
                     ));
                 }
-                let total: usize = s.iter().sum();
-                if total != rows {
+                let total = s.iter().try_fold(0usize, |a, &v| a.checked_add(v));
+                if total != Some(rows) {
                     return Err(gp.err(
                         OP,
                         "input_split_sizes",
                         format!("sizes summing to the input's first dimension ({rows})"),
-                        format!("{s:?} (sum {total})"),
+                        match total {
+                            Some(t) => format!("{s:?} (sum {t})"),
+                            None => format!("{s:?} (the sum overflows)"),
+                        },
                     ));
                 }
                 s.to_vec()
@@ -1000,6 +1003,17 @@ pub fn all_to_all_single(
                         "output_split_sizes",
                         format!("{w} sizes (one per rank of the group)"),
                         format!("{} sizes {s:?}", s.len()),
+                    ));
+                }
+                if s.iter()
+                    .try_fold(0usize, |a, &v| a.checked_add(v))
+                    .is_none()
+                {
+                    return Err(gp.err(
+                        OP,
+                        "output_split_sizes",
+                        "sizes whose sum fits in usize",
+                        format!("{s:?} (the sum overflows)"),
                     ));
                 }
                 Some(s)
@@ -1051,7 +1065,8 @@ pub fn all_to_all_single(
                         gp.g.ranks()[j],
                         send[r],
                         gp.g.ranks()[r],
-                        expect
+                        // sizes above i64::MAX travel as negative numbers
+                        expect as u64
                     ),
                 }
                 .into());

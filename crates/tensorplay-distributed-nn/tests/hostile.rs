@@ -1,0 +1,836 @@
+//! Hostile inputs to the differentiable collectives: overflowing split sizes, 0-d, empty and
+//! 9-d tensors, Bool and int64 tensors, ranks disagreeing on every argument, roots outside the
+//! group, odd scatter placeholders, expanded inputs, `no_grad`, reused outputs, `retain_graph`,
+//! one-member groups. Each is a clear error on every rank (the bad rank with its own, the others
+//! naming it) or a correct result — never a panic, hang or wrong value — and the group stays
+//! usable after each error.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::{Duration, Instant};
+
+use tensorplay_collectives::{self as dist, InitOptions, ProcessGroup};
+use tensorplay_core::{self as tp, DType, Tensor};
+use tensorplay_distributed_nn::functional::{self as df, ReduceOp};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+fn init(timeout_s: u64) -> dist::Result<()> {
+    dist::init_process_group(
+        "cpu",
+        InitOptions {
+            timeout: Duration::from_secs(timeout_s),
+            ..Default::default()
+        },
+    )
+}
+
+fn f64s(v: &[f64], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(v.to_vec(), shape).expect("tensor")
+}
+
+/// Failures collected by one rank, reported together at the end.
+struct Log {
+    rank: usize,
+    fails: Vec<String>,
+}
+
+impl Log {
+    fn new(rank: usize) -> Log {
+        Log {
+            rank,
+            fails: vec![],
+        }
+    }
+
+    /// Runs `f`, recording its error or panic.
+    fn run(&mut self, what: &str, f: impl FnOnce() -> TestResult) {
+        let t0 = Instant::now();
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.fails.push(format!("{what}: {e}")),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                self.fails.push(format!("{what}: PANIC {msg}"));
+            }
+        }
+        let dt = t0.elapsed();
+        if dt > Duration::from_secs(3) {
+            self.fails.push(format!("{what}: took {dt:?}"));
+        }
+    }
+
+    fn finish(self) -> TestResult {
+        if self.fails.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "rank {}: {} failure(s):\n  {}",
+            self.rank,
+            self.fails.len(),
+            self.fails.join("\n  ")
+        )
+        .into())
+    }
+}
+
+/// `r` failed on every rank: rank `bad` (every rank when `None`) with an error mentioning
+/// `own`, the others naming rank `bad`; never a timeout.
+fn fails_everywhere<T>(r: tp::Result<T>, rank: usize, bad: Option<usize>, own: &str) -> TestResult {
+    let e = match r {
+        Ok(_) => return Err(format!("rank {rank} succeeded").into()),
+        Err(e) => e.to_string(),
+    };
+    if e.contains("timed out") {
+        return Err(format!("rank {rank} timed out instead of failing at once: {e}").into());
+    }
+    let want = match bad {
+        Some(b) if b != rank => format!("{b}"),
+        _ => own.to_string(),
+    };
+    if !e.contains(&want) {
+        return Err(format!("rank {rank}'s error should mention {want:?}: {e}").into());
+    }
+    Ok(())
+}
+
+/// The group still computes the right sum, forward and backward.
+fn still_works(group: Option<&ProcessGroup>) -> TestResult {
+    let n = match group {
+        Some(g) => g.size(),
+        None => dist::get_world_size(None)?,
+    };
+    let x = f64s(&[1.0, 2.0], &[2]).requires_grad_(true);
+    let y = df::all_reduce(&x, ReduceOp::Sum, group)?;
+    let want = vec![n as f64, 2.0 * n as f64];
+    if y.to_vec::<f64>()? != want {
+        return Err(format!("all_reduce after the error gave {:?}", y.to_vec::<f64>()?).into());
+    }
+    y.sum()?.backward()?;
+    let g = x.grad().ok_or("no grad")?.to_vec::<f64>()?;
+    if g != vec![n as f64; 2] {
+        return Err(format!("all_reduce's gradient after the error is {g:?}").into());
+    }
+    Ok(())
+}
+
+fn eq(what: &str, got: Vec<f64>, want: Vec<f64>) -> TestResult {
+    if got.len() != want.len() || got.iter().zip(&want).any(|(a, b)| (a - b).abs() > 1e-12) {
+        return Err(format!("{what}: got {got:?}, want {want:?}").into());
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// one rank's bad arguments
+
+#[test]
+fn hostile_arguments_w2() -> TestResult {
+    dist::spawn::spawn(2, |rank| -> TestResult {
+        init(6)?;
+        let mut log = Log::new(rank);
+        let other = 1 - rank;
+
+        // all_to_all_single: split sizes that overflow when summed
+        log.run("a2as overflowing input splits on rank 1", || {
+            let x = Tensor::zeros(&[0, 2], DType::F64)?;
+            let s: &[usize] = if rank == 1 { &[usize::MAX, 1] } else { &[0, 0] };
+            let r = df::all_to_all_single(&x, None, Some(s), None);
+            fails_everywhere(r, rank, Some(1), "input_split_sizes")?;
+            still_works(None)
+        });
+        log.run("a2as overflowing input splits on every rank", || {
+            let x = Tensor::zeros(&[0, 2], DType::F64)?;
+            let r = df::all_to_all_single(&x, None, Some(&[usize::MAX, 1]), None);
+            fails_everywhere(r, rank, None, "input_split_sizes")?;
+            still_works(None)
+        });
+        log.run("blocking a2as overflowing splits on every rank", || {
+            let x = Tensor::zeros(&[0, 2], DType::F64)?;
+            let out = Tensor::zeros(&[0, 2], DType::F64)?;
+            let s: &[usize] = &[usize::MAX, 1];
+            let r = dist::all_to_all_single(&out, &x, None, Some(s), None);
+            fails_everywhere(r.map_err(tp::Error::from), rank, None, "input_split_sizes")?;
+            let r = dist::all_to_all_single(&out, &x, Some(s), None, None);
+            fails_everywhere(r.map_err(tp::Error::from), rank, None, "output_split_sizes")?;
+            still_works(None)
+        });
+        log.run("a2as huge output splits on rank 0", || {
+            let x = Tensor::zeros(&[2, 2], DType::F64)?;
+            let s: &[usize] = if rank == 0 { &[usize::MAX, 1] } else { &[1, 1] };
+            let r = df::all_to_all_single(&x, Some(s), Some(&[1, 1]), None);
+            fails_everywhere(r, rank, Some(0), "output_split_sizes")?;
+            still_works(None)
+        });
+        log.run("a2as output split above i64::MAX on rank 1", || {
+            let x = Tensor::zeros(&[2, 2], DType::F64)?;
+            let s: &[usize] = if rank == 1 { &[1 << 63, 0] } else { &[1, 1] };
+            let r = df::all_to_all_single(&x, Some(s), Some(&[1, 1]), None);
+            let e = r.err().ok_or("succeeded")?.to_string();
+            if !e.contains("9223372036854775808") {
+                return Err(format!("the size should be printed as given: {e}").into());
+            }
+            still_works(None)
+        });
+        log.run("a2as output splits of wrong length on rank 1", || {
+            let x = Tensor::zeros(&[2, 2], DType::F64)?;
+            let s: &[usize] = if rank == 1 { &[1, 1, 0] } else { &[1, 1] };
+            let r = df::all_to_all_single(&x, Some(s), None, None);
+            fails_everywhere(r, rank, Some(1), "output_split_sizes")?;
+            still_works(None)
+        });
+        log.run("a2as 0-d input on rank 0", || {
+            let x = if rank == 0 {
+                Tensor::scalar(1.0f64)
+            } else {
+                Tensor::zeros(&[2], DType::F64)?
+            };
+            let r = df::all_to_all_single(&x, None, None, None);
+            fails_everywhere(r, rank, Some(0), "input")?;
+            still_works(None)
+        });
+        log.run("a2as trailing shape differs", || {
+            let x = Tensor::zeros(&[2, 1 + rank], DType::F64)?;
+            let r = df::all_to_all_single(&x, None, None, None);
+            fails_everywhere(r, rank, None, "shape")?;
+            still_works(None)
+        });
+        log.run("a2as dtype differs", || {
+            let x = Tensor::zeros(&[2], if rank == 0 { DType::F64 } else { DType::F32 })?;
+            let r = df::all_to_all_single(&x, None, None, None);
+            fails_everywhere(r, rank, None, "dtype")?;
+            still_works(None)
+        });
+
+        // Bool tensors
+        let b = || Tensor::zeros(&[2], DType::Bool).expect("bool");
+        let f = || Tensor::zeros(&[2], DType::F64).expect("f64");
+        let bad_on = |r: usize| if rank == r { b() } else { f() };
+        log.run("bool all_reduce on rank 1", || {
+            let r = df::all_reduce(&bad_on(1), ReduceOp::Sum, None);
+            fails_everywhere(r, rank, Some(1), "bool")?;
+            still_works(None)
+        });
+        log.run("bool broadcast on rank 0", || {
+            let r = df::broadcast(&bad_on(0), 0, None);
+            fails_everywhere(r, rank, Some(0), "bool")?;
+            still_works(None)
+        });
+        log.run("bool reduce on rank 1", || {
+            let r = df::reduce(&bad_on(1), 0, ReduceOp::Max, None);
+            fails_everywhere(r, rank, Some(1), "bool")?;
+            still_works(None)
+        });
+        log.run("bool gather on rank 1", || {
+            let r = df::gather(&bad_on(1), 0, None);
+            fails_everywhere(r, rank, Some(1), "bool")?;
+            still_works(None)
+        });
+        log.run("bool scatter on src", || {
+            let l = [bad_on(0), bad_on(0)];
+            let r = df::scatter(Some(&l), 0, None);
+            fails_everywhere(r, rank, Some(0), "bool")?;
+            still_works(None)
+        });
+        log.run("bool reduce_scatter on rank 1", || {
+            let r = df::reduce_scatter(&[bad_on(1), bad_on(1)], ReduceOp::Sum, None);
+            fails_everywhere(r, rank, Some(1), "bool")?;
+            still_works(None)
+        });
+        log.run("bool all_to_all on rank 0", || {
+            let r = df::all_to_all(&[bad_on(0), bad_on(0)], None);
+            fails_everywhere(r, rank, Some(0), "bool")?;
+            still_works(None)
+        });
+        log.run("bool all_to_all_single on rank 1", || {
+            let r = df::all_to_all_single(&bad_on(1), None, None, None);
+            fails_everywhere(r, rank, Some(1), "bool")?;
+            still_works(None)
+        });
+
+        // int64: forward works, Avg is an error
+        log.run("int64 forward", || {
+            let x = Tensor::from_vec(vec![rank as i64 + 1, 10], &[2])?;
+            let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
+            if y.to_vec::<i64>()? != vec![3, 20] {
+                return Err(format!("all_reduce {:?}", y.to_vec::<i64>()?).into());
+            }
+            let y = df::all_reduce(&x, ReduceOp::Max, None)?;
+            if y.to_vec::<i64>()? != vec![2, 10] {
+                return Err(format!("all_reduce max {:?}", y.to_vec::<i64>()?).into());
+            }
+            let y = df::all_reduce(&x, ReduceOp::BXor, None)?;
+            if y.to_vec::<i64>()? != vec![3, 0] {
+                return Err(format!("all_reduce bxor {:?}", y.to_vec::<i64>()?).into());
+            }
+            let y = df::reduce(&x, 1, ReduceOp::Product, None)?;
+            let want = if rank == 1 { vec![2, 100] } else { vec![0, 0] };
+            if y.to_vec::<i64>()? != want {
+                return Err(format!("reduce product {:?}", y.to_vec::<i64>()?).into());
+            }
+            let y = df::broadcast(&x, 1, None)?;
+            if y.to_vec::<i64>()? != vec![2, 10] {
+                return Err(format!("broadcast {:?}", y.to_vec::<i64>()?).into());
+            }
+            let ys = df::all_gather(&x, None)?;
+            if ys[1].to_vec::<i64>()? != vec![2, 10] {
+                return Err("all_gather".into());
+            }
+            let ys = df::gather(&x, 0, None)?;
+            if rank == 0 && ys[1].to_vec::<i64>()? != vec![2, 10] {
+                return Err("gather".into());
+            }
+            let l = [
+                Tensor::from_vec(vec![rank as i64, 5], &[2])?,
+                Tensor::from_vec(vec![7i64, rank as i64], &[2])?,
+            ];
+            let y = df::scatter(Some(&l), 1, None)?;
+            let want = if rank == 0 { vec![1, 5] } else { vec![7, 1] };
+            if y.to_vec::<i64>()? != want {
+                return Err(format!("scatter {:?}", y.to_vec::<i64>()?).into());
+            }
+            let y = df::reduce_scatter(&l, ReduceOp::Min, None)?;
+            let want = if rank == 0 { vec![0, 5] } else { vec![7, 0] };
+            if y.to_vec::<i64>()? != want {
+                return Err(format!("reduce_scatter {:?}", y.to_vec::<i64>()?).into());
+            }
+            let ys = df::all_to_all(&l, None)?;
+            if ys[other].to_vec::<i64>()?
+                != l[rank]
+                    .to_vec::<i64>()?
+                    .iter()
+                    .map(|&v| if v == rank as i64 { other as i64 } else { v })
+                    .collect::<Vec<_>>()
+            {
+                return Err(format!("all_to_all {:?}", ys[other].to_vec::<i64>()?).into());
+            }
+            let y = df::all_to_all_single(&x, None, None, None)?;
+            if y.to_vec::<i64>()? != if rank == 0 { vec![1, 2] } else { vec![10, 10] } {
+                return Err(format!("a2as {:?}", y.to_vec::<i64>()?).into());
+            }
+            Ok(())
+        });
+        log.run("int64 Avg on every function", || {
+            let x = Tensor::from_vec(vec![rank as i64, 1], &[2])?;
+            fails_everywhere(df::all_reduce(&x, ReduceOp::Avg, None), rank, None, "Avg")?;
+            fails_everywhere(df::reduce(&x, 0, ReduceOp::Avg, None), rank, None, "Avg")?;
+            fails_everywhere(
+                df::reduce_scatter(&[x.clone(), x.clone()], ReduceOp::Avg, None),
+                rank,
+                None,
+                "Avg",
+            )?;
+            still_works(None)
+        });
+        log.run("int64 Avg on rank 1 only", || {
+            let x = Tensor::from_vec(vec![rank as i64, 1], &[2])?;
+            let op = if rank == 1 {
+                ReduceOp::Avg
+            } else {
+                ReduceOp::Sum
+            };
+            fails_everywhere(df::all_reduce(&x, op, None), rank, Some(1), "Avg")?;
+            fails_everywhere(df::reduce(&x, 0, op, None), rank, Some(1), "Avg")?;
+            fails_everywhere(
+                df::reduce_scatter(&[x.clone(), x.clone()], op, None),
+                rank,
+                Some(1),
+                "Avg",
+            )?;
+            still_works(None)
+        });
+        log.run("bitwise op on floats", || {
+            fails_everywhere(
+                df::all_reduce(&f(), ReduceOp::BAnd, None),
+                rank,
+                None,
+                "BAnd",
+            )?;
+            still_works(None)
+        });
+
+        // ranks disagreeing on shapes, dtypes and roots
+        let sh = || Tensor::zeros(&[2 + rank], DType::F64).expect("t");
+        let dt =
+            || Tensor::zeros(&[2], if rank == 0 { DType::F64 } else { DType::F32 }).expect("t");
+        log.run("all_reduce shapes differ", || {
+            fails_everywhere(
+                df::all_reduce(&sh(), ReduceOp::Sum, None),
+                rank,
+                None,
+                "shape",
+            )?;
+            still_works(None)
+        });
+        log.run("all_reduce dtypes differ", || {
+            fails_everywhere(
+                df::all_reduce(&dt(), ReduceOp::Sum, None),
+                rank,
+                None,
+                "dtype",
+            )?;
+            still_works(None)
+        });
+        log.run("all_reduce ops differ", || {
+            let op = if rank == 0 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Max
+            };
+            fails_everywhere(df::all_reduce(&f(), op, None), rank, None, "op")?;
+            still_works(None)
+        });
+        log.run("broadcast shapes differ", || {
+            fails_everywhere(df::broadcast(&sh(), 0, None), rank, None, "shape")?;
+            still_works(None)
+        });
+        log.run("broadcast src differs", || {
+            fails_everywhere(df::broadcast(&f(), rank, None), rank, None, "src")?;
+            still_works(None)
+        });
+        log.run("reduce dtypes differ", || {
+            fails_everywhere(
+                df::reduce(&dt(), 0, ReduceOp::Sum, None),
+                rank,
+                None,
+                "dtype",
+            )?;
+            still_works(None)
+        });
+        log.run("reduce dst differs", || {
+            fails_everywhere(
+                df::reduce(&f(), rank, ReduceOp::Sum, None),
+                rank,
+                None,
+                "dst",
+            )?;
+            still_works(None)
+        });
+        log.run("reduce_scatter shapes differ", || {
+            let r = df::reduce_scatter(&[sh(), sh()], ReduceOp::Sum, None);
+            fails_everywhere(r, rank, None, "shape")?;
+            still_works(None)
+        });
+        log.run("reduce_scatter dtypes differ", || {
+            let r = df::reduce_scatter(&[dt(), dt()], ReduceOp::Sum, None);
+            fails_everywhere(r, rank, None, "dtype")?;
+            still_works(None)
+        });
+        log.run("all_gather dtypes differ", || {
+            fails_everywhere(df::all_gather(&dt(), None), rank, None, "dtype")?;
+            still_works(None)
+        });
+        log.run("gather dtypes differ", || {
+            fails_everywhere(df::gather(&dt(), 0, None), rank, None, "dtype")?;
+            still_works(None)
+        });
+        log.run("gather dst differs", || {
+            fails_everywhere(df::gather(&f(), rank, None), rank, None, "dst")?;
+            still_works(None)
+        });
+        log.run("scatter src differs", || {
+            let l = [f(), f()];
+            fails_everywhere(df::scatter(Some(&l), rank, None), rank, None, "src")?;
+            still_works(None)
+        });
+        log.run("all_to_all dtypes differ", || {
+            fails_everywhere(df::all_to_all(&[dt(), dt()], None), rank, None, "dtype")?;
+            still_works(None)
+        });
+        log.run("all_to_all shapes of a pair differ", || {
+            // what rank 0 sends to rank 1 has 2 elements, but rank 1 receives whatever is sent
+            let r = df::all_to_all(&[sh(), sh()], None)?;
+            if r[other].shape() != [2 + other] {
+                return Err(format!("received shape {:?}", r[other].shape()).into());
+            }
+            still_works(None)
+        });
+
+        // roots outside the world
+        for (name, call) in [
+            ("broadcast", 0usize),
+            ("reduce", 1),
+            ("gather", 2),
+            ("scatter", 3),
+        ] {
+            for bad in [None, Some(0usize), Some(1)] {
+                log.run(&format!("{name} root 7 on {bad:?}"), || {
+                    let root = if bad.is_none_or(|b| b == rank) { 7 } else { 0 };
+                    let l = [f(), f()];
+                    let r = match call {
+                        0 => df::broadcast(&f(), root, None).map(|_| ()),
+                        1 => df::reduce(&f(), root, ReduceOp::Sum, None).map(|_| ()),
+                        2 => df::gather(&f(), root, None).map(|_| ()),
+                        _ => df::scatter(Some(&l), root, None).map(|_| ()),
+                    };
+                    let own = if call == 1 || call == 2 { "dst" } else { "src" };
+                    fails_everywhere(r, rank, bad, own)?;
+                    still_works(None)
+                });
+            }
+        }
+
+        // scatter placeholders: odd shapes, counts and dtypes are ignored off src
+        log.run("scatter odd placeholders", || {
+            let src = [
+                f64s(&[1.0, 2.0], &[2]).requires_grad_(true),
+                f64s(&[3.0], &[1]).requires_grad_(true),
+            ];
+            let ph = [
+                Tensor::scalar(1.0f64).requires_grad_(true),
+                Tensor::zeros(&[1, 1, 1, 1, 1, 1, 1, 1, 1], DType::F32)?.requires_grad_(true),
+                Tensor::zeros(&[3], DType::Bool)?,
+                Tensor::zeros(&[0], DType::I64)?,
+                Tensor::zeros(&[5, 0], DType::F64)?,
+            ];
+            let y = if rank == 0 {
+                df::scatter(Some(&src), 0, None)?
+            } else {
+                df::scatter(Some(&ph), 0, None)?
+            };
+            eq(
+                "scatter value",
+                y.to_vec::<f64>()?,
+                if rank == 0 { vec![1.0, 2.0] } else { vec![3.0] },
+            )?;
+            y.sum()?.backward()?;
+            if rank == 0 {
+                eq(
+                    "src grad 0",
+                    src[0].grad().ok_or("no grad")?.to_vec()?,
+                    vec![1.0, 1.0],
+                )?;
+                eq(
+                    "src grad 1",
+                    src[1].grad().ok_or("no grad")?.to_vec()?,
+                    vec![1.0],
+                )?;
+            } else {
+                eq(
+                    "ph grad",
+                    ph[0].grad().ok_or("no grad")?.to_vec()?,
+                    vec![0.0],
+                )?;
+            }
+            still_works(None)
+        });
+        log.run("scatter mixed dtypes on src", || {
+            let l = [f(), Tensor::zeros(&[2], DType::F32)?];
+            let r = df::scatter(if rank == 0 { Some(&l[..]) } else { None }, 0, None);
+            fails_everywhere(r, rank, Some(0), "tensors[1]")?;
+            still_works(None)
+        });
+        log.run("scatter wrong count on src", || {
+            let l = [f(), f(), f()];
+            let r = df::scatter(Some(&l[..]), 0, None);
+            fails_everywhere(r, rank, Some(0), "tensors")?;
+            still_works(None)
+        });
+
+        log.finish()?;
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// autograd corner cases
+
+/// Every function on `x` (one output list per function), for the shapes every rank passes.
+fn every_function(x: &Tensor, src: usize) -> tp::Result<Vec<(String, Vec<Tensor>)>> {
+    let mut v = vec![];
+    for op in [
+        ReduceOp::Sum,
+        ReduceOp::Avg,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Product,
+    ] {
+        v.push((
+            format!("all_reduce {op:?}"),
+            vec![df::all_reduce(x, op, None)?],
+        ));
+        v.push((
+            format!("reduce {op:?}"),
+            vec![df::reduce(x, src, op, None)?],
+        ));
+        let l = [x.clone(), x.mul_scalar(2.0)?];
+        v.push((
+            format!("reduce_scatter {op:?}"),
+            vec![df::reduce_scatter(&l, op, None)?],
+        ));
+    }
+    v.push(("broadcast".into(), vec![df::broadcast(x, src, None)?]));
+    v.push(("all_gather".into(), df::all_gather(x, None)?));
+    v.push(("gather".into(), df::gather(x, src, None)?));
+    let l = [x.clone(), x.mul_scalar(3.0)?];
+    v.push(("scatter".into(), vec![df::scatter(Some(&l), src, None)?]));
+    v.push(("all_to_all".into(), df::all_to_all(&l, None)?));
+    if x.ndim() > 0 && x.shape()[0].is_multiple_of(2) {
+        v.push((
+            "all_to_all_single".into(),
+            vec![df::all_to_all_single(x, None, None, None)?],
+        ));
+    }
+    Ok(v)
+}
+
+#[test]
+fn hostile_autograd_w2() -> TestResult {
+    dist::spawn::spawn(2, |rank| -> TestResult {
+        init(6)?;
+        let mut log = Log::new(rank);
+
+        // 0-d and empty tensors through every function, forward and backward
+        for shape in [vec![]] {
+            log.run(&format!("shape {shape:?} through every function"), || {
+                let n: usize = shape.iter().product();
+                let x = Tensor::from_vec(vec![rank as f64 + 1.5; n], &shape)?.requires_grad_(true);
+                for (name, ys) in every_function(&x, 1)? {
+                    let mut loss = Tensor::scalar(0.0f64);
+                    for y in &ys {
+                        loss = loss.add(&y.sum()?)?;
+                    }
+                    loss.backward_with(None, true, false)
+                        .map_err(|e| format!("{name}: {e}"))?;
+                    let g = x.grad().ok_or_else(|| format!("{name}: no grad"))?;
+                    if g.shape() != x.shape() {
+                        return Err(format!("{name}: grad shape {:?}", g.shape()).into());
+                    }
+                    x.set_grad(None);
+                }
+                still_works(None)
+            });
+        }
+
+        // an expanded (stride-0) input
+        log.run("expanded input through every function", || {
+            let base = f64s(&[rank as f64 + 2.0], &[1, 1]).requires_grad_(true);
+            let x = base.expand(&[2, 3])?;
+            for (name, ys) in every_function(&x, 0)? {
+                let mut loss = Tensor::scalar(0.0f64);
+                for y in &ys {
+                    loss = loss.add(&y.sum()?)?;
+                }
+                loss.backward_with(None, true, false)
+                    .map_err(|e| format!("{name}: {e}"))?;
+                base.set_grad(None);
+            }
+            let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
+            eq("expanded all_reduce", y.to_vec()?, vec![5.0; 6])?;
+            still_works(None)
+        });
+
+        // inside no_grad: values, no graph, no backward collectives
+        log.run("no_grad", || {
+            let x = f64s(&[rank as f64 + 1.0, 2.0], &[2]).requires_grad_(true);
+            let _ng = tp::no_grad();
+            for (name, ys) in every_function(&x, 0)? {
+                if ys.iter().any(Tensor::requires_grad) {
+                    return Err(format!("{name} requires grad under no_grad").into());
+                }
+            }
+            drop(_ng);
+            still_works(None)
+        });
+
+        // outputs reused as inputs, backward twice
+        log.run("reused outputs and retain_graph", || {
+            let x = f64s(&[rank as f64 + 1.0, 2.0], &[2]).requires_grad_(true);
+            let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
+            let z = df::all_reduce(&y, ReduceOp::Max, None)?;
+            let ys = df::all_gather(&z, None)?;
+            let w = df::reduce_scatter(&ys, ReduceOp::Product, None)?;
+            let loss = w.sum()?;
+            loss.backward_with(None, true, false)?;
+            let g1 = x.grad().ok_or("no grad")?.to_vec::<f64>()?;
+            loss.backward_with(None, true, false)?;
+            let g2 = x.grad().ok_or("no grad")?.to_vec::<f64>()?;
+            let twice: Vec<f64> = g1.iter().map(|v| 2.0 * v).collect();
+            eq("second backward accumulates", g2, twice)?;
+            // a third backward without retain_graph, then a fourth must fail on every rank
+            loss.backward()?;
+            let r = loss.backward();
+            if r.is_ok() {
+                return Err("backward through a freed graph succeeded".into());
+            }
+            still_works(None)
+        });
+
+        // NaN and inf through Max, Min, Product
+        log.run("nan and inf", || {
+            let v = if rank == 0 {
+                vec![f64::NAN, f64::INFINITY, 1.0, f64::NEG_INFINITY]
+            } else {
+                vec![1.0, 2.0, f64::INFINITY, 0.0]
+            };
+            for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Product] {
+                let x = f64s(&v, &[4]).requires_grad_(true);
+                let y = df::all_reduce(&x, op, None)?;
+                y.sum()?.backward()?;
+                let g = x.grad().ok_or("no grad")?.to_vec::<f64>()?;
+                let yv = y.to_vec::<f64>()?;
+                if !yv[0].is_nan() {
+                    return Err(format!("{op:?}: NaN lost: {yv:?}").into());
+                }
+                if op != ReduceOp::Product {
+                    // the NaN holder gets the gradient, the other rank none
+                    let want0 = if rank == 0 { 2.0 } else { 0.0 };
+                    if g[0] != want0 {
+                        return Err(format!("{op:?}: grad {g:?}").into());
+                    }
+                }
+            }
+            still_works(None)
+        });
+
+        // blocking collectives: refuse tensors that require grad, accept detach() and no_grad
+        log.run("blocking collectives and requires_grad", || {
+            let x = f64s(&[1.0, 2.0], &[2]).requires_grad_(true);
+            let r = dist::all_reduce(&x, ReduceOp::Sum, None);
+            fails_everywhere(r.map_err(tp::Error::from), rank, None, "requires grad")?;
+            let d = x.detach();
+            dist::all_reduce(&d, ReduceOp::Sum, None)?;
+            eq("detach all_reduce", x.to_vec()?, vec![2.0, 4.0])?;
+            {
+                let _ng = tp::no_grad();
+                dist::all_reduce(&x, ReduceOp::Sum, None)?;
+                dist::broadcast(&x, 0, None)?;
+                let out = [
+                    Tensor::zeros(&[2], DType::F64)?,
+                    Tensor::zeros(&[2], DType::F64)?,
+                ];
+                dist::all_gather(&out, &x, None)?;
+            }
+            eq("no_grad all_reduce", x.to_vec()?, vec![4.0, 8.0])?;
+            // a detached view of a non-leaf
+            let y = x.mul_scalar(1.0)?;
+            let v = y.detach().select(0, 1)?;
+            dist::all_reduce(&v, ReduceOp::Sum, None)?;
+            eq("detached view", y.to_vec()?, vec![4.0, 16.0])?;
+            // an output that requires grad, given to all_gather
+            let out = [
+                Tensor::zeros(&[2], DType::F64)?.requires_grad_(true),
+                Tensor::zeros(&[2], DType::F64)?,
+            ];
+            let r = dist::all_gather(&out, &x.detach(), None);
+            fails_everywhere(r.map_err(tp::Error::from), rank, None, "requires grad")?;
+            still_works(None)
+        });
+
+        log.finish()?;
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// groups
+
+#[test]
+fn hostile_groups_w3() -> TestResult {
+    dist::spawn::spawn(3, |rank| -> TestResult {
+        init(6)?;
+        let mut log = Log::new(rank);
+        let solo: Vec<ProcessGroup> = (0..3)
+            .map(|r| dist::new_group(&[r], None, None))
+            .collect::<dist::Result<_>>()?;
+        let pair = dist::new_group(&[0, 2], None, Some(Duration::from_secs(2)))?;
+        let mine = &solo[rank];
+
+        log.run("one-member group, every function", || {
+            let x = f64s(&[rank as f64 + 1.0, 2.0], &[2]).requires_grad_(true);
+            let g = Some(mine);
+            let mut outs = vec![
+                df::all_reduce(&x, ReduceOp::Product, g)?,
+                df::reduce(&x, rank, ReduceOp::Max, g)?,
+                df::broadcast(&x, rank, g)?,
+                df::reduce_scatter(std::slice::from_ref(&x), ReduceOp::Min, g)?,
+                df::scatter(Some(std::slice::from_ref(&x)), rank, g)?,
+                df::all_to_all_single(&x, None, None, g)?,
+            ];
+            outs.extend(df::all_gather(&x, g)?);
+            outs.extend(df::gather(&x, rank, g)?);
+            outs.extend(df::all_to_all(std::slice::from_ref(&x), g)?);
+            let mut loss = Tensor::scalar(0.0f64);
+            for y in &outs {
+                eq("identity", y.to_vec()?, vec![rank as f64 + 1.0, 2.0])?;
+                loss = loss.add(&y.sum()?)?;
+            }
+            loss.backward()?;
+            eq("grad", x.grad().ok_or("no grad")?.to_vec()?, vec![9.0, 9.0])?;
+            Ok(())
+        });
+        log.run("one-member group, root of another rank", || {
+            let x = f64s(&[1.0], &[1]);
+            let other = (rank + 1) % 3;
+            fails_everywhere(df::broadcast(&x, other, Some(mine)), rank, None, "src")?;
+            fails_everywhere(df::gather(&x, other, Some(mine)), rank, None, "dst")?;
+            Ok(())
+        });
+        log.run("non-member calls", || {
+            let x = f64s(&[1.0], &[1]);
+            let g = Some(&solo[(rank + 1) % 3]);
+            let what = "group";
+            fails_everywhere(df::all_reduce(&x, ReduceOp::Sum, g), rank, None, what)?;
+            fails_everywhere(df::broadcast(&x, 0, g), rank, None, what)?;
+            fails_everywhere(df::reduce(&x, 0, ReduceOp::Sum, g), rank, None, what)?;
+            fails_everywhere(df::all_gather(&x, g), rank, None, what)?;
+            fails_everywhere(df::gather(&x, 0, g), rank, None, what)?;
+            fails_everywhere(df::scatter(None, 0, g), rank, None, what)?;
+            fails_everywhere(
+                df::reduce_scatter(std::slice::from_ref(&x), ReduceOp::Sum, g),
+                rank,
+                None,
+                what,
+            )?;
+            fails_everywhere(
+                df::all_to_all(std::slice::from_ref(&x), g),
+                rank,
+                None,
+                what,
+            )?;
+            fails_everywhere(df::all_to_all_single(&x, None, None, g), rank, None, what)?;
+            Ok(())
+        });
+        if rank != 1 {
+            let g = Some(&pair);
+            log.run("root outside the subgroup", || {
+                let x = f64s(&[1.0], &[1]);
+                fails_everywhere(df::broadcast(&x, 1, g), rank, None, "src")?;
+                fails_everywhere(df::reduce(&x, 1, ReduceOp::Sum, g), rank, None, "dst")?;
+                fails_everywhere(df::gather(&x, 1, g), rank, None, "dst")?;
+                let l = [x.clone(), x.clone()];
+                fails_everywhere(df::scatter(Some(&l), 1, g), rank, None, "src")?;
+                still_works(g)
+            });
+            log.run("requires grad on one rank only: a named timeout", || {
+                let x = f64s(&[1.0], &[1]).requires_grad_(rank == 0);
+                let y = df::all_reduce(&x, ReduceOp::Sum, g)?;
+                if rank == 0 {
+                    let e = match y.sum()?.backward() {
+                        Ok(()) => return Err("backward succeeded".into()),
+                        Err(e) => e.to_string(),
+                    };
+                    if !e.contains("timed out") || !e.contains('2') {
+                        return Err(format!("error should be a timeout naming rank 2: {e}").into());
+                    }
+                }
+                Ok(())
+            });
+        }
+
+        log.finish()?;
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
+    Ok(())
+}
