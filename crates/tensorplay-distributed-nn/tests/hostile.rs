@@ -205,6 +205,72 @@ fn hostile_arguments_w2() -> TestResult {
             still_works(None)
         });
 
+        // 9 dimensions, every function, on one rank
+        let nine = |r: usize| -> tp::Result<Tensor> {
+            if r == rank {
+                Tensor::zeros(&[1, 1, 1, 1, 1, 1, 1, 2, 3], DType::F64)
+            } else {
+                Tensor::zeros(&[1, 1, 1, 1, 1, 1, 1, 3, 2], DType::F64)
+            }
+        };
+        log.run("9-d all_reduce", || {
+            let r = df::all_reduce(&nine(0)?, ReduceOp::Sum, None);
+            fails_everywhere(r, rank, None, "dimensions")?;
+            still_works(None)
+        });
+        log.run("9-d broadcast", || {
+            let r = df::broadcast(&nine(0)?, 0, None);
+            fails_everywhere(r, rank, None, "dimensions")?;
+            still_works(None)
+        });
+        log.run("9-d reduce", || {
+            let r = df::reduce(&nine(0)?, 0, ReduceOp::Sum, None);
+            fails_everywhere(r, rank, None, "dimensions")?;
+            still_works(None)
+        });
+        log.run("9-d on one rank: all_reduce, broadcast, reduce", || {
+            let x = |bad: usize| -> tp::Result<Tensor> {
+                if rank == bad {
+                    nine(bad)
+                } else {
+                    Tensor::zeros(&[6], DType::F64)
+                }
+            };
+            let r = df::all_reduce(&x(1)?, ReduceOp::Max, None);
+            fails_everywhere(r, rank, Some(1), "dimensions")?;
+            let r = df::broadcast(&x(0)?, 0, None);
+            fails_everywhere(r, rank, Some(0), "dimensions")?;
+            let r = df::reduce(&x(1)?, 0, ReduceOp::Sum, None);
+            fails_everywhere(r, rank, Some(1), "dimensions")?;
+            still_works(None)
+        });
+        log.run("9-d all_gather on rank 1", || {
+            let x = if rank == 1 {
+                nine(1)?
+            } else {
+                Tensor::zeros(&[2], DType::F64)?
+            };
+            let r = df::all_gather(&x, None);
+            fails_everywhere(r, rank, Some(1), "dimensions")?;
+            still_works(None)
+        });
+        log.run("9-d reduce_scatter on rank 0", || {
+            let x = if rank == 0 {
+                nine(0)?
+            } else {
+                Tensor::zeros(&[6], DType::F64)?
+            };
+            let r = df::reduce_scatter(&[x.clone(), x], ReduceOp::Sum, None);
+            fails_everywhere(r, rank, Some(0), "dimensions")?;
+            still_works(None)
+        });
+        log.run("9-d reduce_scatter on every rank", || {
+            let x = nine(0)?;
+            let r = df::reduce_scatter(&[x.clone(), x], ReduceOp::Sum, None);
+            fails_everywhere(r, rank, None, "dimensions")?;
+            still_works(None)
+        });
+
         // Bool tensors
         let b = || Tensor::zeros(&[2], DType::Bool).expect("bool");
         let f = || Tensor::zeros(&[2], DType::F64).expect("f64");
@@ -587,7 +653,7 @@ fn hostile_autograd_w2() -> TestResult {
         let mut log = Log::new(rank);
 
         // 0-d and empty tensors through every function, forward and backward
-        for shape in [vec![]] {
+        for shape in [vec![], vec![2, 0]] {
             log.run(&format!("shape {shape:?} through every function"), || {
                 let n: usize = shape.iter().product();
                 let x = Tensor::from_vec(vec![rank as f64 + 1.5; n], &shape)?.requires_grad_(true);

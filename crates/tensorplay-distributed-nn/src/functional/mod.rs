@@ -230,6 +230,17 @@ fn check_tensor(gp: &Grp, op: &str, arg: &str, t: &Tensor) -> coll::Result<()> {
     Ok(())
 }
 
+/// This rank's own check of a tensor argument failed (`e`) before a blocking collective that
+/// has no exchange of its own here: `run` joins that collective with a tensor it refuses, so
+/// that its cross-rank check fails the call on every rank (the others naming this one) and the
+/// ranks stay in step; then `e` is returned.
+fn fail_together(e: coll::Error, run: impl FnOnce(&Tensor) -> coll::Result<()>) -> Result<Tensor> {
+    let _ng = tensorplay_core::no_grad();
+    let refused = Tensor::zeros(&[0], DType::Bool)?;
+    let _ = run(&refused);
+    Err(e.into())
+}
+
 /// A row-major copy with its own storage (logical order, whatever `t`'s strides).
 fn fresh(t: &Tensor) -> Result<Tensor> {
     if t.device().is_cuda() {
@@ -258,10 +269,14 @@ fn fmt_shape(s: &[usize]) -> String {
 /// (its values are ignored off `src`); `src`'s layout need not match the others'.
 ///
 /// # Errors
-/// `src` not in the group, ranks disagreeing on shape, dtype or `src` (on every rank, naming
+/// `src` not in the group, a dtype other than float32, float64 or int64 or more than
+/// [`MAX_DIMS`] dimensions, ranks disagreeing on shape, dtype or `src` (on every rank, naming
 /// them), timeouts and peer failures of the collectives.
 pub fn broadcast(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<Tensor> {
     let gp = Grp::new(group, "broadcast")?;
+    if let Err(e) = check_tensor(&gp, "broadcast", "tensor", tensor) {
+        return fail_together(e, |t| coll::broadcast(t, src, gp.pg()));
+    }
     Ok(apply(Broadcast { gp, src }, &[tensor])?.remove(0))
 }
 
@@ -304,7 +319,8 @@ impl Function for Broadcast {
 /// `g_dst × Π_{k≠r} x_k`. The gradients of the other ranks' (zero) outputs are ignored.
 ///
 /// # Errors
-/// `dst` not in the group; `Avg` on int64 or a bitwise op on floats; ranks disagreeing on
+/// `dst` not in the group; a dtype other than float32, float64 or int64 or more than
+/// [`MAX_DIMS`] dimensions; `Avg` on int64 or a bitwise op on floats; ranks disagreeing on
 /// shape, dtype, `dst` or op; timeouts and peer failures.
 pub fn reduce(
     tensor: &Tensor,
@@ -313,6 +329,9 @@ pub fn reduce(
     group: Option<&ProcessGroup>,
 ) -> Result<Tensor> {
     let gp = Grp::new(group, "reduce")?;
+    if let Err(e) = check_tensor(&gp, "reduce", "tensor", tensor) {
+        return fail_together(e, |t| coll::reduce(t, dst, op, gp.pg()));
+    }
     Ok(apply(Reduce { gp, dst, op }, &[tensor])?.remove(0))
 }
 
@@ -372,10 +391,13 @@ impl Function for Reduce {
 /// which is wrong for `Max`, `Min` and `Product` (its `functional.py`, `_AllReduce`).
 ///
 /// # Errors
-/// `Avg` on int64 or a bitwise op on floats; ranks disagreeing on shape, dtype or op (on every
-/// rank); timeouts and peer failures.
+/// A dtype other than float32, float64 or int64 or more than [`MAX_DIMS`] dimensions; `Avg` on
+/// int64 or a bitwise op on floats; ranks disagreeing on shape, dtype or op (on every rank); timeouts and peer failures.
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<Tensor> {
     let gp = Grp::new(group, "all_reduce")?;
+    if let Err(e) = check_tensor(&gp, "all_reduce", "tensor", tensor) {
+        return fail_together(e, |t| coll::all_reduce(t, op, gp.pg()));
+    }
     Ok(apply(AllReduce { gp, op }, &[tensor])?.remove(0))
 }
 
