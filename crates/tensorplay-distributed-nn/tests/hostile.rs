@@ -653,7 +653,7 @@ fn hostile_autograd_w2() -> TestResult {
         let mut log = Log::new(rank);
 
         // 0-d and empty tensors through every function, forward and backward
-        for shape in [vec![], vec![2, 0]] {
+        for shape in [vec![], vec![0], vec![2, 0], vec![0, 3]] {
             log.run(&format!("shape {shape:?} through every function"), || {
                 let n: usize = shape.iter().product();
                 let x = Tensor::from_vec(vec![rank as f64 + 1.5; n], &shape)?.requires_grad_(true);
