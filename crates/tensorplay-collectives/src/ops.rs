@@ -87,9 +87,9 @@ impl Call<'_> {
         Error::invalid(self.op, self.grank, arg, expected, got)
     }
 
-    fn cpu(&self) -> Result<&dyn Backend> {
+    fn cpu(&self) -> Result<Global<'_>> {
         match &self.g.inner.backend {
-            Some(BackendImpl::Cpu(b)) => Ok(b.as_ref()),
+            Some(BackendImpl::Cpu(b)) => Ok(self.global(b.as_ref())),
             Some(BackendImpl::Nccl(_)) => Err(self.err(
                 "tensor",
                 "a CUDA tensor for the nccl backend (use a group with the \"cpu\" backend for host tensors)",
@@ -209,6 +209,17 @@ impl Call<'_> {
                     op: format!("{} (while checking arguments across ranks)", self.op),
                     detail: format!("{detail} (did rank {peer} exit or fail?)"),
                 },
+                Error::Timeout {
+                    rank,
+                    timeout,
+                    detail,
+                    ..
+                } => Error::Timeout {
+                    op: format!("{} (while checking arguments across ranks)", self.op),
+                    rank,
+                    timeout,
+                    detail,
+                },
                 other => other,
             })?;
         let all: Vec<Vec<i64>> = out.chunks(n).map(|c| c.to_vec()).collect();
@@ -229,12 +240,203 @@ impl Call<'_> {
         Ok(all.into_iter().map(|mut v| v.split_off(2)).collect())
     }
 
-    fn cpu_or_meta(&self) -> Result<&dyn Backend> {
+    fn cpu_or_meta(&self) -> Result<Global<'_>> {
         match &self.g.inner.backend {
-            Some(BackendImpl::Cpu(b)) => Ok(b.as_ref()),
-            Some(BackendImpl::Nccl(n)) => Ok(n.meta()),
+            Some(BackendImpl::Cpu(b)) => Ok(self.global(b.as_ref())),
+            Some(BackendImpl::Nccl(n)) => Ok(self.global(n.meta())),
             None => Err(self.not_member()),
         }
+    }
+
+    fn global<'b>(&'b self, b: &'b dyn Backend) -> Global<'b> {
+        Global {
+            b,
+            ranks: self.g.ranks(),
+        }
+    }
+}
+
+/// A backend whose errors name global ranks: the backends number the ranks of a group
+/// `0..size`, which in a subgroup are not the ranks the user knows (`new_group(&[0, 2])`: the
+/// backend's rank 1 is global rank 2).
+#[derive(Clone, Copy)]
+struct Global<'a> {
+    b: &'a dyn Backend,
+    /// Global rank of each group rank.
+    ranks: &'a [usize],
+}
+
+impl Global<'_> {
+    fn rank(&self, r: usize) -> usize {
+        self.ranks.get(r).copied().unwrap_or(r)
+    }
+
+    /// `text` with every "rank N" (a group rank) renamed to the global rank.
+    fn text(&self, text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(i) = rest.find("rank ") {
+            let (head, tail) = rest.split_at(i + "rank ".len());
+            out.push_str(head);
+            let n = tail.bytes().take_while(u8::is_ascii_digit).count();
+            match tail[..n].parse::<usize>() {
+                Ok(r) => out.push_str(&self.rank(r).to_string()),
+                Err(_) => out.push_str(&tail[..n]),
+            }
+            rest = &tail[n..];
+        }
+        out.push_str(rest);
+        out
+    }
+
+    fn err(&self, e: Error) -> Error {
+        match e {
+            Error::Timeout {
+                op,
+                rank,
+                timeout,
+                detail,
+            } => Error::Timeout {
+                op,
+                rank: usize::try_from(rank).map_or(rank, |r| self.rank(r) as i64),
+                timeout,
+                detail: self.text(&detail),
+            },
+            Error::PeerFailed {
+                rank,
+                peer,
+                op,
+                detail,
+            } => Error::PeerFailed {
+                rank: self.rank(rank),
+                peer: self.rank(peer),
+                op,
+                detail: self.text(&detail),
+            },
+            Error::Mismatch { op, detail } => Error::Mismatch {
+                op,
+                detail: self.text(&detail),
+            },
+            Error::Backend { backend, detail } => Error::Backend {
+                backend,
+                detail: self.text(&detail),
+            },
+            Error::InvalidArgument {
+                op,
+                rank,
+                arg,
+                expected,
+                got,
+            } => Error::InvalidArgument {
+                op,
+                rank: usize::try_from(rank).map_or(rank, |r| self.rank(r) as i64),
+                arg,
+                expected,
+                got,
+            },
+            other => other,
+        }
+    }
+}
+
+impl Backend for Global<'_> {
+    fn name(&self) -> &'static str {
+        self.b.name()
+    }
+    fn rank(&self) -> usize {
+        self.b.rank()
+    }
+    fn size(&self) -> usize {
+        self.b.size()
+    }
+    fn all_reduce(&self, data: BufMut<'_>, op: ReduceOp, timeout: Duration) -> Result<()> {
+        self.b
+            .all_reduce(data, op, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn broadcast(&self, data: BufMut<'_>, root: usize, timeout: Duration) -> Result<()> {
+        self.b
+            .broadcast(data, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn reduce(&self, data: BufMut<'_>, op: ReduceOp, root: usize, timeout: Duration) -> Result<()> {
+        self.b
+            .reduce(data, op, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn all_gather(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .all_gather(input, output, counts, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn reduce_scatter(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .reduce_scatter(input, output, op, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn gather(
+        &self,
+        input: BufRef<'_>,
+        output: Option<BufMut<'_>>,
+        counts: &[usize],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .gather(input, output, counts, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn scatter(
+        &self,
+        input: Option<BufRef<'_>>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .scatter(input, output, counts, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn all_to_all(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .all_to_all(input, send_counts, output, recv_counts, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn send(&self, data: BufRef<'_>, dst: usize, tag: u64, timeout: Duration) -> Result<()> {
+        self.b
+            .send(data, dst, tag, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn recv(&self, data: BufMut<'_>, src: usize, tag: u64, timeout: Duration) -> Result<()> {
+        self.b
+            .recv(data, src, tag, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        self.b.barrier(timeout).map_err(|e| self.err(e))
+    }
+    fn bytes_sent(&self) -> u64 {
+        self.b.bytes_sent()
     }
 }
 

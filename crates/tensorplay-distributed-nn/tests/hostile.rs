@@ -885,13 +885,217 @@ fn hostile_groups_w3() -> TestResult {
                         Ok(()) => return Err("backward succeeded".into()),
                         Err(e) => e.to_string(),
                     };
-                    if !e.contains("timed out") || !e.contains('2') {
+                    if !e.contains("timed out") || !e.contains("rank 2") {
                         return Err(format!("error should be a timeout naming rank 2: {e}").into());
                     }
                 }
                 Ok(())
             });
         }
+
+        log.finish()?;
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// ranks calling different functions, aliased inputs, devices
+
+#[test]
+fn hostile_mixed_w2() -> TestResult {
+    dist::spawn::spawn(2, |rank| -> TestResult {
+        init(6)?;
+        let mut log = Log::new(rank);
+        let x = || f64s(&[rank as f64 + 1.0, 2.0], &[2]);
+
+        log.run("blocking all_reduce on rank 0, broadcast on rank 1", || {
+            let t = Tensor::zeros(&[2], DType::F64)?;
+            let r = if rank == 0 {
+                dist::all_reduce(&t, ReduceOp::Sum, None)
+            } else {
+                dist::broadcast(&t, 0, None)
+            };
+            let e = r.err().ok_or("succeeded")?.to_string();
+            if !e.contains("all_reduce") || !e.contains("broadcast") {
+                return Err(format!("unclear error: {e}").into());
+            }
+            still_works(None)
+        });
+        log.run("all_gather_metadata, empty", || {
+            let r = dist::all_gather_metadata("hostile", &[], Ok(()), None)?;
+            if r != vec![Vec::<i64>::new(); 2] {
+                return Err(format!("{r:?}").into());
+            }
+            still_works(None)
+        });
+
+        // the same tensor twice in a list: its gradient is the sum of both
+        log.run("aliased list elements", || {
+            let a = x().requires_grad_(true);
+            let l = [a.clone(), a.clone()];
+            let y = df::reduce_scatter(&l, ReduceOp::Sum, None)?;
+            y.sum()?.backward()?;
+            eq(
+                "reduce_scatter",
+                a.grad().ok_or("no grad")?.to_vec()?,
+                vec![2.0, 2.0],
+            )?;
+            a.set_grad(None);
+            let ys = df::all_to_all(&l, None)?;
+            ys[0].add(&ys[1])?.sum()?.backward()?;
+            eq(
+                "all_to_all",
+                a.grad().ok_or("no grad")?.to_vec()?,
+                vec![2.0, 2.0],
+            )?;
+            a.set_grad(None);
+            let y = df::scatter(Some(&l), 1, None)?;
+            y.sum()?.backward()?;
+            let want = if rank == 1 {
+                vec![2.0, 2.0]
+            } else {
+                vec![0.0, 0.0]
+            };
+            eq("scatter", a.grad().ok_or("no grad")?.to_vec()?, want)?;
+            a.set_grad(None);
+            let ys = df::all_gather(&a, None)?;
+            let y = df::reduce_scatter(&ys, ReduceOp::Max, None)?;
+            y.sum()?.backward()?;
+            Ok(())
+        });
+
+        // uneven and zero-size shapes
+        log.run(
+            "uneven shapes, 0-d and empty, through the shape-learning functions",
+            || {
+                let a = if rank == 0 {
+                    Tensor::scalar(3.0f64)
+                } else {
+                    Tensor::zeros(&[0, 2], DType::F64)?
+                }
+                .requires_grad_(true);
+                let ys = df::all_gather(&a, None)?;
+                if ys[0].shape() != [] as [usize; 0] || ys[1].shape() != [0, 2] {
+                    return Err(format!("shapes {:?} {:?}", ys[0].shape(), ys[1].shape()).into());
+                }
+                ys[0].mul_scalar(2.0)?.add(&ys[1].sum()?)?.backward()?;
+                let want = if rank == 0 { vec![4.0] } else { vec![] };
+                eq(
+                    "all_gather grad",
+                    a.grad().ok_or("no grad")?.to_vec()?,
+                    want,
+                )?;
+                a.set_grad(None);
+                let ys = df::gather(&a, 1, None)?;
+                ys[0].sum()?.add(&ys[1].sum()?)?.backward()?;
+                let want = if rank == 0 { vec![1.0] } else { vec![] };
+                eq("gather grad", a.grad().ok_or("no grad")?.to_vec()?, want)?;
+                a.set_grad(None);
+                let l = [a.clone(), a.clone()];
+                let ys = df::all_to_all(&l, None)?;
+                ys[0].sum()?.add(&ys[1].sum()?)?.backward()?;
+                let want = if rank == 0 { vec![2.0] } else { vec![] };
+                eq(
+                    "all_to_all grad",
+                    a.grad().ok_or("no grad")?.to_vec()?,
+                    want,
+                )?;
+                a.set_grad(None);
+                let ys = if rank == 0 {
+                    df::scatter(
+                        Some(&[
+                            Tensor::scalar(1.0f64).requires_grad_(true),
+                            Tensor::zeros(&[0, 2], DType::F64)?,
+                        ]),
+                        0,
+                        None,
+                    )?
+                } else {
+                    df::scatter(None, 0, None)?
+                };
+                let want: &[usize] = if rank == 0 { &[] } else { &[0, 2] };
+                if ys.shape() != want {
+                    return Err(format!("scatter shape {:?}", ys.shape()).into());
+                }
+                ys.sum()?.backward()?;
+                still_works(None)
+            },
+        );
+        log.run("a2as zero-size splits, one list given", || {
+            // rank 0 sends everything to rank 1; rank 1 keeps its 1 row
+            let rows = if rank == 0 { 3 } else { 1 };
+            let a = Tensor::from_vec(
+                (0..rows * 2)
+                    .map(|v| v as f64 + 10.0 * rank as f64)
+                    .collect::<Vec<_>>(),
+                &[rows, 2],
+            )?
+            .requires_grad_(true);
+            let ins: &[usize] = if rank == 0 { &[0, 3] } else { &[0, 1] };
+            let outs: &[usize] = if rank == 0 { &[0, 0] } else { &[3, 1] };
+            let y = df::all_to_all_single(
+                &a,
+                if rank == 1 { Some(outs) } else { None },
+                Some(ins),
+                None,
+            )?;
+            let want_rows = if rank == 0 { 0 } else { 4 };
+            if y.shape() != [want_rows, 2] {
+                return Err(format!("shape {:?}", y.shape()).into());
+            }
+            y.mul_scalar(3.0)?.sum()?.backward()?;
+            eq(
+                "grad",
+                a.grad().ok_or("no grad")?.to_vec()?,
+                vec![3.0; rows * 2],
+            )?;
+            still_works(None)
+        });
+
+        // reduce and reduce_scatter with NaN: the holder gets the gradient
+        log.run("reduce and reduce_scatter Max with NaN", || {
+            let v = if rank == 0 {
+                vec![f64::NAN, 1.0]
+            } else {
+                vec![2.0, 1.0]
+            };
+            let a = f64s(&v, &[2]).requires_grad_(true);
+            let y = df::reduce(&a, 1, ReduceOp::Max, None)?;
+            y.sum()?.backward()?;
+            let want = if rank == 0 {
+                vec![1.0, 0.5]
+            } else {
+                vec![0.0, 0.5]
+            };
+            eq("reduce", a.grad().ok_or("no grad")?.to_vec()?, want.clone())?;
+            a.set_grad(None);
+            let l = [a.clone(), a.clone()];
+            let y = df::reduce_scatter(&l, ReduceOp::Max, None)?;
+            y.sum()?.backward()?;
+            let want: Vec<f64> = want.iter().map(|v| v * 2.0).collect();
+            eq("reduce_scatter", a.grad().ok_or("no grad")?.to_vec()?, want)?;
+            still_works(None)
+        });
+
+        // a CUDA tensor without a GPU: a clear error, here or from the collective
+        log.run("cuda tensor", || {
+            match Tensor::zeros(&[2], DType::F64)?.to_device(tp::Device::Cuda(0)) {
+                Err(e) => {
+                    let e = e.to_string();
+                    if !e.to_lowercase().contains("cuda") {
+                        return Err(format!("unclear error: {e}").into());
+                    }
+                }
+                Ok(t) => {
+                    let r = df::all_gather(&t, None);
+                    fails_everywhere(r, rank, None, "CPU tensor")?;
+                }
+            }
+            Ok(())
+        });
 
         log.finish()?;
         dist::barrier(None)?;
