@@ -220,6 +220,15 @@ impl Call<'_> {
                     timeout,
                     detail,
                 },
+                // the backend's own check: the descriptors differ in length, so the ranks called
+                // different collectives
+                Error::Mismatch { detail, .. } => Error::Mismatch {
+                    op: format!("{} (while checking arguments across ranks)", self.op),
+                    detail: format!(
+                        "{detail}: the ranks' argument descriptors differ in length (did they \
+                         call different collectives?), and this group can no longer be used"
+                    ),
+                },
                 other => other,
             })?;
         let all: Vec<Vec<i64>> = out.chunks(n).map(|c| c.to_vec()).collect();
@@ -507,7 +516,9 @@ fn op_name(id: i64) -> String {
 /// order. Every rank must pass a vector of the same length.
 ///
 /// `op` names the caller's operation; ranks calling different operations fail with
-/// [`Error::Mismatch`]. A rank whose own argument checks failed passes them as `local`: it
+/// [`Error::Mismatch`] — and the group stays usable — when their descriptors have the same
+/// length; descriptors of different lengths also fail the call on every rank with an
+/// [`Error::Mismatch`], but the backend then shuts the group down. A rank whose own argument checks failed passes them as `local`: it
 /// still takes part, so that every rank fails together — that rank with its own error, the
 /// others with an [`Error::Mismatch`] naming it — and the ranks stay in step. This is how the
 /// layers above (the differentiable collectives) agree on shapes before moving data; it runs in

@@ -911,6 +911,63 @@ fn hostile_mixed_w2() -> TestResult {
         let mut log = Log::new(rank);
         let x = || f64s(&[rank as f64 + 1.0, 2.0], &[2]);
 
+        // ranks calling different collectives: descriptors of different lengths fail the call
+        // on every rank with an error saying so (the backend then shuts that group down, so each
+        // case has a group of its own); descriptors of one length fail it and the group goes on
+        type Pair = Box<dyn Fn(usize, &ProcessGroup) -> tp::Result<()>>;
+        let pairs: Vec<(&str, Pair)> = vec![
+            (
+                "all_gather on rank 0, gather on rank 1",
+                Box::new(|rank, g| {
+                    let x = f64s(&[1.0], &[1]);
+                    if rank == 0 {
+                        df::all_gather(&x, Some(g)).map(|_| ())
+                    } else {
+                        df::gather(&x, 0, Some(g)).map(|_| ())
+                    }
+                }),
+            ),
+            (
+                "all_reduce on rank 0, all_gather on rank 1",
+                Box::new(|rank, g| {
+                    let x = f64s(&[1.0], &[1]);
+                    if rank == 0 {
+                        df::all_reduce(&x, ReduceOp::Sum, Some(g)).map(|_| ())
+                    } else {
+                        df::all_gather(&x, Some(g)).map(|_| ())
+                    }
+                }),
+            ),
+            (
+                "blocking all_reduce on rank 0, reduce on rank 1",
+                Box::new(|rank, g| {
+                    let t = Tensor::zeros(&[2], DType::F64)?;
+                    Ok(if rank == 0 {
+                        dist::all_reduce(&t, ReduceOp::Sum, Some(g))
+                    } else {
+                        dist::reduce(&t, 0, ReduceOp::Sum, Some(g))
+                    }?)
+                }),
+            ),
+            (
+                "all_gather_metadata with lengths that differ",
+                Box::new(|rank, g| {
+                    let d = vec![1i64; 2 + rank];
+                    dist::all_gather_metadata("hostile", &d, Ok(()), Some(g))?;
+                    Ok(())
+                }),
+            ),
+        ];
+        for (what, f) in &pairs {
+            let g = dist::new_group(&[0, 1], None, None)?;
+            log.run(what, || {
+                let e = f(rank, &g).err().ok_or("succeeded")?.to_string();
+                if e.contains("timed out") || !e.contains("different collectives?") {
+                    return Err(format!("unclear error: {e}").into());
+                }
+                still_works(None)
+            });
+        }
         log.run("blocking all_reduce on rank 0, broadcast on rank 1", || {
             let t = Tensor::zeros(&[2], DType::F64)?;
             let r = if rank == 0 {
