@@ -1137,6 +1137,84 @@ fn hostile_mixed_w2() -> TestResult {
             still_works(None)
         });
 
+        // zero-size tensors with huge dimensions
+        log.run(
+            "huge empty dims: a2as rows that overflow on the receiver",
+            || {
+                let big = usize::MAX;
+                let (x, ins): (Tensor, &[usize]) = if rank == 0 {
+                    (Tensor::zeros(&[big, 0], DType::F64)?, &[0, big])
+                } else {
+                    (Tensor::zeros(&[1, 0], DType::F64)?, &[0, 1])
+                };
+                let r = df::all_to_all_single(&x, None, Some(ins), None);
+                let e = r.err().ok_or("succeeded")?.to_string();
+                if e.contains("timed out") || !e.contains("rank 1") {
+                    return Err(format!("unclear error: {e}").into());
+                }
+                still_works(None)
+            },
+        );
+        log.run(
+            "huge empty dims: all_gather, gather, all_to_all, scatter",
+            || {
+                let big = 1usize << 63;
+                let x = Tensor::zeros(&[big, 0], DType::F64)?;
+                let ys = df::all_gather(&x, None)?;
+                if ys[1 - rank].shape() != [big, 0] {
+                    return Err(format!("all_gather shape {:?}", ys[1 - rank].shape()).into());
+                }
+                let ys = df::gather(&x, 0, None)?;
+                if ys[1].shape() != [big, 0] {
+                    return Err(format!("gather shape {:?}", ys[1].shape()).into());
+                }
+                let ys = df::all_to_all(&[x.clone(), x.clone()], None)?;
+                if ys[1 - rank].shape() != [big, 0] {
+                    return Err(format!("all_to_all shape {:?}", ys[1 - rank].shape()).into());
+                }
+                let l = [x.clone(), x.clone()];
+                let y = df::scatter(if rank == 0 { Some(&l[..]) } else { None }, 0, None)?;
+                if y.shape() != [big, 0] {
+                    return Err(format!("scatter shape {:?}", y.shape()).into());
+                }
+                still_works(None)
+            },
+        );
+        // zero and unbounded timeouts
+        for (name, t) in [
+            ("zero", Duration::ZERO),
+            ("huge", Duration::from_secs(1 << 62)),
+        ] {
+            let g = dist::new_group(&[0, 1], None, Some(t));
+            log.run(&format!("{name} timeout"), || {
+                let g = match g {
+                    Ok(g) => g,
+                    Err(e) => {
+                        let e = e.to_string();
+                        return if e.contains("timed out") {
+                            Ok(())
+                        } else {
+                            Err(format!("unclear error: {e}").into())
+                        };
+                    }
+                };
+                let x = f64s(&[1.0], &[1]).requires_grad_(true);
+                match df::all_reduce(&x, ReduceOp::Sum, Some(&g)) {
+                    Ok(y) => {
+                        eq("value", y.to_vec()?, vec![2.0])?;
+                        y.sum()?.backward()?;
+                    }
+                    Err(e) => {
+                        let e = e.to_string();
+                        if !e.contains("timed out") {
+                            return Err(format!("unclear error: {e}").into());
+                        }
+                    }
+                }
+                Ok(())
+            });
+        }
+
         // a CUDA tensor without a GPU: a clear error, here or from the collective
         log.run("cuda tensor", || {
             match Tensor::zeros(&[2], DType::F64)?.to_device(tp::Device::Cuda(0)) {

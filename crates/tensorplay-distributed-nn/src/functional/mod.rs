@@ -211,7 +211,8 @@ fn push_shape(v: &mut Vec<i64>, shape: &[usize]) {
 
 fn read_shape(v: &[i64]) -> Vec<usize> {
     let nd = v[0].clamp(0, MAX_DIMS as i64) as usize;
-    v[1..=nd].iter().map(|&d| d.max(0) as usize).collect()
+    // dims above i64::MAX (possible next to a zero dim) travel as negative numbers
+    v[1..=nd].iter().map(|&d| d as u64 as usize).collect()
 }
 
 /// Checks a tensor argument: a dtype the collectives move and at most [`MAX_DIMS`] dims.
@@ -1093,6 +1094,25 @@ pub fn all_to_all_single(
                 }
                 .into());
             }
+        }
+    }
+    // what each rank receives must fit in usize (zero-size rows can be that many)
+    for r in 0..w {
+        let rows: Vec<usize> = sends.iter().map(|s| s[r]).collect();
+        if rows
+            .iter()
+            .try_fold(0usize, |a, &v| a.checked_add(v))
+            .is_none()
+        {
+            return Err(coll::Error::Mismatch {
+                op: OP.into(),
+                detail: format!(
+                    "rank {} would receive {rows:?} rows from the ranks {:?}, more than fit in usize",
+                    gp.g.ranks()[r],
+                    gp.g.ranks()
+                ),
+            }
+            .into());
         }
     }
     let in_splits = sends[gp.rank].clone();
