@@ -590,25 +590,46 @@ fn op_code(op: ReduceOp) -> i64 {
 
 const MAX_DIMS: usize = 8;
 
-/// `[dtype, ndim, dims (padded with -1)]`.
+/// Length of a [`shape_desc`].
+const DESC: usize = 3 + MAX_DIMS;
+
+/// `[dtype, ndim, dims (padded with -1), tail]`. A tensor of more than `MAX_DIMS` dims has
+/// the product of its dims from `MAX_DIMS - 1` on in the last dim slot (so the element count
+/// stays right) and a hash of those dims in `tail` (0 otherwise), so that shapes still compare
+/// exactly.
 fn shape_desc(t: &Tensor) -> Vec<i64> {
     let mut v = vec![dtype_code(t.dtype()), t.ndim() as i64];
     for i in 0..MAX_DIMS {
         v.push(t.shape().get(i).map_or(-1, |&d| d as i64));
     }
+    let mut tail = 0;
     if t.ndim() > MAX_DIMS {
-        // fold extra dims into the last slot so shapes still compare
-        v[1 + MAX_DIMS] = t.shape()[MAX_DIMS - 1..].iter().product::<usize>() as i64;
+        let folded = &t.shape()[MAX_DIMS - 1..];
+        v[1 + MAX_DIMS] = folded.iter().product::<usize>() as i64;
+        let h = folded.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &d| {
+            (h ^ d as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+        tail = (h >> 1) as i64;
     }
+    v.push(tail);
     v
 }
 fn fmt_shape(d: &[i64]) -> String {
     let nd = d[1].max(0) as usize;
     let dims: Vec<String> = d[2..2 + nd.min(MAX_DIMS)]
         .iter()
-        .map(|x| x.to_string())
+        .map(|&x| (x as u64).to_string())
         .collect();
-    format!("{} [{}]", dtype_name(d[0]), dims.join(", "))
+    let folded = if nd > MAX_DIMS {
+        format!(
+            " ({nd} dims: the last is the product of dims {}.., shape hash {:x})",
+            MAX_DIMS - 1,
+            d[DESC - 1]
+        )
+    } else {
+        String::new()
+    };
+    format!("{} [{}]{folded}", dtype_name(d[0]), dims.join(", "))
 }
 
 /// Errors on every rank when field `range` of the descriptors differs across ranks.
@@ -767,8 +788,8 @@ fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
         let mut d = shape_desc(t);
         d.push(op_code(op));
         let all = c.exchange_local(&d, local)?;
-        agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
+        agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
+        agree(&c, &all, DESC..DESC + 1, "the reduce op", |v| {
             format!("op #{}", v[0])
         })?;
     }
@@ -820,10 +841,8 @@ fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
         let mut d = shape_desc(t);
         d.push(src as i64);
         let all = c.exchange_local(&d, local)?;
-        agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| {
-            format!("src {}", v[0])
-        })?;
+        agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
+        agree(&c, &all, DESC..DESC + 1, "src", |v| format!("src {}", v[0]))?;
     }
     let root = root?;
     let b = c.cpu()?;
@@ -858,8 +877,8 @@ pub fn reduce(
             let mut d = shape_desc(tensor);
             d.extend([dst as i64, op_code(op)]);
             let all = c.exchange_local(&d, local)?;
-            agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-            agree(&c, &all, 2 + MAX_DIMS..4 + MAX_DIMS, "dst and op", |v| {
+            agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
+            agree(&c, &all, DESC..DESC + 2, "dst and op", |v| {
                 format!("dst {} op #{}", v[0], v[1])
             })?;
         }
@@ -976,13 +995,7 @@ fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
         local?;
     } else {
         let all = c.exchange_local(&shape_desc(input), local)?;
-        agree(
-            &c,
-            &all,
-            0..2 + MAX_DIMS,
-            "input dtype and shape",
-            fmt_shape,
-        )?;
+        agree(&c, &all, 0..DESC, "input dtype and shape", fmt_shape)?;
     }
     agit_run(&c, output, input)
 }
@@ -1125,14 +1138,8 @@ fn rs_impl(
         let mut d = shape_desc(output);
         d.push(op_code(op));
         let all = c.exchange_local(&d, local)?;
-        agree(
-            c,
-            &all,
-            0..2 + MAX_DIMS,
-            "output dtype and shape",
-            fmt_shape,
-        )?;
-        agree(c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
+        agree(c, &all, 0..DESC, "output dtype and shape", fmt_shape)?;
+        agree(c, &all, DESC..DESC + 1, "the reduce op", |v| {
             format!("op #{}", v[0])
         })?;
     }
@@ -1194,7 +1201,7 @@ pub fn gather(
         c.host("tensor", tensor)?;
         // descriptor: own input shape, dst, whether the list on dst is usable, and (on dst) the
         // list's shapes, so that a bad gather_list is an error on every rank, not only on dst
-        let w = 2 + MAX_DIMS;
+        let w = DESC;
         let mut d = shape_desc(tensor);
         d.push(dst as i64);
         let mut local_err = None;
@@ -1324,7 +1331,7 @@ pub fn scatter(
         d.push(list_ok);
         let all = c.exchange(&d)?;
         agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]).to_string())?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| format!("src {}", v[0]))?;
+        agree(&c, &all, DESC..DESC + 1, "src", |v| format!("src {}", v[0]))?;
         let sd = &all[root];
         if sd[sd.len() - 1] == 0 {
             return Err(local_err.unwrap_or_else(|| Error::Mismatch {
@@ -1334,7 +1341,7 @@ pub fn scatter(
         }
         let counts: Vec<usize> = all.iter().map(|d| numel_of(d)).collect();
         for r in 0..c.size {
-            let listed = sd[3 + MAX_DIMS + r];
+            let listed = sd[DESC + 1 + r];
             if listed != counts[r] as i64 {
                 return Err(Error::Mismatch {
                     op: "scatter".into(),

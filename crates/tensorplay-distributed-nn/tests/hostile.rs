@@ -244,6 +244,28 @@ fn hostile_arguments_w2() -> TestResult {
             fails_everywhere(r, rank, Some(1), "dimensions")?;
             still_works(None)
         });
+        log.run("9-d blocking collectives, shapes that differ", || {
+            let ng = tp::no_grad();
+            let x = nine(0)?;
+            let r = dist::all_reduce(&x, ReduceOp::Sum, None).map_err(tp::Error::from);
+            fails_everywhere(r, rank, None, "shape")?;
+            let r = dist::broadcast(&x, 0, None).map_err(tp::Error::from);
+            fails_everywhere(r, rank, None, "shape")?;
+            let a = || Tensor::zeros(&[1, 1, 1, 1, 1, 1, 1, 2, 3], DType::F64);
+            let b = || Tensor::zeros(&[1, 1, 1, 1, 1, 1, 1, 3, 2], DType::F64);
+            // x is a on rank 0, b on rank 1
+            let r = dist::all_gather(&[b()?, a()?], &x, None).map_err(tp::Error::from);
+            fails_everywhere(r, rank, None, "shape")?;
+            // the shapes each rank passed: accepted
+            dist::all_gather(&[a()?, b()?], &x, None)?;
+            dist::all_reduce(
+                &Tensor::zeros(&[1, 1, 1, 1, 1, 1, 1, 2, 3], DType::F64)?,
+                ReduceOp::Sum,
+                None,
+            )?;
+            drop(ng);
+            still_works(None)
+        });
         log.run("9-d all_gather on rank 1", || {
             let x = if rank == 1 {
                 nine(1)?
