@@ -440,6 +440,31 @@ fn hostile_arguments_w2() -> TestResult {
             still_works(None)
         });
 
+        // an expanded view too big to materialize, on one rank
+        let huge = || Tensor::scalar(1.0f64).expand(&[1 << 50]).expect("expand");
+        log.run(
+            "reduce_scatter: a huge expanded view in a bad list on rank 1",
+            || {
+                let l = if rank == 1 { [huge(), f()] } else { [f(), f()] };
+                let r = df::reduce_scatter(&l, ReduceOp::Sum, None);
+                fails_everywhere(r, rank, Some(1), "input_list[1]")?;
+                still_works(None)
+            },
+        );
+        log.run(
+            "all_reduce, broadcast, reduce: a huge expanded view on rank 1",
+            || {
+                let x = if rank == 1 { huge() } else { f() };
+                let r = df::all_reduce(&x, ReduceOp::Sum, None);
+                fails_everywhere(r, rank, Some(1), "memory")?;
+                let r = df::broadcast(&x, 0, None);
+                fails_everywhere(r, rank, Some(1), "memory")?;
+                let r = df::reduce(&x, 0, ReduceOp::Max, None);
+                fails_everywhere(r, rank, Some(1), "memory")?;
+                still_works(None)
+            },
+        );
+
         // ranks disagreeing on shapes, dtypes and roots
         let sh = || Tensor::zeros(&[2 + rank], DType::F64).expect("t");
         let dt =

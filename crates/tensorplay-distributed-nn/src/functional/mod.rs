@@ -231,23 +231,37 @@ fn check_tensor(gp: &Grp, op: &str, arg: &str, t: &Tensor) -> coll::Result<()> {
     Ok(())
 }
 
-/// This rank's own check of a tensor argument failed (`e`) before a blocking collective that
-/// has no exchange of its own here: `run` joins that collective with a tensor it refuses, so
-/// that its cross-rank check fails the call on every rank (the others naming this one) and the
-/// ranks stay in step; then `e` is returned.
+/// This rank's own work before a blocking collective that has no exchange of its own here
+/// failed (`r` is an error: a bad argument, a tensor too big to copy): `run` joins that
+/// collective with a tensor it refuses, so that its cross-rank check fails the call on every
+/// rank (the others naming this one) and the ranks stay in step. Returns `r`.
+fn joined<T>(r: Result<T>, run: impl FnOnce(&Tensor) -> coll::Result<()>) -> Result<T> {
+    if r.is_err() {
+        let _ng = tensorplay_core::no_grad();
+        if let Ok(refused) = Tensor::zeros(&[0], DType::Bool) {
+            let _ = run(&refused);
+        }
+    }
+    r
+}
+
+/// [`joined`] for this rank's own argument error `e`.
 fn fail_together(e: coll::Error, run: impl FnOnce(&Tensor) -> coll::Result<()>) -> Result<Tensor> {
-    let _ng = tensorplay_core::no_grad();
-    let refused = Tensor::zeros(&[0], DType::Bool)?;
-    let _ = run(&refused);
-    Err(e.into())
+    joined(Err(e.into()), run)
 }
 
 /// A row-major copy with its own storage (logical order, whatever `t`'s strides).
 fn fresh(t: &Tensor) -> Result<Tensor> {
     if t.device().is_cuda() {
         t.to_device(Device::Cpu)?.to_device(t.device())
-    } else {
+    } else if t.is_contiguous() {
         t.detach().deep_clone()
+    } else {
+        // an expanded view may stand for more elements than fit in memory: allocate the copy
+        // first, which fails with an error (the core's strided copy would abort the process)
+        let y = zeros(t.shape(), t.dtype(), t.device())?;
+        y.copy_(&t.detach())?;
+        Ok(y)
     }
 }
 
@@ -291,7 +305,9 @@ impl Function for Broadcast {
         "BroadcastBackward"
     }
     fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let y = fresh(inputs[0])?;
+        let y = joined(fresh(inputs[0]), |t| {
+            coll::broadcast(t, self.src, self.gp.pg())
+        })?;
         coll::broadcast(&y, self.src, self.gp.pg())?;
         Ok(vec![y])
     }
@@ -348,7 +364,9 @@ impl Function for Reduce {
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let x = inputs[0];
-        let y = fresh(x)?;
+        let y = joined(fresh(x), |t| {
+            coll::reduce(t, self.dst, self.op, self.gp.pg())
+        })?;
         coll::reduce(&y, self.dst, self.op, self.gp.pg())?;
         let y = if self.gp.global == self.dst {
             y
@@ -413,7 +431,7 @@ impl Function for AllReduce {
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let x = inputs[0];
-        let y = fresh(x)?;
+        let y = joined(fresh(x), |t| coll::all_reduce(t, self.op, self.gp.pg()))?;
         coll::all_reduce(&y, self.op, self.gp.pg())?;
         if adjoints::needs_values(self.op) {
             ctx.save_for_backward(&[x, &y]);
@@ -582,13 +600,7 @@ pub fn reduce_scatter(
     if let Err(e) = local {
         // let the blocking collective's cross-rank check fail the call on every rank; this
         // rank's own error is what it reports
-        let out = match input_list.first() {
-            Some(t) => zeros(t.shape(), t.dtype(), t.device())?,
-            None => zeros(&[0], DType::F32, Device::Cpu)?,
-        };
-        let _ng = tensorplay_core::no_grad();
-        let _ = coll::reduce_scatter(&out, input_list, op, gp.pg());
-        return Err(e.into());
+        return fail_together(e, |t| coll::reduce_scatter(t, &[], op, gp.pg()));
     }
     let refs: Vec<&Tensor> = input_list.iter().collect();
     Ok(apply(ReduceScatter { gp, op }, &refs)?.remove(0))
@@ -605,11 +617,17 @@ impl Function for ReduceScatter {
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let first = inputs[0];
-        let out = zeros(first.shape(), first.dtype(), first.device())?;
-        let list = inputs
-            .iter()
-            .map(|t| fresh(t))
-            .collect::<Result<Vec<_>>>()?;
+        let (out, list) = joined(
+            (|| {
+                let out = zeros(first.shape(), first.dtype(), first.device())?;
+                let list = inputs
+                    .iter()
+                    .map(|t| fresh(t))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((out, list))
+            })(),
+            |t| coll::reduce_scatter(t, &[], self.op, self.gp.pg()),
+        )?;
         coll::reduce_scatter(&out, &list, self.op, self.gp.pg())?;
         if adjoints::needs_values(self.op) {
             let mut keep: Vec<&Tensor> = inputs.to_vec();
