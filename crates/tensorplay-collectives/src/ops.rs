@@ -746,6 +746,19 @@ fn check_op(c: &Call<'_>, op: ReduceOp, dt: DType) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // the collectives
 
+/// The job of an `_async` collective, run on the group's worker thread under the grad mode of
+/// the thread that called it (grad mode is per thread): the refusal of tensors that require grad
+/// must see the caller's `no_grad()`.
+fn callers_grad_mode(
+    f: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Box<dyn FnOnce() -> Result<()> + Send> {
+    let enabled = tensorplay_core::autograd::is_grad_enabled();
+    Box::new(move || {
+        let _mode = tensorplay_core::autograd::set_grad_enabled(enabled);
+        f()
+    })
+}
+
 /// In-place all-reduce (`dist.all_reduce(tensor, op, group)`): every rank's `tensor` becomes the
 /// reduction over ranks. Avg is for floating dtypes, bitwise ops for int64.
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<()> {
@@ -769,7 +782,7 @@ pub fn all_reduce_async(
     g.inner.seq.submit(
         g.timeout(),
         "all_reduce",
-        Box::new(move || all_reduce_impl(&g2, &t, op)),
+        callers_grad_mode(move || all_reduce_impl(&g2, &t, op)),
     )
 }
 
@@ -819,7 +832,7 @@ pub fn broadcast_async(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>
     g.inner.seq.submit(
         g.timeout(),
         "broadcast",
-        Box::new(move || broadcast_impl(&g2, &t, src)),
+        callers_grad_mode(move || broadcast_impl(&g2, &t, src)),
     )
 }
 
@@ -977,7 +990,7 @@ pub fn all_gather_into_tensor_async(
     g.inner.seq.submit(
         g.timeout(),
         "all_gather_into_tensor",
-        Box::new(move || agit_impl(&g2, &o, &i)),
+        callers_grad_mode(move || agit_impl(&g2, &o, &i)),
     )
 }
 
@@ -1109,7 +1122,7 @@ pub fn reduce_scatter_tensor_async(
     g.inner.seq.submit(
         g.timeout(),
         "reduce_scatter_tensor",
-        Box::new(move || {
+        callers_grad_mode(move || {
             let c = call(&g2, "reduce_scatter_tensor")?;
             if let Some(BackendImpl::Nccl(n)) = &g2.inner.backend {
                 return n.reduce_scatter_tensor(&c.grank, &o, &i, op, c.timeout());
@@ -1489,7 +1502,7 @@ pub fn all_to_all_single_async(
     g.inner.seq.submit(
         g.timeout(),
         "all_to_all_single",
-        Box::new(move || {
+        callers_grad_mode(move || {
             a2as_impl(
                 &g2,
                 &o,

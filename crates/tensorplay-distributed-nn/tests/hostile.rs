@@ -836,6 +836,25 @@ fn hostile_autograd_w2() -> TestResult {
             still_works(None)
         });
 
+        // the async collectives judge grad mode where they are called, not on the worker
+        log.run("async collectives and requires_grad", || {
+            let p = f64s(&[1.0, 2.0], &[2]).requires_grad_(true);
+            {
+                let _ng = tp::no_grad();
+                dist::all_reduce_async(&p, ReduceOp::Sum, None)?.wait(None)?;
+                dist::broadcast_async(&p, 0, None)?.wait(None)?;
+                let out = Tensor::zeros(&[4], DType::F64)?;
+                dist::all_gather_into_tensor_async(&out, &p, None)?.wait(None)?;
+                let o = Tensor::zeros(&[1], DType::F64)?;
+                dist::reduce_scatter_tensor_async(&o, &p, ReduceOp::Sum, None)?.wait(None)?;
+                dist::all_to_all_single_async(&out, &out.detach(), None, None, None)?.wait(None)?;
+            }
+            eq("async values", p.to_vec()?, vec![2.0, 4.0])?;
+            let r = dist::all_reduce_async(&p, ReduceOp::Sum, None).and_then(|w| w.wait(None));
+            fails_everywhere(r.map_err(tp::Error::from), rank, None, "requires grad")?;
+            still_works(None)
+        });
+
         log.finish()?;
         dist::barrier(None)?;
         dist::destroy_process_group()?;
