@@ -587,6 +587,22 @@ fn dtype_name(c: i64) -> &'static str {
 fn op_code(op: ReduceOp) -> i64 {
     op as i64
 }
+/// The name of an [`op_code`], for errors.
+fn op_label(code: i64) -> String {
+    const OPS: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
+    ];
+    OPS.iter()
+        .find(|&&op| op_code(op) == code)
+        .map_or_else(|| format!("#{code}"), |op| format!("{op:?}"))
+}
 
 const MAX_DIMS: usize = 8;
 
@@ -803,7 +819,7 @@ fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
         let all = c.exchange_local(&d, local)?;
         agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
         agree(&c, &all, DESC..DESC + 1, "the reduce op", |v| {
-            format!("op #{}", v[0])
+            format!("op {}", op_label(v[0]))
         })?;
     }
     let b = c.cpu()?;
@@ -892,7 +908,7 @@ pub fn reduce(
             let all = c.exchange_local(&d, local)?;
             agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
             agree(&c, &all, DESC..DESC + 2, "dst and op", |v| {
-                format!("dst {} op #{}", v[0], v[1])
+                format!("dst {} op {}", v[0], op_label(v[1]))
             })?;
         }
         let root = root?;
@@ -1153,7 +1169,7 @@ fn rs_impl(
         let all = c.exchange_local(&d, local)?;
         agree(c, &all, 0..DESC, "output dtype and shape", fmt_shape)?;
         agree(c, &all, DESC..DESC + 1, "the reduce op", |v| {
-            format!("op #{}", v[0])
+            format!("op {}", op_label(v[0]))
         })?;
     }
     rs_run(c, output, input, op)

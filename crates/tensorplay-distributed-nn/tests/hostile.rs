@@ -493,7 +493,7 @@ fn hostile_arguments_w2() -> TestResult {
             } else {
                 ReduceOp::Max
             };
-            fails_everywhere(df::all_reduce(&f(), op, None), rank, None, "op")?;
+            fails_everywhere(df::all_reduce(&f(), op, None), rank, None, "op Max")?;
             still_works(None)
         });
         log.run("broadcast shapes differ", || {
@@ -522,6 +522,27 @@ fn hostile_arguments_w2() -> TestResult {
             )?;
             still_works(None)
         });
+        log.run(
+            "broadcast dtypes, reduce shapes and ops, reduce_scatter ops differ",
+            || {
+                fails_everywhere(df::broadcast(&dt(), 1, None), rank, None, "dtype")?;
+                fails_everywhere(
+                    df::reduce(&sh(), 1, ReduceOp::Sum, None),
+                    rank,
+                    None,
+                    "shape",
+                )?;
+                let op = if rank == 0 {
+                    ReduceOp::Min
+                } else {
+                    ReduceOp::Max
+                };
+                fails_everywhere(df::reduce(&f(), 1, op, None), rank, None, "op Min")?;
+                let r = df::reduce_scatter(&[f(), f()], op, None);
+                fails_everywhere(r, rank, None, "op Max")?;
+                still_works(None)
+            },
+        );
         log.run("reduce_scatter shapes differ", || {
             let r = df::reduce_scatter(&[sh(), sh()], ReduceOp::Sum, None);
             fails_everywhere(r, rank, None, "shape")?;
@@ -834,6 +855,36 @@ fn hostile_autograd_w2() -> TestResult {
             let r = dist::all_gather(&out, &x.detach(), None);
             fails_everywhere(r.map_err(tp::Error::from), rank, None, "requires grad")?;
             still_works(None)
+        });
+
+        // losses built differently on each rank still run the backward collectives in the
+        // same order (shapes equal, so a different order would silently pair wrong gradients)
+        log.run("asymmetric losses over two collectives", || {
+            let x1 = f64s(&[1.0, 2.0], &[2]).requires_grad_(true);
+            let x2 = f64s(&[3.0, 4.0], &[2]).requires_grad_(true);
+            let y1 = df::all_reduce(&x1, ReduceOp::Sum, None)?;
+            let y2 = df::all_reduce(&x2, ReduceOp::Sum, None)?;
+            let loss = if rank == 0 {
+                y1.sum()?.add(&y2.mul_scalar(2.0)?.sum()?)?
+            } else {
+                let mut deep = y1.mul_scalar(5.0)?;
+                for _ in 0..6 {
+                    deep = deep.add_scalar(1.0)?.sub_scalar(1.0)?;
+                }
+                y2.mul_scalar(3.0)?.sum()?.add(&deep.sum()?)?
+            };
+            loss.backward()?;
+            eq(
+                "x1 grad",
+                x1.grad().ok_or("no grad")?.to_vec()?,
+                vec![6.0, 6.0],
+            )?;
+            eq(
+                "x2 grad",
+                x2.grad().ok_or("no grad")?.to_vec()?,
+                vec![5.0, 5.0],
+            )?;
+            Ok(())
         });
 
         // the async collectives judge grad mode where they are called, not on the worker
