@@ -87,9 +87,9 @@ impl Call<'_> {
         Error::invalid(self.op, self.grank, arg, expected, got)
     }
 
-    fn cpu(&self) -> Result<&dyn Backend> {
+    fn cpu(&self) -> Result<Global<'_>> {
         match &self.g.inner.backend {
-            Some(BackendImpl::Cpu(b)) => Ok(b.as_ref()),
+            Some(BackendImpl::Cpu(b)) => Ok(self.global(b.as_ref())),
             Some(BackendImpl::Nccl(_)) => Err(self.err(
                 "tensor",
                 "a CUDA tensor for the nccl backend (use a group with the \"cpu\" backend for host tensors)",
@@ -226,6 +226,15 @@ impl Call<'_> {
                         "{detail} (did that rank skip this call, for example a backward pass the other ranks run?)"
                     ),
                 },
+                // the backend's own check: the descriptors differ in length, so the ranks called
+                // different collectives
+                Error::Mismatch { detail, .. } => Error::Mismatch {
+                    op: format!("{} (while checking arguments across ranks)", self.op),
+                    detail: format!(
+                        "{detail}: the ranks' argument descriptors differ in length (did they \
+                         call different collectives?), and this group can no longer be used"
+                    ),
+                },
                 other => other,
             })?;
         let all: Vec<Vec<i64>> = out.chunks(n).map(|c| c.to_vec()).collect();
@@ -248,12 +257,203 @@ impl Call<'_> {
         Ok(all.into_iter().map(|mut v| v.split_off(3)).collect())
     }
 
-    fn cpu_or_meta(&self) -> Result<&dyn Backend> {
+    fn cpu_or_meta(&self) -> Result<Global<'_>> {
         match &self.g.inner.backend {
-            Some(BackendImpl::Cpu(b)) => Ok(b.as_ref()),
-            Some(BackendImpl::Nccl(n)) => Ok(n.meta()),
+            Some(BackendImpl::Cpu(b)) => Ok(self.global(b.as_ref())),
+            Some(BackendImpl::Nccl(n)) => Ok(self.global(n.meta())),
             None => Err(self.not_member()),
         }
+    }
+
+    fn global<'b>(&'b self, b: &'b dyn Backend) -> Global<'b> {
+        Global {
+            b,
+            ranks: self.g.ranks(),
+        }
+    }
+}
+
+/// A backend whose errors name global ranks: the backends number the ranks of a group
+/// `0..size`, which in a subgroup are not the ranks the user knows (`new_group(&[0, 2])`: the
+/// backend's rank 1 is global rank 2).
+#[derive(Clone, Copy)]
+struct Global<'a> {
+    b: &'a dyn Backend,
+    /// Global rank of each group rank.
+    ranks: &'a [usize],
+}
+
+impl Global<'_> {
+    fn rank(&self, r: usize) -> usize {
+        self.ranks.get(r).copied().unwrap_or(r)
+    }
+
+    /// `text` with every "rank N" (a group rank) renamed to the global rank.
+    fn text(&self, text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(i) = rest.find("rank ") {
+            let (head, tail) = rest.split_at(i + "rank ".len());
+            out.push_str(head);
+            let n = tail.bytes().take_while(u8::is_ascii_digit).count();
+            match tail[..n].parse::<usize>() {
+                Ok(r) => out.push_str(&self.rank(r).to_string()),
+                Err(_) => out.push_str(&tail[..n]),
+            }
+            rest = &tail[n..];
+        }
+        out.push_str(rest);
+        out
+    }
+
+    fn err(&self, e: Error) -> Error {
+        match e {
+            Error::Timeout {
+                op,
+                rank,
+                timeout,
+                detail,
+            } => Error::Timeout {
+                op,
+                rank: usize::try_from(rank).map_or(rank, |r| self.rank(r) as i64),
+                timeout,
+                detail: self.text(&detail),
+            },
+            Error::PeerFailed {
+                rank,
+                peer,
+                op,
+                detail,
+            } => Error::PeerFailed {
+                rank: self.rank(rank),
+                peer: self.rank(peer),
+                op,
+                detail: self.text(&detail),
+            },
+            Error::Mismatch { op, detail } => Error::Mismatch {
+                op,
+                detail: self.text(&detail),
+            },
+            Error::Backend { backend, detail } => Error::Backend {
+                backend,
+                detail: self.text(&detail),
+            },
+            Error::InvalidArgument {
+                op,
+                rank,
+                arg,
+                expected,
+                got,
+            } => Error::InvalidArgument {
+                op,
+                rank: usize::try_from(rank).map_or(rank, |r| self.rank(r) as i64),
+                arg,
+                expected,
+                got,
+            },
+            other => other,
+        }
+    }
+}
+
+impl Backend for Global<'_> {
+    fn name(&self) -> &'static str {
+        self.b.name()
+    }
+    fn rank(&self) -> usize {
+        self.b.rank()
+    }
+    fn size(&self) -> usize {
+        self.b.size()
+    }
+    fn all_reduce(&self, data: BufMut<'_>, op: ReduceOp, timeout: Duration) -> Result<()> {
+        self.b
+            .all_reduce(data, op, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn broadcast(&self, data: BufMut<'_>, root: usize, timeout: Duration) -> Result<()> {
+        self.b
+            .broadcast(data, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn reduce(&self, data: BufMut<'_>, op: ReduceOp, root: usize, timeout: Duration) -> Result<()> {
+        self.b
+            .reduce(data, op, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn all_gather(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .all_gather(input, output, counts, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn reduce_scatter(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .reduce_scatter(input, output, op, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn gather(
+        &self,
+        input: BufRef<'_>,
+        output: Option<BufMut<'_>>,
+        counts: &[usize],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .gather(input, output, counts, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn scatter(
+        &self,
+        input: Option<BufRef<'_>>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .scatter(input, output, counts, root, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn all_to_all(
+        &self,
+        input: BufRef<'_>,
+        send_counts: &[usize],
+        output: BufMut<'_>,
+        recv_counts: &[usize],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.b
+            .all_to_all(input, send_counts, output, recv_counts, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn send(&self, data: BufRef<'_>, dst: usize, tag: u64, timeout: Duration) -> Result<()> {
+        self.b
+            .send(data, dst, tag, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn recv(&self, data: BufMut<'_>, src: usize, tag: u64, timeout: Duration) -> Result<()> {
+        self.b
+            .recv(data, src, tag, timeout)
+            .map_err(|e| self.err(e))
+    }
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        self.b.barrier(timeout).map_err(|e| self.err(e))
+    }
+    fn bytes_sent(&self) -> u64 {
+        self.b.bytes_sent()
     }
 }
 
@@ -364,7 +564,9 @@ fn op_name(id: i64) -> String {
 /// order. Every rank must pass a vector of the same length.
 ///
 /// `op` names the caller's operation; ranks calling different operations fail with
-/// [`Error::Mismatch`]. A rank whose own argument checks failed passes them as `local`: it
+/// [`Error::Mismatch`] — and the group stays usable — when their descriptors have the same
+/// length; descriptors of different lengths also fail the call on every rank with an
+/// [`Error::Mismatch`], but the backend then shuts the group down. A rank whose own argument checks failed passes them as `local`: it
 /// still takes part, so that every rank fails together — that rank with its own error, the
 /// others with an [`Error::Mismatch`] naming it — and the ranks stay in step. This is how the
 /// layers above (the differentiable collectives) agree on shapes before moving data; it runs in
@@ -433,28 +635,65 @@ fn dtype_name(c: i64) -> &'static str {
 fn op_code(op: ReduceOp) -> i64 {
     op as i64
 }
+/// The name of an [`op_code`], for errors.
+fn op_label(code: i64) -> String {
+    const OPS: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
+    ];
+    OPS.iter()
+        .find(|&&op| op_code(op) == code)
+        .map_or_else(|| format!("#{code}"), |op| format!("{op:?}"))
+}
 
 const MAX_DIMS: usize = 8;
 
-/// `[dtype, ndim, dims (padded with -1)]`.
+/// Length of a [`shape_desc`].
+const DESC: usize = 3 + MAX_DIMS;
+
+/// `[dtype, ndim, dims (padded with -1), tail]`. A tensor of more than `MAX_DIMS` dims has
+/// the product of its dims from `MAX_DIMS - 1` on in the last dim slot (so the element count
+/// stays right) and a hash of those dims in `tail` (0 otherwise), so that shapes still compare
+/// exactly.
 fn shape_desc(t: &Tensor) -> Vec<i64> {
     let mut v = vec![dtype_code(t.dtype()), t.ndim() as i64];
     for i in 0..MAX_DIMS {
         v.push(t.shape().get(i).map_or(-1, |&d| d as i64));
     }
+    let mut tail = 0;
     if t.ndim() > MAX_DIMS {
-        // fold extra dims into the last slot so shapes still compare
-        v[1 + MAX_DIMS] = t.shape()[MAX_DIMS - 1..].iter().product::<usize>() as i64;
+        let folded = &t.shape()[MAX_DIMS - 1..];
+        v[1 + MAX_DIMS] = folded.iter().product::<usize>() as i64;
+        let h = folded.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &d| {
+            (h ^ d as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+        tail = (h >> 1) as i64;
     }
+    v.push(tail);
     v
 }
 fn fmt_shape(d: &[i64]) -> String {
     let nd = d[1].max(0) as usize;
     let dims: Vec<String> = d[2..2 + nd.min(MAX_DIMS)]
         .iter()
-        .map(|x| x.to_string())
+        .map(|&x| (x as u64).to_string())
         .collect();
-    format!("{} [{}]", dtype_name(d[0]), dims.join(", "))
+    let folded = if nd > MAX_DIMS {
+        format!(
+            " ({nd} dims: the last is the product of dims {}.., shape hash {:x})",
+            MAX_DIMS - 1,
+            d[DESC - 1]
+        )
+    } else {
+        String::new()
+    };
+    format!("{} [{}]{folded}", dtype_name(d[0]), dims.join(", "))
 }
 
 /// Errors on every rank when field `range` of the descriptors differs across ranks.
@@ -571,6 +810,19 @@ fn check_op(c: &Call<'_>, op: ReduceOp, dt: DType) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // the collectives
 
+/// The job of an `_async` collective, run on the group's worker thread under the grad mode of
+/// the thread that called it (grad mode is per thread): the refusal of tensors that require grad
+/// must see the caller's `no_grad()`.
+fn callers_grad_mode(
+    f: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Box<dyn FnOnce() -> Result<()> + Send> {
+    let enabled = tensorplay_core::autograd::is_grad_enabled();
+    Box::new(move || {
+        let _mode = tensorplay_core::autograd::set_grad_enabled(enabled);
+        f()
+    })
+}
+
 /// In-place all-reduce (`dist.all_reduce(tensor, op, group)`): every rank's `tensor` becomes the
 /// reduction over ranks. Avg is for floating dtypes, bitwise ops for int64.
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<()> {
@@ -594,7 +846,7 @@ pub fn all_reduce_async(
     g.inner.seq.submit(
         g.timeout(),
         "all_reduce",
-        Box::new(move || all_reduce_impl(&g2, &t, op)),
+        callers_grad_mode(move || all_reduce_impl(&g2, &t, op)),
     )
 }
 
@@ -613,9 +865,9 @@ fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
         let mut d = shape_desc(t);
         d.push(op_code(op));
         let all = c.exchange_local(&d, local)?;
-        agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
-            format!("op #{}", v[0])
+        agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
+        agree(&c, &all, DESC..DESC + 1, "the reduce op", |v| {
+            format!("op {}", op_label(v[0]))
         })?;
     }
     let b = c.cpu()?;
@@ -644,7 +896,7 @@ pub fn broadcast_async(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>
     g.inner.seq.submit(
         g.timeout(),
         "broadcast",
-        Box::new(move || broadcast_impl(&g2, &t, src)),
+        callers_grad_mode(move || broadcast_impl(&g2, &t, src)),
     )
 }
 
@@ -666,10 +918,8 @@ fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
         let mut d = shape_desc(t);
         d.push(src as i64);
         let all = c.exchange_local(&d, local)?;
-        agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| {
-            format!("src {}", v[0])
-        })?;
+        agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
+        agree(&c, &all, DESC..DESC + 1, "src", |v| format!("src {}", v[0]))?;
     }
     let root = root?;
     let b = c.cpu()?;
@@ -704,9 +954,9 @@ pub fn reduce(
             let mut d = shape_desc(tensor);
             d.extend([dst as i64, op_code(op)]);
             let all = c.exchange_local(&d, local)?;
-            agree(&c, &all, 0..2 + MAX_DIMS, "dtype and shape", fmt_shape)?;
-            agree(&c, &all, 2 + MAX_DIMS..4 + MAX_DIMS, "dst and op", |v| {
-                format!("dst {} op #{}", v[0], v[1])
+            agree(&c, &all, 0..DESC, "dtype and shape", fmt_shape)?;
+            agree(&c, &all, DESC..DESC + 2, "dst and op", |v| {
+                format!("dst {} op {}", v[0], op_label(v[1]))
             })?;
         }
         let root = root?;
@@ -804,7 +1054,7 @@ pub fn all_gather_into_tensor_async(
     g.inner.seq.submit(
         g.timeout(),
         "all_gather_into_tensor",
-        Box::new(move || agit_impl(&g2, &o, &i)),
+        callers_grad_mode(move || agit_impl(&g2, &o, &i)),
     )
 }
 
@@ -822,13 +1072,7 @@ fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
         local?;
     } else {
         let all = c.exchange_local(&shape_desc(input), local)?;
-        agree(
-            &c,
-            &all,
-            0..2 + MAX_DIMS,
-            "input dtype and shape",
-            fmt_shape,
-        )?;
+        agree(&c, &all, 0..DESC, "input dtype and shape", fmt_shape)?;
     }
     agit_run(&c, output, input)
 }
@@ -942,7 +1186,7 @@ pub fn reduce_scatter_tensor_async(
     g.inner.seq.submit(
         g.timeout(),
         "reduce_scatter_tensor",
-        Box::new(move || {
+        callers_grad_mode(move || {
             let c = call(&g2, "reduce_scatter_tensor")?;
             if let Some(BackendImpl::Nccl(n)) = &g2.inner.backend {
                 return n.reduce_scatter_tensor(&c.grank, &o, &i, op, c.timeout());
@@ -971,15 +1215,9 @@ fn rs_impl(
         let mut d = shape_desc(output);
         d.push(op_code(op));
         let all = c.exchange_local(&d, local)?;
-        agree(
-            c,
-            &all,
-            0..2 + MAX_DIMS,
-            "output dtype and shape",
-            fmt_shape,
-        )?;
-        agree(c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "the reduce op", |v| {
-            format!("op #{}", v[0])
+        agree(c, &all, 0..DESC, "output dtype and shape", fmt_shape)?;
+        agree(c, &all, DESC..DESC + 1, "the reduce op", |v| {
+            format!("op {}", op_label(v[0]))
         })?;
     }
     rs_run(c, output, input, op)
@@ -1040,7 +1278,7 @@ pub fn gather(
         c.host("tensor", tensor)?;
         // descriptor: own input shape, dst, whether the list on dst is usable, and (on dst) the
         // list's shapes, so that a bad gather_list is an error on every rank, not only on dst
-        let w = 2 + MAX_DIMS;
+        let w = DESC;
         let mut d = shape_desc(tensor);
         d.push(dst as i64);
         let mut local_err = None;
@@ -1170,7 +1408,7 @@ pub fn scatter(
         d.push(list_ok);
         let all = c.exchange(&d)?;
         agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]).to_string())?;
-        agree(&c, &all, 2 + MAX_DIMS..3 + MAX_DIMS, "src", |v| format!("src {}", v[0]))?;
+        agree(&c, &all, DESC..DESC + 1, "src", |v| format!("src {}", v[0]))?;
         let sd = &all[root];
         if sd[sd.len() - 1] == 0 {
             return Err(local_err.unwrap_or_else(|| Error::Mismatch {
@@ -1180,7 +1418,7 @@ pub fn scatter(
         }
         let counts: Vec<usize> = all.iter().map(|d| numel_of(d)).collect();
         for r in 0..c.size {
-            let listed = sd[3 + MAX_DIMS + r];
+            let listed = sd[DESC + 1 + r];
             if listed != counts[r] as i64 {
                 return Err(Error::Mismatch {
                     op: "scatter".into(),
@@ -1328,7 +1566,7 @@ pub fn all_to_all_single_async(
     g.inner.seq.submit(
         g.timeout(),
         "all_to_all_single",
-        Box::new(move || {
+        callers_grad_mode(move || {
             a2as_impl(
                 &g2,
                 &o,
@@ -1376,7 +1614,8 @@ fn a2as_impl(
     let splits = |given: Option<&[usize]>, t: &Tensor, arg: &str| -> Result<Vec<usize>> {
         match given {
             Some(s) => {
-                if s.len() != c.size || s.iter().sum::<usize>() != rows(t) {
+                let sum = s.iter().try_fold(0usize, |a, &v| a.checked_add(v));
+                if s.len() != c.size || sum != Some(rows(t)) {
                     return Err(c.err(
                         arg,
                         format!("{} sizes summing to {} rows", c.size, rows(t)),

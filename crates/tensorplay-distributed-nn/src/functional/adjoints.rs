@@ -56,6 +56,11 @@ pub(super) fn route_scattered(
     xs: &[Tensor],
     y: &Tensor,
 ) -> Result<Vec<Tensor>> {
+    if y.numel() == 0 {
+        // nothing to route (every rank has this shape); the core's `stack` of empty tensors
+        // below would fail
+        return g.iter().map(|gi| gi.mul_scalar(0.0)).collect();
+    }
     match op {
         ReduceOp::Max | ReduceOp::Min => {
             // every rank needs every y_i for its masks, and the holder count of each element

@@ -211,7 +211,8 @@ fn push_shape(v: &mut Vec<i64>, shape: &[usize]) {
 
 fn read_shape(v: &[i64]) -> Vec<usize> {
     let nd = v[0].clamp(0, MAX_DIMS as i64) as usize;
-    v[1..=nd].iter().map(|&d| d.max(0) as usize).collect()
+    // dims above i64::MAX (possible next to a zero dim) travel as negative numbers
+    v[1..=nd].iter().map(|&d| d as u64 as usize).collect()
 }
 
 /// Checks a tensor argument: a dtype the collectives move and at most [`MAX_DIMS`] dims.
@@ -230,12 +231,37 @@ fn check_tensor(gp: &Grp, op: &str, arg: &str, t: &Tensor) -> coll::Result<()> {
     Ok(())
 }
 
+/// This rank's own work before a blocking collective that has no exchange of its own here
+/// failed (`r` is an error: a bad argument, a tensor too big to copy): `run` joins that
+/// collective with a tensor it refuses, so that its cross-rank check fails the call on every
+/// rank (the others naming this one) and the ranks stay in step. Returns `r`.
+fn joined<T>(r: Result<T>, run: impl FnOnce(&Tensor) -> coll::Result<()>) -> Result<T> {
+    if r.is_err() {
+        let _ng = tensorplay_core::no_grad();
+        if let Ok(refused) = Tensor::zeros(&[0], DType::Bool) {
+            let _ = run(&refused);
+        }
+    }
+    r
+}
+
+/// [`joined`] for this rank's own argument error `e`.
+fn fail_together(e: coll::Error, run: impl FnOnce(&Tensor) -> coll::Result<()>) -> Result<Tensor> {
+    joined(Err(e.into()), run)
+}
+
 /// A row-major copy with its own storage (logical order, whatever `t`'s strides).
 fn fresh(t: &Tensor) -> Result<Tensor> {
     if t.device().is_cuda() {
         t.to_device(Device::Cpu)?.to_device(t.device())
-    } else {
+    } else if t.is_contiguous() {
         t.detach().deep_clone()
+    } else {
+        // an expanded view may stand for more elements than fit in memory: allocate the copy
+        // first, which fails with an error (the core's strided copy would abort the process)
+        let y = zeros(t.shape(), t.dtype(), t.device())?;
+        y.copy_(&t.detach())?;
+        Ok(y)
     }
 }
 
@@ -258,10 +284,14 @@ fn fmt_shape(s: &[usize]) -> String {
 /// (its values are ignored off `src`); `src`'s layout need not match the others'.
 ///
 /// # Errors
-/// `src` not in the group, ranks disagreeing on shape, dtype or `src` (on every rank, naming
+/// `src` not in the group, a dtype other than float32, float64 or int64 or more than
+/// [`MAX_DIMS`] dimensions, ranks disagreeing on shape, dtype or `src` (on every rank, naming
 /// them), timeouts and peer failures of the collectives.
 pub fn broadcast(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<Tensor> {
     let gp = Grp::new(group, "broadcast")?;
+    if let Err(e) = check_tensor(&gp, "broadcast", "tensor", tensor) {
+        return fail_together(e, |t| coll::broadcast(t, src, gp.pg()));
+    }
     Ok(apply(Broadcast { gp, src }, &[tensor])?.remove(0))
 }
 
@@ -275,7 +305,9 @@ impl Function for Broadcast {
         "BroadcastBackward"
     }
     fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let y = fresh(inputs[0])?;
+        let y = joined(fresh(inputs[0]), |t| {
+            coll::broadcast(t, self.src, self.gp.pg())
+        })?;
         coll::broadcast(&y, self.src, self.gp.pg())?;
         Ok(vec![y])
     }
@@ -306,7 +338,8 @@ impl Function for Broadcast {
 /// `g_dst × Π_{k≠r} x_k`. The gradients of the other ranks' (zero) outputs are ignored.
 ///
 /// # Errors
-/// `dst` not in the group; `Avg` on int64 or a bitwise op on floats; ranks disagreeing on
+/// `dst` not in the group; a dtype other than float32, float64 or int64 or more than
+/// [`MAX_DIMS`] dimensions; `Avg` on int64 or a bitwise op on floats; ranks disagreeing on
 /// shape, dtype, `dst` or op; timeouts and peer failures.
 pub fn reduce(
     tensor: &Tensor,
@@ -315,6 +348,9 @@ pub fn reduce(
     group: Option<&ProcessGroup>,
 ) -> Result<Tensor> {
     let gp = Grp::new(group, "reduce")?;
+    if let Err(e) = check_tensor(&gp, "reduce", "tensor", tensor) {
+        return fail_together(e, |t| coll::reduce(t, dst, op, gp.pg()));
+    }
     Ok(apply(Reduce { gp, dst, op }, &[tensor])?.remove(0))
 }
 
@@ -330,7 +366,9 @@ impl Function for Reduce {
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let x = inputs[0];
-        let y = fresh(x)?;
+        let y = joined(fresh(x), |t| {
+            coll::reduce(t, self.dst, self.op, self.gp.pg())
+        })?;
         coll::reduce(&y, self.dst, self.op, self.gp.pg())?;
         let y = if self.gp.global == self.dst {
             y
@@ -376,10 +414,13 @@ impl Function for Reduce {
 /// which is wrong for `Max`, `Min` and `Product` (its `functional.py`, `_AllReduce`).
 ///
 /// # Errors
-/// `Avg` on int64 or a bitwise op on floats; ranks disagreeing on shape, dtype or op (on every
-/// rank); timeouts and peer failures.
+/// A dtype other than float32, float64 or int64 or more than [`MAX_DIMS`] dimensions; `Avg` on
+/// int64 or a bitwise op on floats; ranks disagreeing on shape, dtype or op (on every rank); timeouts and peer failures.
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<Tensor> {
     let gp = Grp::new(group, "all_reduce")?;
+    if let Err(e) = check_tensor(&gp, "all_reduce", "tensor", tensor) {
+        return fail_together(e, |t| coll::all_reduce(t, op, gp.pg()));
+    }
     Ok(apply(AllReduce { gp, op }, &[tensor])?.remove(0))
 }
 
@@ -394,7 +435,7 @@ impl Function for AllReduce {
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let x = inputs[0];
-        let y = fresh(x)?;
+        let y = joined(fresh(x), |t| coll::all_reduce(t, self.op, self.gp.pg()))?;
         coll::all_reduce(&y, self.op, self.gp.pg())?;
         if adjoints::needs_values(self.op) {
             ctx.save_for_backward(&[x, &y]);
@@ -567,13 +608,7 @@ pub fn reduce_scatter(
     if let Err(e) = local {
         // let the blocking collective's cross-rank check fail the call on every rank; this
         // rank's own error is what it reports
-        let out = match input_list.first() {
-            Some(t) => zeros(t.shape(), t.dtype(), t.device())?,
-            None => zeros(&[0], DType::F32, Device::Cpu)?,
-        };
-        let _ng = tensorplay_core::no_grad();
-        let _ = coll::reduce_scatter(&out, input_list, op, gp.pg());
-        return Err(e.into());
+        return fail_together(e, |t| coll::reduce_scatter(t, &[], op, gp.pg()));
     }
     let refs: Vec<&Tensor> = input_list.iter().collect();
     Ok(apply(ReduceScatter { gp, op }, &refs)?.remove(0))
@@ -590,11 +625,17 @@ impl Function for ReduceScatter {
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let first = inputs[0];
-        let out = zeros(first.shape(), first.dtype(), first.device())?;
-        let list = inputs
-            .iter()
-            .map(|t| fresh(t))
-            .collect::<Result<Vec<_>>>()?;
+        let (out, list) = joined(
+            (|| {
+                let out = zeros(first.shape(), first.dtype(), first.device())?;
+                let list = inputs
+                    .iter()
+                    .map(|t| fresh(t))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((out, list))
+            })(),
+            |t| coll::reduce_scatter(t, &[], self.op, self.gp.pg()),
+        )?;
         coll::reduce_scatter(&out, &list, self.op, self.gp.pg())?;
         if adjoints::needs_values(self.op) {
             let mut keep: Vec<&Tensor> = inputs.to_vec();
@@ -985,13 +1026,16 @@ pub fn all_to_all_single(
                         format!("{} sizes {s:?}", s.len()),
                     ));
                 }
-                let total: usize = s.iter().sum();
-                if total != rows {
+                let total = s.iter().try_fold(0usize, |a, &v| a.checked_add(v));
+                if total != Some(rows) {
                     return Err(gp.err(
                         OP,
                         "input_split_sizes",
                         format!("sizes summing to the input's first dimension ({rows})"),
-                        format!("{s:?} (sum {total})"),
+                        match total {
+                            Some(t) => format!("{s:?} (sum {t})"),
+                            None => format!("{s:?} (the sum overflows)"),
+                        },
                     ));
                 }
                 s.to_vec()
@@ -1016,6 +1060,17 @@ pub fn all_to_all_single(
                         "output_split_sizes",
                         format!("{w} sizes (one per rank of the group)"),
                         format!("{} sizes {s:?}", s.len()),
+                    ));
+                }
+                if s.iter()
+                    .try_fold(0usize, |a, &v| a.checked_add(v))
+                    .is_none()
+                {
+                    return Err(gp.err(
+                        OP,
+                        "output_split_sizes",
+                        "sizes whose sum fits in usize",
+                        format!("{s:?} (the sum overflows)"),
                     ));
                 }
                 Some(s)
@@ -1067,11 +1122,31 @@ pub fn all_to_all_single(
                         gp.g.ranks()[j],
                         send[r],
                         gp.g.ranks()[r],
-                        expect
+                        // sizes above i64::MAX travel as negative numbers
+                        expect as u64
                     ),
                 }
                 .into());
             }
+        }
+    }
+    // what each rank receives must fit in usize (zero-size rows can be that many)
+    for r in 0..w {
+        let rows: Vec<usize> = sends.iter().map(|s| s[r]).collect();
+        if rows
+            .iter()
+            .try_fold(0usize, |a, &v| a.checked_add(v))
+            .is_none()
+        {
+            return Err(coll::Error::Mismatch {
+                op: OP.into(),
+                detail: format!(
+                    "rank {} would receive {rows:?} rows from the ranks {:?}, more than fit in usize",
+                    gp.g.ranks()[r],
+                    gp.g.ranks()
+                ),
+            }
+            .into());
         }
     }
     let in_splits = sends[gp.rank].clone();
