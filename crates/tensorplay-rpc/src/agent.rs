@@ -216,6 +216,12 @@ pub(crate) struct Agent {
 
 static AGENT: RwLock<Option<Arc<Agent>>> = RwLock::new(None);
 
+/// The store of the last `init_rpc`, kept after it fails or shuts down: on rank 0 it is the
+/// job's store server, which the other workers may still be using (reading names after a
+/// failed initialisation, leaving the shutdown barrier, or already rendezvousing again for the
+/// next `init_rpc`, which reuses it under a new prefix).
+static LAST_STORE: Mutex<Option<Arc<dyn Store>>> = Mutex::new(None);
+
 /// The current agent, or `NotInitialized` naming `op`.
 pub(crate) fn agent(op: &str) -> Result<Arc<Agent>> {
     AGENT
@@ -318,6 +324,7 @@ pub fn init_rpc(
     };
     let info = rendezvous_scoped(&init, Some(rank), Some(world_size), rdv_timeout, "rpc")?;
     let store = info.store;
+    *LAST_STORE.lock().unwrap_or_else(|e| e.into_inner()) = Some(store.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(options.num_worker_threads.max(1))
         .thread_name(format!("tp-rpc-{name}"))
@@ -428,22 +435,27 @@ fn store_barrier(store: &dyn Store, key: &str, n: usize, timeout: Duration) -> R
     if arrived >= n as i64 {
         store.set(&format!("barrier/{key}/done"), b"1")?;
     }
-    store
-        .wait(&[&format!("barrier/{key}/done")], timeout)
-        .map_err(|e| match e {
-            tensorplay_collectives::Error::Timeout { .. } => Error::Timeout {
-                op: format!("barrier {key}"),
-                worker: "the job".into(),
-                timeout,
-            },
-            other => Error::Collectives(other),
-        })
+    store_wait(store, &format!("barrier/{key}/done"), timeout)
+}
+
+/// Waits until `key` is set in the store.
+fn store_wait(store: &dyn Store, key: &str, timeout: Duration) -> Result<()> {
+    store.wait(&[key], timeout).map_err(|e| match e {
+        tensorplay_collectives::Error::Timeout { .. } => Error::Timeout {
+            op: format!("waiting for {key}"),
+            worker: "the job".into(),
+            timeout,
+        },
+        other => Error::Collectives(other),
+    })
 }
 
 /// Stops RPC in this process (`torch.distributed.rpc.shutdown`). Graceful: waits until this
 /// worker's outgoing calls finished, until every worker reached shutdown, and until the RRef
 /// deletions it owes were delivered (so every owner's table is empty afterwards), then closes
-/// the endpoint. Not graceful: closes at once. Either way `init_rpc` may be called again.
+/// the endpoint; worker 0, which serves the job's store, returns last. Not graceful: closes at
+/// once. Either way `init_rpc` may be called again: the store stays open in this process for
+/// it (under a new prefix).
 ///
 /// # Errors
 /// [`Error::NotInitialized`]; [`Error::Timeout`] when other workers do not reach shutdown
@@ -489,6 +501,17 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(2));
         }
         store_barrier(&*self.store, &format!("shutdown{k}/c"), n, limit)?;
+        // 5. rank 0 serves the store: it leaves last, once the others are done with it (its
+        //    process may exit right after). The last one out tells it; the reply to that may
+        //    be lost when rank 0 is already gone, which is fine.
+        let left = format!("shutdown{k}/left");
+        if self.me.id != 0 {
+            if self.store.add(&left, 1)? >= n as i64 - 1 {
+                let _ = self.store.set(&format!("{left}/done"), b"1");
+            }
+        } else if n > 1 {
+            store_wait(&*self.store, &format!("{left}/done"), limit)?;
+        }
         Ok(())
     }
 
@@ -738,15 +761,29 @@ async fn serve_stream(
 }
 
 pub(crate) fn error_env(agent: &Agent, e: &Error) -> Envelope {
-    let (kind, message) = match e {
-        Error::Remote { kind, message, .. } => (kind.clone(), message.clone()),
-        Error::Core(c) => (crate::error::core_kind(c), c.to_string()),
-        other => (other.kind(), other.to_string()),
+    let me = || agent.me.name.clone();
+    let (worker, kind, message) = match e {
+        // an error of a nested call still names the worker where it happened
+        Error::Remote {
+            worker,
+            kind,
+            message,
+        } => (
+            if worker.is_empty() {
+                me()
+            } else {
+                worker.clone()
+            },
+            kind.clone(),
+            message.clone(),
+        ),
+        Error::Core(c) => (me(), crate::error::core_kind(c), c.to_string()),
+        other => (me(), other.kind(), other.to_string()),
     };
     Envelope {
         kind: kind::RESPONSE,
         error: Some(RemoteErr {
-            worker: agent.me.name.clone(),
+            worker,
             kind,
             message,
         }),
