@@ -18,7 +18,7 @@ use crate::frame::{Envelope, RemoteErr, kind, read_frame, write_frame};
 use crate::future::{Promise, RpcFuture};
 use crate::rref::RRefContext;
 use crate::tls::{self, Identity, JobVerifier};
-use crate::wire::{Encoder, Wire, decode_value, encode_value};
+use crate::wire::{Encoder, Wire, decode_args, decode_value, encode_value};
 use crate::{Error, Result};
 
 /// A worker of the RPC group (`torch.distributed.rpc.WorkerInfo`): its unique name and its id
@@ -154,7 +154,7 @@ where
     let f = Arc::new(f);
     let (fname, f2, fname2) = (name.to_string(), f.clone(), name.to_string());
     let handler: Handler = Arc::new(move |ctx: &CallCtx, payload: &[u8], tensors| {
-        let args: A = decode_value(
+        let args: A = decode_args(
             payload,
             tensors,
             ctx.caller,
@@ -164,7 +164,7 @@ where
         encode_value(&r, ctx.caller)
     });
     let remote: RemoteHandler = Arc::new(move |ctx: &CallCtx, payload: &[u8], tensors| {
-        let args: A = decode_value(
+        let args: A = decode_args(
             payload,
             tensors,
             ctx.caller,
