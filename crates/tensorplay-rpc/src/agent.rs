@@ -935,6 +935,19 @@ pub fn rpc_async<A: Wire, R: Wire>(
     }))
 }
 
+/// The UDP address this worker's QUIC endpoint listens on (for tests that play a foreign
+/// peer).
+///
+/// # Errors
+/// [`Error::NotInitialized`]; [`Error::Transport`] when the socket has no address.
+#[doc(hidden)]
+pub fn local_addr() -> Result<SocketAddr> {
+    agent("local_addr")?
+        .endpoint
+        .local_addr()
+        .map_err(|e| Error::Transport(e.to_string()))
+}
+
 /// This worker's [`WorkerInfo`] (`get_worker_info()`).
 ///
 /// # Errors

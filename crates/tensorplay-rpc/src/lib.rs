@@ -47,8 +47,8 @@ mod wire;
 
 pub use agent::{
     RpcBackendOptions, To, WorkerInfo, current_worker, get_rpc_timeout, get_worker_info,
-    get_worker_infos, init_rpc, is_initialized, register, rpc_async, rpc_sync, set_rpc_timeout,
-    shutdown,
+    get_worker_infos, init_rpc, is_initialized, local_addr, register, rpc_async, rpc_sync,
+    set_rpc_timeout, shutdown,
 };
 pub use error::{Error, Result};
 pub use future::{RpcFuture, wait_all};
