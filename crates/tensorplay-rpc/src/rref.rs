@@ -4,12 +4,15 @@
 //! [`RRef`] to it is a **user** with its own fork id. The owner keeps the value while any fork
 //! is registered or a local handle lives, following PyTorch's protocol:
 //! - `remote()` (A → B): A allocates the RRef id and its fork id; B runs the function, stores
-//!   the value and registers the fork, then acknowledges (A's RRef is then confirmed).
+//!   the value and registers the fork, then acknowledges (A's RRef is then confirmed). When
+//!   the function fails, B stores the error as the value (fetches see it) until A deletes.
 //! - Passing an RRef in an argument or result: the sender allocates a child fork id. An owner
 //!   sender registers the child at once ("early fork registration"); a user sender keeps its
 //!   own RRef alive until the child says it was accepted. A receiving user asks the owner to
 //!   register its fork (`FORK_REQUEST`) and then tells the parent (`CHILD_ACCEPT`); a
-//!   receiving owner resolves to its own value and tells a user parent at once.
+//!   receiving owner resolves to its own value and tells a user parent at once. As in
+//!   PyTorch, a function (or method) runs only once the RRefs among its arguments are
+//!   confirmed by their owners.
 //! - Dropping a user RRef sends `USER_DELETE` to the owner once its fork is confirmed; the
 //!   owner drops the value when no fork and no local handle remains.
 //! - Messages between two workers are not ordered (one QUIC stream each): an owner that is
