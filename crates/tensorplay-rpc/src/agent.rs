@@ -18,7 +18,7 @@ use crate::frame::{Envelope, RemoteErr, kind, read_frame, write_frame};
 use crate::future::{Promise, RpcFuture};
 use crate::rref::RRefContext;
 use crate::tls::{self, Identity, JobVerifier};
-use crate::wire::{Encoder, Wire, decode_value, encode_value};
+use crate::wire::{Encoder, Wire, decode_args, decode_value, encode_value};
 use crate::{Error, Result};
 
 /// A worker of the RPC group (`torch.distributed.rpc.WorkerInfo`): its unique name and its id
@@ -154,7 +154,7 @@ where
     let f = Arc::new(f);
     let (fname, f2, fname2) = (name.to_string(), f.clone(), name.to_string());
     let handler: Handler = Arc::new(move |ctx: &CallCtx, payload: &[u8], tensors| {
-        let args: A = decode_value(
+        let args: A = decode_args(
             payload,
             tensors,
             ctx.caller,
@@ -164,7 +164,7 @@ where
         encode_value(&r, ctx.caller)
     });
     let remote: RemoteHandler = Arc::new(move |ctx: &CallCtx, payload: &[u8], tensors| {
-        let args: A = decode_value(
+        let args: A = decode_args(
             payload,
             tensors,
             ctx.caller,
@@ -215,6 +215,12 @@ pub(crate) struct Agent {
 }
 
 static AGENT: RwLock<Option<Arc<Agent>>> = RwLock::new(None);
+
+/// The store of the last `init_rpc`, kept after it fails or shuts down: on rank 0 it is the
+/// job's store server, which the other workers may still be using (reading names after a
+/// failed initialisation, leaving the shutdown barrier, or already rendezvousing again for the
+/// next `init_rpc`, which reuses it under a new prefix).
+static LAST_STORE: Mutex<Option<Arc<dyn Store>>> = Mutex::new(None);
 
 /// The current agent, or `NotInitialized` naming `op`.
 pub(crate) fn agent(op: &str) -> Result<Arc<Agent>> {
@@ -318,6 +324,7 @@ pub fn init_rpc(
     };
     let info = rendezvous_scoped(&init, Some(rank), Some(world_size), rdv_timeout, "rpc")?;
     let store = info.store;
+    *LAST_STORE.lock().unwrap_or_else(|e| e.into_inner()) = Some(store.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(options.num_worker_threads.max(1))
         .thread_name(format!("tp-rpc-{name}"))
@@ -428,22 +435,27 @@ fn store_barrier(store: &dyn Store, key: &str, n: usize, timeout: Duration) -> R
     if arrived >= n as i64 {
         store.set(&format!("barrier/{key}/done"), b"1")?;
     }
-    store
-        .wait(&[&format!("barrier/{key}/done")], timeout)
-        .map_err(|e| match e {
-            tensorplay_collectives::Error::Timeout { .. } => Error::Timeout {
-                op: format!("barrier {key}"),
-                worker: "the job".into(),
-                timeout,
-            },
-            other => Error::Collectives(other),
-        })
+    store_wait(store, &format!("barrier/{key}/done"), timeout)
+}
+
+/// Waits until `key` is set in the store.
+fn store_wait(store: &dyn Store, key: &str, timeout: Duration) -> Result<()> {
+    store.wait(&[key], timeout).map_err(|e| match e {
+        tensorplay_collectives::Error::Timeout { .. } => Error::Timeout {
+            op: format!("waiting for {key}"),
+            worker: "the job".into(),
+            timeout,
+        },
+        other => Error::Collectives(other),
+    })
 }
 
 /// Stops RPC in this process (`torch.distributed.rpc.shutdown`). Graceful: waits until this
 /// worker's outgoing calls finished, until every worker reached shutdown, and until the RRef
 /// deletions it owes were delivered (so every owner's table is empty afterwards), then closes
-/// the endpoint. Not graceful: closes at once. Either way `init_rpc` may be called again.
+/// the endpoint; worker 0, which serves the job's store, returns last. Not graceful: closes at
+/// once. Either way `init_rpc` may be called again: the store stays open in this process for
+/// it (under a new prefix).
 ///
 /// # Errors
 /// [`Error::NotInitialized`]; [`Error::Timeout`] when other workers do not reach shutdown
@@ -489,6 +501,17 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(2));
         }
         store_barrier(&*self.store, &format!("shutdown{k}/c"), n, limit)?;
+        // 5. rank 0 serves the store: it leaves last, once the others are done with it (its
+        //    process may exit right after). The last one out tells it; the reply to that may
+        //    be lost when rank 0 is already gone, which is fine.
+        let left = format!("shutdown{k}/left");
+        if self.me.id != 0 {
+            if self.store.add(&left, 1)? >= n as i64 - 1 {
+                let _ = self.store.set(&format!("{left}/done"), b"1");
+            }
+        } else if n > 1 {
+            store_wait(&*self.store, &format!("{left}/done"), limit)?;
+        }
         Ok(())
     }
 
@@ -738,15 +761,29 @@ async fn serve_stream(
 }
 
 pub(crate) fn error_env(agent: &Agent, e: &Error) -> Envelope {
-    let (kind, message) = match e {
-        Error::Remote { kind, message, .. } => (kind.clone(), message.clone()),
-        Error::Core(c) => (crate::error::core_kind(c), c.to_string()),
-        other => (other.kind(), other.to_string()),
+    let me = || agent.me.name.clone();
+    let (worker, kind, message) = match e {
+        // an error of a nested call still names the worker where it happened
+        Error::Remote {
+            worker,
+            kind,
+            message,
+        } => (
+            if worker.is_empty() {
+                me()
+            } else {
+                worker.clone()
+            },
+            kind.clone(),
+            message.clone(),
+        ),
+        Error::Core(c) => (me(), crate::error::core_kind(c), c.to_string()),
+        other => (me(), other.kind(), other.to_string()),
     };
     Envelope {
         kind: kind::RESPONSE,
         error: Some(RemoteErr {
-            worker: agent.me.name.clone(),
+            worker,
             kind,
             message,
         }),
@@ -896,6 +933,19 @@ pub fn rpc_async<A: Wire, R: Wire>(
         let (resp, tensors) = r?;
         decode_value::<R>(&resp.payload, tensors, to, &what)
     }))
+}
+
+/// The UDP address this worker's QUIC endpoint listens on (for tests that play a foreign
+/// peer).
+///
+/// # Errors
+/// [`Error::NotInitialized`]; [`Error::Transport`] when the socket has no address.
+#[doc(hidden)]
+pub fn local_addr() -> Result<SocketAddr> {
+    agent("local_addr")?
+        .endpoint
+        .local_addr()
+        .map_err(|e| Error::Transport(e.to_string()))
 }
 
 /// This worker's [`WorkerInfo`] (`get_worker_info()`).

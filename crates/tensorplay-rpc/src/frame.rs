@@ -205,12 +205,11 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Envel
     for (d, (dt, n)) in env.tensors.iter().zip(sizes) {
         let shape: Vec<usize> = d.shape.iter().map(|&s| s as usize).collect();
         let t = match dt {
-            DType::F32 => read_into::<f32, R>(r, n, &shape).await?,
-            DType::F64 => read_into::<f64, R>(r, n, &shape).await?,
-            DType::I64 => read_into::<i64, R>(r, n, &shape).await?,
+            DType::F32 => Tensor::from_vec(read_into::<f32, R>(r, n).await?, &shape)?,
+            DType::F64 => Tensor::from_vec(read_into::<f64, R>(r, n).await?, &shape)?,
+            DType::I64 => Tensor::from_vec(read_into::<i64, R>(r, n).await?, &shape)?,
             DType::Bool => {
-                let mut v = vec![0u8; n];
-                r.read_exact(&mut v).await.map_err(io)?;
+                let v = read_into::<u8, R>(r, n).await?;
                 if v.iter().any(|&b| b > 1) {
                     return Err(Error::Serialization(
                         "a bool tensor with bytes other than 0 and 1".into(),
@@ -224,19 +223,37 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Envel
     Ok((env, tensors))
 }
 
-/// Reads `n` elements straight into a new vector and wraps it as a tensor.
-async fn read_into<T: StorageElement + Default + Clone, R: AsyncRead + Unpin>(
-    r: &mut R,
-    n: usize,
-    shape: &[usize],
-) -> Result<Tensor> {
-    let mut v = vec![T::default(); n];
-    // SAFETY: T is f32, f64 or i64: every bit pattern is a valid value, no padding; the byte
-    // slice covers exactly the vector's initialized elements.
-    let bytes =
-        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), size_of_val(&v[..])) };
-    r.read_exact(bytes).await.map_err(io)?;
-    Ok(Tensor::from_vec(v, shape)?)
+/// Element types read straight from the stream: plain data, any bit pattern valid, no padding.
+trait Plain: Default + Clone {}
+impl Plain for u8 {}
+impl Plain for f32 {}
+impl Plain for f64 {}
+impl Plain for i64 {}
+
+/// Memory allocated ahead of the bytes that arrive: a header's claim alone never makes the
+/// receiver allocate more than this (the sender has to send the bytes).
+const READ_AHEAD: usize = 64 << 20;
+
+/// Reads `n` elements straight into a new vector. Up to [`READ_AHEAD`] bytes are allocated at
+/// once; a larger tensor grows as its bytes arrive, so a hostile length claim fails at the
+/// end of the stream instead of allocating what it claims.
+async fn read_into<T: Plain, R: AsyncRead + Unpin>(r: &mut R, n: usize) -> Result<Vec<T>> {
+    let size = size_of::<T>().max(1);
+    let step = (READ_AHEAD / size).max(1);
+    let mut v: Vec<T> = Vec::new();
+    while v.len() < n {
+        let start = v.len();
+        // one step at first, then doubling (amortised copies)
+        let grow = (n - start).min(step.max(start));
+        v.resize(start + grow, T::default());
+        // SAFETY: T is `Plain` (u8, f32, f64 or i64): every bit pattern is a valid value, no padding;
+        // the byte slice covers exactly the initialized elements `start..start + grow`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(v[start..].as_mut_ptr().cast::<u8>(), grow * size)
+        };
+        r.read_exact(bytes).await.map_err(io)?;
+    }
+    Ok(v)
 }
 
 #[cfg(test)]

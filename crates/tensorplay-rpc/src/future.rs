@@ -118,8 +118,9 @@ impl<T: Send + 'static> RpcFuture<T> {
         Ok(self.wait())
     }
 
-    /// A future of `f` applied to this one's result, run when it completes (on the thread
-    /// that completes it, or at once when already complete).
+    /// A future of `f` applied to this one's result, run when it completes (at once when
+    /// already complete; otherwise on the thread that completes it, or on the runtime's
+    /// blocking pool when that is a transport thread, so `f` may itself wait for RPCs).
     pub fn then<U: Send + 'static>(
         self,
         f: impl FnOnce(Result<T>) -> Result<U> + Send + 'static,
@@ -135,7 +136,17 @@ impl<T: Send + 'static> RpcFuture<T> {
             drop(g);
             promise.complete(f(v));
         } else {
-            g.callback = Some(Box::new(move |v| promise.complete(f(v))));
+            g.callback = Some(Box::new(move |v| {
+                // `f` may block (wait for another RPC): never on a thread of the transport's
+                // runtime, whose tasks (the RPC it waits for, possibly queued behind it on this
+                // very thread) would then never run.
+                match tokio::runtime::Handle::try_current() {
+                    Ok(h) => {
+                        h.spawn_blocking(move || promise.complete(f(v)));
+                    }
+                    Err(_) => promise.complete(f(v)),
+                }
+            }));
         }
         next
     }
@@ -164,6 +175,27 @@ impl<T> Promise<T> {
         }
         if let Some((cb, v)) = cb {
             cb(v);
+        }
+    }
+}
+
+/// A promise dropped without a result (its task was cancelled when RPC shut down) completes
+/// its future with an error, so that nobody waits forever.
+impl<T> Drop for Promise<T> {
+    fn drop(&mut self) {
+        let pending = !self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .done;
+        if pending {
+            let p = Promise {
+                inner: self.inner.clone(),
+            };
+            p.complete(Err(Error::NotInitialized {
+                op: "waiting for a call: RPC was shut down before it completed".into(),
+            }));
         }
     }
 }

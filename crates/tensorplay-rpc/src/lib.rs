@@ -47,8 +47,8 @@ mod wire;
 
 pub use agent::{
     RpcBackendOptions, To, WorkerInfo, current_worker, get_rpc_timeout, get_worker_info,
-    get_worker_infos, init_rpc, is_initialized, register, rpc_async, rpc_sync, set_rpc_timeout,
-    shutdown,
+    get_worker_infos, init_rpc, is_initialized, local_addr, register, rpc_async, rpc_sync,
+    set_rpc_timeout, shutdown,
 };
 pub use error::{Error, Result};
 pub use future::{RpcFuture, wait_all};
@@ -69,5 +69,66 @@ pub mod fuzz {
         let mut r = bytes;
         let (_, tensors) = rt.block_on(crate::frame::read_frame(&mut r))?;
         Ok(tensors.len())
+    }
+
+    /// A well-formed call message (of `func` with signature `sig`, from rank `sender`, with an
+    /// encoded `payload` and `tensors`), as a starting point for mutations and for foreign
+    /// peers in tests.
+    ///
+    /// # Errors
+    /// Tensors that cannot be sent.
+    pub fn encode_frame(
+        func: &str,
+        sig: &str,
+        sender: u32,
+        payload: &[u8],
+        tensors: &[tensorplay_core::Tensor],
+    ) -> crate::Result<Vec<u8>> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .map_err(|e| crate::Error::Transport(e.to_string()))?;
+        let mut env = crate::frame::Envelope {
+            kind: crate::frame::kind::CALL,
+            sender,
+            func: func.to_string(),
+            sig: sig.to_string(),
+            payload: payload.to_vec(),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        rt.block_on(crate::frame::write_frame(&mut out, &mut env, tensors))?;
+        Ok(out)
+    }
+
+    /// A message whose header describes tensors of `(dtype code, shape)` and whose prefix
+    /// claims `body_len` bytes of body, followed by `body`: hostile frames for tests.
+    ///
+    /// # Errors
+    /// The header cannot be encoded.
+    pub fn raw_frame(
+        tensors: &[(u8, Vec<u64>)],
+        body_len: u64,
+        body: &[u8],
+    ) -> crate::Result<Vec<u8>> {
+        let env = crate::frame::Envelope {
+            kind: crate::frame::kind::CALL,
+            tensors: tensors
+                .iter()
+                .map(|(dtype, shape)| crate::frame::TensorDesc {
+                    dtype: *dtype,
+                    shape: shape.clone(),
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let header = rkyv::to_bytes::<rkyv::rancor::Error>(&env)
+            .map_err(|e| crate::Error::Serialization(e.to_string()))?;
+        let mut out = Vec::with_capacity(16 + header.len() + body.len());
+        out.extend_from_slice(&crate::frame::MAGIC.to_le_bytes());
+        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body_len.to_le_bytes());
+        out.extend_from_slice(&header);
+        out.extend_from_slice(body);
+        Ok(out)
     }
 }

@@ -4,12 +4,15 @@
 //! [`RRef`] to it is a **user** with its own fork id. The owner keeps the value while any fork
 //! is registered or a local handle lives, following PyTorch's protocol:
 //! - `remote()` (A → B): A allocates the RRef id and its fork id; B runs the function, stores
-//!   the value and registers the fork, then acknowledges (A's RRef is then confirmed).
+//!   the value and registers the fork, then acknowledges (A's RRef is then confirmed). When
+//!   the function fails, B stores the error as the value (fetches see it) until A deletes.
 //! - Passing an RRef in an argument or result: the sender allocates a child fork id. An owner
 //!   sender registers the child at once ("early fork registration"); a user sender keeps its
 //!   own RRef alive until the child says it was accepted. A receiving user asks the owner to
 //!   register its fork (`FORK_REQUEST`) and then tells the parent (`CHILD_ACCEPT`); a
-//!   receiving owner resolves to its own value and tells a user parent at once.
+//!   receiving owner resolves to its own value and tells a user parent at once. As in
+//!   PyTorch, a function (or method) runs only once the RRefs among its arguments are
+//!   confirmed by their owners.
 //! - Dropping a user RRef sends `USER_DELETE` to the owner once its fork is confirmed; the
 //!   owner drops the value when no fork and no local handle remains.
 //! - Messages between two workers are not ordered (one QUIC stream each): an owner that is
@@ -30,7 +33,7 @@ use tokio::sync::watch;
 
 use crate::agent::{Agent, CallCtx, agent, from_core, run_blocking, signature};
 use crate::frame::{Envelope, kind};
-use crate::wire::{Decoder, Encoder, Wire, decode_value, encode_value};
+use crate::wire::{Decoder, Encoder, Wire, decode_args, decode_value, encode_value};
 use crate::{Error, Result, RpcFuture, To, WorkerInfo};
 
 /// A globally unique id: the worker that created it and a per-process counter.
@@ -199,16 +202,19 @@ impl RRefContext {
                 }
             }
         };
-        match timeout {
-            Some(t) => tokio::time::timeout(t, wait)
-                .await
-                .map_err(|_| Error::Timeout {
+        let r = match timeout {
+            Some(t) => tokio::time::timeout(t, wait).await.unwrap_or_else(|_| {
+                Err(Error::Timeout {
                     op: format!("waiting for the value of RRef {id} on its owner"),
                     worker: String::new(),
                     timeout: t,
-                })?,
+                })
+            }),
             None => wait.await,
-        }
+        };
+        // an entry made by this wait alone (an RRef deleted or never created) is not kept
+        self.maybe_remove(id);
+        r
     }
 
     /// Deletes the remaining user RRefs and waits until every deletion and fork message was
@@ -388,6 +394,38 @@ impl Drop for Inner {
             outstanding.fetch_sub(1, Ordering::SeqCst);
         });
     }
+}
+
+/// Blocks (on a blocking thread of the runtime) until each of `users` is confirmed by its
+/// owner, within the default timeout; the error of a fork the owner did not register.
+pub(crate) fn wait_confirmed(users: &[Arc<Inner>]) -> Result<()> {
+    if users.is_empty() {
+        return Ok(());
+    }
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return Ok(());
+    };
+    let limit = crate::get_rpc_timeout()
+        .ok()
+        .filter(|t| !t.is_zero())
+        .unwrap_or(Duration::from_secs(3600));
+    for u in users {
+        let mut rx = u.confirmed.subscribe();
+        let confirmed = handle
+            .block_on(async { tokio::time::timeout(limit, rx.wait_for(|c| *c)).await })
+            .is_ok_and(|r| r.is_ok());
+        if !confirmed {
+            return Err(Error::Timeout {
+                op: "waiting for the owner to confirm an RRef argument".into(),
+                worker: u.owner.name.clone(),
+                timeout: limit,
+            });
+        }
+        if let Some(e) = &*u.creation_error.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e.clone());
+        }
+    }
+    Ok(())
 }
 
 fn ids(owner: usize, rref: GloballyUniqueId, fork: GloballyUniqueId, parent: usize) -> Vec<u64> {
@@ -770,12 +808,16 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
                 inner.confirmed.send_replace(true);
             }
             Err(e) => {
+                // an error from the owner: it registered the fork (holding the error), which
+                // this RRef deletes when dropped; otherwise (timeout, lost worker) whether
+                // anything was registered is unknown: nothing to delete
+                if !matches!(e, Error::Remote { .. }) {
+                    inner.deleted.store(true, Ordering::SeqCst);
+                }
                 *inner
                     .creation_error
                     .lock()
                     .unwrap_or_else(|e| e.into_inner()) = Some(e);
-                // nothing was registered on the owner: nothing to delete
-                inner.deleted.store(true, Ordering::SeqCst);
                 inner.confirmed.send_replace(true);
             }
         }
@@ -847,7 +889,7 @@ where
             kind: "Signature".into(),
             message: format!("the RRef's value is not a {}", std::any::type_name::<T>()),
         })?;
-        let args: A = decode_value(
+        let args: A = decode_args(
             payload,
             tensors,
             caller,
@@ -1011,6 +1053,7 @@ impl<T: Send + 'static> Wire for RRef<T> {
         // from another user: ask the owner to register our fork, then accept with the parent
         let r = RRef::user_handle(&a, owner, rref_id, child, false);
         let inner = r.inner.clone();
+        d.unconfirmed.push(inner.clone());
         let a2 = a.clone();
         let outstanding = a.rrefs.outstanding.clone();
         outstanding.fetch_add(1, Ordering::SeqCst);
@@ -1118,22 +1161,26 @@ pub(crate) async fn dispatch(
     let timeout = crate::get_rpc_timeout().ok().filter(|t| !t.is_zero());
     match env.kind {
         kind::REMOTE => {
-            let reg = crate::agent::lookup(&env.func, &env.sig)?;
+            // The fork is registered whatever happens: a failed creation keeps its error as
+            // the value, for the fetches that may already be on their way (messages are not
+            // ordered), until the creator deletes its RRef like any other.
             a.rrefs.with_entry(rref_id, |e| e.forks.insert(fork_id));
-            let payload = env.payload;
-            let r =
-                run_blocking(move || (reg.remote)(&CallCtx { caller: peer }, &payload, tensors))
-                    .await;
+            let r = match crate::agent::lookup(&env.func, &env.sig) {
+                Ok(reg) => {
+                    let payload = env.payload;
+                    run_blocking(move || (reg.remote)(&CallCtx { caller: peer }, &payload, tensors))
+                        .await
+                }
+                Err(e) => Err(e),
+            };
             match r {
                 Ok(v) => {
                     a.rrefs.set_value(rref_id, Ok(v));
                     Ok(Encoder::default())
                 }
                 Err(e) => {
-                    // the creator will not send a deletion: forget the fork now
                     let e = named(a, e);
-                    a.rrefs.with_entry(rref_id, |en| en.forks.remove(&fork_id));
-                    a.rrefs.maybe_remove(rref_id);
+                    a.rrefs.set_value(rref_id, Err(e.clone()));
                     Err(e)
                 }
             }

@@ -83,6 +83,8 @@ pub struct Decoder<'a> {
     pub(crate) tensors: Vec<Option<Tensor>>,
     /// The rank of the worker that sent the value.
     pub(crate) from: usize,
+    /// User RRefs decoded from another user, not yet confirmed by their owner.
+    pub(crate) unconfirmed: Vec<std::sync::Arc<crate::rref::Inner>>,
 }
 
 impl<'a> Decoder<'a> {
@@ -92,6 +94,7 @@ impl<'a> Decoder<'a> {
             pos: 0,
             tensors: tensors.into_iter().map(Some).collect(),
             from,
+            unconfirmed: Vec::new(),
         }
     }
 
@@ -366,6 +369,28 @@ pub(crate) fn decode_value<T: Wire>(
     from: usize,
     what: &str,
 ) -> Result<T> {
+    decode_with(bytes, tensors, from, what).map(|(v, _)| v)
+}
+
+/// Decodes the arguments of a function (or method) about to run, on a blocking thread: as in
+/// PyTorch, the function runs only once every RRef among them is confirmed by its owner.
+pub(crate) fn decode_args<T: Wire>(
+    bytes: &[u8],
+    tensors: Vec<Tensor>,
+    from: usize,
+    what: &str,
+) -> Result<T> {
+    let (v, unconfirmed) = decode_with(bytes, tensors, from, what)?;
+    crate::rref::wait_confirmed(&unconfirmed)?;
+    Ok(v)
+}
+
+fn decode_with<T: Wire>(
+    bytes: &[u8],
+    tensors: Vec<Tensor>,
+    from: usize,
+    what: &str,
+) -> Result<(T, Vec<std::sync::Arc<crate::rref::Inner>>)> {
     let mut d = Decoder::new(bytes, tensors, from);
     let v = T::decode(&mut d).map_err(|e| match e {
         Error::Serialization(m) => Error::Serialization(format!(
@@ -375,5 +400,5 @@ pub(crate) fn decode_value<T: Wire>(
         other => other,
     })?;
     d.finish(what)?;
-    Ok(v)
+    Ok((v, d.unconfirmed))
 }
