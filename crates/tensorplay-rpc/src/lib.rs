@@ -31,8 +31,9 @@
 //! - **Security**: each worker generates a certificate at [`init_rpc`] and publishes its
 //!   fingerprint through the job's store; connections from certificates outside the job are
 //!   refused in the handshake, in both directions.
-//! - **Threads**: the transport runs on a small tokio runtime; user functions run on a separate
-//!   elastic pool, so nested RPCs never deadlock.
+//! - **Threads**: the transport runs on a small tokio runtime; a user function runs on the
+//!   thread that read its request once that thread has handed the transport to another one, so
+//!   nested RPCs never deadlock.
 //! - **Timeouts** everywhere (default 60 s, [`RpcBackendOptions::rpc_timeout`]); a worker that
 //!   died is reported as [`Error::WorkerUnreachable`], a slow one as [`Error::Timeout`].
 //! - **RRefs** follow PyTorch's ownership and reference-counting protocol ([`RRef`]).
