@@ -28,6 +28,10 @@
 //! - **Transport**: one QUIC connection (quinn) per pair of workers that talk, one stream per
 //!   call; the message header is an rkyv archive, validated before use. Windows and socket
 //!   buffers are raised for large tensors.
+//! - **Shared memory** between workers of one host: tensors of 64 KiB and more go through a
+//!   segment in `/dev/shm` instead of the QUIC stream (chosen automatically, confirmed per
+//!   pair of workers at [`init_rpc`]; `TENSORPLAY_RPC_SHM=0` turns it off). QUIC stays the
+//!   path between hosts.
 //! - **Security**: each worker generates a certificate at [`init_rpc`] and publishes its
 //!   fingerprint through the job's store; connections from certificates outside the job are
 //!   refused in the handshake, in both directions.
@@ -43,6 +47,7 @@ mod error;
 mod frame;
 mod future;
 mod rref;
+mod shm;
 mod tls;
 mod wire;
 
@@ -68,7 +73,7 @@ pub mod fuzz {
             .build()
             .map_err(|e| crate::Error::Transport(e.to_string()))?;
         let mut r = bytes;
-        let (_, tensors) = rt.block_on(crate::frame::read_frame(&mut r))?;
+        let (_, tensors) = rt.block_on(crate::frame::read_frame(&mut r, None))?;
         Ok(tensors.len())
     }
 }
