@@ -484,8 +484,8 @@ fn parse_rpc(text: &str) -> Vec<Metric> {
             Some(["rpc_async", "small"]) if t.len() >= 5 => {
                 push("rpc_async 5000 in flight".into(), num(3), "calls/s");
             }
-            Some(["echo", n]) if t.len() >= 10 && t[3] == "MiB" => {
-                push(format!("echo {n} MiB"), num(8), "GB/s");
+            Some(["echo", n]) if t.len() >= 9 && t[3] == "MiB" => {
+                push(format!("echo {n} MiB"), num(7), "GB/s");
             }
             Some(["remote+to_here", "p50"]) if t.len() >= 5 => {
                 push("remote+to_here p50".into(), num(3), "us");
