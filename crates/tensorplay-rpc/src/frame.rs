@@ -37,8 +37,9 @@ pub(crate) const MAX_HEADER: usize = 256 << 20;
 pub(crate) const MAX_BODY: u64 = 1 << 40;
 /// The size of the chunks handed to the stream.
 const CHUNK: usize = 1 << 20;
-/// Copies of at least this many bytes leave the runtime's thread free while they run.
-const OFFLOAD_BYTES: usize = 1 << 20;
+/// Copies of at least this many bytes leave the runtime's thread free while they run (a
+/// hand-off costs a thread wake-up, about what copying a few MiB costs).
+const OFFLOAD_BYTES: usize = 4 << 20;
 
 /// Message kinds.
 pub(crate) mod kind {

@@ -132,28 +132,21 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
+    /// Maps the first `len` bytes of `file`; a read-only mapping is populated at once (one
+    /// call instead of a page fault per few pages, since it is read entirely right away).
     fn map(file: &File, len: usize, writable: bool) -> std::io::Result<Mapping> {
         use std::os::fd::AsRawFd;
         if len == 0 {
             return Err(std::io::Error::other("empty mapping"));
         }
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
+        let (prot, flags) = if writable {
+            (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED)
         } else {
-            libc::PROT_READ
+            (libc::PROT_READ, libc::MAP_SHARED | libc::MAP_POPULATE)
         };
         // SAFETY: a fresh mapping chosen by the kernel (null hint) of an open file descriptor;
         // the result is checked for MAP_FAILED before use.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, file.as_raw_fd(), 0) };
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
