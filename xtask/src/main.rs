@@ -10,6 +10,10 @@
 //! - `bench-core`: runs the core benchmark (`cargo bench -p tensorplay-core --bench core_step`)
 //!   and PyTorch's anchor script `torch_core_step.py` in one run on this machine, and prints
 //!   both with the ratios (ours / PyTorch's time; ours / PyTorch's GFLOP/s).
+//! - `bench-rpc`: the RPC benchmark (`tensorplay-rpc`'s `bench_rpc` example) and PyTorch's
+//!   `torch_rpc_latency.py` (TensorPipe) alternately for several rounds, then the best round of
+//!   each with the ratios (ours / PyTorch's, for every metric; the goal column says which way
+//!   is better).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -72,6 +76,15 @@ enum Cmd {
         anchor: Anchor,
         /// How many times to alternate the two programs (the machines are noisy).
         #[arg(long, default_value_t = 5)]
+        rounds: usize,
+    },
+    /// RPC latency, calls/s and tensor echo throughput (2 workers on 127.0.0.1) next to
+    /// PyTorch's TensorPipe.
+    BenchRpc {
+        #[command(flatten)]
+        anchor: Anchor,
+        /// How many times to alternate the two programs (the machines are noisy).
+        #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
 }
@@ -446,6 +459,141 @@ fn bench_collectives(
     Ok(())
 }
 
+/// Parses the lines both RPC benchmarks print (the prefix differs):
+/// `<p> rpc_sync small  p50 X us  p99 Y us`, `<p> rpc_async small  X calls/s (5000 in flight)`,
+/// `<p> echo N MiB  X ms/round trip  Y GB/s`, `<p> remote+to_here   p50 X us`.
+fn parse_rpc(text: &str) -> Vec<Metric> {
+    let mut out = Vec::new();
+    let mut push = |key: String, value: Option<f64>, unit: &str| {
+        if let Some(value) = value {
+            out.push(Metric {
+                key,
+                value,
+                unit: unit.to_string(),
+            });
+        }
+    };
+    for line in text.lines() {
+        let t: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| t.get(i).and_then(|s| s.parse::<f64>().ok());
+        match t.get(1..3) {
+            Some(["rpc_sync", "small"]) if t.len() >= 9 => {
+                push("rpc_sync small p50".into(), num(4), "us");
+                push("rpc_sync small p99".into(), num(7), "us");
+            }
+            Some(["rpc_async", "small"]) if t.len() >= 5 => {
+                push("rpc_async 5000 in flight".into(), num(3), "calls/s");
+            }
+            Some(["echo", n]) if t.len() >= 9 && t[3] == "MiB" => {
+                push(format!("echo {n} MiB"), num(7), "GB/s");
+            }
+            Some(["remote+to_here", "p50"]) if t.len() >= 5 => {
+                push("remote+to_here p50".into(), num(3), "us");
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+fn bench_rpc(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String> {
+    let script = anchors.join("torch_rpc_latency.py");
+    let have_torch = script.exists() && python.exists();
+    if !have_torch {
+        eprintln!(
+            "note: PyTorch anchor not found ({} / {}); run `bash ../shared/anchors/setup.sh` \
+             to compare side by side. Reporting tensorplay only.",
+            script.display(),
+            python.display()
+        );
+    }
+    let args = [
+        "-q",
+        "--release",
+        "-p",
+        "tensorplay-rpc",
+        "--example",
+        "bench_rpc",
+    ];
+    // build once, outside the timed runs
+    run_capture(Command::new("cargo").arg("build").args(args))?;
+    let mut ours: Vec<Vec<Metric>> = Vec::new();
+    let mut theirs: Vec<Vec<Metric>> = Vec::new();
+    for r in 0..rounds.max(1) {
+        eprintln!("round {}: tensorplay", r + 1);
+        let o = run_capture(Command::new("cargo").arg("run").args(args))?;
+        print!("{o}");
+        ours.push(parse_rpc(&o));
+        if have_torch {
+            eprintln!("round {}: pytorch", r + 1);
+            let t = run_capture(
+                Command::new(python)
+                    .arg(&script)
+                    .env("OMP_NUM_THREADS", "1"),
+            )?;
+            print!("{t}");
+            theirs.push(parse_rpc(&t));
+        }
+    }
+    let best_of = |runs: &[Vec<Metric>], key: &str, unit: &str| -> Option<f64> {
+        let v: Vec<f64> = runs
+            .iter()
+            .flat_map(|v| v.iter().filter(|m| m.key == key).map(|m| m.value))
+            .collect();
+        (!v.is_empty()).then(|| best(&v, if unit == "us" { "us/step" } else { unit }))
+    };
+    println!();
+    println!(
+        "best of {} rounds; ratio = tensorplay / PyTorch for every metric",
+        rounds.max(1)
+    );
+    println!(
+        "{:<26} {:>16} {:>16} {:>8}  goal",
+        "metric", "tensorplay", "pytorch", "ratio"
+    );
+    let keys: Vec<(String, String)> = ours
+        .iter()
+        .flatten()
+        .map(|m| (m.key.clone(), m.unit.clone()))
+        .fold(Vec::new(), |mut acc, k| {
+            if !acc.contains(&k) {
+                acc.push(k);
+            }
+            acc
+        });
+    for (key, unit) in keys {
+        let Some(a) = best_of(&ours, &key, &unit) else {
+            continue;
+        };
+        let goal = match unit.as_str() {
+            "us" if key.ends_with("p50") && key.starts_with("rpc_sync") => {
+                Some((0.5, "<= 0.5 (time: lower is better)"))
+            }
+            "us" => None,
+            "calls/s" => Some((2.0, ">= 2 (rate: higher is better)")),
+            _ => Some((1.0, ">= 1 (GB/s: higher is better)")),
+        };
+        match best_of(&theirs, &key, &unit) {
+            Some(b) if b > 0.0 => {
+                let ratio = a / b;
+                let verdict = match goal {
+                    Some((g, text)) => {
+                        let met = if unit == "us" { ratio <= g } else { ratio >= g };
+                        format!("{text} {}", if met { "met" } else { "MISSED" })
+                    }
+                    None if unit == "us" => "(time: lower is better)".into(),
+                    None => String::new(),
+                };
+                println!(
+                    "{key:<26} {a:>10.1} {unit:<7} {b:>8.1} {unit:<7} {ratio:>8.3}  {verdict}"
+                );
+            }
+            _ => println!("{key:<26} {a:>10.1} {unit:<7}"),
+        }
+    }
+    Ok(())
+}
+
 /// Builds and runs the `tensorplay-conformance` program (in `crates/tensorplay-conformance`).
 fn conformance(vectors: &Path, backend: &str, timeout: u64) -> Result<(), String> {
     // resolve the path before cargo changes directory
@@ -483,6 +631,7 @@ fn main() -> ExitCode {
             max_mib,
         } => bench_collectives(&anchor.anchors, &anchor.python, world, max_mib),
         Cmd::BenchCore { anchor, rounds } => bench_core(&anchor.anchors, &anchor.python, rounds),
+        Cmd::BenchRpc { anchor, rounds } => bench_rpc(&anchor.anchors, &anchor.python, rounds),
         Cmd::Conformance {
             vectors,
             backend,
@@ -513,5 +662,31 @@ mod tests {
         assert_eq!(m[0].value, 151.2);
         assert_eq!(m[1].key, "matmul 512^3 f32");
         assert_eq!(m[1].unit, "GFLOP/s");
+    }
+
+    #[test]
+    fn parses_the_rpc_lines_of_both_programs() {
+        let text = "torch-rpc rpc_sync small  p50    312.5 us  p99    901.0 us\n\
+            torch-rpc rpc_async small       8123 calls/s (5000 in flight)\n\
+            torch-rpc echo  16 MiB     13.40 ms/round trip    2.504 GB/s\n\
+            torch-rpc remote+to_here   p50    700.2 us\n\
+            torch-rpc RemoteModule Linear(16,8) forward  p50    400.0 us\n";
+        let m = parse_rpc(text);
+        let keys: Vec<&str> = m.iter().map(|m| m.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "rpc_sync small p50",
+                "rpc_sync small p99",
+                "rpc_async 5000 in flight",
+                "echo 16 MiB",
+                "remote+to_here p50"
+            ]
+        );
+        assert_eq!(m[0].value, 312.5);
+        assert_eq!(m[1].value, 901.0);
+        assert_eq!(m[2].value, 8123.0);
+        assert_eq!(m[3].value, 2.504);
+        assert_eq!(m[4].value, 700.2);
     }
 }

@@ -1,11 +1,15 @@
 //! The RPC agent: one per process between `init_rpc` and `shutdown`. It owns a tokio runtime,
 //! a QUIC endpoint (server and client), one connection per peer it has called, and serves the
 //! streams peers open: each call is one bidirectional stream (request frame, response frame).
-//! User functions run on tokio's blocking pool, never on the I/O threads, so a function that
-//! itself makes RPCs (even to the caller, even many deep) cannot starve the transport.
+//! User functions run on the thread that read the request, after it handed the transport's
+//! work to another thread (`block_in_place`, see [`run_blocking`]), so a function that itself
+//! makes RPCs (even to the caller, even many deep) cannot starve the transport, and a cheap
+//! function costs no extra thread hand-off. Large tensors to workers of this host go through
+//! shared memory ([`crate::shm`]).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -17,6 +21,7 @@ use tensorplay_core::Tensor;
 use crate::frame::{Envelope, RemoteErr, kind, read_frame, write_frame};
 use crate::future::{Promise, RpcFuture};
 use crate::rref::RRefContext;
+use crate::shm::{self, ShmDir};
 use crate::tls::{self, Identity, JobVerifier};
 use crate::wire::{Encoder, Wire, decode_args, decode_value, encode_value};
 use crate::{Error, Result};
@@ -83,8 +88,10 @@ pub struct RpcBackendOptions {
     /// Default timeout of every call, `to_here` and the shutdown barrier (default 60 s);
     /// `Duration::ZERO` means no timeout.
     pub rpc_timeout: Duration,
-    /// Threads of the transport's runtime (default 4). User functions run on a separate
-    /// elastic pool, so this never limits nesting.
+    /// Threads of the transport's runtime (default 1: each extra thread adds hand-offs
+    /// between threads to every call, which cost more latency than they win on small
+    /// machines). A running user function hands its thread's transport work to another
+    /// thread first, so this never limits nesting or concurrency.
     pub num_worker_threads: usize,
     /// `"env://"` (default: `MASTER_ADDR`, `MASTER_PORT`) or `"tcp://host:port"`.
     pub init_method: String,
@@ -94,7 +101,7 @@ impl Default for RpcBackendOptions {
     fn default() -> Self {
         RpcBackendOptions {
             rpc_timeout: Duration::from_secs(60),
-            num_worker_threads: 4,
+            num_worker_threads: 1,
             init_method: "env://".into(),
         }
     }
@@ -212,6 +219,12 @@ pub(crate) struct Agent {
     shutdowns: AtomicU64,
     /// Bytes sent and received (requests and responses).
     pub(crate) bytes: AtomicU64,
+    /// This worker's shared-memory directory (large tensors to workers of this host).
+    shm: Option<ShmDir>,
+    /// By rank: the peer's shared-memory directory when this worker confirmed it can read it.
+    shm_peers: Vec<Option<PathBuf>>,
+    /// By rank: whether the peer confirmed it can read this worker's directory.
+    shm_send: Vec<bool>,
 }
 
 static AGENT: RwLock<Option<Arc<Agent>>> = RwLock::new(None);
@@ -349,6 +362,23 @@ pub fn init_rpc(
         &format!("fp/{rank}"),
         tls::hex(&id.fingerprint()).as_bytes(),
     )?;
+    // the shared-memory path: our directory, and which peers share this host's /dev/shm
+    let shm_root = Path::new(shm::ROOT);
+    let shm_dir = if shm::enabled() {
+        ShmDir::create(shm_root, shm::min_bytes(), shm::budget())
+            .inspect_err(|e| tracing::debug!(error = %e, "no shared-memory path"))
+            .ok()
+    } else {
+        None
+    };
+    store.set(
+        &format!("shm/{rank}"),
+        shm_dir
+            .as_ref()
+            .map(ShmDir::advert)
+            .unwrap_or_default()
+            .as_bytes(),
+    )?;
     let mut workers = Vec::with_capacity(world_size);
     let mut addrs = Vec::with_capacity(world_size);
     let mut fps = Vec::with_capacity(world_size);
@@ -363,6 +393,36 @@ pub fn init_rpc(
         addrs.push(a);
         fps.push(f);
     }
+    let shm_peers: Vec<Option<PathBuf>> = (0..world_size)
+        .map(|r| {
+            let advert = store.get(&format!("shm/{r}"))?;
+            Ok(shm_dir
+                .as_ref()
+                .and_then(|_| shm::confirm_peer(shm_root, &advert)))
+        })
+        .collect::<Result<_>>()?;
+    let confirmed: Vec<String> = (0..world_size)
+        .filter(|&r| shm_peers[r].is_some())
+        .map(|r| r.to_string())
+        .collect();
+    store.set(
+        &format!("shm-confirmed/{rank}"),
+        confirmed.join(",").as_bytes(),
+    )?;
+    let shm_send: Vec<bool> = (0..world_size)
+        .map(|r| {
+            let c = store.get(&format!("shm-confirmed/{r}"))?;
+            Ok(shm_dir.is_some()
+                && String::from_utf8_lossy(&c)
+                    .split(',')
+                    .any(|x| x == rank.to_string()))
+        })
+        .collect::<Result<_>>()?;
+    tracing::debug!(
+        worker = name,
+        ?shm_send,
+        "shared-memory path to these ranks"
+    );
     if let Some(dup) = workers
         .iter()
         .find(|w| workers.iter().filter(|v| v.name == w.name).count() > 1)
@@ -416,6 +476,9 @@ pub fn init_rpc(
         rrefs: RRefContext::default(),
         shutdowns: AtomicU64::new(0),
         bytes: AtomicU64::new(0),
+        shm: shm_dir,
+        shm_peers,
+        shm_send,
     });
     handle.spawn(accept_loop(agent.clone(), endpoint));
     *AGENT.write().unwrap_or_else(|e| e.into_inner()) = Some(agent.clone());
@@ -517,6 +580,9 @@ impl Agent {
 
     fn close(&self) {
         self.endpoint.close(0u32.into(), b"shutdown");
+        if let Some(d) = &self.shm {
+            d.close();
+        }
         self.rrefs.clear();
         if let Some(rt) = self
             .runtime
@@ -526,6 +592,16 @@ impl Agent {
         {
             rt.shutdown_timeout(Duration::from_secs(1));
         }
+    }
+
+    /// This worker's shared-memory directory when `rank` can read it.
+    fn shm_to(&self, rank: usize) -> Option<&ShmDir> {
+        self.shm.as_ref().filter(|_| self.shm_send[rank])
+    }
+
+    /// `rank`'s shared-memory directory when this worker can read it.
+    fn shm_from(&self, rank: usize) -> Option<&Path> {
+        self.shm_peers[rank].as_deref()
     }
 
     /// The rank of `to`.
@@ -615,14 +691,14 @@ impl Agent {
                 };
                 let (mut send, mut recv) = c.open_bi().await.map_err(|e| lost(&e))?;
                 env.sender = this.me.id as u32;
-                let sent = write_frame(&mut send, &mut env, &tensors)
+                let sent = write_frame(&mut send, &mut env, &tensors, this.shm_to(to))
                     .await
                     .map_err(|e| match c.close_reason() {
                         Some(r) => lost(&r),
                         None => e,
                     })?;
                 let _ = send.finish();
-                let resp = read_frame(&mut recv)
+                let resp = read_frame(&mut recv, this.shm_from(to))
                     .await
                     .map_err(|e| match c.close_reason() {
                         Some(r) => lost(&r),
@@ -734,7 +810,7 @@ async fn serve_stream(
     mut recv: quinn::RecvStream,
 ) {
     agent.serving.fetch_add(1, Ordering::SeqCst);
-    let (mut resp, tensors) = match read_frame(&mut recv).await {
+    let (mut resp, tensors) = match read_frame(&mut recv, agent.shm_from(peer)).await {
         Ok((env, ts)) if env.sender as usize == peer => dispatch(&agent, peer, env, ts).await,
         Ok((env, _)) => (
             error_env(
@@ -751,10 +827,10 @@ async fn serve_stream(
     };
     resp.kind = kind::RESPONSE;
     resp.sender = agent.me.id as u32;
-    if let Err(e) = write_frame(&mut send, &mut resp, &tensors).await {
+    if let Err(e) = write_frame(&mut send, &mut resp, &tensors, agent.shm_to(peer)).await {
         // a response that cannot be encoded becomes an error response
         let mut env = error_env(&agent, &e);
-        let _ = write_frame(&mut send, &mut env, &[]).await;
+        let _ = write_frame(&mut send, &mut env, &[], None).await;
     }
     let _ = send.finish();
     agent.serving.fetch_sub(1, Ordering::SeqCst);
@@ -791,30 +867,36 @@ pub(crate) fn error_env(agent: &Agent, e: &Error) -> Envelope {
     }
 }
 
-/// Runs a blocking user function off the I/O threads, catching panics.
+/// Runs a user function (which may block, sleep or make RPCs itself), catching panics.
+///
+/// On the agent's multi-threaded runtime the function runs right here, on the I/O thread that
+/// read the request, through `block_in_place`: the runtime first hands this thread's queue of
+/// tasks to another thread, so the transport keeps running while the function blocks, and
+/// nested calls cannot deadlock. Compared with `spawn_blocking`, a cheap function saves two
+/// thread hand-offs (to the pool and back) on the critical path of every call. Elsewhere (a
+/// current-thread runtime) it falls back to tokio's blocking pool.
 pub(crate) async fn run_blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
-    match tokio::task::spawn_blocking(move || {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+    let guarded = move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    let r = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(guarded),
+        _ => tokio::task::spawn_blocking(guarded)
+            .await
+            .map_err(|e| Error::Transport(format!("worker task failed: {e}")))?,
+    };
+    r.unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        Err(Error::Remote {
+            worker: String::new(),
+            kind: "Panic".into(),
+            message: msg,
+        })
     })
-    .await
-    {
-        Ok(Ok(r)) => r,
-        Ok(Err(p)) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
-            Err(Error::Remote {
-                worker: String::new(),
-                kind: "Panic".into(),
-                message: msg,
-            })
-        }
-        Err(e) => Err(Error::Transport(format!("worker task failed: {e}"))),
-    }
 }
 
 async fn dispatch(

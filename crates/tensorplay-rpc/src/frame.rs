@@ -1,29 +1,45 @@
 //! The wire format of one message (one QUIC stream direction carries exactly one):
 //!
 //! ```text
-//! [magic "TPR1": u32 LE][header length: u32 LE][body length: u64 LE]
+//! [magic "TPR2": u32 LE][header length: u32 LE][body length: u64 LE]
 //! [header: the rkyv archive of an Envelope]
-//! [body: the tensors' bytes, row-major, little-endian, one after another]
+//! [body: the inline tensors' bytes, row-major, little-endian, one after another]
 //! ```
 //!
 //! The header is validated by rkyv before use (`from_bytes` checks every pointer and length),
 //! and its lengths are checked against limits and against the body length before anything is
 //! allocated, so malformed or hostile bytes give an error, never a panic or a huge allocation.
 //! Tensor bytes never pass through rkyv: they are read straight into the new tensor's storage.
+//!
+//! Format 2 (`TPR2`) adds shared-memory tensors: a tensor whose [`TensorDesc::shm`] is set is
+//! not in the body but in a segment of the sender's shared-memory directory
+//! ([`crate::shm`]); only a receiver that confirmed that directory at `init_rpc` accepts
+//! such a reference, and it builds the file name from the two numbers itself.
 
+use std::future::Future;
+use std::mem::MaybeUninit;
+use std::path::Path;
+
+use bytes::{Bytes, BytesMut};
 use rkyv::{Archive, Deserialize, Serialize};
 use tensorplay_core::{DType, StorageElement, Tensor};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 
+use crate::shm::{self, Claim, ShmDir};
 use crate::wire::{dtype_code, dtype_from};
 use crate::{Error, Result};
 
-/// `"TPR1"`: tensorplay RPC, format version 1.
-pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TPR1");
+/// `"TPR2"`: tensorplay RPC, format version 2 (version 1 had no shared-memory tensors).
+pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TPR2");
 /// Largest header accepted (the payload of scalars and containers lives there).
 pub(crate) const MAX_HEADER: usize = 256 << 20;
 /// Largest body accepted (the sum of the tensors' bytes).
 pub(crate) const MAX_BODY: u64 = 1 << 40;
+/// The size of the chunks handed to the stream.
+const CHUNK: usize = 1 << 20;
+/// Copies of at least this many bytes leave the runtime's thread free while they run (a
+/// hand-off costs a thread wake-up, about what copying a few MiB costs).
+const OFFLOAD_BYTES: usize = 4 << 20;
 
 /// Message kinds.
 pub(crate) mod kind {
@@ -45,11 +61,21 @@ pub(crate) mod kind {
     pub(crate) const RESPONSE: u8 = 100;
 }
 
-/// One tensor of the body.
+/// Where a tensor's bytes are when they are not in the body: a segment of the sender's
+/// shared-memory directory, owned by one transfer.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ShmRef {
+    pub(crate) segment: u64,
+    pub(crate) transfer: u64,
+}
+
+/// One tensor of the message.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub(crate) struct TensorDesc {
     pub(crate) dtype: u8,
     pub(crate) shape: Vec<u64>,
+    /// Set when the bytes are in shared memory instead of the body.
+    pub(crate) shm: Option<ShmRef>,
 }
 
 /// An error travelling back to the caller.
@@ -76,7 +102,7 @@ pub(crate) struct Envelope {
     pub(crate) ids: Vec<u64>,
     /// The encoded arguments or result ([`crate::Wire`]).
     pub(crate) payload: Vec<u8>,
-    /// The tensors of the body.
+    /// The tensors of the message.
     pub(crate) tensors: Vec<TensorDesc>,
     /// Set on a response when the call failed.
     pub(crate) error: Option<RemoteErr>,
@@ -94,41 +120,141 @@ fn bytes_of<T: StorageElement>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), size_of_val(v)) }
 }
 
-/// The row-major bytes of a CPU tensor.
-fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    let t = t.contiguous()?;
-    Ok(match t.dtype() {
-        DType::F32 => t.with_cpu_data::<f32, _>(|v, l| {
-            bytes_of(&v[l.offset()..l.offset() + t.numel()]).to_vec()
-        })?,
-        DType::F64 => t.with_cpu_data::<f64, _>(|v, l| {
-            bytes_of(&v[l.offset()..l.offset() + t.numel()]).to_vec()
-        })?,
-        DType::I64 => t.with_cpu_data::<i64, _>(|v, l| {
-            bytes_of(&v[l.offset()..l.offset() + t.numel()]).to_vec()
-        })?,
-        DType::Bool => t.with_cpu_data::<bool, _>(|v, l| {
-            bytes_of(&v[l.offset()..l.offset() + t.numel()]).to_vec()
-        })?,
-    })
+/// Runs a long copy without holding up the transport: on the agent's multi-threaded runtime
+/// through `block_in_place` (the runtime's other tasks move to another thread meanwhile),
+/// inline elsewhere.
+fn offload<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
-/// Writes one message: prefix, header, tensor bytes.
-pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
+/// Where a frame is written: a QUIC stream takes the chunks as they are (no second copy).
+pub(crate) trait FrameSink: Send {
+    /// Writes one chunk.
+    fn put(&mut self, chunk: Bytes) -> impl Future<Output = std::io::Result<()>> + Send;
+}
+
+impl FrameSink for quinn::SendStream {
+    async fn put(&mut self, chunk: Bytes) -> std::io::Result<()> {
+        self.write_chunk(chunk).await.map_err(std::io::Error::from)
+    }
+}
+
+impl FrameSink for Vec<u8> {
+    fn put(&mut self, chunk: Bytes) -> impl Future<Output = std::io::Result<()>> + Send {
+        self.extend_from_slice(&chunk);
+        std::future::ready(Ok(()))
+    }
+}
+
+/// Gathers small pieces into chunks of about [`CHUNK`] bytes.
+struct Chunks<'a, W> {
+    w: &'a mut W,
+    buf: BytesMut,
+}
+
+impl<W: FrameSink> Chunks<'_, W> {
+    async fn flush(&mut self) -> Result<()> {
+        if !self.buf.is_empty() {
+            let c = self.buf.split().freeze();
+            self.w.put(c).await.map_err(io)?;
+        }
+        Ok(())
+    }
+
+    /// Appends a tensor's row-major bytes, copied from its storage a chunk at a time.
+    async fn tensor(&mut self, t: &Tensor) -> Result<()> {
+        let t = t.contiguous()?;
+        let n = t.numel();
+        let per = (CHUNK / elem_size(t.dtype())).max(1);
+        let mut i = 0;
+        while i < n {
+            let m = per.min(n - i);
+            self.buf.reserve(m * elem_size(t.dtype()));
+            append(&t, i, m, &mut self.buf)?;
+            i += m;
+            if self.buf.len() >= CHUNK {
+                self.flush().await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Appends elements `start..start+m` of a contiguous tensor to `buf`.
+fn append(t: &Tensor, start: usize, m: usize, buf: &mut BytesMut) -> Result<()> {
+    fn go<T: StorageElement>(t: &Tensor, start: usize, m: usize, buf: &mut BytesMut) -> Result<()> {
+        t.with_cpu_data::<T, _>(|v, l| {
+            let o = l.offset() + start;
+            buf.extend_from_slice(bytes_of(&v[o..o + m]));
+        })?;
+        Ok(())
+    }
+    match t.dtype() {
+        DType::F32 => go::<f32>(t, start, m, buf),
+        DType::F64 => go::<f64>(t, start, m, buf),
+        DType::I64 => go::<i64>(t, start, m, buf),
+        DType::Bool => go::<bool>(t, start, m, buf),
+    }
+}
+
+/// Writes one message: prefix, header, inline tensor bytes. With `shm` (the receiver can read
+/// this worker's shared-memory directory), tensors of at least its threshold go through
+/// segments instead of the stream. Returns the bytes the message carried.
+pub(crate) async fn write_frame<W: FrameSink>(
     w: &mut W,
     env: &mut Envelope,
     tensors: &[Tensor],
+    shm: Option<&ShmDir>,
 ) -> Result<u64> {
+    let sizes: Vec<usize> = tensors
+        .iter()
+        .map(|t| t.numel() * elem_size(t.dtype()))
+        .collect();
+    let mut claims: Vec<Option<Claim>> = sizes
+        .iter()
+        .map(|&b| shm.filter(|d| d.wants(b)).and_then(|d| d.claim(b)))
+        .collect();
+    let shm_bytes: usize = claims
+        .iter()
+        .zip(&sizes)
+        .filter(|(c, _)| c.is_some())
+        .map(|(_, &b)| b)
+        .sum();
+    if shm_bytes > 0 {
+        let copy = || -> Result<()> {
+            for (c, t) in claims.iter().zip(tensors) {
+                if let Some(c) = c {
+                    c.write_tensor(t)?;
+                }
+            }
+            Ok(())
+        };
+        if shm_bytes >= OFFLOAD_BYTES {
+            offload(copy)?;
+        } else {
+            copy()?;
+        }
+    }
     env.tensors = tensors
         .iter()
-        .map(|t| TensorDesc {
+        .zip(&claims)
+        .map(|(t, c)| TensorDesc {
             dtype: dtype_code(t.dtype()),
             shape: t.shape().iter().map(|&d| d as u64).collect(),
+            shm: c.as_ref().map(|c| {
+                let (segment, transfer) = c.reference();
+                ShmRef { segment, transfer }
+            }),
         })
         .collect();
-    let body: u64 = tensors
+    let body: u64 = sizes
         .iter()
-        .map(|t| (t.numel() * elem_size(t.dtype())) as u64)
+        .zip(&claims)
+        .filter(|(_, c)| c.is_none())
+        .map(|(&b, _)| b as u64)
         .sum();
     let header = rkyv::to_bytes::<rkyv::rancor::Error>(env)
         .map_err(|e| Error::Serialization(format!("envelope: {e}")))?;
@@ -142,21 +268,53 @@ pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
     prefix[..4].copy_from_slice(&MAGIC.to_le_bytes());
     prefix[4..8].copy_from_slice(&(header.len() as u32).to_le_bytes());
     prefix[8..].copy_from_slice(&body.to_le_bytes());
-    w.write_all(&prefix).await.map_err(io)?;
-    w.write_all(&header).await.map_err(io)?;
-    for t in tensors {
-        let b = tensor_bytes(t)?;
-        w.write_all(&b).await.map_err(io)?;
+    let mut out = Chunks {
+        w,
+        buf: BytesMut::with_capacity(16 + header.len() + (body as usize).min(CHUNK)),
+    };
+    out.buf.extend_from_slice(&prefix);
+    out.buf.extend_from_slice(&header);
+    for (t, c) in tensors.iter().zip(&claims) {
+        if c.is_none() {
+            out.tensor(t).await?;
+        }
     }
-    Ok(16 + header.len() as u64 + body)
+    out.flush().await?;
+    // sent: from now on the receiver gives the segments back
+    for c in claims.iter_mut().filter_map(Option::take) {
+        c.commit();
+    }
+    Ok(16 + header.len() as u64 + body + shm_bytes as u64)
 }
 
 fn io(e: std::io::Error) -> Error {
     Error::Transport(e.to_string())
 }
 
+/// The shared-memory references of a message being read: released when reading fails before
+/// they were consumed.
+struct PendingRefs<'a> {
+    dir: Option<&'a Path>,
+    refs: Vec<Option<ShmRef>>,
+}
+
+impl Drop for PendingRefs<'_> {
+    fn drop(&mut self) {
+        if let Some(dir) = self.dir {
+            for r in self.refs.iter().flatten() {
+                shm::release(dir, r.segment, r.transfer);
+            }
+        }
+    }
+}
+
 /// Reads one message written by [`write_frame`]. Every length is checked before it is used.
-pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Envelope, Vec<Tensor>)> {
+/// `shm`: the sender's shared-memory directory when this worker confirmed it at `init_rpc`;
+/// without it a message referring to shared memory is an error.
+pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    shm: Option<&Path>,
+) -> Result<(Envelope, Vec<Tensor>)> {
     let mut prefix = [0u8; 16];
     r.read_exact(&mut prefix).await.map_err(io)?;
     let magic = u32::from_le_bytes(prefix[..4].try_into().unwrap_or_default());
@@ -177,7 +335,17 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Envel
     r.read_exact(&mut header).await.map_err(io)?;
     let env = rkyv::from_bytes::<Envelope, rkyv::rancor::Error>(&header)
         .map_err(|e| Error::Serialization(format!("malformed message header: {e}")))?;
-    // the body must be exactly the tensors the header describes
+    let mut pending = PendingRefs {
+        dir: shm,
+        refs: env.tensors.iter().map(|d| d.shm).collect(),
+    };
+    if shm.is_none() && pending.refs.iter().any(Option::is_some) {
+        return Err(Error::Serialization(
+            "a message refers to shared memory, but its sender is not a confirmed worker of this host"
+                .into(),
+        ));
+    }
+    // the body must be exactly the inline tensors the header describes
     let mut sizes = Vec::with_capacity(env.tensors.len());
     let mut total: u64 = 0;
     for d in &env.tensors {
@@ -191,67 +359,126 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Envel
         let bytes = n
             .checked_mul(elem_size(dt) as u64)
             .ok_or_else(|| Error::Serialization("tensor size overflows".into()))?;
-        total = total
-            .checked_add(bytes)
-            .ok_or_else(|| Error::Serialization("body size overflows".into()))?;
-        sizes.push((dt, n as usize));
+        if bytes > MAX_BODY {
+            return Err(Error::Serialization(format!(
+                "a tensor of {bytes} bytes exceeds the limit of {MAX_BODY}"
+            )));
+        }
+        if d.shm.is_none() {
+            total = total
+                .checked_add(bytes)
+                .ok_or_else(|| Error::Serialization("body size overflows".into()))?;
+        }
+        sizes.push((dt, n as usize, bytes as usize));
     }
     if total != blen {
         return Err(Error::Serialization(format!(
             "the body holds {blen} bytes but the header describes {total}"
         )));
     }
-    let mut tensors = Vec::with_capacity(sizes.len());
-    for (d, (dt, n)) in env.tensors.iter().zip(sizes) {
-        let shape: Vec<usize> = d.shape.iter().map(|&s| s as usize).collect();
-        let t = match dt {
-            DType::F32 => Tensor::from_vec(read_into::<f32, R>(r, n).await?, &shape)?,
-            DType::F64 => Tensor::from_vec(read_into::<f64, R>(r, n).await?, &shape)?,
-            DType::I64 => Tensor::from_vec(read_into::<i64, R>(r, n).await?, &shape)?,
-            DType::Bool => {
-                let v = read_into::<u8, R>(r, n).await?;
-                if v.iter().any(|&b| b > 1) {
-                    return Err(Error::Serialization(
-                        "a bool tensor with bytes other than 0 and 1".into(),
-                    ));
-                }
-                Tensor::from_vec(v.into_iter().map(|b| b == 1).collect::<Vec<bool>>(), &shape)?
-            }
-        };
-        tensors.push(t);
+    let shapes: Vec<Vec<usize>> = env
+        .tensors
+        .iter()
+        .map(|d| d.shape.iter().map(|&s| s as usize).collect())
+        .collect();
+    let mut tensors: Vec<Option<Tensor>> = vec![None; sizes.len()];
+    for (i, &(dt, n, _)) in sizes.iter().enumerate() {
+        if pending.refs[i].is_none() {
+            tensors[i] = Some(read_inline(r, dt, n, &shapes[i]).await?);
+        }
     }
+    if let Some(dir) = shm {
+        let shm_bytes: usize = sizes
+            .iter()
+            .zip(&pending.refs)
+            .filter(|(_, s)| s.is_some())
+            .map(|(s, _)| s.2)
+            .sum();
+        let mut copy = || -> Result<()> {
+            for (i, &(dt, n, _)) in sizes.iter().enumerate() {
+                if let Some(s) = pending.refs[i].take() {
+                    tensors[i] = Some(shm::read_tensor(
+                        dir, s.segment, s.transfer, dt, n, &shapes[i],
+                    )?);
+                }
+            }
+            Ok(())
+        };
+        if shm_bytes >= OFFLOAD_BYTES {
+            offload(copy)?;
+        } else if shm_bytes > 0 {
+            copy()?;
+        }
+    }
+    let tensors = tensors
+        .into_iter()
+        .map(|t| t.ok_or_else(|| Error::Serialization("a tensor of the message is missing".into())))
+        .collect::<Result<Vec<_>>>()?;
     Ok((env, tensors))
 }
 
-/// Element types read straight from the stream: plain data, any bit pattern valid, no padding.
-trait Plain: Default + Clone {}
-impl Plain for u8 {}
-impl Plain for f32 {}
-impl Plain for f64 {}
-impl Plain for i64 {}
+/// Reads a tensor's bytes from the stream straight into new (uninitialised) storage.
+async fn read_inline<R: AsyncRead + Unpin>(
+    r: &mut R,
+    dt: DType,
+    n: usize,
+    shape: &[usize],
+) -> Result<Tensor> {
+    Ok(match dt {
+        DType::F32 => Tensor::from_vec(read_vec::<f32, R>(r, n).await?, shape)?,
+        DType::F64 => Tensor::from_vec(read_vec::<f64, R>(r, n).await?, shape)?,
+        DType::I64 => Tensor::from_vec(read_vec::<i64, R>(r, n).await?, shape)?,
+        DType::Bool => {
+            let v = read_vec::<u8, R>(r, n).await?;
+            if v.iter().any(|&b| b > 1) {
+                return Err(Error::Serialization(
+                    "a bool tensor with bytes other than 0 and 1".into(),
+                ));
+            }
+            Tensor::from_vec(v.into_iter().map(|b| b == 1).collect::<Vec<bool>>(), shape)?
+        }
+    })
+}
 
-/// Memory allocated ahead of the bytes that arrive: a header's claim alone never makes the
-/// receiver allocate more than this (the sender has to send the bytes).
-const READ_AHEAD: usize = 64 << 20;
-
-/// Reads `n` elements straight into a new vector. Up to [`READ_AHEAD`] bytes are allocated at
-/// once; a larger tensor grows as its bytes arrive, so a hostile length claim fails at the
-/// end of the stream instead of allocating what it claims.
-async fn read_into<T: Plain, R: AsyncRead + Unpin>(r: &mut R, n: usize) -> Result<Vec<T>> {
-    let size = size_of::<T>().max(1);
-    let step = (READ_AHEAD / size).max(1);
+/// Reads `n` elements of `T` (f32, f64, i64 or u8: every bit pattern valid) into a new
+/// vector, without zeroing it first. The vector is allocated only as the bytes arrive in
+/// pieces of at most 64 MiB, so a header that lies about a size cannot make us allocate much
+/// more than the peer actually sends.
+async fn read_vec<T: Copy, R: AsyncRead + Unpin>(r: &mut R, n: usize) -> Result<Vec<T>> {
+    const STEP: usize = 64 << 20;
+    let total = n * size_of::<T>();
     let mut v: Vec<T> = Vec::new();
-    while v.len() < n {
-        let start = v.len();
-        // one step at first, then doubling (amortised copies)
-        let grow = (n - start).min(step.max(start));
-        v.resize(start + grow, T::default());
-        // SAFETY: T is `Plain` (u8, f32, f64 or i64): every bit pattern is a valid value, no padding;
-        // the byte slice covers exactly the initialized elements `start..start + grow`.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(v[start..].as_mut_ptr().cast::<u8>(), grow * size)
+    let mut filled = 0usize; // bytes
+    while filled < total {
+        let want = (total - filled).min(STEP);
+        let elems_needed = (filled + want).div_ceil(size_of::<T>());
+        if v.capacity() < elems_needed {
+            v.try_reserve_exact(elems_needed - v.len())
+                .map_err(|e| shm::oom(elems_needed * size_of::<T>(), e))?;
+            shm::advise_huge(v.as_mut_ptr().cast(), v.capacity() * size_of::<T>());
+        }
+        let cap_bytes = v.capacity() * size_of::<T>();
+        // SAFETY: the allocation holds `cap_bytes` bytes; viewing them as MaybeUninit<u8> is
+        // always sound, and bytes before `filled` are initialised.
+        let all = unsafe {
+            std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<MaybeUninit<u8>>(), cap_bytes)
         };
-        r.read_exact(bytes).await.map_err(io)?;
+        let mut rb = ReadBuf::uninit(&mut all[filled..filled + want]);
+        while rb.remaining() > 0 {
+            let before = rb.filled().len();
+            std::future::poll_fn(|cx| std::pin::Pin::new(&mut *r).poll_read(cx, &mut rb))
+                .await
+                .map_err(io)?;
+            if rb.filled().len() == before {
+                return Err(Error::Transport(
+                    "the message ended before its tensors did".into(),
+                ));
+            }
+        }
+        filled += want;
+        // SAFETY: `filled` bytes are initialised; set_len only counts whole elements, and every
+        // bit pattern is a valid T.
+        unsafe { v.set_len(filled / size_of::<T>()) };
     }
     Ok(v)
 }
@@ -281,9 +508,9 @@ mod tests {
             ..Envelope::default()
         };
         let mut buf = Vec::new();
-        rt.block_on(write_frame(&mut buf, &mut env, &[at.clone(), b, c]))
+        rt.block_on(write_frame(&mut buf, &mut env, &[at.clone(), b, c], None))
             .unwrap();
-        let (got, ts) = rt.block_on(read_frame(&mut &buf[..])).unwrap();
+        let (got, ts) = rt.block_on(read_frame(&mut &buf[..], None)).unwrap();
         assert_eq!(got, env);
         assert_eq!(ts[0].shape(), &[3, 2]);
         assert_eq!(ts[0].to_vec::<f32>().unwrap(), at.to_vec::<f32>().unwrap());
@@ -292,26 +519,87 @@ mod tests {
     }
 
     #[test]
+    fn large_tensors_go_through_shared_memory_and_small_ones_inline() {
+        let rt = rt();
+        let root = std::env::temp_dir().join(format!("tp-frame-shm-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = ShmDir::create(&root, 1024, 1 << 30).unwrap();
+        let peer = shm::confirm_peer(&root, dir.advert().as_bytes()).unwrap();
+        let big = Tensor::from_vec(
+            (0..5000).map(|i| i as f64).collect::<Vec<f64>>(),
+            &[50, 100],
+        )
+        .unwrap();
+        let small = Tensor::from_vec(vec![1i64, 2, 3], &[3]).unwrap();
+        let mut env = Envelope::default();
+        let mut buf = Vec::new();
+        let sent = rt
+            .block_on(write_frame(
+                &mut buf,
+                &mut env,
+                &[small.clone(), big.t().unwrap()],
+                Some(&dir),
+            ))
+            .unwrap();
+        assert!(env.tensors[0].shm.is_none());
+        let r = env.tensors[1]
+            .shm
+            .expect("the large tensor went through shared memory");
+        assert!(buf.len() < 40_000 && sent > 40_000, "{} {sent}", buf.len());
+        // a receiver that did not confirm the sender's directory refuses the reference
+        assert!(rt.block_on(read_frame(&mut &buf[..], None)).is_err());
+        let (_, ts) = rt.block_on(read_frame(&mut &buf[..], Some(&peer))).unwrap();
+        assert_eq!(ts[0].to_vec::<i64>().unwrap(), vec![1, 2, 3]);
+        assert_eq!(ts[1].shape(), &[100, 50]);
+        assert_eq!(
+            ts[1].to_vec::<f64>().unwrap(),
+            big.t().unwrap().to_vec::<f64>().unwrap()
+        );
+        // the segment was given back: a second read of the same frame finds no transfer
+        assert!(rt.block_on(read_frame(&mut &buf[..], Some(&peer))).is_err());
+        // a truncated frame gives its segments back too
+        let mut env = Envelope::default();
+        let mut buf = Vec::new();
+        rt.block_on(write_frame(
+            &mut buf,
+            &mut env,
+            &[big.clone(), small],
+            Some(&dir),
+        ))
+        .unwrap();
+        let r2 = env.tensors[0].shm.unwrap();
+        assert_eq!(r2.segment, r.segment, "the free segment is reused");
+        assert!(
+            rt.block_on(read_frame(&mut &buf[..buf.len() - 1], Some(&peer)))
+                .is_err()
+        );
+        assert!(peer.join(format!("{:016x}.free", r2.segment)).exists());
+        drop(dir);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
     fn malformed_frames_are_errors() {
         let rt = rt();
         let mut env = Envelope::default();
         let mut buf = Vec::new();
         let t = Tensor::from_vec(vec![1.0f64; 4], &[4]).unwrap();
-        rt.block_on(write_frame(&mut buf, &mut env, &[t])).unwrap();
+        rt.block_on(write_frame(&mut buf, &mut env, &[t], None))
+            .unwrap();
         // wrong magic
         let mut bad = buf.clone();
         bad[0] ^= 0xff;
-        assert!(rt.block_on(read_frame(&mut &bad[..])).is_err());
+        assert!(rt.block_on(read_frame(&mut &bad[..], None)).is_err());
         // body shorter than the header says
         let bad = &buf[..buf.len() - 1];
-        assert!(rt.block_on(read_frame(&mut &bad[..])).is_err());
+        assert!(rt.block_on(read_frame(&mut &bad[..], None)).is_err());
         // body length disagreeing with the tensors
         let mut bad = buf.clone();
         bad[8] = bad[8].wrapping_add(8);
-        assert!(rt.block_on(read_frame(&mut &bad[..])).is_err());
+        assert!(rt.block_on(read_frame(&mut &bad[..], None)).is_err());
         // absurd header length
         let mut bad = buf.clone();
         bad[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(rt.block_on(read_frame(&mut &bad[..])).is_err());
+        assert!(rt.block_on(read_frame(&mut &bad[..], None)).is_err());
     }
 }

@@ -28,11 +28,16 @@
 //! - **Transport**: one QUIC connection (quinn) per pair of workers that talk, one stream per
 //!   call; the message header is an rkyv archive, validated before use. Windows and socket
 //!   buffers are raised for large tensors.
+//! - **Shared memory** between workers of one host: tensors of 64 KiB and more go through a
+//!   segment in `/dev/shm` instead of the QUIC stream (chosen automatically, confirmed per
+//!   pair of workers at [`init_rpc`]; `TENSORPLAY_RPC_SHM=0` turns it off). QUIC stays the
+//!   path between hosts.
 //! - **Security**: each worker generates a certificate at [`init_rpc`] and publishes its
 //!   fingerprint through the job's store; connections from certificates outside the job are
 //!   refused in the handshake, in both directions.
-//! - **Threads**: the transport runs on a small tokio runtime; user functions run on a separate
-//!   elastic pool, so nested RPCs never deadlock.
+//! - **Threads**: the transport runs on a small tokio runtime; a user function runs on the
+//!   thread that read its request once that thread has handed the transport to another one, so
+//!   nested RPCs never deadlock.
 //! - **Timeouts** everywhere (default 60 s, [`RpcBackendOptions::rpc_timeout`]); a worker that
 //!   died is reported as [`Error::WorkerUnreachable`], a slow one as [`Error::Timeout`].
 //! - **RRefs** follow PyTorch's ownership and reference-counting protocol ([`RRef`]).
@@ -42,6 +47,7 @@ mod error;
 mod frame;
 mod future;
 mod rref;
+mod shm;
 mod tls;
 mod wire;
 
@@ -67,7 +73,7 @@ pub mod fuzz {
             .build()
             .map_err(|e| crate::Error::Transport(e.to_string()))?;
         let mut r = bytes;
-        let (_, tensors) = rt.block_on(crate::frame::read_frame(&mut r))?;
+        let (_, tensors) = rt.block_on(crate::frame::read_frame(&mut r, None))?;
         Ok(tensors.len())
     }
 
@@ -96,7 +102,7 @@ pub mod fuzz {
             ..Default::default()
         };
         let mut out = Vec::new();
-        rt.block_on(crate::frame::write_frame(&mut out, &mut env, tensors))?;
+        rt.block_on(crate::frame::write_frame(&mut out, &mut env, tensors, None))?;
         Ok(out)
     }
 
@@ -117,6 +123,7 @@ pub mod fuzz {
                 .map(|(dtype, shape)| crate::frame::TensorDesc {
                     dtype: *dtype,
                     shape: shape.clone(),
+                    shm: None,
                 })
                 .collect(),
             ..Default::default()
