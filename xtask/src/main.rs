@@ -584,8 +584,9 @@ fn bench_rpc(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String>
                     None if unit == "us" => "(time: lower is better)".into(),
                     None => String::new(),
                 };
+                let p = if unit == "GB/s" { 3 } else { 1 };
                 println!(
-                    "{key:<26} {a:>10.1} {unit:<7} {b:>8.1} {unit:<7} {ratio:>8.3}  {verdict}"
+                    "{key:<26} {a:>10.p$} {unit:<7} {b:>8.p$} {unit:<7} {ratio:>8.3}  {verdict}"
                 );
             }
             _ => println!("{key:<26} {a:>10.1} {unit:<7}"),

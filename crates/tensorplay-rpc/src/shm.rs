@@ -190,19 +190,79 @@ pub(crate) fn oom(bytes: usize, e: impl std::fmt::Display) -> Error {
     ))
 }
 
+/// Buffers of at least this size are allocated on [`alloc_on_stable_thread`].
+const STABLE_ARENA_BYTES: usize = 4 << 20;
+
+type AllocJob = Box<dyn FnOnce() + Send>;
+
+/// Allocates an empty vector with room for `n` elements on one long-lived thread.
+///
+/// Why: glibc's malloc gives each thread an arena and returns an arena's emptied heap to the
+/// kernel, so the receive buffers of large tensors, allocated on whichever thread runs the
+/// transport at that moment (it moves between threads at every call), came from fresh
+/// memory every time, and the kernel zeroing those pages cost as much as the copy itself
+/// (perf: `clear_page_erms` a third of an echo's time at 16 MiB). Allocating them all on
+/// one thread lets the allocator reuse the memory of the previous tensor once it was freed,
+/// wherever it was freed. With another global allocator this costs one thread hand-off.
+fn alloc_on_stable_thread<T: Send + 'static>(
+    n: usize,
+) -> std::result::Result<Vec<T>, std::collections::TryReserveError> {
+    static JOBS: std::sync::LazyLock<Mutex<Option<std::sync::mpsc::Sender<AllocJob>>>> =
+        std::sync::LazyLock::new(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<AllocJob>();
+            let started = std::thread::Builder::new()
+                .name("tp-rpc-alloc".into())
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        job();
+                    }
+                });
+            Mutex::new(started.ok().map(|_| tx))
+        });
+    let alloc = move || {
+        let mut v = Vec::<T>::new();
+        v.try_reserve_exact(n).map(|()| v)
+    };
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let sent = JOBS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .is_some_and(|jobs| {
+            jobs.send(Box::new(move || {
+                let _ = tx.send(alloc());
+            }))
+            .is_ok()
+        });
+    match (sent, rx) {
+        (true, rx) => rx.recv().unwrap_or_else(|_| {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n).map(|()| v)
+        }),
+        (false, _) => {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n).map(|()| v)
+        }
+    }
+}
+
 /// A new vector of `n` elements whose bytes `fill` writes (every one of them).
 ///
 /// # Safety contract
 /// `T` must be a type for which every bit pattern is valid (f32, f64, i64, u8), and `fill`
 /// must initialise the whole slice it is given or fail.
-fn new_vec_with<T: Copy>(
+fn new_vec_with<T: Copy + Send + 'static>(
     n: usize,
     fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> Result<()>,
 ) -> Result<Vec<T>> {
-    let mut v: Vec<T> = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|e| oom(n * size_of::<T>(), e))?;
     let bytes = n * size_of::<T>();
+    let mut v: Vec<T> = if bytes >= STABLE_ARENA_BYTES {
+        alloc_on_stable_thread(n)
+    } else {
+        let mut v = Vec::new();
+        v.try_reserve_exact(n).map(|()| v)
+    }
+    .map_err(|e| oom(bytes, e))?;
     advise_huge(v.as_mut_ptr().cast(), bytes);
     // SAFETY: the capacity holds at least `bytes` bytes; MaybeUninit<u8> has no validity
     // requirement, so viewing the spare capacity as uninitialised bytes is sound.
@@ -469,9 +529,10 @@ fn read_inner(
         .checked_mul(dtype.size_in_bytes())
         .ok_or_else(|| Error::Serialization("tensor size overflows".into()))?;
     let path = dir.join(busy_name(seg, xfer));
+    // O_NONBLOCK: a FIFO planted under the name cannot block us (regular files ignore it)
     let file = OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(&path)
         .map_err(|e| shm_err(&format!("opening the peer's segment {}", path.display()), e))?;
     let meta = file.metadata().map_err(|e| shm_err("segment", e))?;
@@ -554,14 +615,15 @@ pub(crate) fn confirm_peer(root: &Path, advert: &[u8]) -> Option<PathBuf> {
         return None;
     }
     let mut got = String::new();
-    OpenOptions::new()
+    let f = OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path.join(HOST_FILE))
-        .ok()?
-        .take(256)
-        .read_to_string(&mut got)
         .ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
+    f.take(256).read_to_string(&mut got).ok()?;
     (got == token).then(|| path.to_path_buf())
 }
 
@@ -722,6 +784,14 @@ mod tests {
         std::os::unix::fs::symlink(dir.path(), &link).unwrap();
         let via_link = format!("{}\n{}", link.display(), dir.token);
         assert!(confirm_peer(&root, via_link.as_bytes()).is_none());
+        // a FIFO as the token file neither blocks nor confirms
+        let fifo_dir = root.join(format!("{PREFIX}fifo"));
+        std::fs::create_dir(&fifo_dir).unwrap();
+        let fifo = std::ffi::CString::new(fifo_dir.join(HOST_FILE).to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let via_fifo = format!("{}\n{}", fifo_dir.display(), dir.token);
+        assert!(confirm_peer(&root, via_fifo.as_bytes()).is_none());
         assert!(confirm_peer(&root, b"\xff\xfe").is_none());
         assert!(confirm_peer(&root, b"").is_none());
         let _ = std::fs::remove_dir_all(&root);
