@@ -22,8 +22,10 @@
 //!   reused, so a transfer is one `memcpy` into pages that are already resident. A segment is
 //!   named `<segment>.free` while free and `<segment>.<transfer>` while a transfer owns it;
 //!   the sender claims a free one by renaming it (atomic), copies the tensor in, and sends
-//!   `(segment, transfer)` in the frame. The receiver maps `<segment>.<transfer>` read-only,
-//!   copies it into the new tensor's storage, and gives the segment back by renaming it to
+//!   `(segment, transfer)` in the frame. The receiver opens `<segment>.<transfer>`, copies
+//!   from its read-only mapping of the segment (kept between transfers, see
+//!   [`peer_mapping`]) into the new tensor's storage (allocated on one long-lived thread, see
+//!   [`alloc_on_stable_thread`]), and gives the segment back by renaming it to
 //!   `<segment>.free`. Transfer numbers are never reused, so a late or duplicate release can
 //!   only ever touch its own transfer. A sender that fails before its frame was sent releases
 //!   its claims itself; a receiver that fails after reading a header releases the segments it
@@ -33,7 +35,10 @@
 //!   at `init_rpc`. Sizes are checked against the file before mapping.
 //! - **Memory**: segments stay allocated while free (that is what makes them fast), up to a
 //!   budget per worker ([`budget`], 1 GiB by default); over it, free segments are deleted and,
-//!   failing that, the tensor travels over QUIC.
+//!   failing that, the tensor travels over QUIC. A receiver keeps at most 32 peer segments
+//!   mapped. A same-user process that truncates a segment while a receiver copies from it
+//!   would crash that receiver (SIGBUS); workers never truncate segments, and other users
+//!   cannot reach them (0700 directories).
 //!
 //! Settings (environment): `TENSORPLAY_RPC_SHM=0` turns the path off;
 //! `TENSORPLAY_RPC_SHM_MIN_BYTES` (default 64 KiB) and `TENSORPLAY_RPC_SHM_BUDGET_MB`
