@@ -583,6 +583,7 @@ impl Agent {
         if let Some(d) = &self.shm {
             d.close();
         }
+        shm::forget_peer_mappings();
         self.rrefs.clear();
         if let Some(rt) = self
             .runtime

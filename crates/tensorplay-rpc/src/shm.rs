@@ -22,8 +22,10 @@
 //!   reused, so a transfer is one `memcpy` into pages that are already resident. A segment is
 //!   named `<segment>.free` while free and `<segment>.<transfer>` while a transfer owns it;
 //!   the sender claims a free one by renaming it (atomic), copies the tensor in, and sends
-//!   `(segment, transfer)` in the frame. The receiver maps `<segment>.<transfer>` read-only,
-//!   copies it into the new tensor's storage, and gives the segment back by renaming it to
+//!   `(segment, transfer)` in the frame. The receiver opens `<segment>.<transfer>`, copies
+//!   from its read-only mapping of the segment (kept between transfers, see
+//!   [`peer_mapping`]) into the new tensor's storage (allocated on one long-lived thread, see
+//!   [`alloc_on_stable_thread`]), and gives the segment back by renaming it to
 //!   `<segment>.free`. Transfer numbers are never reused, so a late or duplicate release can
 //!   only ever touch its own transfer. A sender that fails before its frame was sent releases
 //!   its claims itself; a receiver that fails after reading a header releases the segments it
@@ -33,7 +35,10 @@
 //!   at `init_rpc`. Sizes are checked against the file before mapping.
 //! - **Memory**: segments stay allocated while free (that is what makes them fast), up to a
 //!   budget per worker ([`budget`], 1 GiB by default); over it, free segments are deleted and,
-//!   failing that, the tensor travels over QUIC.
+//!   failing that, the tensor travels over QUIC. A receiver keeps at most 32 peer segments
+//!   mapped. A same-user process that truncates a segment while a receiver copies from it
+//!   would crash that receiver (SIGBUS); workers never truncate segments, and other users
+//!   cannot reach them (0700 directories).
 //!
 //! Settings (environment): `TENSORPLAY_RPC_SHM=0` turns the path off;
 //! `TENSORPLAY_RPC_SHM_MIN_BYTES` (default 64 KiB) and `TENSORPLAY_RPC_SHM_BUDGET_MB`
@@ -551,15 +556,16 @@ fn read_inner(
     if bytes == 0 {
         return tensor_of(dtype, shape, |_| Ok(()), n);
     }
-    let map = Mapping::map(&file, bytes, false).map_err(|e| shm_err("mapping a segment", e))?;
+    let map =
+        peer_mapping(dir, seg, &file, &meta, bytes).map_err(|e| shm_err("mapping a segment", e))?;
     drop(file);
     tensor_of(
         dtype,
         shape,
         |dst| {
-            // SAFETY: the mapping is `bytes` long (the file was checked to be at least that
-            // long; the owner never shrinks a segment), `dst` is `bytes` long, and the two
-            // cannot overlap.
+            // SAFETY: the mapping is at least `bytes` long (the file was checked to be at
+            // least that long; the owner never shrinks a segment), `dst` is `bytes` long, and
+            // the two cannot overlap.
             unsafe {
                 std::ptr::copy_nonoverlapping(map.ptr, dst.as_mut_ptr().cast::<u8>(), bytes);
             }
@@ -567,6 +573,78 @@ fn read_inner(
         },
         n,
     )
+}
+
+/// A peer's segment as this worker mapped it.
+struct PeerMap {
+    dev: u64,
+    ino: u64,
+    map: Arc<Mapping>,
+    used: u64,
+}
+
+/// At most this many peer segments stay mapped.
+const MAX_PEER_MAPS: usize = 32;
+
+type PeerMaps = std::collections::HashMap<(PathBuf, u64), PeerMap>;
+
+static PEER_MAPS: std::sync::LazyLock<Mutex<(PeerMaps, u64)>> =
+    std::sync::LazyLock::new(|| Mutex::new((PeerMaps::new(), 0)));
+
+/// A read-only mapping of at least the first `bytes` bytes of a peer's segment, kept between
+/// transfers: mapping (populating the page tables) and unmapping a segment per transfer was
+/// about 12% of a 16 MiB echo. A segment keeps its file (inode and size) for its life and
+/// segment numbers are never reused, so a kept mapping sees the data of every later transfer
+/// through the same segment; the inode is compared anyway. The least recently used mapping
+/// goes when more than [`MAX_PEER_MAPS`] are kept, and all go at shutdown.
+fn peer_mapping(
+    dir: &Path,
+    seg: u64,
+    file: &File,
+    meta: &std::fs::Metadata,
+    bytes: usize,
+) -> std::io::Result<Arc<Mapping>> {
+    let mut g = PEER_MAPS.lock().unwrap_or_else(|e| e.into_inner());
+    let (maps, tick) = &mut *g;
+    *tick += 1;
+    let key = (dir.to_path_buf(), seg);
+    if let Some(m) = maps.get_mut(&key)
+        && m.dev == meta.dev()
+        && m.ino == meta.ino()
+        && m.map.len >= bytes
+    {
+        m.used = *tick;
+        return Ok(m.map.clone());
+    }
+    let map = Arc::new(Mapping::map(file, bytes, false)?);
+    if maps.len() >= MAX_PEER_MAPS
+        && !maps.contains_key(&key)
+        && let Some(oldest) = maps
+            .iter()
+            .min_by_key(|(_, m)| m.used)
+            .map(|(k, _)| k.clone())
+    {
+        maps.remove(&oldest);
+    }
+    maps.insert(
+        key,
+        PeerMap {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            map: map.clone(),
+            used: *tick,
+        },
+    );
+    Ok(map)
+}
+
+/// Unmaps every peer segment kept by [`peer_mapping`] (at shutdown).
+pub(crate) fn forget_peer_mappings() {
+    PEER_MAPS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .0
+        .clear();
 }
 
 /// A new tensor whose `n` elements' bytes `fill` writes.
@@ -696,6 +774,8 @@ mod tests {
         )
         .unwrap();
         for round in 0..3 {
+            // new values each round: the receiver's kept mapping sees every transfer's data
+            let x = x.mul_scalar(f64::from(round)).unwrap();
             let c = dir.claim(400_000).unwrap();
             c.write_tensor(&x).unwrap();
             let (seg, xfer) = c.reference();
