@@ -296,7 +296,7 @@ pub(crate) struct Inner {
 
 impl Inner {
     /// Sends the user's deletion to the owner once confirmed (at most once).
-    fn delete_now(self: &Arc<Self>, agent: &Arc<Agent>) {
+    fn delete_now(&self, agent: &Arc<Agent>) {
         if self.is_owner || self.deleted.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -353,46 +353,7 @@ impl Drop for Inner {
             agent.rrefs.maybe_remove(self.rref_id);
             return;
         }
-        if self.deleted.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        // same as delete_now, without an Arc of self
-        let mut confirmed = self.confirmed.subscribe();
-        let (owner, rref_id, fork_id) = (self.owner.id, self.rref_id, self.fork_id);
-        let outstanding = agent.rrefs.outstanding.clone();
-        outstanding.fetch_add(1, Ordering::SeqCst);
-        let a = agent.clone();
-        agent.handle.spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(60), async {
-                while !*confirmed.borrow_and_update() {
-                    if confirmed.changed().await.is_err() {
-                        break;
-                    }
-                }
-            })
-            .await;
-            let env = Envelope {
-                kind: kind::USER_DELETE,
-                ids: ids(owner, rref_id, fork_id, 0),
-                ..Envelope::default()
-            };
-            for _ in 0..3 {
-                let r = a
-                    .clone()
-                    .request(
-                        owner,
-                        env.clone(),
-                        vec![],
-                        Some(Duration::from_secs(20)),
-                        "rref delete".into(),
-                    )
-                    .await;
-                if !matches!(r, Err(Error::Timeout { .. })) {
-                    break;
-                }
-            }
-            outstanding.fetch_sub(1, Ordering::SeqCst);
-        });
+        self.delete_now(&agent);
     }
 }
 
