@@ -619,3 +619,30 @@ fn nccl_world() -> TestResult {
     })?;
     Ok(())
 }
+
+/// Regression: an `irecv` posted before the matching `isend` used to hold the backend's lock
+/// while it waited, so the `isend` behind it never ran and both ranks timed out.
+#[test]
+fn irecv_posted_before_isend_does_not_block_it() -> TestResult {
+    dist::spawn::spawn(2, |rank| -> TestResult {
+        init(10)?;
+        let peer = 1 - rank;
+        for round in 0..3u64 {
+            let inp = Tensor::zeros(&[4], DType::F64)?;
+            let wr = dist::irecv(&inp, peer, None, round)?;
+            // give the receive time to start waiting before the send is posted
+            std::thread::sleep(Duration::from_millis(50));
+            let v = (round * 10) as f64 + rank as f64;
+            let out = tensor(&[v; 4], &[4], DType::F64);
+            let ws = dist::isend(&out, peer, None, round)?;
+            ws.wait(Some(Duration::from_secs(10)))?;
+            wr.wait(Some(Duration::from_secs(10)))?;
+            let want = (round * 10) as f64 + peer as f64;
+            check("irecv before isend", as_f64(&inp), vec![want; 4])?;
+        }
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
+    Ok(())
+}

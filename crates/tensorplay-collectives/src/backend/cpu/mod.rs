@@ -11,6 +11,11 @@
 //! connection gives [`Error::PeerFailed`] naming it. After any error the backend shuts its
 //! connections down (so that peers fail fast too) and every later call fails.
 //!
+//! Point-to-point calls lock only their direction of one connection: an `isend` and an
+//! `irecv` in flight at once proceed independently. A collective waits until the
+//! point-to-point calls in flight on this rank have finished (within its timeout), so wait for
+//! them before the next collective, as with gloo.
+//!
 //! The algorithms and their thresholds are described in the `algo` module: latency-optimal
 //! direct exchanges up to 64 KiB, chunked and pipelined rings (or chains) above.
 
@@ -77,6 +82,11 @@ pub struct CpuBackend {
     peers: Vec<Option<Peer>>,
     sent: AtomicU64,
     state: Mutex<State>,
+    /// Per peer, the locks of its two directions (receive, send) for point-to-point calls.
+    /// A collective holds every one of them (after `state`); a send or receive holds only the
+    /// one it uses, so that an `isend` and an `irecv` in flight at once never wait for each
+    /// other.
+    p2p: Vec<(Mutex<()>, Mutex<()>)>,
 }
 
 fn dtype_code(d: DType) -> u8 {
@@ -157,6 +167,9 @@ impl CpuBackend {
             peers,
             sent: AtomicU64::new(0),
             state: Mutex::new(State::default()),
+            p2p: (0..size)
+                .map(|_| (Mutex::new(()), Mutex::new(())))
+                .collect(),
         })
     }
 
@@ -207,17 +220,8 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// Runs one collective (or, with `Kind::P2p`, one send/recv): locks the state, sets the
-    /// socket timeouts, and on error shuts every connection down and marks the backend failed.
-    fn run(
-        &self,
-        kind: Kind,
-        sig: (DType, u8, usize, usize),
-        seq: Option<u64>,
-        timeout: Duration,
-        f: impl FnOnce(&Ctx<'_>, &mut Scratch) -> Result<()>,
-    ) -> Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+    /// Checks that the backend has not failed and sets the socket timeouts.
+    fn prepare(&self, st: &mut State, kind: Kind, timeout: Duration) -> Result<()> {
         if let Some(e) = &st.failed {
             return Err(Error::Backend {
                 backend: "cpu".into(),
@@ -234,14 +238,24 @@ impl CpuBackend {
             }
             st.timeout = Some(timeout);
         }
-        let seq = match seq {
-            Some(tag) => tag,
-            None => {
-                st.seq += 1;
-                st.seq
-            }
-        };
-        let cx = Ctx {
+        Ok(())
+    }
+
+    /// After an error: shuts every connection down (so that peers fail fast) and marks the
+    /// backend failed.
+    fn fail(&self, st: &mut State, e: &Error) {
+        self.peers.iter().flatten().for_each(Peer::shutdown);
+        st.failed = Some(e.to_string());
+    }
+
+    fn ctx(
+        &self,
+        kind: Kind,
+        sig: (DType, u8, usize, usize),
+        seq: u64,
+        timeout: Duration,
+    ) -> Ctx<'_> {
+        Ctx {
             rank: self.rank,
             size: self.size,
             peers: &self.peers,
@@ -256,11 +270,58 @@ impl CpuBackend {
                 aux: sig.3 as u64,
                 len: 0,
             },
-        };
+        }
+    }
+
+    /// Runs one collective: locks the state and every point-to-point direction, sets the
+    /// socket timeouts, and on error shuts every connection down and marks the backend failed.
+    fn run(
+        &self,
+        kind: Kind,
+        sig: (DType, u8, usize, usize),
+        timeout: Duration,
+        f: impl FnOnce(&Ctx<'_>, &mut Scratch) -> Result<()>,
+    ) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.prepare(&mut st, kind, timeout)?;
+        let _directions: Vec<_> = self
+            .p2p
+            .iter()
+            .flat_map(|(r, w)| [r, w])
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
+            .collect();
+        st.seq += 1;
+        let cx = self.ctx(kind, sig, st.seq, timeout);
         let r = f(&cx, &mut st.scratch);
         if let Err(e) = &r {
-            self.peers.iter().flatten().for_each(Peer::shutdown);
-            st.failed = Some(e.to_string());
+            self.fail(&mut st, e);
+        }
+        r
+    }
+
+    /// Runs one send (`sending`) to or receive from `peer`: holds the state only to check it,
+    /// then only the lock of that direction, so that a send and a receive in flight at once
+    /// (`isend` + `irecv` around a ring) proceed independently.
+    fn run_p2p(
+        &self,
+        peer: usize,
+        sending: bool,
+        sig: (DType, u8, usize, usize),
+        tag: u64,
+        timeout: Duration,
+        f: impl FnOnce(&Ctx<'_>) -> Result<()>,
+    ) -> Result<()> {
+        {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            self.prepare(&mut st, Kind::P2p, timeout)?;
+        }
+        let (r, w) = &self.p2p[peer];
+        let _direction = if sending { w } else { r }
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let r = f(&self.ctx(Kind::P2p, sig, tag, timeout));
+        if let Err(e) = &r {
+            self.fail(&mut self.state.lock().unwrap_or_else(|e| e.into_inner()), e);
         }
         r
     }
@@ -285,7 +346,7 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let sig = (data.dtype(), redop_code(op), data.len(), 0);
-        self.run(Kind::AllReduce, sig, None, timeout, |cx, sc| {
+        self.run(Kind::AllReduce, sig, timeout, |cx, sc| {
             algo::all_reduce(cx, sc, data, op)
         })
     }
@@ -296,7 +357,7 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let sig = (data.dtype(), NO_REDOP, data.len(), root);
-        self.run(Kind::Broadcast, sig, None, timeout, |cx, _| {
+        self.run(Kind::Broadcast, sig, timeout, |cx, _| {
             algo::broadcast(cx, data, root)
         })
     }
@@ -308,7 +369,7 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let sig = (data.dtype(), redop_code(op), data.len(), root);
-        self.run(Kind::Reduce, sig, None, timeout, |cx, sc| {
+        self.run(Kind::Reduce, sig, timeout, |cx, sc| {
             algo::reduce(cx, sc, data, op, root)
         })
     }
@@ -328,7 +389,7 @@ impl Backend for CpuBackend {
             return copy(OP, self.rank, &mut output, input);
         }
         let sig = (input.dtype(), NO_REDOP, output.len(), 0);
-        self.run(Kind::AllGather, sig, None, timeout, |cx, _| {
+        self.run(Kind::AllGather, sig, timeout, |cx, _| {
             algo::all_gather(cx, input, output, counts)
         })
     }
@@ -348,7 +409,7 @@ impl Backend for CpuBackend {
             return copy(OP, self.rank, &mut output, input);
         }
         let sig = (input.dtype(), redop_code(op), output.len(), 0);
-        self.run(Kind::ReduceScatter, sig, None, timeout, |cx, sc| {
+        self.run(Kind::ReduceScatter, sig, timeout, |cx, sc| {
             algo::reduce_scatter(cx, sc, input, output, op)
         })
     }
@@ -390,7 +451,7 @@ impl Backend for CpuBackend {
             };
         }
         let sig = (input.dtype(), NO_REDOP, total, root);
-        self.run(Kind::Gather, sig, None, timeout, |cx, _| {
+        self.run(Kind::Gather, sig, timeout, |cx, _| {
             algo::gather(cx, input, output, counts, root)
         })
     }
@@ -432,7 +493,7 @@ impl Backend for CpuBackend {
             };
         }
         let sig = (output.dtype(), NO_REDOP, total, root);
-        self.run(Kind::Scatter, sig, None, timeout, |cx, _| {
+        self.run(Kind::Scatter, sig, timeout, |cx, _| {
             algo::scatter(cx, input, output, counts, root)
         })
     }
@@ -453,7 +514,7 @@ impl Backend for CpuBackend {
             return copy(OP, self.rank, &mut output, input);
         }
         let sig = (input.dtype(), NO_REDOP, 0, 0);
-        self.run(Kind::AllToAll, sig, None, timeout, |cx, _| {
+        self.run(Kind::AllToAll, sig, timeout, |cx, _| {
             algo::all_to_all(cx, input, send_counts, output, recv_counts)
         })
     }
@@ -463,7 +524,7 @@ impl Backend for CpuBackend {
             return Err(self.invalid("send", "dst", "another rank of the group", dst));
         }
         let sig = (data.dtype(), NO_REDOP, data.len(), 0);
-        self.run(Kind::P2p, sig, Some(tag), timeout, |cx, _| {
+        self.run_p2p(dst, true, sig, tag, timeout, |cx| {
             let hdr = Header {
                 len: data.as_bytes().len() as u64,
                 ..cx.sig
@@ -483,7 +544,7 @@ impl Backend for CpuBackend {
             return Err(self.invalid("recv", "src", "another rank of the group", src));
         }
         let sig = (data.dtype(), NO_REDOP, data.len(), 0);
-        self.run(Kind::P2p, sig, Some(tag), timeout, |cx, _| {
+        self.run_p2p(src, false, sig, tag, timeout, |cx| {
             let d = reborrow(&mut data);
             let mut d = d;
             let hdr = Header {
@@ -502,7 +563,6 @@ impl Backend for CpuBackend {
         self.run(
             Kind::Barrier,
             (DType::F32, NO_REDOP, 0, 0),
-            None,
             timeout,
             |cx, _| algo::barrier(cx),
         )
