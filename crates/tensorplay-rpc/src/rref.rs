@@ -118,6 +118,9 @@ pub(crate) struct RRefContext {
     users: Mutex<Vec<Weak<Inner>>>,
     /// Deletions and requests in flight.
     outstanding: Arc<std::sync::atomic::AtomicUsize>,
+    /// Forks deleted before their registration arrived (messages are not ordered: the
+    /// creator of a timed-out `remote` may delete it first); the registration then skips them.
+    early_deletes: Mutex<HashSet<(GloballyUniqueId, GloballyUniqueId)>>,
 }
 
 /// Counts of the RRef tables (`_rref_context_get_debug_info`).
@@ -169,6 +172,36 @@ impl RRefContext {
     }
 
     /// Drops the entry when nothing refers to it any more.
+    /// Registers `fork` of `id`, unless its deletion arrived first.
+    fn add_fork(&self, id: GloballyUniqueId, fork: GloballyUniqueId) {
+        let early = self
+            .early_deletes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(id, fork));
+        if !early {
+            self.with_entry(id, |e| e.forks.insert(fork));
+        }
+    }
+
+    /// Removes `fork` of `id` (remembering it when it is not registered yet) and the entry
+    /// when nothing refers to it any more.
+    fn remove_fork(&self, id: GloballyUniqueId, fork: GloballyUniqueId) {
+        let known = self
+            .owners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&id)
+            .is_some_and(|e| e.forks.remove(&fork));
+        if !known {
+            self.early_deletes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert((id, fork));
+        }
+        self.maybe_remove(id);
+    }
+
     fn maybe_remove(&self, id: GloballyUniqueId) {
         let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
         if owners
@@ -634,6 +667,8 @@ impl<T: Wire + Clone + Sync> RRef<T> {
                 .request(owner, env, vec![], t, "to_here".into())
                 .await?;
             let v = decode_value::<T>(&resp.payload, tensors, owner, "RRef value");
+            // a creation that failed (timed out) while the fetch was waiting for the value
+            keep.check_created()?;
             drop(keep);
             v
         }))
@@ -770,9 +805,11 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
             }
             Err(e) => {
                 // an error from the owner: it registered the fork (holding the error), which
-                // this RRef deletes when dropped; otherwise (timeout, lost worker) whether
-                // anything was registered is unknown: nothing to delete
-                if !matches!(e, Error::Remote { .. }) {
+                // this RRef deletes when dropped. After a timeout the owner may still register
+                // it: the deletion is sent all the same (the owner drops a deletion that
+                // arrives first together with the late registration). Only a lost worker has
+                // nothing to delete.
+                if matches!(e, Error::WorkerUnreachable { .. }) {
                     inner.deleted.store(true, Ordering::SeqCst);
                 }
                 *inner
@@ -1125,7 +1162,7 @@ pub(crate) async fn dispatch(
             // The fork is registered whatever happens: a failed creation keeps its error as
             // the value, for the fetches that may already be on their way (messages are not
             // ordered), until the creator deletes its RRef like any other.
-            a.rrefs.with_entry(rref_id, |e| e.forks.insert(fork_id));
+            a.rrefs.add_fork(rref_id, fork_id);
             let r = match crate::agent::lookup(&env.func, &env.sig) {
                 Ok(reg) => {
                     let payload = env.payload;
@@ -1137,11 +1174,14 @@ pub(crate) async fn dispatch(
             match r {
                 Ok(v) => {
                     a.rrefs.set_value(rref_id, Ok(v));
+                    // the creator may have deleted it meanwhile (a timed-out `remote`)
+                    a.rrefs.maybe_remove(rref_id);
                     Ok(Encoder::default())
                 }
                 Err(e) => {
                     let e = named(a, e);
                     a.rrefs.set_value(rref_id, Err(e.clone()));
+                    a.rrefs.maybe_remove(rref_id);
                     Err(e)
                 }
             }
@@ -1151,12 +1191,11 @@ pub(crate) async fn dispatch(
             (v.encode)(&*v.value, peer)
         }
         kind::USER_DELETE => {
-            a.rrefs.with_entry(rref_id, |e| e.forks.remove(&fork_id));
-            a.rrefs.maybe_remove(rref_id);
+            a.rrefs.remove_fork(rref_id, fork_id);
             Ok(Encoder::default())
         }
         kind::FORK_REQUEST => {
-            a.rrefs.with_entry(rref_id, |e| e.forks.insert(fork_id));
+            a.rrefs.add_fork(rref_id, fork_id);
             Ok(Encoder::default())
         }
         kind::CHILD_ACCEPT => Ok(Encoder::default()),

@@ -217,8 +217,42 @@ fn world3_errors_and_timeouts() -> TestResult {
                 500
             );
             drop(slow);
+            // remote's own timeout: the creation's error shows on use; the owner still
+            // creates the value late, and the deletion sent when the RRef is dropped (which may
+            // arrive before the creation) leaves nothing behind there
+            let late: RRef<u64> =
+                rpc::remote(2usize, "sleep_ms", 700u64, Some(Duration::from_millis(100)))?;
+            let e = late.to_here(None).unwrap_err();
+            assert!(
+                matches!(&e, rpc::Error::Timeout { worker, timeout, .. } if worker == "worker2" && *timeout == Duration::from_millis(100)),
+                "{e:?}"
+            );
+            drop(late);
+            // dropped while the owner is still creating it
+            let mid: RRef<u64> =
+                rpc::remote(2usize, "sleep_ms", 700u64, Some(Duration::from_millis(100)))?;
+            std::thread::sleep(Duration::from_millis(250));
+            drop(mid);
+            // until the owner has finished creating it (the check below must see the end)
+            std::thread::sleep(Duration::from_millis(700));
+            let early: RRef<u64> =
+                rpc::remote(2usize, "sleep_ms", 0u64, Some(Duration::from_nanos(1)))?;
+            let _ = early.to_here(None);
+            drop(early);
         }
         barrier("done")?;
+        if rank == 2 {
+            // both late creations have finished and were removed
+            let t0 = Instant::now();
+            while rpc::debug_info()? != rpc::RRefDebugInfo::default() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "owner table not empty: {:?}",
+                    rpc::debug_info()?
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         rpc::shutdown(true)?;
         Ok(())
     })?;
