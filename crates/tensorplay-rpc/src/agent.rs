@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use tensorplay_collectives::rendezvous::{InitMethod, rendezvous_scoped};
 use tensorplay_collectives::store::Store;
-use tensorplay_core::Tensor;
+use tensorplay_core::{Device, Tensor};
 
 use crate::frame::{Envelope, RemoteErr, kind, read_frame, write_frame};
 use crate::future::{Promise, RpcFuture};
@@ -95,6 +95,12 @@ pub struct RpcBackendOptions {
     pub num_worker_threads: usize,
     /// `"env://"` (default: `MASTER_ADDR`, `MASTER_PORT`) or `"tcp://host:port"`.
     pub init_method: String,
+    /// By callee worker name: where a tensor on each of this worker's devices lands on that
+    /// worker (`TensorPipeRpcBackendOptions.device_maps`; set with
+    /// [`RpcBackendOptions::set_device_map`]). Checked by [`init_rpc`]: every name must be
+    /// another worker of the job, and no two devices may map to the same target. Tensors
+    /// between workers are host tensors today, which a map leaves on the CPU, as in PyTorch.
+    pub device_maps: HashMap<String, HashMap<Device, Device>>,
 }
 
 impl Default for RpcBackendOptions {
@@ -103,8 +109,55 @@ impl Default for RpcBackendOptions {
             rpc_timeout: Duration::from_secs(60),
             num_worker_threads: 1,
             init_method: "env://".into(),
+            device_maps: HashMap::new(),
         }
     }
+}
+
+impl RpcBackendOptions {
+    /// Adds `map` (this worker's device -> `to`'s device) to the device map towards worker
+    /// `to` (`set_device_map`); entries for the same source device are replaced.
+    ///
+    /// ```
+    /// use std::collections::HashMap;
+    /// use tensorplay_core::Device;
+    /// let mut o = tensorplay_rpc::RpcBackendOptions::default();
+    /// o.set_device_map("worker1", HashMap::from([(Device::Cuda(0), Device::Cuda(1))]));
+    /// assert_eq!(o.device_maps["worker1"][&Device::Cuda(0)], Device::Cuda(1));
+    /// ```
+    pub fn set_device_map(&mut self, to: &str, map: HashMap<Device, Device>) -> &mut Self {
+        self.device_maps.entry(to.to_string()).or_default().extend(map);
+        self
+    }
+}
+
+/// Checks `maps` against the job's workers (see [`RpcBackendOptions::device_maps`]).
+fn check_device_maps(
+    maps: &HashMap<String, HashMap<Device, Device>>,
+    me: &str,
+    workers: &[WorkerInfo],
+) -> Result<()> {
+    for (to, map) in maps {
+        if to == me || !workers.iter().any(|w| w.name == *to) {
+            return Err(Error::invalid(
+                "init_rpc",
+                "device_maps",
+                "names of the other workers of the job",
+                format!("a map for {to:?}, which is not another worker"),
+            ));
+        }
+        let mut targets: Vec<Device> = map.values().copied().collect();
+        targets.sort_by_key(|d| format!("{d}"));
+        if let Some(w) = targets.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::invalid(
+                "init_rpc",
+                "device_maps",
+                "a one-to-one map of devices",
+                format!("two devices mapped to {} on {to:?}", w[0]),
+            ));
+        }
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -423,6 +476,27 @@ pub fn init_rpc(
         ?shm_send,
         "shared-memory path to these ranks"
     );
+    // every worker learns whether any device map is bad, so that none waits for the others
+    let maps = check_device_maps(&options.device_maps, name, &workers);
+    let verdict = maps.as_ref().err().map(ToString::to_string).unwrap_or_default();
+    store.set(&format!("device-maps/{rank}"), verdict.as_bytes())?;
+    maps?;
+    for w in &workers {
+        let v = store.get(&format!("device-maps/{}", w.id))?;
+        if !v.is_empty() {
+            return Err(Error::invalid(
+                "init_rpc",
+                "device_maps",
+                "valid device maps on every worker",
+                format!(
+                    "worker {:?} (rank {}) failed: {}",
+                    w.name,
+                    w.id,
+                    String::from_utf8_lossy(&v)
+                ),
+            ));
+        }
+    }
     if let Some(dup) = workers
         .iter()
         .find(|w| workers.iter().filter(|v| v.name == w.name).count() > 1)
@@ -679,6 +753,15 @@ impl Agent {
     ) -> Result<(Envelope, Vec<Tensor>)> {
         let worker = self.workers[to].name.clone();
         let t0 = Instant::now();
+        // quiet unless a subscriber enables DEBUG for this crate
+        let span = tracing::debug_span!(
+            "rpc",
+            worker = %worker,
+            function = %op,
+            bytes_sent = tracing::field::Empty,
+            bytes_received = tracing::field::Empty,
+            latency_us = tracing::field::Empty,
+        );
         let fut = {
             let this = self.clone();
             let op = op.clone();
@@ -709,9 +792,13 @@ impl Agent {
                         },
                     })?;
                 this.bytes.fetch_add(sent, Ordering::Relaxed);
+                let span = tracing::Span::current();
+                span.record("bytes_sent", sent);
+                span.record("bytes_received", received_bytes(&resp));
                 Ok::<_, Error>((resp, c))
             }
         };
+        let fut = tracing::Instrument::instrument(fut, span.clone());
         let res = match timeout {
             Some(t) => match tokio::time::timeout(t, fut).await {
                 Ok(r) => r,
@@ -743,7 +830,8 @@ impl Agent {
             Ok(((env, ts), c)) => ((env, ts), c),
             Err(e) => return Err(e),
         };
-        tracing::trace!(to = %worker, op = %op, latency_us = t0.elapsed().as_micros() as u64, "rpc");
+        span.record("latency_us", t0.elapsed().as_micros() as u64);
+        span.in_scope(|| tracing::debug!(ok = resp.error.is_none(), "rpc done"));
         if let Some(e) = resp.error {
             return Err(Error::Remote {
                 worker: e.worker,
@@ -769,6 +857,12 @@ impl Agent {
         });
         f
     }
+}
+
+/// The bytes of a received message: its payload and its tensors' data.
+fn received_bytes(m: &(Envelope, Vec<Tensor>)) -> u64 {
+    let tensors: usize = m.1.iter().map(|t| t.numel() * t.dtype().size_in_bytes()).sum();
+    (m.0.payload.len() + tensors) as u64
 }
 
 // ---------------------------------------------------------------------------------------------
