@@ -126,7 +126,10 @@ impl RpcBackendOptions {
     /// assert_eq!(o.device_maps["worker1"][&Device::Cuda(0)], Device::Cuda(1));
     /// ```
     pub fn set_device_map(&mut self, to: &str, map: HashMap<Device, Device>) -> &mut Self {
-        self.device_maps.entry(to.to_string()).or_default().extend(map);
+        self.device_maps
+            .entry(to.to_string())
+            .or_default()
+            .extend(map);
         self
     }
 }
@@ -478,7 +481,11 @@ pub fn init_rpc(
     );
     // every worker learns whether any device map is bad, so that none waits for the others
     let maps = check_device_maps(&options.device_maps, name, &workers);
-    let verdict = maps.as_ref().err().map(ToString::to_string).unwrap_or_default();
+    let verdict = maps
+        .as_ref()
+        .err()
+        .map(ToString::to_string)
+        .unwrap_or_default();
     store.set(&format!("device-maps/{rank}"), verdict.as_bytes())?;
     maps?;
     for w in &workers {
@@ -861,7 +868,10 @@ impl Agent {
 
 /// The bytes of a received message: its payload and its tensors' data.
 fn received_bytes(m: &(Envelope, Vec<Tensor>)) -> u64 {
-    let tensors: usize = m.1.iter().map(|t| t.numel() * t.dtype().size_in_bytes()).sum();
+    let tensors: usize =
+        m.1.iter()
+            .map(|t| t.numel() * t.dtype().size_in_bytes())
+            .sum();
     (m.0.payload.len() + tensors) as u64
 }
 

@@ -83,7 +83,10 @@ fn device_maps_are_checked_on_every_worker() -> TestResult {
         }
         let e = rpc::init_rpc(&me, rank, 2, bad).unwrap_err();
         let text = e.to_string();
-        assert!(text.contains("device_maps") && text.contains("worker7"), "{text}");
+        assert!(
+            text.contains("device_maps") && text.contains("worker7"),
+            "{text}"
+        );
         if rank == 0 {
             assert!(text.contains("\"worker1\""), "{text}");
         }

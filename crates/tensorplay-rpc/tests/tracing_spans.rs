@@ -62,13 +62,17 @@ fn calls_are_spans_with_worker_function_bytes_and_latency() -> TestResult {
             assert!(line.contains("worker=worker1"), "{line}");
             let field = |name: &str| -> Option<u64> {
                 let rest = line.split(&format!("{name}=")).nth(1)?;
-                rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+                rest.split(|c: char| !c.is_ascii_digit())
+                    .next()?
+                    .parse()
+                    .ok()
             };
-            let sent = field("bytes_sent").ok_or(format!("no bytes_sent in {line}"))?;
-            let received = field("bytes_received").ok_or(format!("no bytes_received in {line}"))?;
+            let sent = field("bytes_sent").ok_or_else(|| format!("no bytes_sent in {line}"))?;
+            let received =
+                field("bytes_received").ok_or_else(|| format!("no bytes_received in {line}"))?;
             assert!((4000..5000).contains(&sent), "{line}");
             assert!((4000..5000).contains(&received), "{line}");
-            field("latency_us").ok_or(format!("no latency_us in {line}"))?;
+            field("latency_us").ok_or_else(|| format!("no latency_us in {line}"))?;
         }
         Ok(())
     })?;
