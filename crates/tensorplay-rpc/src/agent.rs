@@ -386,6 +386,10 @@ pub fn init_rpc(
         ));
     }
     let init: InitMethod = options.init_method.parse()?;
+    crate::autograd::register_builtins();
+    crate::optim::register_builtins();
+    crate::autograd::reset();
+    crate::optim::reset();
     let rdv_timeout = if options.rpc_timeout.is_zero() {
         Duration::from_secs(3600)
     } else {
@@ -609,6 +613,8 @@ pub fn shutdown(graceful: bool) -> Result<()> {
     let res = if graceful { a.graceful() } else { Ok(()) };
     AGENT.write().unwrap_or_else(|e| e.into_inner()).take();
     a.close();
+    crate::autograd::reset();
+    crate::optim::reset();
     res
 }
 
@@ -958,6 +964,7 @@ pub(crate) fn error_env(agent: &Agent, e: &Error) -> Envelope {
             kind.clone(),
             message.clone(),
         ),
+        Error::Autograd { worker, message } => (worker.clone(), "Autograd".into(), message.clone()),
         Error::Core(c) => (me(), crate::error::core_kind(c), c.to_string()),
         other => (me(), other.kind(), other.to_string()),
     };
@@ -1019,6 +1026,7 @@ async fn dispatch(
         Ok(enc) => (
             Envelope {
                 payload: enc.bytes,
+                autograd: enc.autograd,
                 ..Envelope::default()
             },
             enc.tensors,
@@ -1055,14 +1063,23 @@ pub(crate) fn lookup(func: &str, sig: &str) -> Result<Arc<Registered>> {
 }
 
 async fn call_function(
-    _agent: &Arc<Agent>,
+    agent: &Arc<Agent>,
     peer: usize,
     env: &Envelope,
     tensors: Vec<Tensor>,
 ) -> Result<Encoder> {
     let reg = lookup(&env.func, &env.sig)?;
     let payload = env.payload.clone();
-    run_blocking(move || (reg.handler)(&CallCtx { caller: peer }, &payload, tensors)).await
+    let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors)?;
+    let me = agent.me.id;
+    run_blocking(move || {
+        crate::autograd::with_context(ctx, || {
+            let mut enc = (reg.handler)(&CallCtx { caller: peer }, &payload, tensors)?;
+            enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, me, peer);
+            Ok(enc)
+        })
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1106,6 +1123,12 @@ pub fn rpc_async<A: Wire, R: Wire>(
         kind: kind::CALL,
         func: func.to_string(),
         sig: signature::<A, R>(),
+        autograd: crate::autograd::outgoing(
+            crate::autograd::current_context(),
+            &enc.tensors,
+            a.me.id,
+            to,
+        ),
         payload: enc.bytes,
         ..Envelope::default()
     };
@@ -1118,6 +1141,7 @@ pub fn rpc_async<A: Wire, R: Wire>(
         let r = a2.clone().request(to, env, enc.tensors, timeout, op).await;
         crate::rref::after_send(&a2, forks, r.is_ok());
         let (resp, tensors) = r?;
+        let (_, tensors) = crate::autograd::incoming(&resp.autograd, to, tensors)?;
         decode_value::<R>(&resp.payload, tensors, to, &what)
     }))
 }

@@ -19,6 +19,15 @@ pub enum Error {
         /// The error's message.
         message: String,
     },
+    /// A distributed backward pass failed; `worker` is where it happened (every participant
+    /// of the pass returns this).
+    #[error("Error on worker {worker}: {message}")]
+    Autograd {
+        /// Name of the worker where the pass failed.
+        worker: String,
+        /// What failed there.
+        message: String,
+    },
     /// The call did not complete within its timeout; the worker was still reachable.
     #[error("{op} to worker {worker} ran for more than its timeout ({timeout:?})")]
     Timeout {

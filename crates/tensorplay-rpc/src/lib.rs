@@ -43,9 +43,11 @@
 //! - **RRefs** follow PyTorch's ownership and reference-counting protocol ([`RRef`]).
 
 mod agent;
+pub mod autograd;
 mod error;
 mod frame;
 mod future;
+mod optim;
 mod rref;
 mod shm;
 mod tls;
@@ -58,6 +60,7 @@ pub use agent::{
 };
 pub use error::{Error, Result};
 pub use future::{RpcFuture, wait_all};
+pub use optim::{DistributedOptimizer, OptimizerKind};
 pub use rref::{GloballyUniqueId, RRef, RRefDebugInfo, debug_info, register_method, remote};
 pub use wire::{Decoder, Encoder, Wire};
 

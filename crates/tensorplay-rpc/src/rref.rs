@@ -654,6 +654,12 @@ impl<T: Wire + Clone + Sync> RRef<T> {
         let env = Envelope {
             kind: kind::FETCH,
             ids: ids(owner, self.inner.rref_id, self.inner.fork_id, 0),
+            autograd: crate::autograd::outgoing(
+                crate::autograd::current_context(),
+                &[],
+                a.me.id,
+                owner,
+            ),
             ..Envelope::default()
         };
         let t = timeout
@@ -666,6 +672,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
                 .clone()
                 .request(owner, env, vec![], t, "to_here".into())
                 .await?;
+            let (_, tensors) = crate::autograd::incoming(&resp.autograd, owner, tensors)?;
             let v = decode_value::<T>(&resp.payload, tensors, owner, "RRef value");
             // a creation that failed (timed out) while the fetch was waiting for the value
             keep.check_created()?;
@@ -707,6 +714,12 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             func: method.to_string(),
             sig: method_signature::<T, A, R>(),
             ids: ids(owner, self.inner.rref_id, self.inner.fork_id, 0),
+            autograd: crate::autograd::outgoing(
+                crate::autograd::current_context(),
+                &enc.tensors,
+                a.me.id,
+                owner,
+            ),
             payload: enc.bytes,
             ..Envelope::default()
         };
@@ -725,6 +738,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             after_send(&a2, forks, r.is_ok());
             let (resp, tensors) = r?;
             drop(keep);
+            let (_, tensors) = crate::autograd::incoming(&resp.autograd, owner, tensors)?;
             decode_value::<R>(&resp.payload, tensors, owner, &what)
         }))
     }
@@ -787,6 +801,12 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
         func: func.to_string(),
         sig: reg_sig,
         ids: ids(to, rref_id, fork_id, a.me.id),
+        autograd: crate::autograd::outgoing(
+            crate::autograd::current_context(),
+            &enc.tensors,
+            a.me.id,
+            to,
+        ),
         payload: enc.bytes,
         ..Envelope::default()
     };
@@ -1166,8 +1186,17 @@ pub(crate) async fn dispatch(
             let r = match crate::agent::lookup(&env.func, &env.sig) {
                 Ok(reg) => {
                     let payload = env.payload;
-                    run_blocking(move || (reg.remote)(&CallCtx { caller: peer }, &payload, tensors))
-                        .await
+                    match crate::autograd::incoming(&env.autograd, peer, tensors) {
+                        Ok((ctx, tensors)) => {
+                            run_blocking(move || {
+                                crate::autograd::with_context(ctx, || {
+                                    (reg.remote)(&CallCtx { caller: peer }, &payload, tensors)
+                                })
+                            })
+                            .await
+                        }
+                        Err(e) => Err(e),
+                    }
                 }
                 Err(e) => Err(e),
             };
@@ -1187,8 +1216,11 @@ pub(crate) async fn dispatch(
             }
         }
         kind::FETCH => {
+            let (ctx, _) = crate::autograd::incoming(&env.autograd, peer, vec![])?;
             let v = a.rrefs.value(rref_id, timeout).await?;
-            (v.encode)(&*v.value, peer)
+            let mut enc = (v.encode)(&*v.value, peer)?;
+            enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, a.me.id, peer);
+            Ok(enc)
         }
         kind::USER_DELETE => {
             a.rrefs.remove_fork(rref_id, fork_id);
@@ -1225,7 +1257,16 @@ pub(crate) async fn dispatch(
             }
             let v = a.rrefs.value(rref_id, timeout).await?;
             let payload = env.payload;
-            run_blocking(move || h(&*v.value, &payload, tensors, peer)).await
+            let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors)?;
+            let me = a.me.id;
+            run_blocking(move || {
+                crate::autograd::with_context(ctx, || {
+                    let mut enc = h(&*v.value, &payload, tensors, peer)?;
+                    enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, me, peer);
+                    Ok(enc)
+                })
+            })
+            .await
         }
         k => Err(Error::Serialization(format!("unknown message kind {k}"))),
     }

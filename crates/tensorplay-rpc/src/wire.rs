@@ -55,6 +55,8 @@ pub struct Encoder {
     pub(crate) dest: Option<usize>,
     /// RRef forks made while encoding (registered once the message is sent).
     pub(crate) forks: Vec<crate::rref::PendingFork>,
+    /// The distributed-autograd header of a response carrying these tensors.
+    pub(crate) autograd: Vec<u64>,
 }
 
 impl Encoder {

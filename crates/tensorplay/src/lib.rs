@@ -64,6 +64,17 @@ pub mod distributed {
         pub use tensorplay_rpc::*;
     }
 
+    /// `torch.distributed.autograd`: contexts, the distributed backward pass and the
+    /// gradients it leaves on each worker (see `tensorplay_rpc::autograd`).
+    pub mod autograd {
+        pub use tensorplay_rpc::autograd::*;
+    }
+
+    /// `torch.distributed.optim`: the optimizer of parameters held by other workers.
+    pub mod optim {
+        pub use tensorplay_rpc::{DistributedOptimizer, OptimizerKind};
+    }
+
     /// `torch.distributed.nn`: the distributed layers that take part in autograd.
     pub mod nn {
         #[doc(inline)]
