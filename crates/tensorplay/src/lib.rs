@@ -75,10 +75,10 @@ pub mod distributed {
         pub use tensorplay_rpc::{DistributedOptimizer, OptimizerKind};
     }
 
-    /// `torch.distributed.nn`: the distributed layers that take part in autograd.
+    /// `torch.distributed.nn`: the differentiable collectives (`functional`) and `RemoteModule`.
     pub mod nn {
         #[doc(inline)]
-        pub use tensorplay_distributed_nn::functional;
+        pub use tensorplay_distributed_nn::*;
     }
 }
 
