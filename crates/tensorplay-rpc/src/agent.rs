@@ -91,7 +91,7 @@ pub struct RpcBackendOptions {
     /// Threads of the transport's runtime (default 1: each extra thread adds hand-offs
     /// between threads to every call, which cost more latency than they win on small
     /// machines). A running user function hands its thread's transport work to another
-    /// thread first, so this never limits nesting or concurrency.
+    /// thread first, so this never limits nesting or concurrency. At most 1024; 0 means 1.
     pub num_worker_threads: usize,
     /// `"env://"` (default: `MASTER_ADDR`, `MASTER_PORT`) or `"tcp://host:port"`.
     pub init_method: String,
@@ -285,6 +285,12 @@ pub(crate) struct Agent {
 
 static AGENT: RwLock<Option<Arc<Agent>>> = RwLock::new(None);
 
+/// Held by the `init_rpc` in progress.
+static INIT: Mutex<()> = Mutex::new(());
+
+/// The most transport threads [`RpcBackendOptions::num_worker_threads`] may ask for.
+const MAX_WORKER_THREADS: usize = 1024;
+
 /// The store of the last `init_rpc`, kept after it fails or shuts down: on rank 0 it is the
 /// job's store server, which the other workers may still be using (reading names after a
 /// failed initialisation, leaving the shutdown barrier, or already rendezvousing again for the
@@ -358,8 +364,9 @@ fn master_addr(init: &InitMethod) -> Option<SocketAddr> {
 /// characters of `[A-Za-z0-9_:-]`. After [`shutdown`], `init_rpc` may be called again.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a bad or duplicate name, a bad rank or init method, or when
-/// RPC is already initialised; store and rendezvous errors ([`Error::Collectives`]) when the
+/// [`Error::InvalidArgument`] for a bad or duplicate name, a bad rank, world size (at most
+/// `u32::MAX`), thread count or init method, or when RPC is already initialised (or being
+/// initialised by another thread); store and rendezvous errors ([`Error::Collectives`]) when the
 /// other workers do not arrive within the timeout; [`Error::Transport`] when the endpoint cannot
 /// be created.
 pub fn init_rpc(
@@ -369,6 +376,19 @@ pub fn init_rpc(
     options: RpcBackendOptions,
 ) -> Result<()> {
     check_name(name)?;
+    // one initialisation at a time: a second thread gets an error instead of a second agent
+    let _init = match INIT.try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            return Err(Error::invalid(
+                "init_rpc",
+                "state",
+                "RPC not initialized yet in this process (call shutdown first)",
+                "RPC is being initialized by another thread",
+            ));
+        }
+    };
     if is_initialized() {
         return Err(Error::invalid(
             "init_rpc",
@@ -377,12 +397,29 @@ pub fn init_rpc(
             "RPC is already initialized",
         ));
     }
+    if options.num_worker_threads > MAX_WORKER_THREADS {
+        return Err(Error::invalid(
+            "init_rpc",
+            "num_worker_threads",
+            format!("at most {MAX_WORKER_THREADS} threads"),
+            options.num_worker_threads,
+        ));
+    }
     if rank >= world_size {
         return Err(Error::invalid(
             "init_rpc",
             "rank",
             format!("a rank in 0..{world_size}"),
             rank,
+        ));
+    }
+    // ranks travel as u32 (and the store counts arrivals in an i64)
+    if world_size > u32::MAX as usize {
+        return Err(Error::invalid(
+            "init_rpc",
+            "world_size",
+            format!("at most {} workers", u32::MAX),
+            world_size,
         ));
     }
     let init: InitMethod = options.init_method.parse()?;
@@ -405,6 +442,7 @@ pub fn init_rpc(
         .build()
         .map_err(|e| Error::Transport(format!("starting the runtime: {e}")))?;
     let handle = runtime.handle().clone();
+    let mut runtime = RuntimeGuard(Some(runtime));
     let id = Identity::generate()?;
     // bind first, publish our address and fingerprint, then learn everyone's
     let ip = local_ip(master_addr(&init));
@@ -550,7 +588,7 @@ pub fn init_rpc(
         workers,
         addrs,
         handle: handle.clone(),
-        runtime: Mutex::new(Some(runtime)),
+        runtime: Mutex::new(runtime.0.take()),
         endpoint: endpoint.clone(),
         conns: Mutex::new(HashMap::new()),
         fingerprints: fps,
@@ -575,6 +613,29 @@ pub fn init_rpc(
     }
     tracing::debug!(worker = name, rank, world_size, %addr, "rpc initialized");
     Ok(())
+}
+
+/// The agent's runtime while `init_rpc` builds the agent: stopped (see [`stop_runtime`]) when
+/// the initialisation fails.
+struct RuntimeGuard(Option<tokio::runtime::Runtime>);
+
+impl Drop for RuntimeGuard {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            stop_runtime(rt);
+        }
+    }
+}
+
+/// Stops the agent's runtime, waiting a moment for its threads; without waiting when called
+/// from async code (a user's runtime, or a function running on the agent's own), where
+/// blocking to drop a runtime would panic.
+fn stop_runtime(rt: tokio::runtime::Runtime) {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        rt.shutdown_background();
+    } else {
+        rt.shutdown_timeout(Duration::from_secs(1));
+    }
 }
 
 /// Adds this worker to the barrier `key` and waits until `n` workers arrived.
@@ -605,11 +666,23 @@ fn store_wait(store: &dyn Store, key: &str, timeout: Duration) -> Result<()> {
 /// once. Either way `init_rpc` may be called again: the store stays open in this process for
 /// it (under a new prefix).
 ///
+/// A graceful shutdown cannot be called by a remote function (it would wait for the call
+/// that runs it); a non-graceful one can.
+///
 /// # Errors
 /// [`Error::NotInitialized`]; [`Error::Timeout`] when other workers do not reach shutdown
-/// within the RPC timeout (the agent is still closed).
+/// within the RPC timeout (the agent is still closed); [`Error::InvalidArgument`] for a
+/// graceful shutdown inside a remote function (RPC stays initialised).
 pub fn shutdown(graceful: bool) -> Result<()> {
     let a = agent("shutdown")?;
+    if graceful && IN_FUNCTION.get() {
+        return Err(Error::invalid(
+            "shutdown",
+            "graceful",
+            "shutdown(true) outside remote functions (it waits for every call in flight, the one running it included), or shutdown(false)",
+            "shutdown(true) called by a remote function",
+        ));
+    }
     let res = if graceful { a.graceful() } else { Ok(()) };
     AGENT.write().unwrap_or_else(|e| e.into_inner()).take();
     a.close();
@@ -678,7 +751,7 @@ impl Agent {
             .unwrap_or_else(|e| e.into_inner())
             .take()
         {
-            rt.shutdown_timeout(Duration::from_secs(1));
+            stop_runtime(rt);
         }
     }
 
@@ -990,7 +1063,12 @@ pub(crate) fn error_env(agent: &Agent, e: &Error) -> Envelope {
 pub(crate) async fn run_blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
-    let guarded = move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    let guarded = move || {
+        let was = IN_FUNCTION.replace(true);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        IN_FUNCTION.set(was);
+        r
+    };
     let r = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(guarded),
         _ => tokio::task::spawn_blocking(guarded)
@@ -998,17 +1076,25 @@ pub(crate) async fn run_blocking<T: Send + 'static>(
             .map_err(|e| Error::Transport(format!("worker task failed: {e}")))?,
     };
     r.unwrap_or_else(|p| {
-        let msg = p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| p.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic".into());
         Err(Error::Remote {
             worker: String::new(),
             kind: "Panic".into(),
-            message: msg,
+            message: panic_message(&*p),
         })
     })
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
+thread_local! {
+    /// Set while this thread runs a remote function (see [`run_blocking`]).
+    static IN_FUNCTION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 async fn dispatch(

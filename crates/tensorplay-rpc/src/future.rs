@@ -98,7 +98,10 @@ impl<T: Send + 'static> RpcFuture<T> {
     /// # Errors
     /// `Err(self)` when the call has not completed within `timeout`.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, RpcFuture<T>> {
-        let deadline = std::time::Instant::now() + timeout;
+        // a timeout too long to be an instant (`Duration::MAX`) is no timeout
+        let Some(deadline) = std::time::Instant::now().checked_add(timeout) else {
+            return Ok(self.wait());
+        };
         {
             let mut g = self.lock();
             while !g.done {
@@ -120,7 +123,9 @@ impl<T: Send + 'static> RpcFuture<T> {
 
     /// A future of `f` applied to this one's result, run when it completes (at once when
     /// already complete; otherwise on the thread that completes it, or on the runtime's
-    /// blocking pool when that is a transport thread, so `f` may itself wait for RPCs).
+    /// blocking pool when that is a transport thread, so `f` may itself wait for RPCs). When
+    /// `f` runs later and panics, the returned future completes with an [`Error::Remote`] of
+    /// kind `Panic` naming this worker.
     pub fn then<U: Send + 'static>(
         self,
         f: impl FnOnce(Result<T>) -> Result<U> + Send + 'static,
@@ -136,6 +141,22 @@ impl<T: Send + 'static> RpcFuture<T> {
             drop(g);
             promise.complete(f(v));
         } else {
+            // a panicking `f` completes the next future with an error of kind `Panic` (not as
+            // if RPC had shut down)
+            let f = move |v| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(v))).unwrap_or_else(
+                    |p| {
+                        Err(Error::Remote {
+                            worker: crate::current_worker().map(|w| w.name).unwrap_or_default(),
+                            kind: "Panic".into(),
+                            message: format!(
+                                "a `then` callback panicked: {}",
+                                crate::agent::panic_message(&*p)
+                            ),
+                        })
+                    },
+                )
+            };
             g.callback = Some(Box::new(move |v| {
                 // `f` may block (wait for another RPC): never on a thread of the transport's
                 // runtime, whose tasks (the RPC it waits for, possibly queued behind it on this

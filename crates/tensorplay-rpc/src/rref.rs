@@ -624,7 +624,22 @@ impl<T: Wire + Clone + Sync> RRef<T> {
         let id = self.inner.rref_id;
         let a2 = a.clone();
         let timeout = crate::get_rpc_timeout().ok().filter(|t| !t.is_zero());
-        let s = block_on(&a, async move { a2.rrefs.value(id, timeout).await })?;
+        let s = block_on(&a, async move { Ok(a2.rrefs.value(id, timeout).await) })?;
+        self.owned_value(&a, s, "local_value")
+    }
+
+    /// The value of this owner RRef from its stored entry; a timeout names this worker.
+    fn owned_value(&self, a: &Agent, s: Result<Stored>, op: &str) -> Result<T> {
+        let s = s.map_err(|e| match e {
+            Error::Timeout {
+                timeout, worker, ..
+            } if worker.is_empty() => Error::Timeout {
+                op: format!("{op} of {self:?}: its value is not computed yet"),
+                worker: a.me.name.clone(),
+                timeout,
+            },
+            other => other,
+        })?;
         s.value.downcast_ref::<T>().cloned().ok_or_else(|| {
             Error::Serialization(format!("the RRef does not hold a {}", self.inner.type_name))
         })
@@ -647,8 +662,16 @@ impl<T: Wire + Clone + Sync> RRef<T> {
     pub fn to_here_async(&self, timeout: Option<Duration>) -> Result<RpcFuture<T>> {
         let a = self.agent("to_here")?;
         self.check_created()?;
+        let t = timeout
+            .or_else(|| crate::get_rpc_timeout().ok())
+            .filter(|t| !t.is_zero());
         if self.inner.is_owner {
-            return Ok(RpcFuture::ready(self.local_value()));
+            // the value may still be being computed here: wait for it off the caller's thread
+            let (a2, keep) = (a.clone(), self.clone());
+            return Ok(a.spawn_call(async move {
+                let s = a2.rrefs.value(keep.inner.rref_id, t).await;
+                keep.owned_value(&a2, s, "to_here")
+            }));
         }
         let owner = self.inner.owner.id;
         let env = Envelope {
@@ -662,9 +685,6 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             ),
             ..Envelope::default()
         };
-        let t = timeout
-            .or_else(|| crate::get_rpc_timeout().ok())
-            .filter(|t| !t.is_zero());
         let a2 = a.clone();
         let keep = self.clone();
         Ok(a.spawn_call(async move {
@@ -771,11 +791,13 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
     let t = timeout
         .or_else(|| crate::get_rpc_timeout().ok())
         .filter(|t| !t.is_zero());
+    // arguments that cannot travel fail before any handle exists (a user handle would wait
+    // for a confirmation that never comes)
+    let enc = encode_value(&args, to)?;
     if to == a.me.id {
         // the owner is this worker: run the function here, off the caller's thread
         let rref = RRef::<R>::owner_handle(&a, rref_id);
         let reg = crate::agent::lookup(func, &reg_sig);
-        let enc = encode_value(&args, to)?;
         let a2 = a.clone();
         let me = a.me.id;
         a.spawn_call(async move {
@@ -789,13 +811,14 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
                 Err(e) => Err(e),
             };
             a2.rrefs.set_value(rref_id, r.map_err(|e| named(&a2, e)));
+            // every handle may have been dropped meanwhile
+            a2.rrefs.maybe_remove(rref_id);
             Ok(())
         });
         return Ok(rref);
     }
     let fork_id = new_id(a.me.id);
     let rref = RRef::<R>::user_handle(&a, to, rref_id, fork_id, false);
-    let enc = encode_value(&args, to)?;
     let env = Envelope {
         kind: kind::REMOTE,
         func: func.to_string(),
@@ -871,8 +894,10 @@ type MethodHandler = Arc<
     dyn Fn(&(dyn Any + Send + Sync), &[u8], Vec<Tensor>, usize) -> Result<Encoder> + Send + Sync,
 >;
 
-static METHODS: LazyLock<RwLock<HashMap<String, (String, MethodHandler)>>> =
-    LazyLock::new(|| RwLock::new(HashMap::new()));
+/// By method name, then by the value type it was registered for: its signature and handler.
+type Methods = HashMap<String, HashMap<&'static str, (String, MethodHandler)>>;
+
+static METHODS: LazyLock<RwLock<Methods>> = LazyLock::new(|| RwLock::new(HashMap::new()));
 
 fn method_signature<T, A, R>() -> String {
     format!(
@@ -885,7 +910,8 @@ fn method_signature<T, A, R>() -> String {
 
 /// Registers `f` as the method `name` of RRef values of type `T`: `rref.rpc_sync(name, args,
 /// timeout)` runs it on the owner with the value (the proxies of PyTorch's RRefs, which call
-/// a Python method by name).
+/// a Python method by name). Values of different types may each have a method of the same
+/// name; registering the same name for the same type again replaces it.
 ///
 /// ```
 /// use tensorplay_rpc as rpc;
@@ -919,7 +945,12 @@ where
     METHODS
         .write()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(name.to_string(), (method_signature::<T, A, R>(), h));
+        .entry(name.to_string())
+        .or_default()
+        .insert(
+            std::any::type_name::<T>(),
+            (method_signature::<T, A, R>(), h),
+        );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1232,12 +1263,9 @@ pub(crate) async fn dispatch(
         }
         kind::CHILD_ACCEPT => Ok(Encoder::default()),
         kind::METHOD => {
-            let (sig, h) = METHODS
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&env.func)
-                .cloned()
-                .ok_or_else(|| Error::Remote {
+            let h = {
+                let methods = METHODS.read().unwrap_or_else(|e| e.into_inner());
+                let by_type = methods.get(&env.func).ok_or_else(|| Error::Remote {
                     worker: a.me.name.clone(),
                     kind: "UnknownMethod".into(),
                     message: format!(
@@ -1245,16 +1273,25 @@ pub(crate) async fn dispatch(
                         env.func
                     ),
                 })?;
-            if sig != env.sig {
-                return Err(Error::Remote {
-                    worker: a.me.name.clone(),
-                    kind: "Signature".into(),
-                    message: format!(
-                        "method {:?} is registered as {sig} but was called as {}",
-                        env.func, env.sig
-                    ),
-                });
-            }
+                match by_type.values().find(|(sig, _)| *sig == env.sig) {
+                    Some((_, h)) => h.clone(),
+                    None => {
+                        let mut sigs: Vec<&str> =
+                            by_type.values().map(|(sig, _)| sig.as_str()).collect();
+                        sigs.sort_unstable();
+                        return Err(Error::Remote {
+                            worker: a.me.name.clone(),
+                            kind: "Signature".into(),
+                            message: format!(
+                                "method {:?} is registered as {} but was called as {}",
+                                env.func,
+                                sigs.join(" and as "),
+                                env.sig
+                            ),
+                        });
+                    }
+                }
+            };
             let v = a.rrefs.value(rref_id, timeout).await?;
             let payload = env.payload;
             let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors)?;

@@ -357,10 +357,18 @@ pub(crate) fn dtype_from(code: u8) -> Result<DType> {
     })
 }
 
-/// Encodes `v` for `dest` (payload, tensors, RRef forks).
+/// Encodes `v` for `dest` (payload, tensors, RRef forks). When it fails part-way, the forks
+/// of the RRefs encoded before the failure are undone (the message never leaves).
 pub(crate) fn encode_value<T: Wire>(v: &T, dest: usize) -> Result<Encoder> {
     let mut e = Encoder::to(dest);
-    v.encode(&mut e)?;
+    if let Err(err) = v.encode(&mut e) {
+        if !e.forks.is_empty()
+            && let Ok(a) = crate::agent::agent("encode")
+        {
+            crate::rref::after_send(&a, std::mem::take(&mut e.forks), false);
+        }
+        return Err(err);
+    }
     Ok(e)
 }
 
