@@ -94,7 +94,7 @@ impl SpawnOptions {
 static LEVEL: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs `f(rank)` in `nprocs` processes (see the [module docs](self)) with the default
-/// timeout of 300 s.
+/// timeout [`DEFAULT_SPAWN_TIMEOUT`] (600 s).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when `nprocs` is 0; [`Error::Spawn`] naming the first rank that

@@ -606,7 +606,16 @@ pub fn init_rpc(
     handle.spawn(accept_loop(agent.clone(), endpoint));
     *AGENT.write().unwrap_or_else(|e| e.into_inner()) = Some(agent.clone());
     // everyone serves before anyone returns
-    if let Err(e) = store_barrier(&*store, "init", world_size, rdv_timeout) {
+    let infos = agent.workers.clone();
+    if let Err(e) = store_barrier(
+        &*store,
+        "init",
+        rank,
+        world_size,
+        rdv_timeout,
+        "init_rpc",
+        &infos,
+    ) {
         AGENT.write().unwrap_or_else(|e| e.into_inner()).take();
         agent.close();
         return Err(e);
@@ -638,25 +647,47 @@ fn stop_runtime(rt: tokio::runtime::Runtime) {
     }
 }
 
-/// Adds this worker to the barrier `key` and waits until `n` workers arrived.
-fn store_barrier(store: &dyn Store, key: &str, n: usize, timeout: Duration) -> Result<()> {
+/// Adds worker `rank` to the barrier `key` and waits until `n` workers arrived; when they do
+/// not within `timeout`, [`Error::WorkerUnreachable`] names the workers that never arrived
+/// (`workers` gives their names when known) and `what` they did not reach.
+fn store_barrier(
+    store: &dyn Store,
+    key: &str,
+    rank: usize,
+    n: usize,
+    timeout: Duration,
+    what: &str,
+    workers: &[WorkerInfo],
+) -> Result<()> {
+    store.set(&format!("barrier/{key}/r{rank}"), b"1")?;
     let arrived = store.add(&format!("barrier/{key}"), 1)?;
     if arrived >= n as i64 {
         store.set(&format!("barrier/{key}/done"), b"1")?;
     }
-    store_wait(store, &format!("barrier/{key}/done"), timeout)
-}
-
-/// Waits until `key` is set in the store.
-fn store_wait(store: &dyn Store, key: &str, timeout: Duration) -> Result<()> {
-    store.wait(&[key], timeout).map_err(|e| match e {
-        tensorplay_collectives::Error::Timeout { .. } => Error::Timeout {
-            op: format!("waiting for {key}"),
-            worker: "the job".into(),
-            timeout,
-        },
-        other => Error::Collectives(other),
-    })
+    let done = format!("barrier/{key}/done");
+    match store.wait(&[&done], timeout) {
+        Ok(()) => Ok(()),
+        Err(tensorplay_collectives::Error::Timeout { .. }) => {
+            let missing: Vec<String> = (0..n)
+                .filter(|r| {
+                    !store
+                        .check(&[&format!("barrier/{key}/r{r}")])
+                        .unwrap_or(false)
+                })
+                .map(|r| {
+                    workers
+                        .get(r)
+                        .map_or_else(|| format!("rank {r}"), |w| format!("{} (rank {r})", w.name))
+                })
+                .collect();
+            Err(Error::WorkerUnreachable {
+                worker: missing.join(", "),
+                op: what.to_string(),
+                detail: format!("did not reach {what} within {timeout:?} (dead, or still busy)"),
+            })
+        }
+        Err(other) => Err(Error::Collectives(other)),
+    }
 }
 
 /// Stops RPC in this process (`torch.distributed.rpc.shutdown`). Graceful: waits until this
@@ -714,16 +745,40 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(2));
         }
         // 2. everyone stopped issuing work
-        store_barrier(&*self.store, &format!("shutdown{k}/a"), n, limit)?;
+        store_barrier(
+            &*self.store,
+            &format!("shutdown{k}/a"),
+            self.me.id,
+            n,
+            limit,
+            "shutdown",
+            &self.workers,
+        )?;
         // 3. RRef deletions delivered to their owners (acknowledged)
         self.rrefs.flush(self, limit)?;
         // 4. every worker delivered its deletions and served its last call
-        store_barrier(&*self.store, &format!("shutdown{k}/b"), n, limit)?;
+        store_barrier(
+            &*self.store,
+            &format!("shutdown{k}/b"),
+            self.me.id,
+            n,
+            limit,
+            "shutdown",
+            &self.workers,
+        )?;
         let start = Instant::now();
         while self.serving.load(Ordering::SeqCst) > 0 && start.elapsed() < limit {
             std::thread::sleep(Duration::from_millis(2));
         }
-        store_barrier(&*self.store, &format!("shutdown{k}/c"), n, limit)?;
+        store_barrier(
+            &*self.store,
+            &format!("shutdown{k}/c"),
+            self.me.id,
+            n,
+            limit,
+            "shutdown",
+            &self.workers,
+        )?;
         // 5. rank 0 serves the store: it leaves last, once the others are done with it (its
         //    process may exit right after). The last one out tells it; the reply to that may
         //    be lost when rank 0 is already gone, which is fine.
@@ -733,7 +788,15 @@ impl Agent {
                 let _ = self.store.set(&format!("{left}/done"), b"1");
             }
         } else if n > 1 {
-            store_wait(&*self.store, &format!("{left}/done"), limit)?;
+            let done = format!("{left}/done");
+            self.store.wait(&[&done], limit).map_err(|e| match e {
+                tensorplay_collectives::Error::Timeout { .. } => Error::Timeout {
+                    op: "shutdown (waiting for the other workers to leave)".into(),
+                    worker: "the job".into(),
+                    timeout: limit,
+                },
+                other => Error::Collectives(other),
+            })?;
         }
         Ok(())
     }
@@ -1178,10 +1241,13 @@ async fn call_function(
 /// Do not call it from async code running on a runtime (use [`rpc_async`] and `.await`).
 ///
 /// # Errors
-/// [`Error::Remote`] with the function's error kind and message and the worker's name;
+/// [`Error::Remote`] with the worker's name, a `kind` and a message: the variant name of the
+/// function's error (`InvalidArgument`, `ShapeMismatch`, `Custom`, ...), or `UnknownFunction`
+/// (not registered there), `Signature` (the argument or result types differ from the
+/// registered ones; the message names both), `Panic` (the function panicked);
 /// [`Error::Timeout`]; [`Error::WorkerUnreachable`] when the worker died or cannot be reached;
-/// [`Error::UnknownWorker`]; [`Error::NotInitialized`]; [`Error::Serialization`] when the
-/// argument or result types differ from the registered ones.
+/// [`Error::UnknownWorker`]; [`Error::NotInitialized`]; [`Error::Serialization`] when a value
+/// cannot be encoded or a reply cannot be decoded.
 pub fn rpc_sync<A: Wire, R: Wire>(
     to: impl Into<To>,
     func: &str,

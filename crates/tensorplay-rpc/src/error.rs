@@ -31,7 +31,8 @@ pub enum Error {
     /// The call did not complete within its timeout; the worker was still reachable.
     #[error("{op} to worker {worker} ran for more than its timeout ({timeout:?})")]
     Timeout {
-        /// The operation (`rpc_sync add`, `to_here`, `shutdown`, ...).
+        /// The operation: `rpc <function>` for `rpc_sync`/`rpc_async`, `remote`, `to_here`,
+        /// `result of method <name>` for RRef proxies, `shutdown ...`.
         op: String,
         /// The worker called.
         worker: String,

@@ -687,11 +687,28 @@ impl<T: Wire + Clone + Sync> RRef<T> {
         };
         let a2 = a.clone();
         let keep = self.clone();
+        let mut confirmed = self.inner.confirmed.subscribe();
         Ok(a.spawn_call(async move {
-            let (resp, tensors) = a2
-                .clone()
-                .request(owner, env, vec![], t, "to_here".into())
-                .await?;
+            let fetch = a2.clone().request(owner, env, vec![], t, "to_here".into());
+            // a creation that fails (its own timeout) ends the wait for the value at once
+            let failed = async {
+                loop {
+                    if *confirmed.borrow_and_update() && keep.check_created().is_err() {
+                        return;
+                    }
+                    if confirmed.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            };
+            let (resp, tensors) = tokio::select! {
+                r = fetch => r?,
+                () = failed => {
+                    return Err(keep.check_created().err().unwrap_or_else(|| {
+                        Error::Transport("the RRef's creation failed".into())
+                    }));
+                }
+            };
             let (_, tensors) = crate::autograd::incoming(&resp.autograd, owner, tensors)?;
             let v = decode_value::<T>(&resp.payload, tensors, owner, "RRef value");
             // a creation that failed (timed out) while the fetch was waiting for the value

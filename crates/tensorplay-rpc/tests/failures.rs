@@ -222,7 +222,14 @@ fn world3_errors_and_timeouts() -> TestResult {
             // arrive before the creation) leaves nothing behind there
             let late: RRef<u64> =
                 rpc::remote(2usize, "sleep_ms", 700u64, Some(Duration::from_millis(100)))?;
+            let t0 = Instant::now();
             let e = late.to_here(None).unwrap_err();
+            // the creation's timeout ends the wait, not the late value
+            assert!(
+                t0.elapsed() < Duration::from_millis(550),
+                "{:?}",
+                t0.elapsed()
+            );
             assert!(
                 matches!(&e, rpc::Error::Timeout { worker, timeout, .. } if worker == "worker2" && *timeout == Duration::from_millis(100)),
                 "{e:?}"

@@ -58,8 +58,9 @@ pub mod distributed {
         store, world_store,
     };
 
-    /// `torch.distributed.rpc`: remote calls and remote references between workers over QUIC
-    /// (see the crate docs of `tensorplay-rpc`).
+    /// `torch.distributed.rpc`: remote calls and remote references between workers over QUIC.
+    /// The overview (transport, shared memory and `TENSORPLAY_RPC_SHM`, security, threads,
+    /// timeouts, RRefs) is in the crate docs of [`tensorplay_rpc`].
     pub mod rpc {
         pub use tensorplay_rpc::*;
     }
