@@ -461,7 +461,8 @@ fn bench_collectives(
 
 /// Parses the lines both RPC benchmarks print (the prefix differs):
 /// `<p> rpc_sync small  p50 X us  p99 Y us`, `<p> rpc_async small  X calls/s (5000 in flight)`,
-/// `<p> echo N MiB  X ms/round trip  Y GB/s`, `<p> remote+to_here   p50 X us`.
+/// `<p> echo N MiB  X ms/round trip  Y GB/s`, `<p> remote+to_here   p50 X us`,
+/// `<p> RemoteModule Linear(16,8) forward  p50 X us`.
 fn parse_rpc(text: &str) -> Vec<Metric> {
     let mut out = Vec::new();
     let mut push = |key: String, value: Option<f64>, unit: &str| {
@@ -490,6 +491,9 @@ fn parse_rpc(text: &str) -> Vec<Metric> {
             Some(["remote+to_here", "p50"]) if t.len() >= 5 => {
                 push("remote+to_here p50".into(), num(3), "us");
             }
+            Some(["RemoteModule", "Linear(16,8)"]) if t.len() >= 7 => {
+                push("RemoteModule Linear fwd p50".into(), num(5), "us");
+            }
             _ => {}
         }
     }
@@ -515,13 +519,25 @@ fn bench_rpc(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String>
         "--example",
         "bench_rpc",
     ];
+    let rm_args = [
+        "-q",
+        "--release",
+        "-p",
+        "tensorplay-distributed-nn",
+        "--example",
+        "bench_remote_module",
+    ];
     // build once, outside the timed runs
     run_capture(Command::new("cargo").arg("build").args(args))?;
+    run_capture(Command::new("cargo").arg("build").args(rm_args))?;
     let mut ours: Vec<Vec<Metric>> = Vec::new();
     let mut theirs: Vec<Vec<Metric>> = Vec::new();
     for r in 0..rounds.max(1) {
         eprintln!("round {}: tensorplay", r + 1);
-        let o = run_capture(Command::new("cargo").arg("run").args(args))?;
+        let mut o = run_capture(Command::new("cargo").arg("run").args(args))?;
+        o.push_str(&run_capture(
+            Command::new("cargo").arg("run").args(rm_args),
+        )?);
         print!("{o}");
         ours.push(parse_rpc(&o));
         if have_torch {
@@ -566,7 +582,9 @@ fn bench_rpc(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String>
             continue;
         };
         let goal = match unit.as_str() {
-            "us" if key.ends_with("p50") && key.starts_with("rpc_sync") => {
+            "us" if key.ends_with("p50")
+                && (key.starts_with("rpc_sync") || key.starts_with("RemoteModule")) =>
+            {
                 Some((0.5, "<= 0.5 (time: lower is better)"))
             }
             "us" => None,
@@ -681,9 +699,11 @@ mod tests {
                 "rpc_sync small p99",
                 "rpc_async 5000 in flight",
                 "echo 16 MiB",
-                "remote+to_here p50"
+                "remote+to_here p50",
+                "RemoteModule Linear fwd p50"
             ]
         );
+        assert_eq!(m[5].value, 400.0);
         assert_eq!(m[0].value, 312.5);
         assert_eq!(m[1].value, 901.0);
         assert_eq!(m[2].value, 8123.0);
