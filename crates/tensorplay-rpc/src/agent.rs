@@ -1074,7 +1074,11 @@ async fn serve_stream(
     };
     resp.kind = kind::RESPONSE;
     resp.sender = agent.me.id as u32;
-    if let Err(e) = write_frame(&mut send, &mut resp, &tensors, agent.shm_to(peer)).await {
+    let written = write_frame(&mut send, &mut resp, &tensors, agent.shm_to(peer)).await;
+    if let Ok(n) = &written {
+        agent.bytes.fetch_add(*n, Ordering::Relaxed);
+    }
+    if let Err(e) = written {
         // a response that cannot be encoded becomes an error response
         let mut env = error_env(&agent, &e);
         let _ = write_frame(&mut send, &mut env, &[], None).await;
@@ -1309,6 +1313,15 @@ pub fn local_addr() -> Result<SocketAddr> {
         .endpoint
         .local_addr()
         .map_err(|e| Error::Transport(e.to_string()))
+}
+
+/// Bytes this worker has sent since `init_rpc`: its requests and its responses, message
+/// headers and tensor data (also the data that went through shared memory).
+///
+/// # Errors
+/// [`Error::NotInitialized`].
+pub fn bytes_sent() -> Result<u64> {
+    Ok(agent("bytes_sent")?.bytes.load(Ordering::Relaxed))
 }
 
 /// This worker's [`WorkerInfo`] (`get_worker_info()`).

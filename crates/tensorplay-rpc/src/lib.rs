@@ -54,9 +54,9 @@ mod tls;
 mod wire;
 
 pub use agent::{
-    RpcBackendOptions, To, WorkerInfo, current_worker, get_rpc_timeout, get_worker_info,
-    get_worker_infos, init_rpc, is_initialized, local_addr, register, rpc_async, rpc_sync,
-    set_rpc_timeout, shutdown,
+    RpcBackendOptions, To, WorkerInfo, bytes_sent, current_worker, get_rpc_timeout,
+    get_worker_info, get_worker_infos, init_rpc, is_initialized, local_addr, register, rpc_async,
+    rpc_sync, set_rpc_timeout, shutdown,
 };
 pub use error::{Error, Result};
 pub use future::{RpcFuture, wait_all};
