@@ -157,13 +157,17 @@ pub fn rendezvous(
     rendezvous_scoped(init, rank, world_size, timeout, "pg")
 }
 
-/// Live stores of this process by master address: the process group and RPC of one job share
+/// The stores of this process by master address: the process group and RPC of one job share
 /// the store at `MASTER_ADDR:MASTER_PORT`, whichever is initialised first (rank 0 hosts one
 /// server), and each initialisation works under its own key prefix.
+///
+/// They are kept for the life of the process: when rank 0 destroys its process group, the
+/// other ranks may still be using the store (leaving the group, or already rendezvousing for
+/// the job's next initialisation, such as RPC); stopping the server then would cut them off.
 static SHARED: std::sync::Mutex<Vec<SharedStore>> = std::sync::Mutex::new(Vec::new());
 
-/// A live store: its master address key, the store, and how many times it was reused.
-type SharedStore = (String, std::sync::Weak<dyn Store>, usize);
+/// A store: its master address key, the store, and how many times it was reused.
+type SharedStore = (String, Arc<dyn Store>, usize);
 
 /// [`rendezvous`] for one user of the job's store (`scope`: `"pg"` for process groups, `"rpc"`
 /// for RPC): reuses this process's live store for the same master address when there is one,
@@ -229,28 +233,25 @@ pub fn rendezvous_scoped(
         }
     };
     let master = crate::store::tcp::resolve(&host, port)?;
-    let key = format!("{master}/{world_size}");
+    let key = master.to_string();
     let cached = {
         let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
-        shared.retain(|(_, w, _)| w.strong_count() > 0);
         shared
             .iter_mut()
             .find(|(k, _, _)| *k == key)
-            .and_then(|(_, w, uses)| {
-                let s = w.upgrade()?;
+            .map(|(_, s, uses)| {
                 *uses += 1;
-                Some(s)
+                s.clone()
             })
     };
     let store: Arc<dyn Store> = match cached {
         Some(s) => s,
         None => {
             let s = connect_store(rank, master, port, timeout)?;
-            SHARED.lock().unwrap_or_else(|e| e.into_inner()).push((
-                key.clone(),
-                Arc::downgrade(&s),
-                1,
-            ));
+            SHARED
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((key.clone(), s.clone(), 1));
             s
         }
     };

@@ -18,9 +18,13 @@ use tp::nn::{self, Module};
 use tp::optim::{Adam, AdamOptions, Optimizer};
 use tp::{Tensor, no_grad};
 
+#[path = "common/wine.rs"]
+mod wine;
+
+use wine::{CLASSES, load};
+
 const EPOCHS: usize = 200;
 const BATCH: usize = 64;
-const CLASSES: usize = 6;
 
 fn parse_seed() -> Result<u64, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -48,70 +52,6 @@ fn parse_seed() -> Result<u64, String> {
     Ok(seed)
 }
 
-/// Row-major f32 features and int64 labels of some rows.
-struct Split {
-    x: Vec<f32>,
-    y: Vec<i64>,
-}
-
-impl Split {
-    fn rows(&self) -> usize {
-        self.y.len()
-    }
-}
-
-fn load() -> Result<(Split, Split, usize), String> {
-    let ds = linfa_datasets::winequality();
-    let (records, targets) = (&ds.records, &ds.targets);
-    let (n, f) = (records.nrows(), records.ncols());
-    let mut train_rows = Vec::new();
-    let mut test_rows = Vec::new();
-    for i in 0..n {
-        if i % 5 == 0 {
-            test_rows.push(i)
-        } else {
-            train_rows.push(i)
-        }
-    }
-    // mean and unbiased std of the training rows, in f64
-    let mut mean = vec![0.0f64; f];
-    for &r in &train_rows {
-        for j in 0..f {
-            mean[j] += records[[r, j]];
-        }
-    }
-    for m in &mut mean {
-        *m /= train_rows.len() as f64;
-    }
-    let mut var = vec![0.0f64; f];
-    for &r in &train_rows {
-        for j in 0..f {
-            let d = records[[r, j]] - mean[j];
-            var[j] += d * d;
-        }
-    }
-    let std: Vec<f64> = var
-        .iter()
-        .map(|v| (v / (train_rows.len() as f64 - 1.0)).sqrt())
-        .collect();
-    let split = |rows: &[usize]| -> Result<Split, String> {
-        let mut x = Vec::with_capacity(rows.len() * f);
-        let mut y = Vec::with_capacity(rows.len());
-        for &r in rows {
-            for j in 0..f {
-                x.push(((records[[r, j]] - mean[j]) / std[j]) as f32);
-            }
-            let q = targets[r] as i64 - 3;
-            if !(0..CLASSES as i64).contains(&q) {
-                return Err(format!("row {r}: quality {} outside 3..=8", targets[r]));
-            }
-            y.push(q);
-        }
-        Ok(Split { x, y })
-    };
-    Ok((split(&train_rows)?, split(&test_rows)?, f))
-}
-
 fn run() -> Result<f64, Box<dyn std::error::Error>> {
     let seed = parse_seed()?;
     tp::manual_seed(seed);
@@ -133,16 +73,7 @@ fn run() -> Result<f64, Box<dyn std::error::Error>> {
     )?;
 
     // minibatches in file order, built once
-    let batches: Vec<(Tensor, Tensor)> = (0..train.rows())
-        .step_by(BATCH)
-        .map(|s| {
-            let e = (s + BATCH).min(train.rows());
-            Ok((
-                Tensor::from_slice(&train.x[s * f..e * f], &[e - s, f])?,
-                Tensor::from_slice(&train.y[s..e], &[e - s])?,
-            ))
-        })
-        .collect::<tp::Result<_, tp::Error>>()?;
+    let batches = wine::batches(&train, f, BATCH)?;
 
     let bar = ProgressBar::new(EPOCHS as u64);
     bar.set_style(ProgressStyle::with_template(
@@ -166,21 +97,7 @@ fn run() -> Result<f64, Box<dyn std::error::Error>> {
     model.eval()?;
     let _g = no_grad();
     let logits = model.call(&Tensor::from_slice(&test.x, &[test.rows(), f])?)?;
-    let v = logits.to_vec::<f32>()?;
-    let correct = v
-        .chunks_exact(CLASSES)
-        .zip(&test.y)
-        .filter(|&(row, &y)| {
-            let mut best = 0;
-            for (k, &s) in row.iter().enumerate() {
-                if s > row[best] {
-                    best = k;
-                }
-            }
-            best as i64 == y
-        })
-        .count();
-    Ok(correct as f64 / test.rows() as f64)
+    Ok(wine::accuracy(&logits, &test.y)?)
 }
 
 fn main() -> ExitCode {

@@ -1,0 +1,577 @@
+//! The flagship job: the red-wine-quality MLP of `wine_quality` (same data, split, standardisation
+//! and recipe: Adam lr 1e-3, minibatches of 64 in file order, 200 epochs, float32), trained
+//! twice across two workers on 127.0.0.1, each run checked against the same model trained in
+//! one process from the same initial weights:
+//!
+//! 1. **tensor-parallel** (2 ranks, a process group): the first Linear (11 -> 64) is
+//!    column-parallel (each rank holds 32 output features), the second (64 -> 64) row-parallel
+//!    (each rank holds 32 input features; the partial outputs are summed by the differentiable
+//!    `all_reduce` of `distributed::nn::functional`), the head is replicated. Backward flows
+//!    through the collectives.
+//! 2. **parameter-server** (2 RPC workers, "trainer" and "ps"): the hidden layers live in a
+//!    `RemoteModule` on "ps"; the trainer holds the head; distributed autograd carries the
+//!    backward pass to "ps" and a `DistributedOptimizer` updates the parameters on both.
+//!
+//! Each run prints one line `<run>: test accuracy 0.xxxx, max loss difference <e-notation>`
+//! (the largest absolute difference of the losses of the first 200 steps against the
+//! single-process reference); a summary table follows. The program exits non-zero when an
+//! accuracy is below 0.58 or a loss difference reaches 1e-4.
+//!
+//! ```text
+//! cargo run --release --example wine_distributed                    # starts its 2 workers
+//! cargo run --release --example wine_distributed -- --plot loss.svg  # and draws the losses
+//! tensorplay-run --nproc-per-node 2 target/release/examples/wine_distributed
+//! ```
+//!
+//! Without `RANK`/`WORLD_SIZE` in the environment the program is rank 0 and starts rank 1 as a
+//! second process of itself; under `tensorplay-run` (or any launcher setting `RANK`,
+//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) each process takes its rank from there, so the
+//! same binary runs across machines.
+
+#[path = "common/wine.rs"]
+mod wine;
+
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use tensorplay as tp;
+use tp::distributed::nn::{self as dnn, LayerSpec, LinearArgs, RemoteModule, functional};
+use tp::distributed::optim::{DistributedOptimizer, OptimizerKind};
+use tp::distributed::{self as dist, ReduceOp, autograd as dist_autograd, rpc};
+use tp::nn::{self, Module};
+use tp::optim::{Adam, AdamOptions, Optimizer};
+use tp::{Tensor, no_grad};
+use wine::CLASSES;
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const BATCH: usize = 64;
+const HIDDEN: usize = 64;
+/// Steps compared with the single-process reference.
+const COMPARE_STEPS: usize = 200;
+const MAX_LOSS_DIFF: f64 = 1e-4;
+const MIN_ACCURACY: f64 = 0.58;
+const WORLD: usize = 2;
+
+struct Opts {
+    seed: u64,
+    epochs: usize,
+    plot: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Opts, String> {
+    let usage = "usage: wine_distributed [--seed N] [--epochs N] [--plot PATH.svg]";
+    let mut o = Opts {
+        seed: 0,
+        epochs: 200,
+        plot: None,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < args.len() {
+        let (key, inline) = match args[i].split_once('=') {
+            Some((k, v)) => (k.to_string(), Some(v.to_string())),
+            None => (args[i].clone(), None),
+        };
+        let value = |i: &mut usize| -> Result<String, String> {
+            if let Some(v) = &inline {
+                return Ok(v.clone());
+            }
+            *i += 1;
+            args.get(*i)
+                .cloned()
+                .ok_or_else(|| format!("{key} needs a value ({usage})"))
+        };
+        match key.as_str() {
+            "--seed" => {
+                let v = value(&mut i)?;
+                o.seed = v.parse().map_err(|e| format!("bad --seed {v:?}: {e}"))?;
+            }
+            "--epochs" => {
+                let v = value(&mut i)?;
+                o.epochs = v.parse().map_err(|e| format!("bad --epochs {v:?}: {e}"))?;
+                if o.epochs == 0 {
+                    return Err("--epochs must be at least 1".into());
+                }
+            }
+            "--plot" => o.plot = Some(PathBuf::from(value(&mut i)?)),
+            "-h" | "--help" => return Err(usage.into()),
+            other => return Err(format!("unknown argument {other:?} ({usage})")),
+        }
+        i += 1;
+    }
+    Ok(o)
+}
+
+/// How this process joins the job: `(rank, init method)`.
+fn launch() -> Res<(usize, String, Option<std::process::Child>)> {
+    match (std::env::var("RANK"), std::env::var("WORLD_SIZE")) {
+        (Ok(r), Ok(w)) => {
+            let rank: usize = r.parse().map_err(|e| format!("bad RANK {r:?}: {e}"))?;
+            let world: usize = w
+                .parse()
+                .map_err(|e| format!("bad WORLD_SIZE {w:?}: {e}"))?;
+            if world != WORLD {
+                return Err(format!(
+                    "this job runs on exactly {WORLD} processes, WORLD_SIZE is {world}"
+                )
+                .into());
+            }
+            Ok((rank, "env://".into(), None))
+        }
+        _ => {
+            // rank 0 here; rank 1 is this program again, in a second process
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port();
+            let child = Command::new(std::env::current_exe()?)
+                .args(std::env::args().skip(1))
+                .env("RANK", "1")
+                .env("WORLD_SIZE", WORLD.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("TENSORPLAY_WINE_WORKER", "1")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .spawn()?;
+            Ok((0, format!("tcp://127.0.0.1:{port}"), Some(child)))
+        }
+    }
+}
+
+fn progress(epochs: usize, what: &str, rank: usize) -> ProgressBar {
+    if rank != 0 {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(epochs as u64);
+    if let Ok(style) =
+        ProgressStyle::with_template("{prefix:>16} {bar:30} {pos}/{len} epochs [{elapsed}] {msg}")
+    {
+        bar.set_style(style);
+    }
+    bar.set_prefix(what.to_string());
+    bar
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The single-process reference: `model` trained for `steps` steps of the same recipe;
+/// returns the losses.
+fn reference(model: &nn::Sequential, batches: &[(Tensor, Tensor)], steps: usize) -> Res<Vec<f64>> {
+    let loss_fn = nn::CrossEntropyLoss::new();
+    let mut opt = Adam::new(model.parameters(), adam())?;
+    let mut losses = Vec::with_capacity(steps);
+    for (x, y) in batches.iter().cycle().take(steps) {
+        opt.zero_grad()?;
+        let loss = loss_fn.forward(&model.call(x)?, y)?;
+        losses.push(loss.item_f64()?);
+        loss.backward()?;
+        opt.step()?;
+    }
+    Ok(losses)
+}
+
+fn adam() -> AdamOptions {
+    AdamOptions {
+        lr: 1e-3,
+        ..Default::default()
+    }
+}
+
+/// A new leaf with a copy of `t`'s values (its own storage, no history).
+fn fresh(t: &Tensor) -> tp::Result<Tensor> {
+    Ok(t.detach().deep_clone()?.requires_grad_(true))
+}
+
+/// A deep copy of a Linear (its own storage).
+fn copy_linear(l: &nn::Linear) -> Res<nn::Linear> {
+    let w = fresh(&l.weight)?;
+    let b = match &l.bias {
+        Some(b) => Some(fresh(b)?),
+        None => None,
+    };
+    Ok(nn::Linear::from_weights(w, b)?)
+}
+
+/// What one run reports.
+struct Report {
+    accuracy: f64,
+    losses: Vec<f64>,
+    reference: Vec<f64>,
+    wall: Duration,
+    collective_bytes: u64,
+    rpc_bytes: u64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. tensor parallel
+
+/// One rank's shards: `w1` rows `[32, 11]` + `b1`, `w2` columns `[64, 32]`, the bias `b2` on
+/// rank 0 only (added before the all_reduce, so it is counted once), and the replicated head.
+struct TpModel {
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Option<Tensor>,
+    head: nn::Linear,
+}
+
+impl TpModel {
+    fn params(&self) -> Vec<Tensor> {
+        let mut p = vec![self.w1.clone(), self.b1.clone(), self.w2.clone()];
+        p.extend(self.b2.clone());
+        p.extend(self.head.parameters());
+        p
+    }
+
+    fn forward(&self, x: &Tensor) -> tp::Result<Tensor> {
+        // column-parallel: this rank's 32 hidden features
+        let h = x.matmul(&self.w1.t()?)?.add(&self.b1)?.relu()?;
+        // row-parallel: a partial sum of the second layer, summed across ranks
+        let mut partial = h.matmul(&self.w2.t()?)?;
+        if let Some(b2) = &self.b2 {
+            partial = partial.add(b2)?;
+        }
+        let h2 = functional::all_reduce(&partial, ReduceOp::Sum, None)?.relu()?;
+        self.head.call(&h2)
+    }
+}
+
+/// The full model from the seed (identical on every rank), its shards for `rank`, and a deep
+/// copy of the full model for the reference.
+fn tp_models(seed: u64, f: usize, rank: usize) -> Res<(TpModel, nn::Sequential)> {
+    tp::manual_seed(seed);
+    let l1 = nn::Linear::new(f, HIDDEN, true)?;
+    let l2 = nn::Linear::new(HIDDEN, HIDDEN, true)?;
+    let l3 = nn::Linear::new(HIDDEN, CLASSES, true)?;
+    let half = HIDDEN / WORLD;
+    let shard = |t: &Tensor, dim: isize| -> tp::Result<Tensor> {
+        fresh(&t.narrow(dim, rank * half, half)?)
+    };
+    let b1 = l1.bias.as_ref().ok_or("Linear without bias")?;
+    let b2 = l2.bias.as_ref().ok_or("Linear without bias")?;
+    let model = TpModel {
+        w1: shard(&l1.weight, 0)?,
+        b1: shard(b1, 0)?,
+        w2: shard(&l2.weight, 1)?,
+        b2: if rank == 0 { Some(fresh(b2)?) } else { None },
+        head: copy_linear(&l3)?,
+    };
+    let full = nn::Sequential::new()
+        .add(copy_linear(&l1)?)
+        .add(nn::ReLU::new())
+        .add(copy_linear(&l2)?)
+        .add(nn::ReLU::new())
+        .add(copy_linear(&l3)?);
+    Ok((model, full))
+}
+
+fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
+    let (train, test, f) = wine::load()?;
+    let batches = wine::batches(&train, f, BATCH)?;
+    dist::init_process_group(
+        "cpu",
+        dist::InitOptions {
+            init_method: init.to_string(),
+            rank: Some(rank),
+            world_size: Some(WORLD),
+            timeout: Duration::from_secs(120),
+            ..Default::default()
+        },
+    )?;
+    let start = Instant::now();
+    let (model, full) = tp_models(o.seed, f, rank)?;
+    let loss_fn = nn::CrossEntropyLoss::new();
+    let mut opt = Adam::new(model.params(), adam())?;
+    let head_params = model.head.parameters();
+    let bar = progress(o.epochs, "tensor-parallel", rank);
+    let mut losses = Vec::new();
+    for _ in 0..o.epochs {
+        let mut total = 0.0;
+        for (x, y) in &batches {
+            opt.zero_grad()?;
+            let loss = loss_fn.forward(&model.forward(x)?, y)?;
+            if losses.len() < COMPARE_STEPS {
+                losses.push(loss.item_f64()?);
+            }
+            total += loss.item_f64()? * y.numel() as f64;
+            // every rank computes the same loss; the all_reduce's backward sums the ranks'
+            // gradients, so each rank backpropagates its 1/WORLD share
+            loss.mul_scalar(1.0 / WORLD as f64)?.backward()?;
+            // the replicated head: sum its shares
+            for p in &head_params {
+                if let Some(g) = p.grad() {
+                    dist::all_reduce(&g, ReduceOp::Sum, None)?;
+                }
+            }
+            opt.step()?;
+        }
+        bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let accuracy = {
+        let _g = no_grad();
+        let logits = model.forward(&Tensor::from_slice(&test.x, &[test.rows(), f])?)?;
+        wine::accuracy(&logits, &test.y)?
+    };
+    let wall = start.elapsed();
+    let sent = Tensor::from_vec(
+        vec![dist::default_group("bytes")?.bytes_sent() as f64],
+        &[1],
+    )?;
+    dist::all_reduce(&sent, ReduceOp::Sum, None)?;
+    let collective_bytes = sent.item::<f64>()? as u64;
+    dist::destroy_process_group()?;
+    let reference = if rank == 0 {
+        reference(&full, &batches, losses.len())?
+    } else {
+        Vec::new()
+    };
+    Ok(Report {
+        accuracy,
+        losses,
+        reference,
+        wall,
+        collective_bytes,
+        rpc_bytes: 0,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. parameter server
+
+fn hidden_spec(f: usize) -> Vec<LayerSpec> {
+    let lin = |i, o| {
+        LayerSpec::Linear(LinearArgs {
+            in_features: i,
+            out_features: o,
+            bias: true,
+        })
+    };
+    vec![
+        lin(f, HIDDEN),
+        LayerSpec::ReLU,
+        lin(HIDDEN, HIDDEN),
+        LayerSpec::ReLU,
+    ]
+}
+
+fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
+    dnn::register_module::<nn::Sequential>();
+    rpc::register("bytes_sent", |(): ()| Ok(rpc::bytes_sent()?));
+    // the ps builds the hidden layers from its own generator
+    tp::manual_seed(o.seed + 1);
+    let name = if rank == 0 { "trainer" } else { "ps" };
+    rpc::init_rpc(
+        name,
+        rank,
+        WORLD,
+        rpc::RpcBackendOptions {
+            init_method: init.to_string(),
+            rpc_timeout: Duration::from_secs(120),
+            ..Default::default()
+        },
+    )?;
+    if rank != 0 {
+        // the ps serves until the trainer is done
+        rpc::shutdown(true)?;
+        return Ok(Report {
+            accuracy: 0.0,
+            losses: vec![],
+            reference: vec![],
+            wall: Duration::ZERO,
+            collective_bytes: 0,
+            rpc_bytes: 0,
+        });
+    }
+    let (train, test, f) = wine::load()?;
+    let batches = wine::batches(&train, f, BATCH)?;
+    let start = Instant::now();
+    let hidden = RemoteModule::<nn::Sequential>::new("ps/cpu", hidden_spec(f))?;
+    tp::manual_seed(o.seed);
+    let head = nn::Linear::new(HIDDEN, CLASSES, true)?;
+    // the reference: a copy of the remote layers' state and of the head
+    let full = {
+        let copy = hidden.get_module_rref().to_here(None)?;
+        let state = copy.read().state_dict()?;
+        let mut layers = <nn::Sequential as dnn::RemoteConstructible>::construct(&hidden_spec(f))?;
+        {
+            let _g = no_grad();
+            let state = state
+                .into_iter()
+                .map(|(k, v)| Ok((k, v.detach().deep_clone()?)))
+                .collect::<tp::Result<_>>()?;
+            layers.load_state_dict(&state, true)?;
+        }
+        layers.push(Box::new(copy_linear(&head)?));
+        layers
+    };
+    let mut params = hidden.remote_parameters(true)?;
+    for p in head.parameters() {
+        params.push(rpc::RRef::new(p)?);
+    }
+    let opt = DistributedOptimizer::new(OptimizerKind::Adam(adam()), &params)?;
+    let loss_fn = nn::CrossEntropyLoss::new();
+    let bar = progress(o.epochs, "parameter-server", rank);
+    let mut losses = Vec::new();
+    for _ in 0..o.epochs {
+        let mut total = 0.0;
+        for (x, y) in &batches {
+            let ctx = dist_autograd::context()?;
+            let h = hidden.forward(x)?;
+            let loss = loss_fn.forward(&head.call(&h)?, y)?;
+            if losses.len() < COMPARE_STEPS {
+                losses.push(loss.item_f64()?);
+            }
+            total += loss.item_f64()? * y.numel() as f64;
+            dist_autograd::backward(ctx.id(), &[loss], false)?;
+            opt.step(ctx.id())?;
+        }
+        bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let accuracy = {
+        let _g = no_grad();
+        let h = hidden.forward(&Tensor::from_slice(&test.x, &[test.rows(), f])?)?;
+        wine::accuracy(&head.call(&h)?, &test.y)?
+    };
+    let wall = start.elapsed();
+    let ps_bytes: u64 = rpc::rpc_sync("ps", "bytes_sent", (), None)?;
+    let rpc_bytes = rpc::bytes_sent()? + ps_bytes;
+    drop(opt);
+    drop(hidden);
+    rpc::shutdown(true)?;
+    let reference = reference(&full, &batches, losses.len())?;
+    Ok(Report {
+        accuracy,
+        losses,
+        reference,
+        wall,
+        collective_bytes: 0,
+        rpc_bytes,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (900, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let all = runs
+        .iter()
+        .flat_map(|(_, r)| r.losses.iter().chain(&r.reference))
+        .copied();
+    let (lo, hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+        (a.min(v), b.max(v))
+    });
+    let steps = runs.iter().map(|(_, r)| r.losses.len()).max().unwrap_or(1);
+    let mut chart = ChartBuilder::on(&root)
+        .margin(20)
+        .x_label_area_size(30)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0..steps, lo..hi)?;
+    chart.configure_mesh().draw()?;
+    let colours = [RED, BLUE];
+    for (i, (name, r)) in runs.iter().enumerate() {
+        let c = colours[i % colours.len()];
+        chart
+            .draw_series(LineSeries::new(
+                r.losses.iter().copied().enumerate(),
+                c.stroke_width(2),
+            ))?
+            .label(name.to_string());
+        chart
+            .draw_series(LineSeries::new(
+                r.reference.iter().copied().enumerate(),
+                c.mix(0.4).stroke_width(5),
+            ))?
+            .label(format!("{name} (single process)"));
+    }
+    root.present()?;
+    Ok(())
+}
+
+fn run(o: &Opts) -> Res<bool> {
+    let (rank, init, mut child) = launch()?;
+    let result = (|| -> Res<(Report, Report)> {
+        let tp = tensor_parallel(rank, &init, o)?;
+        let ps = parameter_server(rank, &init, o)?;
+        Ok((tp, ps))
+    })();
+    if let Some(c) = child.as_mut() {
+        let status = c.wait()?;
+        if !status.success() && result.is_ok() {
+            return Err(format!("rank 1 failed: {status}").into());
+        }
+    }
+    let (tp, ps) = result?;
+    if rank != 0 {
+        return Ok(true);
+    }
+    let mut ok = true;
+    for (name, r) in [("tensor-parallel", &tp), ("parameter-server", &ps)] {
+        let diff = max_diff(&r.losses, &r.reference);
+        println!(
+            "{name}: test accuracy {:.4}, max loss difference {diff:.2e}",
+            r.accuracy
+        );
+        if r.accuracy < MIN_ACCURACY {
+            eprintln!(
+                "check failed: {name} test accuracy {:.4} < {MIN_ACCURACY}",
+                r.accuracy
+            );
+            ok = false;
+        }
+        if diff.is_nan() || diff >= MAX_LOSS_DIFF || r.losses.len() != r.reference.len() {
+            eprintln!("check failed: {name} loss difference {diff:e} >= {MAX_LOSS_DIFF:e}");
+            ok = false;
+        }
+    }
+    println!();
+    println!(
+        "{:<18} {:>10} {:>18} {:>12}",
+        "run", "wall time", "collective bytes", "RPC bytes"
+    );
+    for (name, r) in [("tensor-parallel", &tp), ("parameter-server", &ps)] {
+        println!(
+            "{name:<18} {:>9.1}s {:>15.1} MB {:>9.1} MB",
+            r.wall.as_secs_f64(),
+            r.collective_bytes as f64 / 1e6,
+            r.rpc_bytes as f64 / 1e6
+        );
+    }
+    if let Some(p) = &o.plot {
+        plot(p, &[("tensor-parallel", &tp), ("parameter-server", &ps)])?;
+        println!("\nloss curves written to {}", p.display());
+    }
+    Ok(ok)
+}
+
+fn main() -> ExitCode {
+    let o = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&o) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            let who = std::env::var("RANK").unwrap_or_else(|_| "0".into());
+            eprintln!("error on rank {who}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
