@@ -1223,7 +1223,7 @@ async fn call_function(
 ) -> Result<Encoder> {
     let reg = lookup(&env.func, &env.sig)?;
     let payload = env.payload.clone();
-    let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors)?;
+    let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors, true)?;
     let me = agent.me.id;
     run_blocking(move || {
         crate::autograd::with_context(ctx, || {
@@ -1297,7 +1297,7 @@ pub fn rpc_async<A: Wire, R: Wire>(
         let r = a2.clone().request(to, env, enc.tensors, timeout, op).await;
         crate::rref::after_send(&a2, forks, r.is_ok());
         let (resp, tensors) = r?;
-        let (_, tensors) = crate::autograd::incoming(&resp.autograd, to, tensors)?;
+        let (_, tensors) = crate::autograd::incoming(&resp.autograd, to, tensors, false)?;
         decode_value::<R>(&resp.payload, tensors, to, &what)
     }))
 }

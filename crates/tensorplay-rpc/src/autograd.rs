@@ -105,8 +105,9 @@ fn get(id: ContextId) -> Result<Shared> {
         .ok_or_else(|| not_found(id))
 }
 
-fn get_or_create(id: ContextId) -> Shared {
-    lock(&CONTEXTS).entry(id).or_default().clone()
+/// Whether context `id` was created by this worker (its top 16 bits are this worker's id).
+fn created_here(id: ContextId) -> bool {
+    agent("dist_autograd").is_ok_and(|a| (id >> 48) == a.me.id as u64)
 }
 
 /// Forgets every context (at `init_rpc` and `shutdown`).
@@ -162,9 +163,10 @@ pub fn context() -> Result<ContextGuard> {
     Ok(ContextGuard { id })
 }
 
-/// This thread's current context, if any.
+/// This thread's current context, if any. A context released meanwhile (its guard dropped on
+/// another thread, or a cleanup that reached a callee while its function ran) is not current.
 pub fn current_context() -> Option<ContextId> {
-    CURRENT.with(Cell::get)
+    CURRENT.with(Cell::get).filter(|&id| is_valid_context(id))
 }
 
 /// Whether context `id` is open on this worker.
@@ -303,10 +305,11 @@ pub(crate) fn outgoing(
     me: usize,
     to: usize,
 ) -> Vec<u64> {
-    let Some(id) = ctx else {
+    // a context released meanwhile records nothing and is not sent on: recreating it here
+    // would leave it on this worker (and on `to`) for good
+    let Some((id, c)) = ctx.and_then(|id| Some((id, get(id).ok()?))) else {
         return Vec::new();
     };
-    let c = get_or_create(id);
     let msg = new_message_id(me);
     let mut header = vec![id, msg];
     let grad = tensorplay_core::autograd::is_grad_enabled();
@@ -327,17 +330,30 @@ pub(crate) fn outgoing(
     header
 }
 
-/// The callee side of [`outgoing`]: opens the context, and makes the tensors that required
-/// grad on the sender outputs of a `RecvRpcBackward` node. Returns the context id.
+/// The receiving side of [`outgoing`]: opens the context (a `request` for a context another
+/// worker created), and makes the tensors that required grad on the sender outputs of a
+/// `RecvRpcBackward` node. Returns the context id.
+///
+/// A response, or a request for a context this worker created, whose context is no longer
+/// open here arrived after the release: its tensors are not recorded and the context is not
+/// recreated (nothing would ever release it again).
 pub(crate) fn incoming(
     header: &[u64],
     from: usize,
     mut tensors: Vec<Tensor>,
+    request: bool,
 ) -> Result<(Option<ContextId>, Vec<Tensor>)> {
     let [id, msg, idx @ ..] = header else {
         return Ok((None, tensors));
     };
-    let c = get_or_create(*id);
+    let c = {
+        let mut all = lock(&CONTEXTS);
+        match all.get(id) {
+            Some(c) => c.clone(),
+            None if request && !created_here(*id) => all.entry(*id).or_default().clone(),
+            None => return Ok((None, tensors)),
+        }
+    };
     if idx.is_empty() {
         return Ok((Some(*id), tensors));
     }
@@ -394,6 +410,15 @@ impl Function for RecvRpcBackward {
         _ctx: &tensorplay_core::autograd::Context,
         grads: &[Tensor],
     ) -> tensorplay_core::Result<Vec<Option<Tensor>>> {
+        // the engine runs on the thread of the pass, with the pass's context current
+        let pass = CURRENT.with(Cell::get);
+        if pass != Some(self.ctx) {
+            let pass = pass.map_or_else(|| "no context".to_string(), |p| format!("context {p}"));
+            return Err(tensorplay_core::Error::Autograd(format!(
+                "a tensor received in distributed autograd context {} is used in a backward pass of {pass}; its gradient can only flow in context {} (run dist_autograd::backward there, or send the tensor again in this context)",
+                self.ctx, self.ctx
+            )));
+        }
         let r = crate::rpc_sync::<(ContextId, u64, Vec<Tensor>), ()>(
             self.from,
             PROPAGATE,

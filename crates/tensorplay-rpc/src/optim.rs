@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use tensorplay_core::Tensor;
 use tensorplay_core::optim::{Adam, AdamOptions, AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
+use tensorplay_core::{Tensor, TensorId};
 
 use crate::autograd::{ContextId, get_gradients, is_valid_context};
 use crate::wire::{Decoder, Encoder, Wire};
@@ -125,7 +125,32 @@ fn create(kind: OptimizerKind, params: Vec<RRef<Tensor>>) -> tensorplay_core::Re
         .iter()
         .map(RRef::local_value)
         .collect::<Result<Vec<Tensor>>>()?;
+    // hyperparameters and dtypes first
     let optimizer = kind.build(params.clone())?;
+    let mut seen: HashMap<TensorId, usize> = HashMap::new();
+    for (i, p) in params.iter().enumerate() {
+        // a duplicate would be stepped twice with the same gradient
+        if let Some(j) = seen.insert(p.id(), i) {
+            return Err(Error::invalid(
+                "DistributedOptimizer::new",
+                "params",
+                "distinct parameters",
+                format!("a duplicate parameter: parameters {j} and {i} of this owner are the same tensor"),
+            )
+            .into());
+        }
+        // it would never get a gradient, so never be stepped
+        if !p.requires_grad() {
+            return Err(Error::invalid(
+                "DistributedOptimizer::new",
+                "params",
+                "tensors that require grad",
+                format!("parameter {i} of this owner has requires_grad=false"),
+            )
+            .into());
+        }
+    }
+
     let id = NEXT_LOCAL.fetch_add(1, Ordering::Relaxed);
     lock(&LOCALS).insert(id, Arc::new(Mutex::new(Local { params, optimizer })));
     Ok(id)
@@ -171,7 +196,7 @@ pub(crate) fn register_builtins() {
 /// [`step`]: DistributedOptimizer::step
 ///
 /// ```no_run
-/// use tensorplay_core::Tensor;
+/// use tensorplay_core::{Tensor, TensorId};
 /// use tensorplay_core::optim::SgdOptions;
 /// use tensorplay_rpc::{self as rpc, DistributedOptimizer, OptimizerKind, RRef, autograd};
 ///
@@ -199,7 +224,8 @@ impl DistributedOptimizer {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for no parameters; the first error of any owner (a bad
-    /// hyperparameter, an RRef whose value is not a tensor that requires grad...), after every
+    /// hyperparameter, an RRef whose value is not a float tensor that requires grad, the same
+    /// parameter twice, which would be stepped twice...), after every
     /// creation finished (the ones that succeeded are dropped again).
     pub fn new(kind: OptimizerKind, params: &[RRef<Tensor>]) -> Result<DistributedOptimizer> {
         if params.is_empty() {

@@ -709,7 +709,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
                     }));
                 }
             };
-            let (_, tensors) = crate::autograd::incoming(&resp.autograd, owner, tensors)?;
+            let (_, tensors) = crate::autograd::incoming(&resp.autograd, owner, tensors, false)?;
             let v = decode_value::<T>(&resp.payload, tensors, owner, "RRef value");
             // a creation that failed (timed out) while the fetch was waiting for the value
             keep.check_created()?;
@@ -775,7 +775,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             after_send(&a2, forks, r.is_ok());
             let (resp, tensors) = r?;
             drop(keep);
-            let (_, tensors) = crate::autograd::incoming(&resp.autograd, owner, tensors)?;
+            let (_, tensors) = crate::autograd::incoming(&resp.autograd, owner, tensors, false)?;
             decode_value::<R>(&resp.payload, tensors, owner, &what)
         }))
     }
@@ -1234,7 +1234,7 @@ pub(crate) async fn dispatch(
             let r = match crate::agent::lookup(&env.func, &env.sig) {
                 Ok(reg) => {
                     let payload = env.payload;
-                    match crate::autograd::incoming(&env.autograd, peer, tensors) {
+                    match crate::autograd::incoming(&env.autograd, peer, tensors, true) {
                         Ok((ctx, tensors)) => {
                             run_blocking(move || {
                                 crate::autograd::with_context(ctx, || {
@@ -1264,7 +1264,7 @@ pub(crate) async fn dispatch(
             }
         }
         kind::FETCH => {
-            let (ctx, _) = crate::autograd::incoming(&env.autograd, peer, vec![])?;
+            let (ctx, _) = crate::autograd::incoming(&env.autograd, peer, vec![], true)?;
             let v = a.rrefs.value(rref_id, timeout).await?;
             let mut enc = (v.encode)(&*v.value, peer)?;
             enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, a.me.id, peer);
@@ -1311,7 +1311,7 @@ pub(crate) async fn dispatch(
             };
             let v = a.rrefs.value(rref_id, timeout).await?;
             let payload = env.payload;
-            let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors)?;
+            let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors, true)?;
             let me = a.me.id;
             run_blocking(move || {
                 crate::autograd::with_context(ctx, || {
