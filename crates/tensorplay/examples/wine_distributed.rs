@@ -283,7 +283,6 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
             rank: Some(rank),
             world_size: Some(WORLD),
             timeout: Duration::from_secs(120),
-            ..Default::default()
         },
     )?;
     let start = Instant::now();
