@@ -186,11 +186,23 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
         ours.push(parse_metrics(&o));
         if have_torch {
             eprintln!("round {}: pytorch", r + 1);
-            let t = run_capture(
+            // PyTorch's RemoteModule sometimes fails on the worker ("No module named
+            // '_remote_module_non_scriptable'"): keep the lines it printed before failing
+            let t = match run_capture(
                 Command::new(python)
                     .arg(&script)
                     .env("OMP_NUM_THREADS", "1"),
-            )?;
+            ) {
+                Ok(t) => t,
+                Err(e) => {
+                    let last = e.lines().rev().find(|l| l.contains("Error")).unwrap_or("");
+                    eprintln!("note: the PyTorch anchor failed in round {}: {last}", r + 1);
+                    e.lines()
+                        .filter(|l| l.starts_with("torch-rpc "))
+                        .map(|l| format!("{l}\n"))
+                        .collect()
+                }
+            };
             print!("{t}");
             theirs.push(parse_metrics(&t));
         }
