@@ -97,7 +97,10 @@ fn parse_args() -> Result<Opts, String> {
                 }
             }
             "--plot" => o.plot = Some(PathBuf::from(value(&mut i)?)),
-            "-h" | "--help" => return Err(usage.into()),
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
             other => return Err(format!("unknown argument {other:?} ({usage})")),
         }
         i += 1;
@@ -475,11 +478,19 @@ fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
     });
     let steps = runs.iter().map(|(_, r)| r.losses.len()).max().unwrap_or(1);
     let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "wine_distributed: training loss of the first steps",
+            ("sans-serif", 20),
+        )
         .margin(20)
         .x_label_area_size(30)
         .y_label_area_size(50)
         .build_cartesian_2d(0..steps, lo..hi)?;
-    chart.configure_mesh().draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("cross-entropy loss")
+        .draw()?;
     let colours = [RED, BLUE];
     for (i, (name, r)) in runs.iter().enumerate() {
         let c = colours[i % colours.len()];
@@ -496,6 +507,11 @@ fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
             ))?
             .label(format!("{name} (single process)"));
     }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }

@@ -24,7 +24,13 @@ use clap::Parser;
 
 /// Starts the processes of a distributed tensorplay job on this node (like `torchrun`).
 #[derive(Parser, Debug)]
-#[command(name = "tensorplay-run", version, about)]
+#[command(
+    name = "tensorplay-run",
+    version,
+    about = "Start N processes of a program with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, \
+             MASTER_ADDR and MASTER_PORT set (the env:// rendezvous), like torchrun. Exits 1 when \
+             a rank fails, naming it."
+)]
 struct Args {
     /// Processes to start on this node (one per GPU, typically).
     #[arg(long, default_value_t = 1)]
