@@ -1226,10 +1226,8 @@ async fn call_function(
     let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors, true)?;
     let me = agent.me.id;
     run_blocking(move || {
-        crate::autograd::with_context(ctx, || {
-            let mut enc = (reg.handler)(&CallCtx { caller: peer }, &payload, tensors)?;
-            enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, me, peer);
-            Ok(enc)
+        crate::autograd::respond(ctx, me, peer, || {
+            (reg.handler)(&CallCtx { caller: peer }, &payload, tensors)
         })
     })
     .await
@@ -1279,12 +1277,7 @@ pub fn rpc_async<A: Wire, R: Wire>(
         kind: kind::CALL,
         func: func.to_string(),
         sig: signature::<A, R>(),
-        autograd: crate::autograd::outgoing(
-            crate::autograd::current_context(),
-            &enc.tensors,
-            a.me.id,
-            to,
-        ),
+        autograd: crate::autograd::request_header(&enc.tensors, a.me.id, to),
         payload: enc.bytes,
         ..Envelope::default()
     };

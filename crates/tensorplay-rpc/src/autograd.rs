@@ -296,6 +296,26 @@ fn new_message_id(me: usize) -> u64 {
     ((me as u64) << 48) | (NEXT_MESSAGE.fetch_add(1, Ordering::Relaxed) & ((1 << 48) - 1))
 }
 
+/// The autograd header of a request from this thread to `to` (its current context, if any).
+pub(crate) fn request_header(tensors: &[Tensor], me: usize, to: usize) -> Vec<u64> {
+    outgoing(current_context(), tensors, me, to)
+}
+
+/// Runs a handler within `ctx` (the callee side of a request) and gives its response the
+/// autograd header back to `peer`.
+pub(crate) fn respond(
+    ctx: Option<ContextId>,
+    me: usize,
+    peer: usize,
+    handler: impl FnOnce() -> Result<crate::wire::Encoder>,
+) -> Result<crate::wire::Encoder> {
+    with_context(ctx, || {
+        let mut enc = handler()?;
+        enc.autograd = outgoing(ctx, &enc.tensors, me, peer);
+        Ok(enc)
+    })
+}
+
 /// The autograd header of a message to `to` carrying `tensors` within `ctx`: `[context,
 /// message, indices of the tensors that require grad…]`, empty outside a context. Records the
 /// send function and the known worker.

@@ -677,12 +677,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
         let env = Envelope {
             kind: kind::FETCH,
             ids: ids(owner, self.inner.rref_id, self.inner.fork_id, 0),
-            autograd: crate::autograd::outgoing(
-                crate::autograd::current_context(),
-                &[],
-                a.me.id,
-                owner,
-            ),
+            autograd: crate::autograd::request_header(&[], a.me.id, owner),
             ..Envelope::default()
         };
         let a2 = a.clone();
@@ -751,12 +746,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             func: method.to_string(),
             sig: method_signature::<T, A, R>(),
             ids: ids(owner, self.inner.rref_id, self.inner.fork_id, 0),
-            autograd: crate::autograd::outgoing(
-                crate::autograd::current_context(),
-                &enc.tensors,
-                a.me.id,
-                owner,
-            ),
+            autograd: crate::autograd::request_header(&enc.tensors, a.me.id, owner),
             payload: enc.bytes,
             ..Envelope::default()
         };
@@ -841,12 +831,7 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
         func: func.to_string(),
         sig: reg_sig,
         ids: ids(to, rref_id, fork_id, a.me.id),
-        autograd: crate::autograd::outgoing(
-            crate::autograd::current_context(),
-            &enc.tensors,
-            a.me.id,
-            to,
-        ),
+        autograd: crate::autograd::request_header(&enc.tensors, a.me.id, to),
         payload: enc.bytes,
         ..Envelope::default()
     };
@@ -1314,11 +1299,7 @@ pub(crate) async fn dispatch(
             let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors, true)?;
             let me = a.me.id;
             run_blocking(move || {
-                crate::autograd::with_context(ctx, || {
-                    let mut enc = h(&*v.value, &payload, tensors, peer)?;
-                    enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, me, peer);
-                    Ok(enc)
-                })
+                crate::autograd::respond(ctx, me, peer, || h(&*v.value, &payload, tensors, peer))
             })
             .await
         }
