@@ -33,13 +33,56 @@ struct Anchor {
     /// Folder holding the PyTorch anchor scripts.
     #[arg(long, default_value = "../shared/anchors")]
     anchors: PathBuf,
-    /// Python interpreter with PyTorch installed (the anchors' setup.sh prints it).
-    #[arg(
-        long,
-        env = "ANCHOR_PYTHON",
-        default_value = "/tmp/tensorplay-anchor-venv/bin/python"
-    )]
-    python: PathBuf,
+    /// Python interpreter with PyTorch installed. Without it: `ANCHOR_PYTHON`, then
+    /// `$ANCHOR_VENV/bin/python`, then the interpreter that `bash <anchors>/setup.sh` prints
+    /// (it installs PyTorch once into a virtual environment and is idempotent).
+    #[arg(long, env = "ANCHOR_PYTHON")]
+    python: Option<PathBuf>,
+}
+
+impl Anchor {
+    /// The PyTorch interpreter: `--python`, `ANCHOR_PYTHON`, `$ANCHOR_VENV/bin/python`, then
+    /// what `bash <anchors>/setup.sh` prints on its last line. When setup.sh is missing or
+    /// fails, a path that does not exist is returned and the benchmarks report ours only.
+    fn python(&self) -> PathBuf {
+        if let Some(p) = &self.python {
+            return p.clone();
+        }
+        if let Some(v) = std::env::var_os("ANCHOR_VENV") {
+            return PathBuf::from(v).join("bin/python");
+        }
+        let setup = self.anchors.join("setup.sh");
+        if !setup.exists() {
+            eprintln!("note: {} not found", setup.display());
+            return PathBuf::from("python-with-torch-not-found");
+        }
+        eprintln!(
+            "finding PyTorch with `bash {}` (installs it once)...",
+            setup.display()
+        );
+        match Command::new("bash").arg(&setup).output() {
+            Ok(out) if out.status.success() => {
+                let text = String::from_utf8_lossy(&out.stdout);
+                match text.lines().rev().find(|l| !l.trim().is_empty()) {
+                    Some(l) => PathBuf::from(l.trim()),
+                    None => PathBuf::from("python-with-torch-not-found"),
+                }
+            }
+            Ok(out) => {
+                eprintln!(
+                    "note: {} failed ({}): {}",
+                    setup.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                PathBuf::from("python-with-torch-not-found")
+            }
+            Err(e) => {
+                eprintln!("note: could not run {}: {e}", setup.display());
+                PathBuf::from("python-with-torch-not-found")
+            }
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -660,9 +703,9 @@ fn main() -> ExitCode {
             anchor,
             world,
             max_mib,
-        } => bench_collectives(&anchor.anchors, &anchor.python, world, max_mib),
-        Cmd::BenchCore { anchor, rounds } => bench_core(&anchor.anchors, &anchor.python, rounds),
-        Cmd::BenchRpc { anchor, rounds } => bench_rpc(&anchor.anchors, &anchor.python, rounds),
+        } => bench_collectives(&anchor.anchors, &anchor.python(), world, max_mib),
+        Cmd::BenchCore { anchor, rounds } => bench_core(&anchor.anchors, &anchor.python(), rounds),
+        Cmd::BenchRpc { anchor, rounds } => bench_rpc(&anchor.anchors, &anchor.python(), rounds),
         Cmd::Conformance {
             vectors,
             backend,

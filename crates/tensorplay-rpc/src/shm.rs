@@ -857,7 +857,7 @@ mod tests {
         let (path, _) = ad.split_once('\n').unwrap();
         // wrong token, outside the root, traversal, a symlink, garbage
         assert!(confirm_peer(&root, format!("{path}\nbad").as_bytes()).is_none());
-        assert!(confirm_peer(Path::new("/tmp/elsewhere"), ad.as_bytes()).is_none());
+        assert!(confirm_peer(&std::env::temp_dir().join("elsewhere"), ad.as_bytes()).is_none());
         let sneaky = format!("{}/{PREFIX}x/../../etc\n{}", root.display(), dir.token);
         assert!(confirm_peer(&root, sneaky.as_bytes()).is_none());
         let link = root.join(format!("{PREFIX}link"));

@@ -53,7 +53,10 @@ pub fn nccl_search_dirs() -> Vec<PathBuf> {
     if let Ok(v) = std::env::var("VIRTUAL_ENV") {
         venvs.push(PathBuf::from(v));
     }
-    venvs.push(PathBuf::from("/tmp/tensorplay-anchor-venv"));
+    // the benchmarks' PyTorch environment (`ANCHOR_VENV`, as the anchors' setup.sh uses it)
+    if let Ok(v) = std::env::var("ANCHOR_VENV") {
+        venvs.push(PathBuf::from(v));
+    }
     for v in venvs {
         if let Ok(rd) = std::fs::read_dir(v.join("lib")) {
             for e in rd.flatten() {
