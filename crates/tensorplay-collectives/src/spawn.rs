@@ -173,12 +173,12 @@ where
     match outcome {
         Ok(Ok(())) => exit_now(0),
         Ok(Err(e)) => {
-            eprintln!("{FAIL_MARKER}{e}");
+            fail_line(&e.to_string());
             exit_now(1)
         }
         Err(payload) => {
             let msg = panic_message(&*payload);
-            eprintln!("{FAIL_MARKER}panicked: {msg}");
+            fail_line(&format!("panicked: {msg}"));
             exit_now(101)
         }
     }
@@ -192,6 +192,15 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     } else {
         "(non-string panic payload)".to_string()
     }
+}
+
+/// Writes the failure marker and the message to stderr in one call; the parent quotes the
+/// marker line (the message's first line) in its reason.
+fn fail_line(msg: &str) {
+    let line = format!("{FAIL_MARKER}{}\n", msg.trim_end());
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(line.as_bytes());
+    let _ = err.flush();
 }
 
 fn exit_now(code: i32) -> ! {
@@ -357,15 +366,40 @@ fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
     })
 }
 
-/// Copies a child's pipe into `output`, echoing lines prefixed with `[rank N] ` when verbose.
-/// Keeps a child's output and, when `echo`, forwards it line by line with a rank prefix: the
+/// Keeps a child's output and, when `echo` is set, forwards it with a `[rank N] ` prefix: the
 /// child's stdout to this process's stdout, its stderr to stderr.
+///
+/// Only whole lines are appended to the shared `output` (a last line without a newline when
+/// the pipe closes gets one), so a line the child wrote to stderr is never split by bytes it wrote to
+/// stdout at the same moment (libtest's progress output in a child running a test, say): the
+/// parent finds the failure marker line intact.
 fn read_pipe(
     mut pipe: Box<dyn Read + Send>,
     output: &Mutex<Vec<u8>>,
     echo: Option<usize>,
     is_stdout: bool,
 ) {
+    let emit = |line: &[u8]| {
+        {
+            let mut out = output.lock().unwrap_or_else(|e| e.into_inner());
+            out.extend_from_slice(line);
+            if !line.ends_with(b"\n") {
+                out.push(b'\n');
+            }
+        }
+        if let Some(rank) = echo {
+            let mut text = format!("[rank {rank}] {}", String::from_utf8_lossy(line));
+            if !text.ends_with('\n') {
+                text.push('\n');
+            }
+            // one write per line, so lines of different ranks do not interleave either
+            if is_stdout {
+                let _ = std::io::stdout().lock().write_all(text.as_bytes());
+            } else {
+                let _ = std::io::stderr().lock().write_all(text.as_bytes());
+            }
+        }
+    };
     let mut buf = [0u8; 8192];
     let mut line = Vec::new();
     loop {
@@ -373,32 +407,21 @@ fn read_pipe(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        output
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(&buf[..n]);
-        if let Some(rank) = echo {
-            for &b in &buf[..n] {
-                line.push(b);
-                if b == b'\n' {
-                    if is_stdout {
-                        print!("[rank {rank}] {}", String::from_utf8_lossy(&line));
-                    } else {
-                        eprint!("[rank {rank}] {}", String::from_utf8_lossy(&line));
-                    }
-                    line.clear();
-                }
+        for &b in &buf[..n] {
+            line.push(b);
+            if b == b'\n' {
+                emit(&line);
+                line.clear();
             }
         }
-    }
-    if let Some(rank) = echo
-        && !line.is_empty()
-    {
-        if is_stdout {
-            println!("[rank {rank}] {}", String::from_utf8_lossy(&line));
-        } else {
-            eprintln!("[rank {rank}] {}", String::from_utf8_lossy(&line));
+        // a very long line without a newline is kept in pieces rather than held back forever
+        if line.len() >= MAX_OUTPUT {
+            emit(&line);
+            line.clear();
         }
+    }
+    if !line.is_empty() {
+        emit(&line);
     }
 }
 

@@ -74,6 +74,41 @@ fn a_failing_rank_is_reported_with_its_message() {
     }
 }
 
+/// The failure line is found whole while the child writes partial lines to stdout at the same
+/// time (as libtest's progress output does): output is merged line by line, never mid-line.
+#[test]
+fn a_failing_rank_is_reported_while_stdout_is_busy() {
+    let err = spawn(2, |rank| {
+        if rank == 1 {
+            use std::io::Write;
+            let noisy = std::thread::spawn(|| {
+                for _ in 0..2000 {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(b"partial-");
+                    let _ = out.flush();
+                }
+            });
+            std::thread::sleep(Duration::from_millis(2));
+            let e: Result<(), Box<dyn std::error::Error + Send + Sync>> =
+                Err("rank one failed while stdout was busy".into());
+            let _ = noisy.join();
+            return e;
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    match &err {
+        Error::Spawn { rank, reason, .. } => {
+            assert_eq!(*rank, 1, "{err}");
+            assert!(
+                reason.contains("rank one failed while stdout was busy"),
+                "{err}"
+            );
+        }
+        other => panic!("expected Spawn, got {other}"),
+    }
+}
+
 #[test]
 fn crate_errors_propagate_with_question_mark() {
     let err = spawn(2, |rank| {
