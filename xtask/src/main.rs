@@ -20,6 +20,8 @@ use std::process::{Command, ExitCode};
 
 use clap::{Parser, Subcommand};
 
+mod check_docs;
+
 #[derive(Parser)]
 #[command(name = "xtask", about = "tensorplay project automation")]
 struct Cli {
@@ -130,6 +132,10 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
+    /// Checks the rendered facade docs (`target/doc/tensorplay/`, from `cargo doc --workspace
+    /// --no-deps`): no example names an internal crate, no prose shows a broken
+    /// `[tensorplay_...` link.
+    CheckDocs,
 }
 
 /// One measured line: a key such as `mlp_step` and its value with unit.
@@ -711,6 +717,7 @@ fn main() -> ExitCode {
             backend,
             timeout,
         } => conformance(&vectors, &backend, timeout),
+        Cmd::CheckDocs => check_docs::check_docs(),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,11 +10,12 @@ use crate::{Error, Result};
 /// Parsed from `"cpu"`, `"cuda"` (device 0) or `"cuda:N"`:
 ///
 /// ```
-/// use tensorplay_core::Device;
+/// use tensorplay as tp;
+/// use tp::Device;
 /// assert_eq!("cuda:1".parse::<Device>()?, Device::Cuda(1));
 /// assert_eq!(Device::parse("cpu")?, Device::Cpu);
 /// assert!(Device::parse("tpu").is_err());
-/// # Ok::<(), tensorplay_core::Error>(())
+/// # Ok::<(), tp::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Device {

@@ -31,7 +31,7 @@ impl TensorId {
 /// autograd identity, exactly as binding a Python name does. It is `Send + Sync`.
 ///
 /// ```
-/// use tensorplay_core as tp;
+/// use tensorplay as tp;
 /// let x = tp::Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3])?.requires_grad_(true);
 /// let y = x.mul(&x)?.sum()?;          // y = sum(x^2)
 /// y.backward()?;

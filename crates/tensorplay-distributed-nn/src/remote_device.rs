@@ -35,15 +35,16 @@ impl WorkerRef {
 /// A parsed remote device: a worker and a device on it.
 ///
 /// ```
-/// use tensorplay_distributed_nn::{RemoteDevice, WorkerRef};
-/// use tensorplay_core::Device;
+/// use tensorplay as tp;
+/// use tp::Device;
+/// use tp::distributed::nn::{RemoteDevice, WorkerRef};
 ///
 /// let d: RemoteDevice = "rank:1/cuda:0".parse()?;
 /// assert_eq!(d.worker, WorkerRef::Rank(1));
 /// assert_eq!(d.device, Device::Cuda(0));
 /// assert_eq!(d.to_string(), "rank:1/cuda:0");
 /// assert!("worker1/cpu2".parse::<RemoteDevice>().is_err());
-/// # Ok::<(), tensorplay_core::Error>(())
+/// # Ok::<(), tp::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RemoteDevice {

@@ -120,8 +120,9 @@ impl RpcBackendOptions {
     ///
     /// ```
     /// use std::collections::HashMap;
-    /// use tensorplay_core::Device;
-    /// let mut o = tensorplay_rpc::RpcBackendOptions::default();
+    /// use tensorplay as tp;
+    /// use tp::Device;
+    /// let mut o = tp::distributed::rpc::RpcBackendOptions::default();
     /// o.set_device_map("worker1", HashMap::from([(Device::Cuda(0), Device::Cuda(1))]));
     /// assert_eq!(o.device_maps["worker1"][&Device::Cuda(0)], Device::Cuda(1));
     /// ```
@@ -203,8 +204,9 @@ pub(crate) fn signature<A, R>() -> String {
 /// types gets an error naming both signatures. Registering a name again replaces it.
 ///
 /// ```
-/// use tensorplay_rpc as rpc;
-/// use tensorplay_core::Tensor;
+/// use tensorplay as tp;
+/// use tp::Tensor;
+/// use tp::distributed::rpc;
 ///
 /// rpc::register("add", |(a, b): (Tensor, Tensor)| a.add(&b));
 /// ```

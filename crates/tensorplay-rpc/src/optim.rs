@@ -196,9 +196,12 @@ pub(crate) fn register_builtins() {
 /// [`step`]: DistributedOptimizer::step
 ///
 /// ```no_run
-/// use tensorplay_core::{Tensor, TensorId};
-/// use tensorplay_core::optim::SgdOptions;
-/// use tensorplay_rpc::{self as rpc, DistributedOptimizer, OptimizerKind, RRef, autograd};
+/// use tensorplay as tp;
+/// use tp::{Tensor, TensorId};
+/// use tp::optim::SgdOptions;
+/// use tp::distributed::optim::{DistributedOptimizer, OptimizerKind};
+/// use tp::distributed::rpc::{self, RRef};
+/// use tp::distributed::autograd;
 ///
 /// # fn demo(params: Vec<RRef<Tensor>>, x: Tensor) -> rpc::Result<()> {
 /// let opt = DistributedOptimizer::new(

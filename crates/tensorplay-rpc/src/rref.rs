@@ -916,8 +916,9 @@ fn method_signature<T, A, R>() -> String {
 /// name; registering the same name for the same type again replaces it.
 ///
 /// ```
-/// use tensorplay_rpc as rpc;
-/// use tensorplay_core::Tensor;
+/// use tensorplay as tp;
+/// use tp::Tensor;
+/// use tp::distributed::rpc;
 ///
 /// rpc::register_method("numel", |t: &Tensor, (): ()| Ok(t.numel()));
 /// ```

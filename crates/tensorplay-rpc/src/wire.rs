@@ -19,7 +19,7 @@ use crate::{Error, Result, WorkerInfo};
 /// encoding their fields in order:
 ///
 /// ```
-/// use tensorplay_rpc::{Decoder, Encoder, Result, Wire};
+/// use tensorplay::distributed::rpc::{Decoder, Encoder, Result, Wire};
 ///
 /// struct Batch { ids: Vec<u64>, scale: f64 }
 ///

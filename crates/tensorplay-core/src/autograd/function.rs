@@ -17,7 +17,7 @@ use crate::{Result, Tensor};
 /// are the distributed layers' collectives.
 ///
 /// ```
-/// use tensorplay_core::{self as tp, autograd::{Context, Function}, Tensor};
+/// use tensorplay::{self as tp, autograd::{Context, Function}, Tensor};
 ///
 /// /// y = x^3, dy/dx = 3x^2.
 /// struct Cube;

@@ -21,7 +21,7 @@ pub fn set_grad_enabled(enabled: bool) -> GradModeGuard {
 /// Disables history recording on this thread until the guard is dropped (`torch.no_grad()`).
 ///
 /// ```
-/// use tensorplay_core as tp;
+/// use tensorplay as tp;
 /// let w = tp::ones(&[2])?.requires_grad_(true);
 /// let y = {
 ///     let _g = tp::no_grad();

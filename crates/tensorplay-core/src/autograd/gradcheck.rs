@@ -50,7 +50,7 @@ fn perturbed(inputs: &[Tensor], which: usize, elem: usize, delta: f64) -> Result
 /// Inputs that require grad must be float64 (finite differences in float32 are too coarse).
 ///
 /// ```
-/// use tensorplay_core::{self as tp, autograd::{gradcheck, GradcheckOptions}, Tensor};
+/// use tensorplay::{self as tp, autograd::{gradcheck, GradcheckOptions}, Tensor};
 /// let x = Tensor::from_vec(vec![0.3f64, -1.2, 2.0], &[3])?.requires_grad_(true);
 /// gradcheck(|xs| Ok(vec![xs[0].tanh()?.mul(&xs[0])?]), &[x], GradcheckOptions::default())?;
 /// # Ok::<(), tp::Error>(())

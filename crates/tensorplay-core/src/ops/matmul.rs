@@ -167,11 +167,12 @@ impl Tensor {
     /// inner dimensions must agree.
     ///
     /// ```
-    /// use tensorplay_core::Tensor;
+    /// use tensorplay as tp;
+    /// use tp::Tensor;
     /// let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
     /// let b = Tensor::from_vec(vec![1.0f32, 1.0], &[2])?;
     /// assert_eq!(a.matmul(&b)?.to_vec::<f32>()?, vec![3.0, 7.0]);
-    /// # Ok::<(), tensorplay_core::Error>(())
+    /// # Ok::<(), tp::Error>(())
     /// ```
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
         let (ra, rb) = (self.ndim(), other.ndim());

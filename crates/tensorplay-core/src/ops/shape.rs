@@ -59,7 +59,7 @@ impl Tensor {
     /// dimension but `dim`. Differentiable in every input.
     ///
     /// ```
-    /// use tensorplay_core::{self as tp, Tensor};
+    /// use tensorplay::{self as tp, Tensor};
     /// let a = Tensor::from_vec(vec![1.0f32, 2.0], &[1, 2])?;
     /// let b = Tensor::from_vec(vec![3.0f32, 4.0, 5.0, 6.0], &[2, 2])?;
     /// let c = tp::cat(&[a, b], 0)?;

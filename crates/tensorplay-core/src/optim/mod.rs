@@ -5,7 +5,7 @@
 //! in-place write). Parameters on CUDA are not supported yet.
 //!
 //! ```
-//! use tensorplay_core::{self as tp, optim::{Optimizer, SGD, SgdOptions}};
+//! use tensorplay::{self as tp, optim::{Optimizer, SGD, SgdOptions}};
 //! let w = tp::Tensor::from_vec(vec![1.0f64, -2.0], &[2])?.requires_grad_(true);
 //! let mut opt = SGD::new(vec![w.clone()], SgdOptions { lr: 0.1, ..Default::default() })?;
 //! w.mul(&w)?.sum()?.backward()?; // grad = 2 w
