@@ -4,7 +4,7 @@ use std::time::Duration;
 
 /// Every fallible operation of this crate returns this error. Variants name the rank(s),
 /// the argument and what was expected.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A tensor-level error from the core.
@@ -90,8 +90,9 @@ pub enum Error {
 }
 
 /// Collectives errors travel through code written against the core's `Result` (custom
-/// autograd functions, modules, the facade) as [`tensorplay_core::Error::External`]; core
-/// errors are unwrapped back to themselves.
+/// autograd functions, modules, the facade) as
+/// [`tp::Error::External`](tensorplay_core::Error::External); core errors are unwrapped back to
+/// themselves.
 impl From<Error> for tensorplay_core::Error {
     fn from(e: Error) -> Self {
         match e {
@@ -126,5 +127,14 @@ impl Error {
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::Io(e.to_string())
+    }
+}
+
+/// The `Display` message, then its sources (as for every error of the stack): `fn main() ->
+/// Result<(), Error>` prints what went wrong, not a dump of fields; match on the variants to
+/// get at the fields.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        tensorplay_core::fmt_error_chain(self, f)
     }
 }

@@ -79,10 +79,10 @@ impl std::fmt::Debug for ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// This process's rank in the group (`group.rank()`); -1 for a process that is not a member
-    /// (PyTorch's `GroupMember.NON_GROUP_MEMBER`).
-    pub fn rank(&self) -> i64 {
-        self.inner.group_rank.map_or(-1, |r| r as i64)
+    /// This process's rank in the group (`group.rank()`), `0..size()`; `None` for a process
+    /// that is not a member (where PyTorch returns -1, `GroupMember.NON_GROUP_MEMBER`).
+    pub fn rank(&self) -> Option<usize> {
+        self.inner.group_rank
     }
     /// Number of ranks in the group.
     pub fn size(&self) -> usize {
@@ -266,11 +266,38 @@ pub fn default_group(op: &str) -> Result<ProcessGroup> {
         .ok_or_else(|| Error::NotInitialized { op: op.to_string() })
 }
 
-/// This process's rank in `group` (default: the world) (`get_rank`).
-pub fn get_rank(group: Option<&ProcessGroup>) -> Result<i64> {
+/// This process's rank in `group` (default: the world) (`get_rank`), `0..world size`: the same
+/// number [`spawn`](crate::spawn()) passes to its function for the world.
+///
+/// # Errors
+/// [`Error::NotInitialized`] without a default group; [`Error::InvalidArgument`] naming this
+/// process's global rank and the group's members when it does not belong to `group` (where
+/// PyTorch returns -1).
+pub fn get_rank(group: Option<&ProcessGroup>) -> Result<usize> {
+    let g = match group {
+        Some(g) => g.clone(),
+        None => default_group("get_rank")?,
+    };
+    g.rank().ok_or_else(|| {
+        Error::invalid(
+            "get_rank",
+            g.my_global_rank() as i64,
+            "group",
+            format!("a group this process belongs to (members: {:?})", g.ranks()),
+            format!("group {:?} without rank {}", g.ranks(), g.my_global_rank()),
+        )
+    })
+}
+
+/// The default group's backend name, `"cpu"` or `"nccl"` (`get_backend`); of `group` when
+/// given.
+///
+/// # Errors
+/// [`Error::NotInitialized`] without a default group.
+pub fn get_backend(group: Option<&ProcessGroup>) -> Result<String> {
     Ok(match group {
-        Some(g) => g.rank(),
-        None => default_group("get_rank")?.rank(),
+        Some(g) => g.backend().to_string(),
+        None => default_group("get_backend")?.backend().to_string(),
     })
 }
 

@@ -5,6 +5,7 @@
 pub mod backend;
 mod error;
 mod group;
+mod object;
 mod ops;
 pub mod rendezvous;
 pub mod spawn;
@@ -13,9 +14,10 @@ mod work;
 
 pub use error::{Error, Result};
 pub use group::{
-    DEFAULT_TIMEOUT, InitOptions, ProcessGroup, default_group, destroy_process_group, get_rank,
-    get_world_size, init_process_group, is_initialized, new_group, world_store,
+    DEFAULT_TIMEOUT, InitOptions, ProcessGroup, default_group, destroy_process_group, get_backend,
+    get_rank, get_world_size, init_process_group, is_initialized, new_group, world_store,
 };
+pub use object::{all_gather_object, broadcast_object_list};
 pub use ops::{
     all_gather, all_gather_into_tensor, all_gather_into_tensor_async, all_gather_metadata,
     all_reduce, all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async, barrier,

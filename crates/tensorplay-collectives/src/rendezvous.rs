@@ -367,14 +367,28 @@ pub fn rendezvous_barrier(
     if joined >= world_size as i64 {
         store.set(COMPLETE_KEY, b"1")?;
     }
-    match store.wait(&[COMPLETE_KEY], timeout) {
+    let start = Instant::now();
+    let every = report_interval();
+    let waited = loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        match store.wait(&[COMPLETE_KEY], left.min(every)) {
+            Err(Error::Timeout { .. }) if start.elapsed() < timeout => {
+                let (joined, missing) = who_joined(store, world_size, joined);
+                waiting_note(&format!(
+                    "rendezvous: rank {rank} has waited {:.0}s of {:.0}s: {joined} of \
+                     {world_size} ranks joined; waiting for ranks {}",
+                    start.elapsed().as_secs_f64(),
+                    timeout.as_secs_f64(),
+                    missing.join(", ")
+                ));
+            }
+            other => break other,
+        }
+    };
+    match waited {
         Ok(()) => Ok(()),
         Err(Error::Timeout { .. }) => {
-            let joined = store.add(JOINED_KEY, 0).unwrap_or(joined);
-            let missing: Vec<String> = (0..world_size)
-                .filter(|q| !store.check(&[&format!("rdzv/rank/{q}")]).unwrap_or(true))
-                .map(|q| q.to_string())
-                .collect();
+            let (joined, missing) = who_joined(store, world_size, joined);
             Err(Error::Timeout {
                 op: "rendezvous".into(),
                 rank: r,
@@ -391,5 +405,41 @@ pub fn rendezvous_barrier(
              rank did (rank 0, which hosts the store, probably timed out waiting for the rest)"
         ))),
         Err(e) => Err(e),
+    }
+}
+
+/// How many ranks joined the barrier, and which did not (as strings, for messages).
+fn who_joined(store: &dyn Store, world_size: usize, joined: i64) -> (i64, Vec<String>) {
+    let joined = store.add(JOINED_KEY, 0).unwrap_or(joined);
+    let missing = (0..world_size)
+        .filter(|q| !store.check(&[&format!("rdzv/rank/{q}")]).unwrap_or(true))
+        .map(|q| q.to_string())
+        .collect();
+    (joined, missing)
+}
+
+/// Sets how often (in seconds, default 10) a rank still waiting in rendezvous says who it waits
+/// for.
+pub const RDZV_REPORT_ENV: &str = "TENSORPLAY_RDZV_REPORT_SECS";
+
+/// The interval of the "still waiting" notes: [`RDZV_REPORT_ENV`] seconds (at least 0.1), or
+/// 10 s.
+pub(crate) fn report_interval() -> Duration {
+    std::env::var(RDZV_REPORT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map_or(Duration::from_secs(10), |s| {
+            Duration::from_secs_f64(s.clamp(0.1, 86_400.0))
+        })
+}
+
+/// A note that a rank is still waiting for others: at `info` level through `tracing`, and on
+/// stderr as well when the process was started by `tensorplay-run` (`TENSORPLAY_RUN=1`), whose
+/// output a person is watching.
+pub(crate) fn waiting_note(msg: &str) {
+    tracing::info!("{msg}");
+    if std::env::var_os("TENSORPLAY_RUN").is_some_and(|v| v == "1") {
+        eprintln!("{msg}");
     }
 }

@@ -24,6 +24,12 @@
 //! otherwise they get the parent's arguments, so binaries and examples that call `spawn` from
 //! `main` work the same way.
 //!
+//! **Under `tensorplay-run`.** A process started by the launcher (`TENSORPLAY_RUN=1`) already
+//! is one rank of a job, so `spawn(n, f)` there joins that job instead of starting a second
+//! one: when `n` equals the launcher's `WORLD_SIZE`, it runs `f(RANK)` in this process and exits
+//! it as a spawned child does (the launcher's environment, `MASTER_ADDR`/`MASTER_PORT`
+//! included, is kept); any other `n` is an [`Error::InvalidArgument`] naming both numbers.
+//!
 //! **Nesting.** `f` may itself call `spawn` (at most once per run of `f`): the grandchildren
 //! carry the whole rank path in `TENSORPLAY_SPAWN_PATH` (for example `1,0`), re-run the outer
 //! `f` with their parent's rank up to the inner call, and run the inner `f` there. Each
@@ -62,7 +68,7 @@ const MAX_OUTPUT: usize = 64 * 1024;
 const FAIL_MARKER: &str = "tensorplay-spawn-error: ";
 
 /// The error type of a spawned function: any error, so `?` works on this crate's
-/// [`Error`], `tensorplay_core::Error`, I/O errors, and string messages (`"msg".into()`).
+/// [`Error`], the core's error (`tensorplay::Error`), I/O errors, and string messages (`"msg".into()`).
 pub type SpawnError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Options of [`spawn_with`].
@@ -93,7 +99,12 @@ impl SpawnOptions {
 /// Number of `f`s of enclosing `spawn` calls currently running in this (child) process.
 static LEVEL: AtomicUsize = AtomicUsize::new(0);
 
-/// Runs `f(rank)` in `nprocs` processes (see the [module docs](self)) with the default
+/// Runs `f(rank)` in `nprocs` processes, like `torch.multiprocessing.spawn`: the current program
+/// is re-executed once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+/// `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT` set, and reaches this call again; code
+/// before it runs in every child, nothing after it does (a child exits when `f` returns). Each
+/// child's output is forwarded prefixed with `[rank N] `. Under `tensorplay-run`, the process
+/// joins the launcher's job instead (`nprocs` must equal its `WORLD_SIZE`). Uses the default
 /// timeout [`DEFAULT_SPAWN_TIMEOUT`] (600 s).
 ///
 /// # Errors
@@ -123,7 +134,57 @@ where
     if path.len() > level {
         return run_child(&opts, &path, level, f);
     }
+    if path.is_empty()
+        && let Some((rank, world)) = launcher_rank()?
+    {
+        // started by tensorplay-run: this process already is one rank of the job
+        if opts.nprocs != world {
+            return Err(Error::invalid(
+                "spawn",
+                rank as i64,
+                "nprocs",
+                format!(
+                    "{world}, the WORLD_SIZE of the job tensorplay-run started (under the \
+                     launcher each process is one rank and spawn runs f(RANK) in it; run the \
+                     program without tensorplay-run to let spawn start the processes)"
+                ),
+                opts.nprocs,
+            ));
+        }
+        return run_child(&opts, &[rank], 0, f);
+    }
     run_parent(&opts, &path)
+}
+
+/// `Some((RANK, WORLD_SIZE))` in a process started by `tensorplay-run` (`TENSORPLAY_RUN=1`)
+/// and not by `spawn`.
+fn launcher_rank() -> Result<Option<(usize, usize)>> {
+    if std::env::var_os("TENSORPLAY_RUN").is_none_or(|v| v != "1") {
+        return Ok(None);
+    }
+    let var = |name: &str| -> Result<usize> {
+        let v = std::env::var(name).unwrap_or_default();
+        v.trim().parse::<usize>().map_err(|_| {
+            Error::invalid(
+                "spawn",
+                -1,
+                name,
+                "a whole number set by tensorplay-run",
+                format!("{v:?}"),
+            )
+        })
+    };
+    let (rank, world) = (var("RANK")?, var("WORLD_SIZE")?);
+    if rank >= world {
+        return Err(Error::invalid(
+            "spawn",
+            rank as i64,
+            "RANK",
+            format!("< WORLD_SIZE {world}"),
+            rank,
+        ));
+    }
+    Ok(Some((rank, world)))
 }
 
 /// The rank path from the environment (empty in a process not started by `spawn`).

@@ -311,12 +311,87 @@ fn all_collectives(
     Ok(())
 }
 
+/// A serde value with what JSON would lose: NaN, a map with non-string keys, nesting.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Obj {
+    rank: usize,
+    name: String,
+    weights: Vec<f64>,
+    by_id: std::collections::BTreeMap<(u8, i64), Option<bool>>,
+}
+
+fn obj(rank: usize) -> Obj {
+    Obj {
+        rank,
+        name: "r".repeat(rank * 7 + 1), // a different size on every rank
+        weights: vec![f64::NAN, -0.0, rank as f64 + 0.5],
+        by_id: [
+            ((rank as u8, -(rank as i64)), Some(rank.is_multiple_of(2))),
+            ((9, 9), None),
+        ]
+        .into(),
+    }
+}
+
+/// all_gather_object and broadcast_object_list against the values every rank can compute.
+fn object_collectives(rank: usize, n: usize) -> TestResult {
+    let got = dist::all_gather_object(&obj(rank), None)?;
+    assert_eq!(got.len(), n);
+    for (r, g) in got.iter().enumerate() {
+        let want = obj(r);
+        assert_eq!(g.rank, want.rank);
+        assert_eq!(g.name, want.name);
+        assert_eq!(g.by_id, want.by_id);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&g.weights),
+            bits(&want.weights),
+            "rank {rank}: from {r}"
+        );
+    }
+    // an empty value and a unit value
+    assert_eq!(dist::all_gather_object(&(), None)?.len(), n);
+    let empty: Vec<Vec<u8>> = dist::all_gather_object(&Vec::new(), None)?;
+    assert_eq!(empty, vec![Vec::<u8>::new(); n]);
+    // broadcast from the last rank; the others start with lists of other lengths
+    let src = n - 1;
+    let mut list: Vec<Obj> = if rank == src {
+        vec![obj(src), obj(0)]
+    } else {
+        vec![obj(rank); rank]
+    };
+    dist::broadcast_object_list(&mut list, src, None)?;
+    assert_eq!(list.len(), 2, "rank {rank}");
+    assert_eq!((list[0].rank, list[1].rank), (src, 0), "rank {rank}");
+    assert_eq!(list[1].name, obj(0).name);
+    // an empty list broadcasts as an empty list
+    let mut none: Vec<String> = if rank == 0 { vec![] } else { vec!["x".into()] };
+    dist::broadcast_object_list(&mut none, 0, None)?;
+    assert!(none.is_empty(), "rank {rank}: {none:?}");
+    if n > 1 {
+        // a rank sending another type: a Mismatch naming the rank, not a wrong value
+        let r = if rank == 0 {
+            dist::all_gather_object(&"a string".to_string(), None).map(|_| ())
+        } else {
+            dist::all_gather_object(&7u8, None).map(|_| ())
+        };
+        let e = r.expect_err("types differ").to_string();
+        assert!(
+            e.contains("all_gather_object") && e.contains("decode"),
+            "{e}"
+        );
+    }
+    Ok(())
+}
+
 fn world(n: usize) -> TestResult {
     dist::spawn::spawn(n, move |rank| -> TestResult {
         init(30)?;
         all_collectives(rank, n, None, &(0..n).collect::<Vec<_>>())?;
         assert_eq!(dist::get_world_size(None)?, n);
-        assert_eq!(dist::get_rank(None)?, rank as i64);
+        assert_eq!(dist::get_rank(None)?, rank);
+        assert_eq!(dist::get_backend(None)?, "cpu");
+        object_collectives(rank, n)?;
         dist::destroy_process_group()?;
         Ok(())
     })?;
@@ -348,11 +423,14 @@ fn world_size_4_with_subgroups() -> TestResult {
         let g02 = dist::new_group(&[0, 2], None, None)?;
         let g13 = dist::new_group(&[1, 3], None, None)?;
         if rank >= 1 {
-            assert_eq!(g123.rank(), rank as i64 - 1);
+            assert_eq!(g123.rank(), Some(rank - 1));
+            assert_eq!(dist::get_rank(Some(&g123))?, rank - 1);
             assert_eq!(g123.global_rank(0)?, 1);
             all_collectives(rank, 4, Some(&g123), &[1, 2, 3])?;
         } else {
-            assert_eq!(g123.rank(), -1);
+            assert_eq!(g123.rank(), None);
+            let e = dist::get_rank(Some(&g123)).unwrap_err().to_string();
+            assert!(e.contains("get_rank") && e.contains("[1, 2, 3]"), "{e}");
             let t = Tensor::zeros(&[1], DType::F32)?;
             assert!(dist::all_reduce(&t, ReduceOp::Sum, Some(&g123)).is_err());
         }
@@ -507,7 +585,15 @@ fn a_dead_rank_is_reported_not_a_hang() -> TestResult {
 
 #[test]
 fn a_rank_that_never_joins_times_out() -> TestResult {
-    dist::spawn::spawn(3, |rank| -> TestResult {
+    // notes every 0.4 s, on stderr as under tensorplay-run
+    let opts = dist::SpawnOptions {
+        env: vec![
+            ("TENSORPLAY_RDZV_REPORT_SECS".into(), "0.4".into()),
+            ("TENSORPLAY_RUN".into(), "1".into()),
+        ],
+        ..dist::SpawnOptions::new(3)
+    };
+    let r = dist::spawn::spawn_with(opts, |rank| -> TestResult {
         if rank == 2 {
             return Ok(()); // never calls init_process_group
         }
@@ -525,11 +611,26 @@ fn a_rank_that_never_joins_times_out() -> TestResult {
         let names_rank = msg.contains("2 of 3") || msg.contains("rank 2") || msg.contains("[2]");
         assert!(names_rank || (rank != 0 && msg.contains("store")), "{msg}");
         if rank == 0 {
-            // give the others time to see the timeout themselves before the store goes away
+            // give the others time to see the timeout themselves before the store goes away,
+            // then fail on purpose so that the parent gets this rank's output
             std::thread::sleep(Duration::from_millis(500));
+            return Err("rank 0 ends here on purpose".into());
         }
         Ok(())
-    })?;
+    });
+    let Err(dist::Error::Spawn { rank, output, .. }) = r else {
+        return Err(format!("expected rank 0's failure on purpose, got {r:?}").into());
+    };
+    assert_eq!(rank, 0, "{output}");
+    assert!(output.contains("rank 0 ends here on purpose"), "{output}");
+    // while waiting, rank 0 said who it waited for (several times in 3 s)
+    let notes = output
+        .lines()
+        .filter(|l| {
+            l.contains("rendezvous: rank 0 has waited") && l.contains("waiting for ranks 2")
+        })
+        .count();
+    assert!(notes >= 2, "{notes} notes in: {output}");
     Ok(())
 }
 

@@ -1,12 +1,13 @@
-//! The error type of `tensorplay-core`.
+//! The error type of the core (tensors, autograd, `nn`, `optim`).
 
 use crate::{DType, Device};
 
-/// Every fallible operation of `tensorplay-core` returns this error.
+/// Every fallible operation of the core returns this error, and every layer's error converts
+/// into it.
 ///
 /// Variants are structured so that callers can match on them; the `Display` text names the
 /// operation, the offending argument and what was expected.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// Two shapes that had to agree (or broadcast) did not.
@@ -146,6 +147,28 @@ impl Error {
         Error::External(std::sync::Arc::new(e))
     }
 
+    /// The variant's name (`"ShapeMismatch"`, `"InvalidArgument"`, `"External"`, ...), as RPC
+    /// reports the kind of an error raised on another worker.
+    pub fn variant_name(&self) -> &'static str {
+        match self {
+            Error::ShapeMismatch { .. } => "ShapeMismatch",
+            Error::DimOutOfRange { .. } => "DimOutOfRange",
+            Error::UnsupportedDType { .. } => "UnsupportedDType",
+            Error::DTypeMismatch { .. } => "DTypeMismatch",
+            Error::DeviceMismatch { .. } => "DeviceMismatch",
+            Error::InvalidArgument { .. } => "InvalidArgument",
+            Error::IndexOutOfBounds { .. } => "IndexOutOfBounds",
+            Error::InvalidDevice { .. } => "InvalidDevice",
+            Error::CudaUnavailable { .. } => "CudaUnavailable",
+            Error::Cuda { .. } => "Cuda",
+            Error::NotSupported { .. } => "NotSupported",
+            Error::Unsupported { .. } => "Unsupported",
+            Error::Autograd(_) => "Autograd",
+            Error::External(_) => "External",
+            Error::Custom { .. } => "Custom",
+        }
+    }
+
     /// The original error of a higher layer, when this is an [`Error::External`] of type `E`.
     pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
         match self {
@@ -166,5 +189,35 @@ impl Error {
             expected: expected.into(),
             got: got.to_string(),
         }
+    }
+}
+
+/// Writes `err`'s `Display` message, then each source in its chain that the text so far does
+/// not already contain, one `caused by: ...` line each. The `Debug` form of the stack's errors
+/// (this crate's [`Error`] and those of the distributed layers), so that `fn main() ->
+/// Result<(), Error>` and `.unwrap()` print what went wrong instead of a dump of fields.
+pub fn fmt_error_chain(
+    err: &(dyn std::error::Error + 'static),
+    f: &mut std::fmt::Formatter<'_>,
+) -> std::fmt::Result {
+    let mut seen = err.to_string();
+    f.write_str(&seen)?;
+    let mut src = err.source();
+    while let Some(s) = src {
+        let m = s.to_string();
+        if !seen.contains(&m) {
+            write!(f, "\ncaused by: {m}")?;
+            seen.push_str(&m);
+        }
+        src = s.source();
+    }
+    Ok(())
+}
+
+/// The `Display` message and its sources (see [`fmt_error_chain`]); match on the variants to
+/// get at the fields.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        fmt_error_chain(self, f)
     }
 }

@@ -35,7 +35,7 @@ mod tensor;
 pub use autograd::{no_grad, set_grad_enabled};
 pub use device::{Device, IntoDevice};
 pub use dtype::{DType, Element, FloatElement};
-pub use error::{Error, Result};
+pub use error::{Error, Result, fmt_error_chain};
 pub use layout::{Layout, broadcast_shapes, contiguous_strides, normalize_dim};
 pub use ops::creation::{TensorOptions, arange, full, ones, rand, randint, randn, zeros};
 pub use ops::matmul::{get_num_threads, set_num_threads};

@@ -507,3 +507,503 @@ fn boxed_modules_are_object_safe() -> tp::Result<()> {
     assert_eq!(m.len(), 3);
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// nn::utils: gradient clipping
+
+/// A leaf parameter with `.grad` set to `grad` (float64).
+fn param_with_grad(grad: &[f64], shape: &[usize]) -> Tensor {
+    let p = tp::zeros(shape).unwrap().to_dtype(DType::F64).unwrap();
+    let p = p.requires_grad_(true);
+    p.set_grad(Some(t64(grad, shape)));
+    p
+}
+
+fn grad_f64(p: &Tensor) -> Vec<f64> {
+    p.grad().unwrap().to_vec_f64().unwrap()
+}
+
+#[test]
+fn clip_grad_norm_values_for_each_norm_type() -> tp::Result<()> {
+    // grads [3, 4] and [[1, -2], [2, 0]]: 2-norm sqrt(34), 1-norm 12, inf-norm 4, 3-norm 108^(1/3)
+    let cases = [
+        (2.0, 34f64.sqrt()),
+        (1.0, 12.0),
+        (f64::INFINITY, 4.0),
+        (3.0, 108f64.powf(1.0 / 3.0)),
+    ];
+    for (norm_type, expected) in cases {
+        let a = param_with_grad(&[3.0, 4.0], &[2]);
+        let b = param_with_grad(&[1.0, -2.0, 2.0, 0.0], &[2, 2]);
+        let no_grad = tp::zeros(&[3])?.requires_grad_(true);
+        let params = [a.clone(), no_grad.clone(), b.clone()];
+        let total = nn::utils::clip_grad_norm_(&params, 1.0, norm_type, false)?;
+        assert!((total - expected).abs() < 1e-12, "{norm_type}: {total}");
+        let coef = 1.0 / (expected + 1e-6);
+        close(&grad_f64(&a), &[3.0 * coef, 4.0 * coef], 1e-12);
+        close(&grad_f64(&b), &[coef, -2.0 * coef, 2.0 * coef, 0.0], 1e-12);
+        // the parameter without a grad is skipped
+        assert!(no_grad.grad().is_none());
+        // the clipped grads have (about) max_norm as their norm
+        let after = nn::utils::clip_grad_norm_(&params, f64::INFINITY, norm_type, false)?;
+        assert!((after - 1.0).abs() < 1e-6, "{norm_type}: {after}");
+        // shape and dtype are kept
+        assert_eq!(b.grad().unwrap().shape(), &[2, 2]);
+        assert_eq!(b.grad().unwrap().dtype(), DType::F64);
+    }
+    Ok(())
+}
+
+#[test]
+fn clip_grad_norm_leaves_small_grads_alone() -> tp::Result<()> {
+    let a = param_with_grad(&[0.3, -0.4], &[2]);
+    let before = a.grad().unwrap();
+    let total = nn::utils::clip_grad_norm_(std::slice::from_ref(&a), 1.0, 2.0, false)?;
+    assert!((total - 0.5).abs() < 1e-15);
+    assert_eq!(grad_f64(&a), vec![0.3, -0.4]);
+    assert_eq!(a.grad().unwrap().id(), before.id(), "not even replaced");
+    // exactly at the max: coef = 0.5 / (0.5 + 1e-6) < 1, scaled a hair
+    let total = nn::utils::clip_grad_norm_(std::slice::from_ref(&a), 0.5, 2.0, false)?;
+    assert!((total - 0.5).abs() < 1e-15);
+    let c = 0.5 / (0.5 + 1e-6);
+    close(&grad_f64(&a), &[0.3 * c, -0.4 * c], 1e-15);
+    // no grads at all: total norm 0, nothing happens
+    let bare = tp::zeros(&[2])?.requires_grad_(true);
+    assert_eq!(
+        nn::utils::clip_grad_norm_(std::slice::from_ref(&bare), 1.0, 2.0, false)?,
+        0.0
+    );
+    assert_eq!(nn::utils::clip_grad_norm_(&[], 1.0, 2.0, false)?, 0.0);
+    assert!(bare.grad().is_none());
+    // max_norm = 0 zeroes the grads
+    let z = param_with_grad(&[1.0, 2.0], &[2]);
+    nn::utils::clip_grad_norm_(std::slice::from_ref(&z), 0.0, 2.0, false)?;
+    assert_eq!(grad_f64(&z), vec![0.0, 0.0]);
+    Ok(())
+}
+
+#[test]
+fn clip_grad_norm_after_backward_on_a_model_f32() -> tp::Result<()> {
+    tp::manual_seed(3);
+    let model = mlp()?;
+    let loss = model.call(&tp::randn(&[8, 3])?)?.mul_scalar(100.0)?.sum()?;
+    loss.backward()?;
+    let params = model.parameters();
+    let grads: Vec<Vec<f64>> = params.iter().map(grad_f64).collect();
+    let expected = grads.iter().flatten().map(|g| g * g).sum::<f64>().sqrt();
+    assert!(expected > 1.0, "{expected}");
+    let total = nn::utils::clip_grad_norm_(&model.parameters(), 1.0, 2.0, false)?;
+    assert!(
+        (total - expected).abs() <= 1e-9 * expected,
+        "{total} vs {expected}"
+    );
+    let coef = 1.0 / (expected + 1e-6);
+    for (p, g) in params.iter().zip(&grads) {
+        assert_eq!(p.grad().unwrap().dtype(), DType::F32);
+        let want: Vec<f64> = g.iter().map(|x| x * coef).collect();
+        close(&grad_f64(p), &want, 1e-6);
+    }
+    let after = nn::utils::clip_grad_norm_(&params, f64::INFINITY, 2.0, false)?;
+    assert!((after - 1.0).abs() < 1e-5, "{after}");
+    // an optimizer step uses the clipped grads
+    let w = params[0].to_vec_f64()?;
+    let mut opt = tp::optim::SGD::new(
+        params.clone(),
+        tp::optim::SgdOptions {
+            lr: 1.0,
+            ..Default::default()
+        },
+    )?;
+    tp::optim::Optimizer::step(&mut opt)?;
+    let moved: f64 = params[0]
+        .to_vec_f64()?
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f64>()
+        .sqrt();
+    assert!(moved <= 1.0 + 1e-5, "{moved}");
+    Ok(())
+}
+
+#[test]
+fn clip_grad_scales_grads_that_share_storage_once() -> tp::Result<()> {
+    // the gradients of `a + b` reach both leaves as one tensor, so `a.grad` and `b.grad`
+    // share storage (with the gradient passed to backward, even); each is clipped exactly
+    // once and the tensor given to backward is left alone
+    let a = t64(&[1.0, 2.0], &[2]).requires_grad_(true);
+    let b = t64(&[5.0, 6.0], &[2]).requires_grad_(true);
+    a.add(&b)?.mul_scalar(3.0)?.sum()?.backward()?;
+    assert_eq!(grad_f64(&a), vec![3.0, 3.0]);
+    assert_eq!(grad_f64(&b), vec![3.0, 3.0]);
+    let total = nn::utils::clip_grad_norm_(&[a.clone(), b.clone()], 3.0, 2.0, false)?;
+    assert!((total - 6.0).abs() < 1e-12);
+    let c = 3.0 * (3.0 / (6.0 + 1e-6));
+    close(&grad_f64(&a), &[c, c], 1e-12);
+    close(&grad_f64(&b), &[c, c], 1e-12);
+    nn::utils::clip_grad_value_(&[a.clone(), b.clone()], 1.0)?;
+    assert_eq!(grad_f64(&a), vec![1.0, 1.0]);
+    assert_eq!(grad_f64(&b), vec![1.0, 1.0]);
+    let upstream = t64(&[2.0, -2.0], &[2]);
+    let x = t64(&[1.0, 2.0], &[2]).requires_grad_(true);
+    let y = t64(&[3.0, 4.0], &[2]).requires_grad_(true);
+    x.add(&y)?.backward_with(Some(&upstream), false, false)?;
+    let total = nn::utils::clip_grad_norm_(&[x.clone(), y.clone()], 2.0, 2.0, false)?;
+    assert!((total - 4.0).abs() < 1e-12);
+    let c = 2.0 * (2.0 / (4.0 + 1e-6));
+    close(&grad_f64(&x), &[c, -c], 1e-12);
+    close(&grad_f64(&y), &[c, -c], 1e-12);
+    assert_eq!(upstream.to_vec::<f64>()?, vec![2.0, -2.0]);
+    // the gradient of a sum reaches the leaf as a broadcast scalar
+    let s = t64(&[1.0, 2.0, 3.0, 4.0], &[2, 2]).requires_grad_(true);
+    s.sum()?.mul_scalar(2.0)?.backward()?;
+    let total = nn::utils::clip_grad_norm_(std::slice::from_ref(&s), 1.0, 1.0, false)?;
+    assert!((total - 8.0).abs() < 1e-12);
+    let c = 2.0 / (8.0 + 1e-6);
+    close(&grad_f64(&s), &[c; 4], 1e-12);
+    nn::utils::clip_grad_value_(std::slice::from_ref(&s), 0.1)?;
+    close(&grad_f64(&s), &[0.1; 4], 1e-15);
+    Ok(())
+}
+
+#[test]
+fn clip_grad_norm_overflow_underflow_and_nonfinite() -> tp::Result<()> {
+    // |g|^2 overflows and underflows float64; the norm does not
+    let big = param_with_grad(&[3e200, 4e200], &[2]);
+    let total = nn::utils::clip_grad_norm_(std::slice::from_ref(&big), f64::INFINITY, 2.0, false)?;
+    assert!((total / 5e200 - 1.0).abs() < 1e-12, "{total}");
+    let tiny = param_with_grad(&[3e-200, 4e-200], &[2]);
+    let total = nn::utils::clip_grad_norm_(std::slice::from_ref(&tiny), f64::INFINITY, 2.0, false)?;
+    assert!((total / 5e-200 - 1.0).abs() < 1e-12, "{total}");
+    // NaN: returned, grads untouched (or an error with error_if_nonfinite)
+    let n = param_with_grad(&[f64::NAN, 1.0], &[2]);
+    for norm_type in [1.0, 2.0, f64::INFINITY] {
+        let total = nn::utils::clip_grad_norm_(std::slice::from_ref(&n), 1.0, norm_type, false)?;
+        assert!(total.is_nan());
+        let e =
+            nn::utils::clip_grad_norm_(std::slice::from_ref(&n), 1.0, norm_type, true).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "parameters",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("error_if_nonfinite"), "{e}");
+    }
+    let g = grad_f64(&n);
+    assert!(g[0].is_nan() && g[1] == 1.0);
+    // inf: an error with error_if_nonfinite, grads untouched
+    let i = param_with_grad(&[f64::INFINITY, 1.0], &[2]);
+    let e = nn::utils::clip_grad_norm_(std::slice::from_ref(&i), 1.0, 2.0, true).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    assert!(e.to_string().contains("inf"), "{e}");
+    assert_eq!(grad_f64(&i), vec![f64::INFINITY, 1.0]);
+    // without it: the norm is inf and the grads are multiplied by 0
+    let total = nn::utils::clip_grad_norm_(std::slice::from_ref(&i), 1.0, 2.0, false)?;
+    assert_eq!(total, f64::INFINITY);
+    let g = grad_f64(&i);
+    assert!(g[0].is_nan() && g[1] == 0.0, "{g:?}");
+    Ok(())
+}
+
+#[test]
+fn clip_grad_errors_name_the_argument() -> tp::Result<()> {
+    let a = param_with_grad(&[3.0, 4.0], &[2]);
+    let params = [a.clone()];
+    let arg_of = |r: tp::Result<f64>| match r {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("{other:?}"),
+    };
+    for bad in [-1.0, f64::NAN, f64::NEG_INFINITY] {
+        assert_eq!(
+            arg_of(nn::utils::clip_grad_norm_(&params, bad, 2.0, false)),
+            "max_norm"
+        );
+    }
+    for bad in [0.0, -1.0, -0.0, f64::NAN, f64::NEG_INFINITY] {
+        assert_eq!(
+            arg_of(nn::utils::clip_grad_norm_(&params, 1.0, bad, false)),
+            "norm_type"
+        );
+    }
+    for bad in [-1e-3, f64::NAN, f64::NEG_INFINITY] {
+        let e = nn::utils::clip_grad_value_(&params, bad).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "clip_value",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    assert_eq!(grad_f64(&a), vec![3.0, 4.0], "nothing changed");
+    // a non-float grad, after a float one: an error, and nothing changes
+    let ints = tp::zeros(&[2])?;
+    ints.set_grad(Some(Tensor::from_vec(vec![5i64, 6], &[2])?));
+    let mixed = [a.clone(), ints.clone()];
+    let e = nn::utils::clip_grad_norm_(&mixed, 1.0, 2.0, false).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                arg: "parameters",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("int64"), "{e}");
+    let e = nn::utils::clip_grad_value_(&mixed, 1.0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                arg: "parameters",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(grad_f64(&a), vec![3.0, 4.0]);
+    assert_eq!(ints.grad().unwrap().to_vec::<i64>()?, vec![5, 6]);
+    Ok(())
+}
+
+#[test]
+fn clip_grad_value_clamps_f32_and_f64() -> tp::Result<()> {
+    let a = param_with_grad(&[-3.0, -0.5, 0.0, 0.5, 3.0, f64::NAN], &[2, 3]);
+    let b = tp::zeros(&[3])?.requires_grad_(true);
+    b.set_grad(Some(Tensor::from_vec(vec![1.5f32, -0.25, -7.0], &[3])?));
+    let c = tp::zeros(&[1])?.requires_grad_(true);
+    nn::utils::clip_grad_value_(&[a.clone(), b.clone(), c.clone()], 1.0)?;
+    let g = grad_f64(&a);
+    assert_eq!(&g[..5], &[-1.0, -0.5, 0.0, 0.5, 1.0]);
+    assert!(g[5].is_nan(), "NaN stays NaN");
+    assert_eq!(a.grad().unwrap().shape(), &[2, 3]);
+    assert_eq!(b.grad().unwrap().dtype(), DType::F32);
+    assert_eq!(b.grad().unwrap().to_vec::<f32>()?, vec![1.0, -0.25, -1.0]);
+    assert!(c.grad().is_none(), "skipped");
+    // 0 zeroes, infinity changes nothing
+    nn::utils::clip_grad_value_(std::slice::from_ref(&b), f64::INFINITY)?;
+    assert_eq!(b.grad().unwrap().to_vec::<f32>()?, vec![1.0, -0.25, -1.0]);
+    nn::utils::clip_grad_value_(std::slice::from_ref(&b), 0.0)?;
+    assert_eq!(b.grad().unwrap().to_vec::<f32>()?, vec![0.0, 0.0, 0.0]);
+    // no history is recorded, even for a grad that requires grad (create_graph)
+    let p = tp::zeros(&[2])?.requires_grad_(true);
+    p.set_grad(Some(tp::ones(&[2])?.mul_scalar(5.0)?.requires_grad_(true)));
+    nn::utils::clip_grad_value_(std::slice::from_ref(&p), 2.0)?;
+    let g = p.grad().unwrap();
+    assert!(!g.requires_grad() && g.is_leaf());
+    assert_eq!(g.to_vec::<f32>()?, vec![2.0, 2.0]);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sigmoid and GELU
+
+#[test]
+fn sigmoid_and_gelu_values_and_gradients() -> tp::Result<()> {
+    let xs = [-2.0, -0.5, 0.0, 0.5, 1.0, 3.0];
+    let x = t64(&xs, &[2, 3]);
+    let sig = nn::Sigmoid::new();
+    let gelu = nn::GELU::new();
+    let y = sig.call(&x)?;
+    assert_eq!(y.shape(), &[2, 3]);
+    let want: Vec<f64> = xs.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+    close(&y.to_vec::<f64>()?, &want, 1e-15);
+    // x * Phi(x), values from Python's math.erf
+    close(
+        &gelu.call(&x)?.to_vec::<f64>()?,
+        &[
+            -0.04550026389635842,
+            -0.15426876936299344,
+            0.0,
+            0.34573123063700656,
+            0.8413447460685429,
+            2.99595030590511,
+        ],
+        1e-14,
+    );
+    // float32 in, float32 out
+    let x32 = Tensor::from_vec(vec![0.0f32, 1.0], &[2])?;
+    assert_eq!(sig.call(&x32)?.dtype(), DType::F32);
+    assert_eq!(gelu.call(&x32)?.to_vec::<f32>()?[0], 0.0);
+    // integer input is an error, not a panic
+    let ints = Tensor::from_vec(vec![1i64, 2], &[2])?;
+    assert!(matches!(
+        sig.call(&ints),
+        Err(Error::UnsupportedDType { .. })
+    ));
+    assert!(matches!(
+        gelu.call(&ints),
+        Err(Error::UnsupportedDType { .. })
+    ));
+    // gradients: sigmoid'(0) = 1/4, gelu'(0) = 1/2, gelu'(1) = Phi(1) + phi(1)
+    let z = t64(&[0.0, 1.0], &[2]).requires_grad_(true);
+    sig.call(&z)?.sum()?.backward()?;
+    let s1 = 1.0 / (1.0 + (-1.0f64).exp());
+    close(&grad_f64(&z), &[0.25, s1 * (1.0 - s1)], 1e-15);
+    z.set_grad(None);
+    gelu.call(&z)?.sum()?.backward()?;
+    let phi1 = (-0.5f64).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    close(&grad_f64(&z), &[0.5, 0.8413447460685429 + phi1], 1e-12);
+    // against finite differences
+    let x = t64(&xs, &[2, 3]).requires_grad_(true);
+    gradcheck(
+        |v| Ok(vec![sig.call(&v[0])?]),
+        std::slice::from_ref(&x),
+        GradcheckOptions::default(),
+    )?;
+    gradcheck(
+        |v| Ok(vec![gelu.call(&v[0])?]),
+        std::slice::from_ref(&x),
+        GradcheckOptions::default(),
+    )?;
+    // inside a model
+    let m = nn::Sequential::new()
+        .add(nn::Linear::new(3, 2, true)?)
+        .add(nn::GELU::new())
+        .add(nn::Sigmoid::new());
+    let out = m.call(&tp::randn(&[4, 3])?)?;
+    assert_eq!(out.shape(), &[4, 2]);
+    assert!(out.to_vec_f64()?.iter().all(|&v| v > 0.0 && v < 1.0));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Module::to with a device string
+
+#[test]
+fn module_to_accepts_strings_and_devices() -> tp::Result<()> {
+    let mut lin = nn::Linear::new(2, 3, true)?;
+    let before = lin.state_dict()?;
+    lin.to("cpu")?;
+    lin.to(Device::Cpu)?;
+    lin.to(String::from("cpu"))?;
+    let name = String::from(" cpu ");
+    lin.to(&name)?;
+    lin.to(name)?;
+    assert!(lin.parameters().iter().all(|p| p.device() == Device::Cpu));
+    for (k, v) in lin.state_dict()? {
+        assert_eq!(v.to_vec::<f32>()?, before[&k].to_vec::<f32>()?);
+    }
+    // a bad string: InvalidDevice, and nothing moves
+    let e = lin.to("bogus").unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidDevice { input } if input == "bogus"),
+        "{e}"
+    );
+    assert!(matches!(lin.to("cuda:x"), Err(Error::InvalidDevice { .. })));
+    // trait objects: a Box<dyn Module> and a &mut dyn Module
+    let mut boxed: Box<dyn Module> = Box::new(nn::Linear::new(2, 2, false)?);
+    boxed.to("cpu")?;
+    boxed.to(Device::Cpu)?;
+    assert!(matches!(boxed.to("tpu"), Err(Error::InvalidDevice { .. })));
+    let mut seq = mlp()?;
+    seq.to("cpu")?;
+    // a bare `&mut dyn Module` takes a Device through to_device
+    let first: &mut dyn Module = seq.get_mut(0).unwrap();
+    first.to_device(Device::Cpu)?;
+    first.to_device("cpu".parse()?)?;
+    // a box of a module is a module: it can be added to a Sequential and moved
+    let mut nested = nn::Sequential::new().add(boxed);
+    nested.to("cpu")?;
+    assert_eq!(nested.parameters().len(), 1);
+    if !tp::cuda::is_available() {
+        for mut m in [
+            Box::new(nn::Linear::new(2, 2, true)?) as Box<dyn Module>,
+            Box::new(mlp()?),
+        ] {
+            let e = m.to("cuda").unwrap_err();
+            assert!(matches!(e, Error::CudaUnavailable { .. }), "{e}");
+            assert!(m.parameters().iter().all(|p| p.device() == Device::Cpu));
+        }
+        let e = lin.to("cuda:0").unwrap_err();
+        assert!(matches!(e, Error::CudaUnavailable { .. }), "{e}");
+    } else {
+        lin.to("cuda")?;
+        assert!(
+            lin.parameters()
+                .iter()
+                .all(|p| p.device() == Device::Cuda(0))
+        );
+        nested.to("cuda:0")?;
+        assert!(
+            nested
+                .parameters()
+                .iter()
+                .all(|p| p.device() == Device::Cuda(0))
+        );
+        lin.to("cpu")?;
+        for (k, v) in lin.state_dict()? {
+            assert_eq!(v.to_vec::<f32>()?, before[&k].to_vec::<f32>()?);
+        }
+    }
+    Ok(())
+}
+
+/// A module that records the devices it is asked to move to.
+struct Recorder {
+    core: nn::ModuleCore,
+    seen: Arc<std::sync::Mutex<Vec<Device>>>,
+}
+
+impl Module for Recorder {
+    fn forward(&self, input: &Tensor) -> tp::Result<Tensor> {
+        Ok(input.clone())
+    }
+    fn core(&self) -> &nn::ModuleCore {
+        &self.core
+    }
+    fn core_mut(&mut self) -> &mut nn::ModuleCore {
+        &mut self.core
+    }
+    fn to_device(&mut self, device: Device) -> tp::Result<()> {
+        self.seen.lock().unwrap().push(device);
+        if device == Device::Cuda(7) {
+            return Err(Error::Unsupported {
+                method: "to",
+                hint: "not there".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn module_to_cpu_and_cuda_go_through_to_device() -> tp::Result<()> {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut r = Recorder {
+        core: nn::ModuleCore::new(),
+        seen: seen.clone(),
+    };
+    r.to("cuda:2")?;
+    r.to(Device::Cpu)?;
+    r.cpu()?;
+    r.cuda(1)?;
+    assert!(matches!(r.to("nope"), Err(Error::InvalidDevice { .. })));
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [Device::Cuda(2), Device::Cpu, Device::Cpu, Device::Cuda(1)]
+    );
+    // through a Box<dyn Module> the override is still used
+    let mut boxed: Box<dyn Module> = Box::new(r);
+    boxed.to("cuda")?;
+    boxed.cpu()?;
+    assert!(matches!(
+        boxed.to("cuda:7"),
+        Err(Error::Unsupported { method: "to", .. })
+    ));
+    assert_eq!(
+        seen.lock().unwrap()[4..],
+        [Device::Cuda(0), Device::Cpu, Device::Cuda(7)]
+    );
+    Ok(())
+}

@@ -32,9 +32,10 @@ use crate::remote_device::RemoteDevice;
 /// A module type that a remote worker can build from serializable constructor arguments.
 ///
 /// ```
-/// use tensorplay_core::nn::{Linear, Module, ModuleCore};
-/// use tensorplay_core::{Result, Tensor};
-/// use tensorplay_distributed_nn::RemoteConstructible;
+/// use tensorplay as tp;
+/// use tp::nn::{Linear, Module, ModuleCore};
+/// use tp::{Result, Tensor};
+/// use tp::distributed::nn::RemoteConstructible;
 ///
 /// /// y = x * w, with w set from the arguments.
 /// struct Scale { w: Tensor, core: ModuleCore }
@@ -56,7 +57,7 @@ use crate::remote_device::RemoteDevice;
 ///     }
 /// }
 /// // on every worker, before init_rpc:
-/// tensorplay_distributed_nn::register_module::<Scale>();
+/// tp::distributed::nn::register_module::<Scale>();
 /// ```
 pub trait RemoteConstructible: Module + Sized + 'static {
     /// The constructor's arguments, sent to the owner.
@@ -337,11 +338,12 @@ pub fn register_interface<I: Interface<M>, M: RemoteConstructible>() {
 /// A module that lives on another worker (or this one), called through RPC (`RemoteModule`).
 ///
 /// ```no_run
-/// use tensorplay_core::nn::Linear;
-/// use tensorplay_core::{Tensor, ones};
-/// use tensorplay_distributed_nn::{LinearArgs, RemoteModule, register_module};
+/// use tensorplay as tp;
+/// use tp::nn::Linear;
+/// use tp::{Tensor, ones};
+/// use tp::distributed::nn::{LinearArgs, RemoteModule, register_module};
 ///
-/// # fn demo() -> tensorplay_core::Result<()> {
+/// # fn demo() -> tp::Result<()> {
 /// register_module::<Linear>(); // on every worker, before init_rpc
 /// // ... init_rpc ...
 /// let fc = RemoteModule::<Linear>::new("worker1/cpu", LinearArgs { in_features: 16, out_features: 8, bias: true })?;
@@ -356,6 +358,25 @@ pub struct RemoteModule<M: RemoteConstructible> {
     interface: Option<String>,
     core: ModuleCore,
     _m: PhantomData<fn() -> M>,
+}
+
+/// Another handle to the same remote module (the module is not copied): like passing an
+/// [`RRef`], the owner keeps the module alive while any handle exists. A clone can be moved
+/// into an RPC's arguments while this one stays usable; [`RemoteModule::from_module_rref`] makes
+/// a handle from the module's RRef ([`RemoteModule::get_module_rref`]) instead.
+impl<M: RemoteConstructible> Clone for RemoteModule<M> {
+    fn clone(&self) -> Self {
+        let mut core = ModuleCore::new();
+        core.set_training(self.core.training());
+        RemoteModule {
+            rref: self.rref.clone(),
+            remote_device: self.remote_device.clone(),
+            owner_name: self.owner_name.clone(),
+            interface: self.interface.clone(),
+            core,
+            _m: PhantomData,
+        }
+    }
 }
 
 impl<M: RemoteConstructible> fmt::Debug for RemoteModule<M> {
@@ -483,7 +504,7 @@ impl<M: RemoteConstructible> RemoteModule<M> {
     /// context the call is recorded, so the backward pass reaches the remote parameters.
     ///
     /// # Errors
-    /// The forward's error on the owner ([`tensorplay_rpc::Error::Remote`] inside
+    /// The forward's error on the owner ([`rpc::Error::Remote`] inside
     /// [`Error::External`]), RPC errors.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
         self.forward_many(std::slice::from_ref(input))
@@ -638,7 +659,7 @@ impl<M: RemoteConstructible> Module for RemoteModule<M> {
             "change it on the owner, through a method of an #[interface]",
         ))
     }
-    fn to(&mut self, _: Device) -> Result<()> {
+    fn to_device(&mut self, _: Device) -> Result<()> {
         Err(unsupported(
             "to",
             "choose the device when creating it (\"worker/cuda:0\")",

@@ -246,8 +246,13 @@ fn scenarios() -> TestResult {
     assert_eq!(h.shape(), &[2, 2]);
     // a handle sent to a third worker works there
     let m = RemoteModule::<DetLinear>::new("worker1", args)?;
-    let third: Tensor = rpc::rpc_sync("worker2", "forward_on_third", (m, x.clone()), None)?;
+    let third: Tensor = rpc::rpc_sync("worker2", "forward_on_third", (m.clone(), x.clone()), None)?;
     assert_eq!(vals(&third), want);
+    // a clone passed in an RPC leaves this handle usable: both reach the same module
+    assert_eq!(vals(&m.forward(&x)?), want);
+    let twin = m.clone();
+    drop(m);
+    assert_eq!(vals(&twin.forward(&x)?), want);
     // from_module_rref, on this worker and on a third one: the same outputs
     let m = RemoteModule::<DetLinear>::new("rank:1/cpu", args)?;
     let again = RemoteModule::from_module_rref("worker1/cpu", m.get_module_rref())?;

@@ -187,7 +187,7 @@ enum Loss {
 /// checked against the reference.
 fn check_tp(p: &Problem, rf: &Reference, group: Option<&ProcessGroup>, loss: Loss) -> TestResult {
     let w = dist::get_world_size(group)?;
-    let gr = usize::try_from(dist::get_rank(group)?)?;
+    let gr = dist::get_rank(group)?;
     let s = H / w;
     let lo = gr * s;
     let what = |name: &str| format!("{name} (W={w}, group rank {gr}, {loss:?} loss)");

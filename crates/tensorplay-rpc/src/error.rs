@@ -5,7 +5,7 @@ use std::time::Duration;
 /// Every fallible operation of this crate returns this error. Remote failures keep their kind
 /// and message and name the worker they happened on; transport failures say which worker could
 /// not be reached, so a dead worker is told apart from a slow one ([`Error::Timeout`]).
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The function (or RRef operation) failed on the worker that ran it.
@@ -114,34 +114,41 @@ impl Error {
         match self {
             Error::Remote { kind, .. } => kind.clone(),
             Error::Core(c) => core_kind(c),
-            other => {
-                let d = format!("{other:?}");
-                d.split(['(', ' ', '{'])
-                    .next()
-                    .unwrap_or("Error")
-                    .to_string()
-            }
+            Error::Autograd { .. } => "Autograd".into(),
+            Error::Timeout { .. } => "Timeout".into(),
+            Error::WorkerUnreachable { .. } => "WorkerUnreachable".into(),
+            Error::UnknownWorker { .. } => "UnknownWorker".into(),
+            Error::NotInitialized { .. } => "NotInitialized".into(),
+            Error::Serialization(_) => "Serialization".into(),
+            Error::InvalidArgument { .. } => "InvalidArgument".into(),
+            Error::Collectives(_) => "Collectives".into(),
+            Error::Transport(_) => "Transport".into(),
         }
     }
 }
 
 /// The variant name of a core error (`InvalidArgument`, `ShapeMismatch`, ...).
 pub(crate) fn core_kind(e: &tensorplay_core::Error) -> String {
-    let d = format!("{e:?}");
-    d.split(['(', ' ', '{'])
-        .next()
-        .unwrap_or("Error")
-        .to_string()
+    e.variant_name().to_string()
 }
 
 /// RPC errors travel through code written against the core's `Result` (remote functions,
-/// modules, the facade) as [`tensorplay_core::Error::External`]; core errors are unwrapped
-/// back to themselves.
+/// modules, the facade) as [`tp::Error::External`](tensorplay_core::Error::External); core
+/// errors are unwrapped back to themselves.
 impl From<Error> for tensorplay_core::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Core(c) => c,
             other => tensorplay_core::Error::external(other),
         }
+    }
+}
+
+/// The `Display` message, then its sources (as for every error of the stack): `fn main() ->
+/// Result<(), Error>` prints what went wrong, not a dump of fields; match on the variants to
+/// get at the fields.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        tensorplay_core::fmt_error_chain(self, f)
     }
 }

@@ -28,6 +28,9 @@
 //! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) each process takes its rank from there, so the
 //! same binary runs across machines.
 
+// built as a test harness too (its plot test): `main` and the training code then go unused
+#![cfg_attr(test, allow(dead_code, unused_imports))]
+
 #[path = "common/wine.rs"]
 mod wine;
 
@@ -206,8 +209,11 @@ fn copy_linear(l: &nn::Linear) -> Res<nn::Linear> {
 /// What one run reports.
 struct Report {
     accuracy: f64,
+    /// The first [`COMPARE_STEPS`] steps' losses, checked against `reference`.
     losses: Vec<f64>,
     reference: Vec<f64>,
+    /// The mean training loss of every epoch (the whole run, for the plot).
+    epoch_losses: Vec<f64>,
     wall: Duration,
     collective_bytes: u64,
     rpc_bytes: u64,
@@ -295,6 +301,7 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     let head_params = model.head.parameters();
     let bar = progress(o.epochs, "tensor-parallel", rank);
     let mut losses = Vec::new();
+    let mut epoch_losses = Vec::with_capacity(o.epochs);
     for _ in 0..o.epochs {
         let mut total = 0.0;
         for (x, y) in &batches {
@@ -315,6 +322,7 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
             }
             opt.step()?;
         }
+        epoch_losses.push(total / train.rows() as f64);
         bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
         bar.inc(1);
     }
@@ -341,6 +349,7 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         accuracy,
         losses,
         reference,
+        epoch_losses,
         wall,
         collective_bytes,
         rpc_bytes: 0,
@@ -389,6 +398,7 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
             accuracy: 0.0,
             losses: vec![],
             reference: vec![],
+            epoch_losses: vec![],
             wall: Duration::ZERO,
             collective_bytes: 0,
             rpc_bytes: 0,
@@ -424,6 +434,7 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     let loss_fn = nn::CrossEntropyLoss::new();
     let bar = progress(o.epochs, "parameter-server", rank);
     let mut losses = Vec::new();
+    let mut epoch_losses = Vec::with_capacity(o.epochs);
     for _ in 0..o.epochs {
         let mut total = 0.0;
         for (x, y) in &batches {
@@ -437,6 +448,7 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
             dist_autograd::backward(ctx.id(), &[loss], false)?;
             opt.step(ctx.id())?;
         }
+        epoch_losses.push(total / train.rows() as f64);
         bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
         bar.inc(1);
     }
@@ -457,6 +469,7 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         accuracy,
         losses,
         reference,
+        epoch_losses,
         wall,
         collective_bytes: 0,
         rpc_bytes,
@@ -465,51 +478,122 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
 
 // ---------------------------------------------------------------------------------------------
 
+/// Two panels: the first steps of each run over its single-process reference (what the check
+/// compares), and the mean training loss of every epoch of the whole run. Every curve has a
+/// coloured swatch in its panel's legend.
 fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
     use plotters::prelude::*;
-    let root = SVGBackend::new(path, (900, 500)).into_drawing_area();
+    let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
     root.fill(&WHITE)?;
-    let all = runs
+    let (left, right) = root.split_horizontally(600);
+    let colours = [RED, BLUE];
+    let range = |vals: &mut dyn Iterator<Item = f64>| {
+        let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+        if lo.is_finite() && hi > lo {
+            let pad = (hi - lo) * 0.05;
+            (lo - pad)..(hi + pad)
+        } else {
+            0.0..1.0
+        }
+    };
+
+    // left: the compared steps, each run over its reference
+    let steps = runs
         .iter()
-        .flat_map(|(_, r)| r.losses.iter().chain(&r.reference))
-        .copied();
-    let (lo, hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
-        (a.min(v), b.max(v))
-    });
-    let steps = runs.iter().map(|(_, r)| r.losses.len()).max().unwrap_or(1);
-    let mut chart = ChartBuilder::on(&root)
+        .map(|(_, r)| r.losses.len())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let y = range(
+        &mut runs
+            .iter()
+            .flat_map(|(_, r)| r.losses.iter().chain(&r.reference))
+            .copied(),
+    );
+    let mut chart = ChartBuilder::on(&left)
         .caption(
-            "wine_distributed: training loss of the first steps",
-            ("sans-serif", 20),
+            format!("first {steps} steps: distributed vs one process"),
+            ("sans-serif", 18),
         )
-        .margin(20)
-        .x_label_area_size(30)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0..steps, lo..hi)?;
+        .margin(15)
+        .x_label_area_size(35)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0..steps, y)?;
     chart
         .configure_mesh()
         .x_desc("step")
         .y_desc("cross-entropy loss")
         .draw()?;
-    let colours = [RED, BLUE];
     for (i, (name, r)) in runs.iter().enumerate() {
         let c = colours[i % colours.len()];
-        chart
-            .draw_series(LineSeries::new(
-                r.losses.iter().copied().enumerate(),
-                c.stroke_width(2),
-            ))?
-            .label(name.to_string());
+        let wide = c.mix(0.35).stroke_width(6);
         chart
             .draw_series(LineSeries::new(
                 r.reference.iter().copied().enumerate(),
-                c.mix(0.4).stroke_width(5),
+                wide,
             ))?
-            .label(format!("{name} (single process)"));
+            .label(format!("{name}, one process"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], wide));
+        let thin = c.stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(r.losses.iter().copied().enumerate(), thin))?
+            .label(format!("{name}, 2 workers"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], thin));
     }
     chart
         .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+
+    // right: every epoch of both runs
+    let epochs = runs
+        .iter()
+        .map(|(_, r)| r.epoch_losses.len())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let y = range(
+        &mut runs
+            .iter()
+            .flat_map(|(_, r)| r.epoch_losses.iter())
+            .copied(),
+    );
+    let mut chart = ChartBuilder::on(&right)
+        .caption(
+            format!("all {epochs} epochs: mean training loss"),
+            ("sans-serif", 18),
+        )
+        .margin(15)
+        .x_label_area_size(35)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0..epochs, y)?;
+    chart
+        .configure_mesh()
+        .x_desc("epoch")
+        .y_desc("mean cross-entropy loss")
+        .draw()?;
+    for (i, (name, r)) in runs.iter().enumerate() {
+        let style = colours[i % colours.len()].stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(
+                r.epoch_losses
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .map(|(e, l)| (e + 1, l)),
+                style,
+            ))?
+            .label(name.to_string())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()?;
     root.present()?;
@@ -588,5 +672,55 @@ fn main() -> ExitCode {
             eprintln!("error on rank {who}: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plot shows every epoch of the run (not only the compared steps) and gives each of
+    /// its six curves a legend entry with a coloured swatch.
+    #[test]
+    fn plot_has_a_swatch_per_curve_and_every_epoch() {
+        let dir = std::env::temp_dir().join(format!("tp-wine-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("loss.svg");
+        let report = |shift: f64| Report {
+            accuracy: 0.6,
+            losses: (0..COMPARE_STEPS)
+                .map(|i| 1.8 - i as f64 * 1e-3 + shift)
+                .collect(),
+            reference: (0..COMPARE_STEPS)
+                .map(|i| 1.8 - i as f64 * 1e-3 + shift)
+                .collect(),
+            epoch_losses: (0..437).map(|e| 1.5 / (1.0 + e as f64) + shift).collect(),
+            wall: Duration::ZERO,
+            collective_bytes: 0,
+            rpc_bytes: 0,
+        };
+        let (a, b) = (report(0.0), report(0.1));
+        plot(&path, &[("tensor-parallel", &a), ("parameter-server", &b)]).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        for label in [
+            "tensor-parallel, 2 workers",
+            "tensor-parallel, one process",
+            "parameter-server, 2 workers",
+            "parameter-server, one process",
+            "all 437 epochs",
+            "first 200 steps",
+        ] {
+            assert!(svg.contains(label), "{label} missing");
+        }
+        // six curves and six legend swatches, in the runs' two colours
+        assert!(svg.matches("<polyline").count() >= 12, "{svg}");
+        assert!(
+            svg.contains("#FF0000") && svg.contains("#0000FF"),
+            "colours"
+        );
+        // the right panel's axis reaches the last epochs (the left one stops at step 200)
+        let texts: Vec<&str> = svg.split(['<', '>']).map(str::trim).collect();
+        assert!(texts.contains(&"400"), "epoch axis: {texts:?}");
     }
 }

@@ -9,6 +9,14 @@
 //! | `torch.autograd` | [`autograd`] |
 //! | `torch.nn` | [`nn`] |
 //! | `torch.optim` | [`optim`] |
+//! | `torch.cuda` | [`cuda`] |
+//! | `torch.distributed` | [`distributed`] |
+//! | `torch.distributed.rpc` | [`distributed::rpc`] |
+//! | `torch.distributed.autograd` | [`distributed::autograd`] |
+//! | `torch.distributed.optim` | [`distributed::optim`] |
+//! | `torch.distributed.nn` | [`distributed::nn`] |
+//! | `torch.multiprocessing.spawn` | [`distributed::spawn()`] |
+//! | `torchrun` | the `tensorplay-run` binary of this crate (see the README) |
 //!
 //! ```
 //! use tensorplay as tp;
@@ -50,23 +58,71 @@ pub mod distributed {
     pub use tensorplay_collectives::spawn::{SpawnError, SpawnOptions, spawn_with};
     pub use tensorplay_collectives::{
         DEFAULT_TIMEOUT, Error, InitOptions, ProcessGroup, ReduceOp, Work, all_gather,
-        all_gather_into_tensor, all_gather_into_tensor_async, all_reduce, all_reduce_async,
-        all_to_all, all_to_all_single, all_to_all_single_async, backend, barrier, broadcast,
-        broadcast_async, default_group, destroy_process_group, gather, get_rank, get_world_size,
-        init_process_group, irecv, is_initialized, isend, new_group, recv, reduce, reduce_scatter,
-        reduce_scatter_tensor, reduce_scatter_tensor_async, rendezvous, scatter, send, spawn,
-        store, world_store,
+        all_gather_into_tensor, all_gather_into_tensor_async, all_gather_object, all_reduce,
+        all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async, backend, barrier,
+        broadcast, broadcast_async, broadcast_object_list, default_group, destroy_process_group,
+        gather, get_backend, get_rank, get_world_size, init_process_group, irecv, is_initialized,
+        isend, new_group, recv, reduce, reduce_scatter, reduce_scatter_tensor,
+        reduce_scatter_tensor_async, rendezvous, scatter, send, spawn, store, world_store,
     };
 
     /// `torch.distributed.rpc`: remote calls and remote references between workers over QUIC.
-    /// The overview (transport, shared memory and `TENSORPLAY_RPC_SHM`, security, threads,
-    /// timeouts, RRefs) is in the crate docs of [`tensorplay_rpc`].
+    ///
+    /// ```no_run
+    /// use tensorplay as tp;
+    /// use tp::Tensor;
+    /// use tp::distributed::rpc;
+    ///
+    /// fn main() -> tp::Result<()> {
+    ///     // every worker registers the same functions, then joins (env://)
+    ///     rpc::register("add", |(a, b): (Tensor, Tensor)| a.add(&b));
+    ///     let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    ///     rpc::init_rpc(&format!("worker{rank}"), rank, 2, Default::default())?;
+    ///     if rank == 0 {
+    ///         let x = tp::ones(&[2, 2])?;
+    ///         let y: Tensor = rpc::rpc_sync("worker1", "add", (x.clone(), x), None)?;
+    ///         let r: rpc::RRef<Tensor> = rpc::remote("worker1", "add", (y.clone(), y), None)?;
+    ///         println!("{:?}", r.to_here(None)?.to_vec::<f32>()?); // [4, 4, 4, 4]
+    ///     }
+    ///     rpc::shutdown(true)?;
+    ///     Ok(())
+    /// }
+    /// ```
+    ///
+    /// # How it works
+    ///
+    /// - **Functions** are registered by name with typed arguments and results
+    ///   ([`register`](rpc::register)); arguments travel through the [`Wire`](rpc::Wire) trait,
+    ///   tensors beside the message (not re-encoded) and straight into the receiver's storage.
+    /// - **Transport**: one QUIC connection (quinn) per pair of workers that talk, one stream
+    ///   per call; the message header is an rkyv archive, validated before use. Windows and
+    ///   socket buffers are raised for large tensors.
+    /// - **Shared memory** between workers of one host: tensors of 64 KiB and more go through a
+    ///   segment in `/dev/shm` instead of the QUIC stream (chosen automatically, confirmed per
+    ///   pair of workers at [`init_rpc`](rpc::init_rpc); `TENSORPLAY_RPC_SHM=0` turns it off).
+    ///   QUIC stays the path between hosts.
+    /// - **Security**: each worker generates a certificate at [`init_rpc`](rpc::init_rpc) and
+    ///   publishes its fingerprint through the job's store; connections from certificates
+    ///   outside the job are refused in the handshake, in both directions.
+    /// - **Threads**: the transport runs on a small tokio runtime; a user function runs on the
+    ///   thread that read its request once that thread has handed the transport to another
+    ///   one, so nested RPCs never deadlock.
+    /// - **Timeouts** everywhere (default 60 s,
+    ///   [`RpcBackendOptions::rpc_timeout`](rpc::RpcBackendOptions::rpc_timeout)); a worker that
+    ///   died is reported as [`Error::WorkerUnreachable`](rpc::Error::WorkerUnreachable), a slow
+    ///   one as [`Error::Timeout`](rpc::Error::Timeout).
+    /// - **RRefs** follow PyTorch's ownership and reference-counting protocol
+    ///   ([`RRef`](rpc::RRef)).
+    /// - **Distributed autograd** and the **distributed optimizer**: [`rpc::autograd`] (also
+    ///   [`distributed::autograd`](autograd)) and [`rpc::DistributedOptimizer`] (also
+    ///   [`distributed::optim`](optim)).
     pub mod rpc {
         pub use tensorplay_rpc::*;
     }
 
     /// `torch.distributed.autograd`: contexts, the distributed backward pass and the
-    /// gradients it leaves on each worker (see `tensorplay_rpc::autograd`).
+    /// gradients it leaves on each worker (the same items as
+    /// [`rpc::autograd`], whose page has the overview).
     pub mod autograd {
         pub use tensorplay_rpc::autograd::*;
     }

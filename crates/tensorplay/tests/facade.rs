@@ -57,3 +57,29 @@ fn conveniences() -> tp::Result<()> {
     );
     Ok(())
 }
+
+/// `fn main() -> tp::Result<()>` prints `Error: {:?}`: the Debug form is the message once, not a
+/// dump of the variant's fields.
+#[test]
+fn debug_form_of_errors_is_the_message() {
+    let core = tp::zeros(&[2, 3])
+        .unwrap()
+        .matmul(&tp::zeros(&[2, 3]).unwrap());
+    let core = core.unwrap_err();
+    assert_eq!(format!("{core:?}"), core.to_string());
+    assert!(!format!("{core:?}").contains("ShapeMismatch {"), "{core:?}");
+
+    fn lifted() -> tp::Result<()> {
+        dist::all_reduce(&tp::zeros(&[2])?, dist::ReduceOp::Sum, None)?;
+        Ok(())
+    }
+    let e = lifted().unwrap_err();
+    let shown = format!("{e:?}");
+    assert_eq!(shown, e.to_string(), "{shown}");
+    assert!(shown.contains("init_process_group"), "{shown}");
+    assert_eq!(shown.matches("not initialized").count(), 1, "{shown}");
+    assert!(!shown.contains("External("), "{shown}");
+
+    let rpc = tp::distributed::rpc::rpc_sync::<(), ()>("nobody", "f", (), None).unwrap_err();
+    assert_eq!(format!("{rpc:?}"), rpc.to_string());
+}

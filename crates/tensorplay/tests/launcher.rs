@@ -104,3 +104,94 @@ fn ctrl_c_is_forwarded_to_every_rank() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("interrupted"));
 }
+
+/// Set by [`spawn_under_the_launcher_joins_its_job`] for the ranks it starts.
+const SPAWN_CASE_ENV: &str = "TP_LAUNCHER_SPAWN_CASE";
+
+/// Not a test of its own: the body each rank of [`spawn_under_the_launcher_joins_its_job`] runs
+/// (it returns at once anywhere else).
+#[test]
+fn spawn_inside_the_launcher() {
+    use tensorplay as tp;
+    use tp::distributed as dist;
+    let Ok(case) = std::env::var(SPAWN_CASE_ENV) else {
+        return;
+    };
+    let n: usize = case.parse().expect("nprocs");
+    let r = dist::spawn(n, |rank| {
+        dist::init_process_group("cpu", Default::default())?;
+        let x = tp::full(&[2], (rank + 1) as f64)?;
+        dist::all_reduce(&x, dist::ReduceOp::Sum, None)?;
+        let world = dist::get_world_size(None)?;
+        println!(
+            "joined rank {rank} of {world}: sum {:?}",
+            x.to_vec::<f32>()?
+        );
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    });
+    // reached only when spawn refused (a joined rank exits inside spawn)
+    eprintln!("spawn refused: {}", r.unwrap_err());
+    std::process::exit(3);
+}
+
+/// A program calling `spawn(2, ..)` run as `tensorplay-run --nproc-per-node 2 program` is one job
+/// of two ranks (not two jobs of two), and `spawn(3, ..)` there is refused naming both numbers.
+#[test]
+fn spawn_under_the_launcher_joins_its_job() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let exe = std::env::current_exe().expect("test binary");
+    let run = |case: &str| {
+        launcher()
+            .args(["--nproc-per-node", "2", "--master-port", &port.to_string()])
+            .arg(&exe)
+            .args([
+                "spawn_inside_the_launcher",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(SPAWN_CASE_ENV, case)
+            .env("TENSORPLAY_SPAWN_VERBOSE", "1")
+            .stdin(Stdio::null())
+            .output()
+            .expect("runs")
+    };
+    let out = run("2");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    // "[rank R] <libtest's words> joined rank R of 2: ..." -> "[rank R] joined rank R of 2: ..."
+    let mut joined: Vec<String> = text
+        .lines()
+        .filter_map(|l| {
+            let at = l.find("joined rank")?;
+            Some(format!("{} {}", &l[..l.find(']')? + 1], &l[at..]))
+        })
+        .collect();
+    joined.sort_unstable();
+    assert_eq!(
+        joined,
+        [
+            "[rank 0] joined rank 0 of 2: sum [3.0, 3.0]",
+            "[rank 1] joined rank 1 of 2: sum [3.0, 3.0]",
+        ],
+        "{text}"
+    );
+    assert!(
+        !text.contains("[rank 0] [rank"),
+        "a nested job was started: {text}"
+    );
+
+    let out = run("3");
+    assert!(!out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("spawn refused"), "{err}");
+    assert!(
+        err.contains("nprocs") && err.contains('3') && err.contains("WORLD_SIZE"),
+        "{err}"
+    );
+}

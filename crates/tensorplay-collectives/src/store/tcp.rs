@@ -696,7 +696,18 @@ fn connect_retrying(addr: SocketAddr, timeout: Duration) -> Result<Conn> {
     let start = Instant::now();
     let deadline = start.checked_add(timeout);
     let mut delay = Duration::from_millis(10);
+    let every = crate::rendezvous::report_interval();
+    let mut next_note = start + every;
     loop {
+        if Instant::now() >= next_note {
+            next_note += every;
+            crate::rendezvous::waiting_note(&format!(
+                "still waiting for the store server at {addr} after {:.0}s of {:.0}s (in a \
+                 rendezvous, rank 0 starts it: is rank 0 running?)",
+                start.elapsed().as_secs_f64(),
+                timeout.as_secs_f64()
+            ));
+        }
         let remaining = deadline.map_or(Duration::from_secs(1), |d| {
             d.saturating_duration_since(Instant::now())
         });

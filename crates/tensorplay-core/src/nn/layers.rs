@@ -1,4 +1,4 @@
-//! Layers: Linear, ReLU, Tanh, Sequential, Embedding, Dropout.
+//! Layers: Linear, ReLU, Tanh, Sigmoid, GELU, Sequential, Embedding, Dropout.
 
 use std::fmt;
 
@@ -187,6 +187,38 @@ activation!(
     Tanh,
     tanh,
     "Hyperbolic tangent elementwise (`torch.nn.Tanh`); float input of any shape."
+);
+activation!(
+    Sigmoid,
+    sigmoid,
+    "Logistic sigmoid `1 / (1 + e^-x)` elementwise (`torch.nn.Sigmoid`); float input of any \
+     shape, output of the same shape and dtype. Errors with `Error::UnsupportedDType` on a \
+     non-float input.\n\n\
+     ```\n\
+     use tensorplay::{self as tp, nn::{self, Module}};\n\
+     let y = nn::Sigmoid::new().call(&tp::Tensor::from_vec(vec![0.0f32, 2.0], &[2])?)?;\n\
+     let v = y.to_vec::<f32>()?;\n\
+     assert_eq!(v[0], 0.5);\n\
+     assert!((v[1] - 0.880_797).abs() < 1e-6);\n\
+     # Ok::<(), tp::Error>(())\n\
+     ```"
+);
+activation!(
+    GELU,
+    gelu,
+    "Exact GELU `x * Phi(x)`, `Phi` the standard normal CDF computed with erf, elementwise \
+     (`torch.nn.GELU()`, i.e. `approximate='none'`; the tanh approximation is not available); \
+     float input of any shape, output of the same shape and dtype. Errors with \
+     `Error::UnsupportedDType` on a non-float input.\n\n\
+     ```\n\
+     use tensorplay::{self as tp, nn::{self, Module}};\n\
+     let x = tp::Tensor::from_vec(vec![0.0f64, 1.0, -1.0], &[3])?;\n\
+     let v = nn::GELU::new().call(&x)?.to_vec::<f64>()?;\n\
+     assert_eq!(v[0], 0.0);\n\
+     assert!((v[1] - 0.841_344_746_068_542_9).abs() < 1e-12);\n\
+     assert!((v[2] + 0.158_655_253_931_457_05).abs() < 1e-12);\n\
+     # Ok::<(), tp::Error>(())\n\
+     ```"
 );
 
 // ---------------------------------------------------------------------------------------------

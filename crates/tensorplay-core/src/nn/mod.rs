@@ -2,7 +2,7 @@
 //! [`functional`] forms of them.
 //!
 //! ```
-//! use tensorplay_core::{self as tp, nn::{self, Module}};
+//! use tensorplay::{self as tp, nn::{self, Module}};
 //!
 //! tp::manual_seed(0);
 //! let model = nn::Sequential::new()
@@ -22,7 +22,8 @@ pub mod functional;
 mod layers;
 mod loss;
 mod module;
+pub mod utils;
 
-pub use layers::{Dropout, Embedding, Linear, ReLU, Sequential, Tanh};
+pub use layers::{Dropout, Embedding, GELU, Linear, ReLU, Sequential, Sigmoid, Tanh};
 pub use loss::{CrossEntropyLoss, MSELoss};
 pub use module::{ForwardHook, Module, ModuleCore};

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::{Device, Error, Result, Tensor};
+use crate::{Device, Error, IntoDevice, Result, Tensor};
 
 /// A forward hook: sees a module's input and output after `forward` and may replace the
 /// output by returning `Some` (`register_forward_hook`).
@@ -67,7 +67,8 @@ impl fmt::Debug for ModuleCore {
 /// parameters (`local_parameters` / `local_parameters_mut`), buffers and children; everything
 /// else (recursive `named_parameters` with dotted names, `state_dict`, `train`/`eval`,
 /// `zero_grad`, `to`, hooks) is provided. The trait is object-safe: `Box<dyn Module>` is what
-/// [`crate::nn::Sequential`] holds.
+/// [`crate::nn::Sequential`] holds. To change how a module moves between devices, override
+/// [`Module::to_device`]; [`Module::to`] (which takes a [`Device`] or a string) calls it.
 ///
 /// Methods that change a module's state return `Result`, because a module that only proxies
 /// a remote one implements this trait too and refuses them with [`Error::Unsupported`].
@@ -88,7 +89,7 @@ pub trait Module: Send + Sync {
     }
 
     /// Mutable slots of this module's own parameters, in the order of
-    /// [`Module::local_parameters`]; used by [`Module::to`] to replace them.
+    /// [`Module::local_parameters`]; used by [`Module::to_device`] to replace them.
     fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
         Vec::new()
     }
@@ -252,11 +253,15 @@ pub trait Module: Send + Sync {
         Ok(())
     }
 
-    /// Moves every parameter and buffer to `device` (`module.to(device)`): each is replaced
-    /// by a new leaf on the device that keeps its `requires_grad` (and its `.grad`, moved as
-    /// well). Either every tensor moves or none does; errors with
+    /// Moves every parameter and buffer to `device` (`module.to(device)` with a [`Device`]):
+    /// each is replaced by a new leaf on the device that keeps its `requires_grad` (and its
+    /// `.grad`, moved as well). Either every tensor moves or none does; errors with
     /// [`Error::CudaUnavailable`] when CUDA is asked for and cannot be used.
-    fn to(&mut self, device: Device) -> Result<()> {
+    ///
+    /// This is the method to override (a module that cannot move refuses here). Callers
+    /// usually write [`Module::to`], which also takes a device string and calls this;
+    /// [`Module::cpu`] and [`Module::cuda`] call it too.
+    fn to_device(&mut self, device: Device) -> Result<()> {
         let mut moved = Vec::new();
         for (_, p) in self
             .named_parameters()
@@ -274,14 +279,44 @@ pub trait Module: Send + Sync {
         Ok(())
     }
 
-    /// `to(Device::Cpu)`.
-    fn cpu(&mut self) -> Result<()> {
-        self.to(Device::Cpu)
+    /// Moves every parameter and buffer to `device` (`model.to("cuda")`), like
+    /// [`Tensor::to`]: a [`Device`] or a string such as `"cpu"`, `"cuda"`, `"cuda:1"`; see
+    /// [`Module::to_device`] for what moves. It works on a `Box<dyn Module>` too (a box of a
+    /// module is a module); on a bare `&mut dyn Module` call [`Module::to_device`], since
+    /// this method is generic and so not callable on a trait object.
+    ///
+    /// Errors: [`Error::InvalidDevice`] for a bad string (nothing moves),
+    /// [`Error::CudaUnavailable`] when CUDA is asked for and cannot be used, and whatever
+    /// the module's [`Module::to_device`] refuses with.
+    ///
+    /// ```
+    /// use tensorplay::{self as tp, nn::{self, Module}, Device};
+    ///
+    /// let mut model = nn::Sequential::new().add(nn::Linear::new(2, 2, true)?);
+    /// model.to("cpu")?;
+    /// model.to(Device::Cpu)?;
+    /// assert!(model.parameters().iter().all(|p| p.device() == Device::Cpu));
+    /// assert!(matches!(model.to("tpu"), Err(tp::Error::InvalidDevice { .. })));
+    ///
+    /// let mut boxed: Box<dyn Module> = Box::new(nn::Linear::new(2, 2, false)?);
+    /// boxed.to("cpu")?;
+    /// # Ok::<(), tp::Error>(())
+    /// ```
+    fn to(&mut self, device: impl IntoDevice) -> Result<()>
+    where
+        Self: Sized,
+    {
+        self.to_device(device.into_device()?)
     }
 
-    /// `to(Device::Cuda(ordinal))`.
+    /// `to_device(Device::Cpu)`.
+    fn cpu(&mut self) -> Result<()> {
+        self.to_device(Device::Cpu)
+    }
+
+    /// `to_device(Device::Cuda(ordinal))`.
     fn cuda(&mut self, ordinal: usize) -> Result<()> {
-        self.to(Device::Cuda(ordinal))
+        self.to_device(Device::Cuda(ordinal))
     }
 
     /// Registers a hook run after every [`Module::call`] with the input and the output; a hook
@@ -301,6 +336,89 @@ pub trait Module: Send + Sync {
             }
         }
         Ok(out)
+    }
+}
+
+/// A boxed module is a module: every method is forwarded to the boxed one (so its overrides,
+/// such as a [`Module::to_device`] that refuses, are kept). This is what makes
+/// `boxed.to("cpu")` work on a `Box<dyn Module>`: [`Module::to`] needs `Self: Sized`, which
+/// the box is and `dyn Module` is not.
+impl<M: Module + ?Sized> Module for Box<M> {
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        (**self).forward(input)
+    }
+    fn core(&self) -> &ModuleCore {
+        (**self).core()
+    }
+    fn core_mut(&mut self) -> &mut ModuleCore {
+        (**self).core_mut()
+    }
+    fn local_parameters(&self) -> Vec<(String, Tensor)> {
+        (**self).local_parameters()
+    }
+    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        (**self).local_parameters_mut()
+    }
+    fn local_buffers(&self) -> Vec<(String, Tensor)> {
+        (**self).local_buffers()
+    }
+    fn local_buffers_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        (**self).local_buffers_mut()
+    }
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        (**self).named_children()
+    }
+    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        (**self).named_children_mut()
+    }
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        (**self).named_parameters()
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        (**self).parameters()
+    }
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        (**self).named_buffers()
+    }
+    fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
+        (**self).state_dict()
+    }
+    fn load_state_dict(
+        &mut self,
+        state_dict: &BTreeMap<String, Tensor>,
+        strict: bool,
+    ) -> Result<()> {
+        (**self).load_state_dict(state_dict, strict)
+    }
+    fn train(&mut self, mode: bool) -> Result<()> {
+        (**self).train(mode)
+    }
+    fn eval(&mut self) -> Result<()> {
+        (**self).eval()
+    }
+    fn is_training(&self) -> bool {
+        (**self).is_training()
+    }
+    fn zero_grad(&self) -> Result<()> {
+        (**self).zero_grad()
+    }
+    fn requires_grad_(&mut self, requires_grad: bool) -> Result<()> {
+        (**self).requires_grad_(requires_grad)
+    }
+    fn to_device(&mut self, device: Device) -> Result<()> {
+        (**self).to_device(device)
+    }
+    fn cpu(&mut self) -> Result<()> {
+        (**self).cpu()
+    }
+    fn cuda(&mut self, ordinal: usize) -> Result<()> {
+        (**self).cuda(ordinal)
+    }
+    fn register_forward_hook(&mut self, hook: ForwardHook) -> Result<()> {
+        (**self).register_forward_hook(hook)
+    }
+    fn call(&self, input: &Tensor) -> Result<Tensor> {
+        (**self).call(input)
     }
 }
 

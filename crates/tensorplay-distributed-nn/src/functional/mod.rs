@@ -1,6 +1,6 @@
 //! Differentiable collectives (`torch.distributed.nn.functional`).
 //!
-//! Each function runs the blocking collective of `tensorplay-collectives` on a copy of its
+//! Each function runs the blocking collective of `tensorplay::distributed` on a copy of its
 //! input and returns **new** tensors (inputs are never written) that carry a `grad_fn` when an
 //! input requires grad. The backward of each is the inverse collective, written with the same
 //! public [`Function`] trait a user would use, out of these
@@ -61,9 +61,9 @@
 //! adjoints, uneven [`all_gather`]) return the core's `NotSupported` error there.
 //!
 //! ```no_run
-//! use tensorplay_core::{self as tp, Tensor};
-//! use tensorplay_collectives::{self as dist, ReduceOp};
-//! use tensorplay_distributed_nn::functional as df;
+//! use tensorplay::{self as tp, Tensor};
+//! use tp::distributed::{self as dist, ReduceOp};
+//! use tp::distributed::nn::functional as df;
 //!
 //! fn main() -> tp::Result<()> {
 //!     dist::init_process_group("cpu", Default::default())?; // env:// (RANK, WORLD_SIZE, ...)
@@ -113,7 +113,7 @@ impl Grp {
             None => coll::default_group(op)?,
         };
         let global = g.my_global_rank();
-        let rank = usize::try_from(g.rank()).map_err(|_| {
+        let rank = g.rank().ok_or_else(|| {
             coll::Error::invalid(
                 op,
                 global as i64,
