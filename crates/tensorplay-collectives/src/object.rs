@@ -5,6 +5,9 @@
 //! the sender sent (the same program on every rank does), and types that serde can only
 //! deserialize by looking at the data (`serde_json::Value`, `#[serde(untagged)]` enums) are
 //! refused with an error. Floats arrive bit for bit (NaN included), maps may have any key type.
+//! Bytes that do not decode as the asked type, or leave bytes over, are an error; but two types
+//! with the same encoding (`i64` and `u64`, `Vec<u8>` and a `String` of valid UTF-8) are not
+//! told apart. A rank that cannot serialize its value makes every rank fail at once, naming it.
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -65,7 +68,22 @@ fn decode<T: DeserializeOwned>(op: &'static str, rank: usize, from: usize, b: &[
     })
 }
 
+/// The length a rank sends in place of its byte count when it could not serialize its value,
+/// so that the others fail at once naming it instead of waiting for bytes that never come.
+const ENCODE_FAILED: i64 = -1;
+
+/// The length to send for an encoding result.
+fn len_of(encoded: &Result<Vec<u8>>) -> i64 {
+    encoded.as_ref().map_or(ENCODE_FAILED, |b| b.len() as i64)
+}
+
 fn byte_len(op: &'static str, rank: usize, from: usize, v: i64) -> Result<usize> {
+    if v == ENCODE_FAILED {
+        return Err(Error::Mismatch {
+            op: op.to_string(),
+            detail: format!("rank {from} could not serialize its object (rank {rank} stops too)"),
+        });
+    }
     usize::try_from(v).map_err(|_| Error::Mismatch {
         op: op.to_string(),
         detail: format!("rank {rank} got a length of {v} bytes from rank {from}"),
@@ -102,15 +120,17 @@ pub fn all_gather_object<T: Serialize + DeserializeOwned>(
     const OP: &str = "all_gather_object";
     let rank = get_rank(group)?;
     let world = get_world_size(group)?;
-    let bytes = encode(OP, rank, object)?;
+    let encoded = encode(OP, rank, object);
     let lens: Vec<Tensor> = (0..world)
         .map(|_| Tensor::zeros(&[1], DType::I64))
         .collect::<tensorplay_core::Result<_>>()?;
     all_gather(
         &lens,
-        &Tensor::from_vec(vec![bytes.len() as i64], &[1])?,
+        &Tensor::from_vec(vec![len_of(&encoded)], &[1])?,
         group,
     )?;
+    // this rank's own failure first, then any other rank's
+    let bytes = encoded?;
     let lens: Vec<usize> = lens
         .iter()
         .enumerate()
@@ -161,13 +181,14 @@ pub fn broadcast_object_list<T: Serialize + DeserializeOwned>(
         None => crate::default_group(OP)?.my_global_rank(),
     };
     let is_src = me == src;
-    let bytes = if is_src {
-        encode(OP, rank, objects.as_slice())?
+    let encoded = if is_src {
+        encode(OP, rank, objects.as_slice())
     } else {
-        Vec::new()
+        Ok(Vec::new())
     };
-    let len = Tensor::from_vec(vec![bytes.len() as i64], &[1])?;
+    let len = Tensor::from_vec(vec![len_of(&encoded)], &[1])?;
     broadcast(&len, src, group)?;
+    let bytes = encoded?;
     let len = byte_len(OP, rank, src, len.to_vec::<i64>()?[0])?;
     let words = len.div_ceil(8);
     let data = if is_src {

@@ -372,7 +372,9 @@ pub fn rendezvous_barrier(
     let waited = loop {
         let left = timeout.saturating_sub(start.elapsed());
         match store.wait(&[COMPLETE_KEY], left.min(every)) {
-            Err(Error::Timeout { .. }) if start.elapsed() < timeout => {
+            // the store rounds a wait down to whole milliseconds: within 50 ms of the deadline
+            // this is the final timeout, not another slice
+            Err(Error::Timeout { .. }) if start.elapsed() + Duration::from_millis(50) < timeout => {
                 let (joined, missing) = who_joined(store, world_size, joined);
                 waiting_note(&format!(
                     "rendezvous: rank {rank} has waited {:.0}s of {:.0}s: {joined} of \

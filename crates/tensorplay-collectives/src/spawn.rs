@@ -28,7 +28,10 @@
 //! is one rank of a job, so `spawn(n, f)` there joins that job instead of starting a second
 //! one: when `n` equals the launcher's `WORLD_SIZE`, it runs `f(RANK)` in this process and exits
 //! it as a spawned child does (the launcher's environment, `MASTER_ADDR`/`MASTER_PORT`
-//! included, is kept); any other `n` is an [`Error::InvalidArgument`] naming both numbers.
+//! included, is kept: [`SpawnOptions::env`] and `timeout` do not apply, the launcher's own
+//! options do, and [`is_spawned_child`] is false); any other `n` is an
+//! [`Error::InvalidArgument`] naming both numbers. A `spawn` inside `f` starts grandchildren
+//! as in any child.
 //!
 //! **Nesting.** `f` may itself call `spawn` (at most once per run of `f`): the grandchildren
 //! carry the whole rank path in `TENSORPLAY_SPAWN_PATH` (for example `1,0`), re-run the outer
@@ -130,14 +133,19 @@ where
         return Err(Error::invalid("spawn", -1, "nprocs", "at least 1", 0));
     }
     let level = LEVEL.load(Ordering::SeqCst);
-    let path = rank_path()?;
+    let mut path = rank_path()?;
     if path.len() > level {
         return run_child(&opts, &path, level, f);
     }
     if path.is_empty()
         && let Some((rank, world)) = launcher_rank()?
     {
-        // started by tensorplay-run: this process already is one rank of the job
+        // started by tensorplay-run: this process already is one rank of the job, the first
+        // level of the rank path (a spawn inside `f` then starts grandchildren as usual)
+        path = vec![rank];
+        if level > 0 {
+            return run_parent(&opts, &path);
+        }
         if opts.nprocs != world {
             return Err(Error::invalid(
                 "spawn",
@@ -270,10 +278,26 @@ fn exit_now(code: i32) -> ! {
     std::process::exit(code)
 }
 
+/// What the parent keeps of a child's output: the last [`MAX_OUTPUT`] bytes or so (memory
+/// stays bounded however long the child runs) and the child's last failure message.
+#[derive(Default)]
+struct Captured {
+    /// The newest whole lines, trimmed to the last `MAX_OUTPUT` bytes when it doubles.
+    tail: Vec<u8>,
+    /// Whether older output was dropped.
+    dropped: bool,
+    /// The text after the last [`FAIL_MARKER`] seen on the child's stderr, wherever it stood
+    /// in its line (a partial line or a progress bar may precede it).
+    marker: Option<String>,
+}
+
+/// How much of a failure message is quoted in a reason (4 KiB).
+const MAX_MARKER: usize = 4096;
+
 /// A started child: the process, its merged output and the threads that read it.
 struct Running {
     child: Child,
-    output: Arc<Mutex<Vec<u8>>>,
+    output: Arc<Mutex<Captured>>,
     readers: Vec<JoinHandle<()>>,
     readers_done: Arc<AtomicUsize>,
     status: Option<ExitStatus>,
@@ -334,7 +358,7 @@ fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
                 });
             }
         };
-        let output = Arc::new(Mutex::new(Vec::new()));
+        let output = Arc::new(Mutex::new(Captured::default()));
         let readers_done = Arc::new(AtomicUsize::new(0));
         let mut readers = Vec::new();
         let out: Option<Box<dyn Read + Send>> = child
@@ -411,12 +435,8 @@ fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
     let Some((rank, reason)) = failure else {
         return Ok(());
     };
-    let output = collect_output(&mut procs[rank]);
-    let reason = match output
-        .lines()
-        .rev()
-        .find_map(|l| l.strip_prefix(FAIL_MARKER))
-    {
+    let (output, marker) = collect_output(&mut procs[rank]);
+    let reason = match marker {
         Some(msg) => format!("failed: {msg} ({reason})"),
         None => reason,
     };
@@ -436,16 +456,27 @@ fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
 /// parent finds the failure marker line intact.
 fn read_pipe(
     mut pipe: Box<dyn Read + Send>,
-    output: &Mutex<Vec<u8>>,
+    output: &Mutex<Captured>,
     echo: Option<usize>,
     is_stdout: bool,
 ) {
+    let marker = FAIL_MARKER.as_bytes();
     let emit = |line: &[u8]| {
         {
             let mut out = output.lock().unwrap_or_else(|e| e.into_inner());
-            out.extend_from_slice(line);
+            if !is_stdout && let Some(at) = line.windows(marker.len()).position(|w| w == marker) {
+                let msg = &line[at + marker.len()..];
+                let msg = &msg[..msg.len().min(MAX_MARKER)];
+                out.marker = Some(String::from_utf8_lossy(msg).trim_end().to_string());
+            }
+            out.tail.extend_from_slice(line);
             if !line.ends_with(b"\n") {
-                out.push(b'\n');
+                out.tail.push(b'\n');
+            }
+            if out.tail.len() > 2 * MAX_OUTPUT {
+                let cut = out.tail.len() - MAX_OUTPUT;
+                out.tail.drain(..cut);
+                out.dropped = true;
             }
         }
         if let Some(rank) = echo {
@@ -501,8 +532,8 @@ fn kill_all(procs: &mut [Running]) {
 }
 
 /// Waits (up to 2 s: a grandchild may still hold the pipes) for the readers, then returns the
-/// last [`MAX_OUTPUT`] bytes of the output.
-fn collect_output(p: &mut Running) -> String {
+/// last [`MAX_OUTPUT`] bytes of the output and the child's last failure message.
+fn collect_output(p: &mut Running) -> (String, Option<String>) {
     let deadline = Instant::now() + Duration::from_secs(2);
     while p.readers_done.load(Ordering::SeqCst) < p.readers.len() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
@@ -513,12 +544,12 @@ fn collect_output(p: &mut Running) -> String {
         }
     }
     let out = p.output.lock().unwrap_or_else(|e| e.into_inner());
-    let start = out.len().saturating_sub(MAX_OUTPUT);
-    let mut s = String::from_utf8_lossy(&out[start..]).into_owned();
-    if start > 0 {
+    let start = out.tail.len().saturating_sub(MAX_OUTPUT);
+    let mut s = String::from_utf8_lossy(&out.tail[start..]).into_owned();
+    if start > 0 || out.dropped {
         s.insert_str(0, "[... output truncated ...]\n");
     }
-    s
+    (s, out.marker.clone())
 }
 
 fn describe_status(st: ExitStatus) -> String {

@@ -333,6 +333,21 @@ fn obj(rank: usize) -> Obj {
     }
 }
 
+/// A value whose `Serialize` fails.
+struct Unserializable;
+impl serde::Serialize for Unserializable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "cannot serialize this on purpose",
+        ))
+    }
+}
+impl<'de> serde::Deserialize<'de> for Unserializable {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Ok(Unserializable)
+    }
+}
+
 /// all_gather_object and broadcast_object_list against the values every rank can compute.
 fn object_collectives(rank: usize, n: usize) -> TestResult {
     let got = dist::all_gather_object(&obj(rank), None)?;
@@ -380,6 +395,19 @@ fn object_collectives(rank: usize, n: usize) -> TestResult {
             e.contains("all_gather_object") && e.contains("decode"),
             "{e}"
         );
+        // a value the last rank cannot serialize: every rank fails at once, none waits
+        let r = if rank == n - 1 {
+            dist::all_gather_object(&Unserializable, None).map(|_| ())
+        } else {
+            dist::all_gather_object(&7u8, None).map(|_| ())
+        };
+        let e = r.expect_err("one rank cannot serialize").to_string();
+        let want = if rank == n - 1 {
+            "a value serde can serialize".to_string()
+        } else {
+            format!("rank {} could not serialize", n - 1)
+        };
+        assert!(e.contains(&want), "rank {rank}: {e}");
     }
     Ok(())
 }

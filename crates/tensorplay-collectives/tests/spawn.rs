@@ -109,6 +109,42 @@ fn a_failing_rank_is_reported_while_stdout_is_busy() {
     }
 }
 
+/// A failure message is found after a partial line on stderr (a progress bar, `eprint!`), and
+/// a child that prints megabytes leaves only the last 64 KiB or so in the report.
+#[test]
+fn a_failure_after_a_partial_line_and_much_output_is_reported() {
+    let err = spawn(2, |rank| {
+        if rank == 1 {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            for i in 0..40_000 {
+                writeln!(out, "line {i} of much output")?;
+            }
+            drop(out);
+            eprint!("progress 42%\r");
+            return Err("rank one failed after a progress bar".into());
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    match &err {
+        Error::Spawn {
+            rank,
+            reason,
+            output,
+        } => {
+            assert_eq!(*rank, 1, "{reason}");
+            assert!(
+                reason.contains("rank one failed after a progress bar"),
+                "{reason}"
+            );
+            assert!(output.len() < 80 * 1024, "{} bytes kept", output.len());
+            assert!(output.starts_with("[... output truncated ...]"), "{reason}");
+        }
+        other => panic!("expected Spawn, got {other}"),
+    }
+}
+
 #[test]
 fn crate_errors_propagate_with_question_mark() {
     let err = spawn(2, |rank| {

@@ -203,7 +203,9 @@ pub fn fmt_error_chain(
     let mut seen = err.to_string();
     f.write_str(&seen)?;
     let mut src = err.source();
-    while let Some(s) = src {
+    // at most 16 sources: a user error whose chain loops must not make `{:?}` spin
+    for _ in 0..16 {
+        let Some(s) = src else { break };
         let m = s.to_string();
         if !seen.contains(&m) {
             write!(f, "\ncaused by: {m}")?;

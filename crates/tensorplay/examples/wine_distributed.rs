@@ -57,6 +57,8 @@ const COMPARE_STEPS: usize = 200;
 const MAX_LOSS_DIFF: f64 = 1e-4;
 const MIN_ACCURACY: f64 = 0.58;
 const WORLD: usize = 2;
+/// The most epochs `--epochs` accepts (the run keeps one loss per epoch).
+const MAX_EPOCHS: usize = 1_000_000;
 
 struct Opts {
     seed: u64,
@@ -95,11 +97,15 @@ fn parse_args() -> Result<Opts, String> {
             "--epochs" => {
                 let v = value(&mut i)?;
                 o.epochs = v.parse().map_err(|e| format!("bad --epochs {v:?}: {e}"))?;
-                if o.epochs == 0 {
-                    return Err("--epochs must be at least 1".into());
+                if o.epochs == 0 || o.epochs > MAX_EPOCHS {
+                    return Err(format!("--epochs must be from 1 to {MAX_EPOCHS}, got {v}"));
                 }
             }
-            "--plot" => o.plot = Some(PathBuf::from(value(&mut i)?)),
+            "--plot" => {
+                let p = PathBuf::from(value(&mut i)?);
+                check_plot_path(&p)?;
+                o.plot = Some(p);
+            }
             "-h" | "--help" => {
                 println!("{usage}");
                 std::process::exit(0);
@@ -109,6 +115,32 @@ fn parse_args() -> Result<Opts, String> {
         i += 1;
     }
     Ok(o)
+}
+
+/// Refuses a plot path that cannot be written before hours of training, not after: empty, a
+/// directory, or in a folder that does not exist.
+fn check_plot_path(p: &std::path::Path) -> Result<(), String> {
+    if p.as_os_str().is_empty() {
+        return Err("--plot needs a file name, e.g. --plot loss.svg".into());
+    }
+    if p.is_dir() {
+        return Err(format!(
+            "--plot {}: is a directory; give a file name",
+            p.display()
+        ));
+    }
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!(
+            "--plot {}: the folder {} does not exist",
+            p.display(),
+            dir.display()
+        ));
+    }
+    Ok(())
 }
 
 /// How this process joins the job: `(rank, init method)`.
@@ -650,7 +682,8 @@ fn run(o: &Opts) -> Res<bool> {
         );
     }
     if let Some(p) = &o.plot {
-        plot(p, &[("tensor-parallel", &tp), ("parameter-server", &ps)])?;
+        plot(p, &[("tensor-parallel", &tp), ("parameter-server", &ps)])
+            .map_err(|e| format!("writing the plot to {}: {e}", p.display()))?;
         println!("\nloss curves written to {}", p.display());
     }
     Ok(ok)
@@ -678,6 +711,24 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Plot paths that cannot be written are refused when the arguments are read.
+    #[test]
+    fn bad_plot_paths_are_refused_up_front() {
+        let dir = std::env::temp_dir();
+        assert!(check_plot_path(std::path::Path::new("")).is_err());
+        assert!(check_plot_path(&dir).unwrap_err().contains("directory"));
+        let missing = dir
+            .join(format!("tp-no-such-dir-{}", std::process::id()))
+            .join("l.svg");
+        assert!(
+            check_plot_path(&missing)
+                .unwrap_err()
+                .contains("does not exist")
+        );
+        assert!(check_plot_path(&dir.join("loss.svg")).is_ok());
+        assert!(check_plot_path(std::path::Path::new("loss.svg")).is_ok());
+    }
 
     /// The plot shows every epoch of the run (not only the compared steps) and gives each of
     /// its six curves a legend entry with a coloured swatch.

@@ -71,38 +71,83 @@ fn bad_arguments_are_refused() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("could not start rank 0"));
 }
 
+/// Ctrl-C, and the stop signals of schedulers and terminals (SIGTERM, SIGHUP), reach every rank
+/// (as SIGINT) instead of leaving the ranks running without their launcher.
 #[test]
 fn ctrl_c_is_forwarded_to_every_rank() {
-    let mut child = launcher()
-        .args(["--nproc-per-node", "2", "sh", "-c"])
-        .arg("trap 'echo interrupted $RANK; exit 0' INT; echo ready; while true; do sleep 0.05; done")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starts");
-    // let both ranks install their trap
-    std::thread::sleep(Duration::from_millis(800));
-    let pid = libc::pid_t::try_from(child.id()).expect("pid");
-    // SAFETY: sending SIGINT to the launcher we started.
-    unsafe {
-        libc::kill(pid, libc::SIGINT);
-    }
-    let t0 = Instant::now();
-    let out = loop {
-        if let Some(_s) = child.try_wait().expect("wait") {
-            break child.wait_with_output().expect("output");
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        let mut child = launcher()
+            .args(["--nproc-per-node", "2", "sh", "-c"])
+            .arg(
+                "trap 'echo interrupted $RANK; exit 0' INT; echo ready; \
+                 while true; do sleep 0.05; done",
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starts");
+        // let both ranks install their trap
+        std::thread::sleep(Duration::from_millis(800));
+        let pid = libc::pid_t::try_from(child.id()).expect("pid");
+        // SAFETY: sending a signal to the launcher we started.
+        unsafe {
+            libc::kill(pid, sig);
         }
+        let t0 = Instant::now();
+        let out = loop {
+            if let Some(_s) = child.try_wait().expect("wait") {
+                break child.wait_with_output().expect("output");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "signal {sig}: launcher did not stop"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
         assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "launcher did not stop"
+            text.contains("[rank 0] interrupted 0"),
+            "signal {sig}: {text}"
         );
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("[rank 0] interrupted 0"), "{text}");
-    assert!(text.contains("[rank 1] interrupted 1"), "{text}");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("interrupted"));
+        assert!(
+            text.contains("[rank 1] interrupted 1"),
+            "signal {sig}: {text}"
+        );
+        assert!(!out.status.success(), "signal {sig}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("interrupted"), "signal {sig}: {err}");
+    }
+}
+
+/// Lines of stdout and stderr of two ranks, written to one file, stay whole.
+#[test]
+fn lines_of_both_streams_stay_whole() {
+    let dir = std::env::temp_dir().join(format!("tp-launcher-lines-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = std::fs::File::create(dir.join("mixed.txt")).expect("file");
+    let status = launcher()
+        .args(["--nproc-per-node", "2", "sh", "-c"])
+        .arg("i=0; while [ $i -lt 400 ]; do echo out $RANK $i; echo err $RANK $i >&2; i=$((i+1)); done")
+        .stdout(file.try_clone().expect("clone"))
+        .stderr(file)
+        .status()
+        .expect("runs");
+    assert!(status.success());
+    let text = std::fs::read_to_string(dir.join("mixed.txt")).expect("read");
+    let _ = std::fs::remove_dir_all(&dir);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1600, "{text}");
+    for l in lines {
+        let ok = [
+            "[rank 0] out 0 ",
+            "[rank 0] err 0 ",
+            "[rank 1] out 1 ",
+            "[rank 1] err 1 ",
+        ]
+        .iter()
+        .any(|p| l.starts_with(p) && l[p.len()..].parse::<u32>().is_ok());
+        assert!(ok, "mangled line {l:?}");
+    }
 }
 
 /// Set by [`spawn_under_the_launcher_joins_its_job`] for the ranks it starts.

@@ -8,8 +8,9 @@
 //!
 //! Each child gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //! `MASTER_PORT` (the `env://` rendezvous of process groups and RPC) and
-//! `TENSORPLAY_RUN=1`. Every line a child prints is prefixed with `[rank N] `. Ctrl-C is
-//! forwarded to the children (SIGINT), and the launcher waits for them. When a child fails
+//! `TENSORPLAY_RUN=1`. Every line a child prints is prefixed with `[rank N] `. Ctrl-C, SIGTERM
+//! and SIGHUP (a scheduler, `timeout`, `docker stop`, a closed terminal) are forwarded to the
+//! children as SIGINT, and the launcher waits for them. When a child fails
 //! (non-zero exit or a signal), the others are sent SIGTERM (then SIGKILL after
 //! `--kill-grace` seconds) and the launcher exits non-zero, naming the rank and the reason.
 
@@ -57,6 +58,9 @@ struct Args {
 
 /// Copies `from` to stdout or stderr line by line, each line prefixed with `[rank N] `; the
 /// channel hears when the stream ended.
+/// The longest piece of a child's line forwarded at once (64 KiB).
+const MAX_LINE: u64 = 64 * 1024;
+
 fn forward(
     rank: usize,
     from: impl Read + Send + 'static,
@@ -67,21 +71,24 @@ fn forward(
         let mut r = BufReader::new(from);
         let mut line = Vec::new();
         loop {
+            // the prefix and the line: one write, so that lines of the two streams and of
+            // other ranks never interleave mid-line on a shared terminal or file
             line.clear();
-            match r.read_until(b'\n', &mut line) {
+            line.extend_from_slice(format!("[rank {rank}] ").as_bytes());
+            // a line longer than MAX_LINE bytes is forwarded in pieces (memory stays bounded)
+            match r.by_ref().take(MAX_LINE).read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
                     if !line.ends_with(b"\n") {
                         line.push(b'\n');
                     }
-                    let mut out: Box<dyn Write> = if to_stderr {
-                        Box::new(std::io::stderr().lock())
+                    let _ = if to_stderr {
+                        let mut e = std::io::stderr().lock();
+                        e.write_all(&line).and_then(|()| e.flush())
                     } else {
-                        Box::new(std::io::stdout().lock())
+                        let mut o = std::io::stdout().lock();
+                        o.write_all(&line).and_then(|()| o.flush())
                     };
-                    let _ = write!(out, "[rank {rank}] ");
-                    let _ = out.write_all(&line);
-                    let _ = out.flush();
                 }
             }
         }
@@ -130,7 +137,7 @@ fn run(args: Args) -> Result<(), String> {
     {
         let flag = interrupted.clone();
         ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
-            .map_err(|e| format!("installing the Ctrl-C handler: {e}"))?;
+            .map_err(|e| format!("installing the SIGINT/SIGTERM/SIGHUP handler: {e}"))?;
     }
     let mut children: Vec<(usize, Child)> = Vec::new();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
@@ -183,7 +190,9 @@ fn run(args: Args) -> Result<(), String> {
             for (_, c) in &running {
                 signal(c, libc::SIGINT);
             }
-            failure.get_or_insert_with(|| "interrupted (Ctrl-C forwarded to every rank)".into());
+            failure.get_or_insert_with(|| {
+                "interrupted (SIGINT, SIGTERM or SIGHUP; forwarded to every rank as SIGINT)".into()
+            });
             // SIGINT is the stop signal here: SIGKILL follows after the grace period
             stop_sent = Some(Instant::now());
         }
