@@ -141,6 +141,16 @@ impl ProcessGroup {
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
     }
+    /// How this group's collectives travel: `"shm"` (the `"cpu"` backend with every rank on
+    /// one host: shared memory), `"tcp"`, `"shm+tcp"` (several hosts: shared memory inside
+    /// each, TCP between them), `"nccl"`, or `""` on a non-member handle.
+    pub fn transport(&self) -> &'static str {
+        match &self.inner.backend {
+            Some(BackendImpl::Cpu(b)) => b.transport(),
+            Some(BackendImpl::Nccl(_)) => "nccl",
+            None => "",
+        }
+    }
     /// Bytes this process has sent through the group's backend.
     pub fn bytes_sent(&self) -> u64 {
         match &self.inner.backend {

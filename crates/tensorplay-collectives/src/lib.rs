@@ -8,6 +8,7 @@ mod group;
 mod object;
 mod ops;
 pub mod rendezvous;
+pub mod shm_host;
 pub mod spawn;
 pub mod store;
 mod work;

@@ -12,7 +12,8 @@
 //!
 //! - **One directory per worker** (`/dev/shm/tensorplay-rpc-<pidns>-<pid>-<random>`, mode
 //!   0700), created at `init_rpc` and removed at shutdown (and by a later `init_rpc` on this
-//!   host if its process died: [`sweep`]). It holds a `host` file with a random token.
+//!   host if its process died: `tensorplay_collectives::shm_host::sweep`, shared with the
+//!   `"cpu"` backend's shared-memory transport). It holds a `host` file with a random token.
 //! - **Same host, confirmed**: each worker publishes `<dir>\n<token>` through the job's store;
 //!   a peer that can open `<dir>/host` (a directory directly under `/dev/shm`, with our prefix,
 //!   owned by our user, not a symlink) and read the same token shares this host's
@@ -90,27 +91,11 @@ fn shm_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Transport(format!("shared memory: {what}: {e}"))
 }
 
-fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
+use tensorplay_collectives::shm_host::{self, euid};
 
 /// Random hex for directory names and tokens.
 fn random_hex(n: usize) -> Result<String> {
-    use ring::rand::SecureRandom;
-    let mut b = vec![0u8; n];
-    ring::rand::SystemRandom::new()
-        .fill(&mut b)
-        .map_err(|_| shm_err("random bytes", "the system's generator failed"))?;
-    Ok(crate::tls::hex(&b))
-}
-
-/// The inode number of this process's pid namespace (directories are swept only by processes
-/// that see the same pids).
-fn pid_namespace() -> Option<u64> {
-    let l = std::fs::read_link("/proc/self/ns/pid").ok()?;
-    let s = l.to_str()?;
-    s.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
+    shm_host::random_hex(n).map_err(|e| shm_err("random bytes", e))
 }
 
 fn free_name(seg: u64) -> String {
@@ -304,9 +289,8 @@ impl ShmDir {
     /// Creates a fresh directory under `root` (after removing the directories of dead
     /// processes there).
     pub(crate) fn create(root: &Path, min_bytes: usize, budget: usize) -> Result<ShmDir> {
-        let ns = pid_namespace().unwrap_or(0);
-        sweep(root, ns);
-        let name = format!("{PREFIX}{ns}-{}-{}", std::process::id(), random_hex(8)?);
+        shm_host::sweep(root, PREFIX);
+        let name = shm_host::object_name(PREFIX).map_err(|e| shm_err("random bytes", e))?;
         let path = root.join(name);
         std::fs::DirBuilder::new()
             .mode(0o700)
@@ -680,12 +664,7 @@ pub(crate) fn confirm_peer(root: &Path, advert: &[u8]) -> Option<PathBuf> {
     let s = std::str::from_utf8(advert).ok()?;
     let (path, token) = s.split_once('\n')?;
     let path = Path::new(path);
-    let name = path.file_name()?.to_str()?;
-    if path.parent()? != root
-        || !name.starts_with(PREFIX)
-        || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        || token.is_empty()
-    {
+    if !shm_host::check_name(root, path, PREFIX) || token.is_empty() {
         return None;
     }
     let meta = std::fs::symlink_metadata(path).ok()?;
@@ -693,45 +672,11 @@ pub(crate) fn confirm_peer(root: &Path, advert: &[u8]) -> Option<PathBuf> {
         return None;
     }
     let mut got = String::new();
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path.join(HOST_FILE))
+    shm_host::open_owned(&path.join(HOST_FILE), false)?
+        .take(256)
+        .read_to_string(&mut got)
         .ok()?;
-    if !f.metadata().ok()?.is_file() {
-        return None;
-    }
-    f.take(256).read_to_string(&mut got).ok()?;
     (got == token).then(|| path.to_path_buf())
-}
-
-/// Removes the directories of processes that died without shutting down: ours (prefix, our
-/// user), from a process of this pid namespace that no longer exists.
-fn sweep(root: &Path, ns: u64) {
-    if ns == 0 {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) else {
-            continue;
-        };
-        let mut parts = rest.split('-');
-        let (Some(dir_ns), Some(pid)) = (
-            parts.next().and_then(|p| p.parse::<u64>().ok()),
-            parts.next().and_then(|p| p.parse::<u32>().ok()),
-        ) else {
-            continue;
-        };
-        let ours = e.metadata().is_ok_and(|m| m.is_dir() && m.uid() == euid());
-        if dir_ns == ns && ours && !Path::new(&format!("/proc/{pid}")).exists() {
-            tracing::debug!(dir = %e.path().display(), "removing the shared-memory directory of a dead worker");
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
 }
 
 #[cfg(test)]
@@ -874,27 +819,6 @@ mod tests {
         assert!(confirm_peer(&root, via_fifo.as_bytes()).is_none());
         assert!(confirm_peer(&root, b"\xff\xfe").is_none());
         assert!(confirm_peer(&root, b"").is_none());
-        let _ = std::fs::remove_dir_all(&root);
-    }
-
-    #[test]
-    fn directories_of_dead_processes_are_swept() {
-        let root = root();
-        let ns = pid_namespace().unwrap_or(0);
-        if ns == 0 {
-            return; // no /proc here
-        }
-        // pid 0x7fffffff never exists; our own pid does
-        let dead = root.join(format!("{PREFIX}{ns}-2147483647-00"));
-        let alive = root.join(format!("{PREFIX}{ns}-{}-00", std::process::id()));
-        let other_ns = root.join(format!("{PREFIX}{}-2147483647-00", ns + 1));
-        for d in [&dead, &alive, &other_ns] {
-            std::fs::create_dir(d).unwrap();
-        }
-        sweep(&root, ns);
-        assert!(!dead.exists());
-        assert!(alive.exists());
-        assert!(other_ns.exists());
         let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -261,4 +261,10 @@ pub trait Backend: Send + Sync {
     fn bytes_sent(&self) -> u64 {
         0
     }
+    /// How collectives move between this group's ranks: `"shm"` (shared memory, every rank
+    /// on one host), `"tcp"`, `"shm+tcp"` (several hosts), or the backend's name where it
+    /// has a single transport.
+    fn transport(&self) -> &'static str {
+        self.name()
+    }
 }

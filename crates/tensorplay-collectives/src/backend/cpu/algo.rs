@@ -65,24 +65,32 @@ impl Ctx<'_> {
     }
 
     /// Runs `f` with a batch of sends (see [`with_batch`]).
-    fn batch<'a, R>(&self, f: impl FnOnce(&mut Batch<'a, '_>) -> Result<R>) -> Result<R> {
+    pub(super) fn batch<'a, R>(
+        &self,
+        f: impl FnOnce(&mut Batch<'a, '_>) -> Result<R>,
+    ) -> Result<R> {
         with_batch(self.peers, self.rank, self.op(), self.timeout, self.sent, f)
     }
 
     /// Sends one message to `peer` with the call's header.
-    fn send<'a>(&self, b: &mut Batch<'a, '_>, peer: usize, data: &'a [u8]) -> Result<()> {
+    pub(super) fn send<'a>(
+        &self,
+        b: &mut Batch<'a, '_>,
+        peer: usize,
+        data: &'a [u8],
+    ) -> Result<()> {
         b.send(peer, self.hdr(data.len()), data)
     }
 
     /// Receives one message from `peer` into `dst`.
-    fn recv_into(&self, peer: usize, dst: &mut [u8]) -> Result<()> {
+    pub(super) fn recv_into(&self, peer: usize, dst: &mut [u8]) -> Result<()> {
         let p = peer_of(self.peers, self.rank, peer, self.op())?;
         p.read_into(&self.hdr(dst.len()), dst, self.rank, peer, self.timeout)
     }
 
     /// Receives one message of `dst.len()` elements from `peer` and reduces it into `dst`,
     /// piece by piece through scratch memory.
-    fn recv_reduce(
+    pub(super) fn recv_reduce(
         &self,
         peer: usize,
         sc: &mut Scratch,

@@ -74,7 +74,7 @@ impl Kind {
             Kind::P2p => "send/recv",
         }
     }
-    fn from_u8(v: u8) -> Option<Kind> {
+    pub(super) fn from_u8(v: u8) -> Option<Kind> {
         Some(match v {
             1 => Kind::AllReduce,
             2 => Kind::Broadcast,
@@ -146,7 +146,7 @@ impl Header {
         })
     }
 
-    fn describe(&self) -> String {
+    pub(super) fn describe(&self) -> String {
         let dt = match self.dtype {
             0 => "float32",
             1 => "float64",
@@ -370,6 +370,31 @@ impl Peer {
     /// Shuts the socket down (wakes up blocked reads and writes on both ends).
     pub(super) fn shutdown(&self) {
         let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Whether the peer has closed its end (it died, or failed and shut the group down): a
+    /// non-blocking peek that sees end-of-file or a reset. Data waiting to be read means alive.
+    pub(super) fn is_gone(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut b = [0u8; 1];
+        // SAFETY: a one-byte peek into a local buffer on a socket we own; MSG_DONTWAIT makes
+        // it non-blocking without changing the socket's mode (the writer thread shares it).
+        let r = unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if r == 0 {
+            return true;
+        }
+        r < 0
+            && !matches!(
+                io::Error::last_os_error().raw_os_error(),
+                Some(libc::EAGAIN) | Some(libc::EINTR)
+            )
     }
 
     /// Writes one message from the calling thread.

@@ -16,12 +16,21 @@
 //! point-to-point calls in flight on this rank have finished (within its timeout), so wait for
 //! them before the next collective, as with gloo.
 //!
-//! The algorithms and their thresholds are described in the `algo` module: latency-optimal
-//! direct exchanges up to 64 KiB, chunked and pipelined rings (or chains) above.
+//! Between ranks of one host the collectives go through shared memory instead (the `shm`
+//! module: co-location proved by mapping each other's segments, one-shot and two-shot
+//! algorithms, futex waits); the TCP mesh stays up as the liveness channel and for
+//! point-to-point calls. Groups spanning several hosts are hierarchical where it pays (the
+//! `route` module). `TENSORPLAY_SHM=0` turns shared memory off.
+//!
+//! The TCP algorithms and their thresholds are described in the `algo` module:
+//! latency-optimal direct exchanges up to 64 KiB, chunked and pipelined rings (or chains)
+//! above.
 
 mod algo;
 mod buf;
 mod conn;
+mod route;
+mod shm;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,6 +41,7 @@ use tensorplay_core::DType;
 use self::algo::Ctx;
 use self::buf::{Scratch, copy, reborrow};
 use self::conn::{Header, Kind, NO_REDOP, Peer};
+use self::route::Route;
 use super::{Backend, BufMut, BufRef, reduce_into};
 use crate::store::Store;
 use crate::{Error, ReduceOp, Result};
@@ -87,6 +97,8 @@ pub struct CpuBackend {
     /// one it uses, so that an `isend` and an `irecv` in flight at once never wait for each
     /// other.
     p2p: Vec<(Mutex<()>, Mutex<()>)>,
+    /// The transport of collectives (shared memory, TCP or both).
+    route: Route,
 }
 
 fn dtype_code(d: DType) -> u8 {
@@ -152,6 +164,7 @@ impl CpuBackend {
             ));
         }
         let mut peers = Vec::with_capacity(size);
+        let mut route = Route::Tcp;
         if size > 1 {
             let streams = conn::connect_mesh(&*store, rank, size, timeout, &options.bind_host)?;
             for (p, s) in streams.into_iter().enumerate() {
@@ -160,6 +173,9 @@ impl CpuBackend {
                     None => None,
                 });
             }
+            let (hosts, shm) = shm::Shm::setup(&*store, rank, size, timeout, shm::enabled())?;
+            route = Route::new(hosts, shm);
+            tracing::debug!(rank, size, transport = route.name(), "cpu backend ready");
         }
         Ok(CpuBackend {
             rank,
@@ -170,6 +186,7 @@ impl CpuBackend {
             p2p: (0..size)
                 .map(|_| (Mutex::new(()), Mutex::new(())))
                 .collect(),
+            route,
         })
     }
 
@@ -347,7 +364,7 @@ impl Backend for CpuBackend {
         }
         let sig = (data.dtype(), redop_code(op), data.len(), 0);
         self.run(Kind::AllReduce, sig, timeout, |cx, sc| {
-            algo::all_reduce(cx, sc, data, op)
+            route::all_reduce(&self.route, cx, sc, data, op)
         })
     }
 
@@ -358,7 +375,7 @@ impl Backend for CpuBackend {
         }
         let sig = (data.dtype(), NO_REDOP, data.len(), root);
         self.run(Kind::Broadcast, sig, timeout, |cx, _| {
-            algo::broadcast(cx, data, root)
+            route::broadcast(&self.route, cx, data, root)
         })
     }
 
@@ -370,7 +387,7 @@ impl Backend for CpuBackend {
         }
         let sig = (data.dtype(), redop_code(op), data.len(), root);
         self.run(Kind::Reduce, sig, timeout, |cx, sc| {
-            algo::reduce(cx, sc, data, op, root)
+            route::reduce(&self.route, cx, sc, data, op, root)
         })
     }
 
@@ -390,7 +407,7 @@ impl Backend for CpuBackend {
         }
         let sig = (input.dtype(), NO_REDOP, output.len(), 0);
         self.run(Kind::AllGather, sig, timeout, |cx, _| {
-            algo::all_gather(cx, input, output, counts)
+            route::all_gather(&self.route, cx, input, output, counts)
         })
     }
 
@@ -410,7 +427,7 @@ impl Backend for CpuBackend {
         }
         let sig = (input.dtype(), redop_code(op), output.len(), 0);
         self.run(Kind::ReduceScatter, sig, timeout, |cx, sc| {
-            algo::reduce_scatter(cx, sc, input, output, op)
+            route::reduce_scatter(&self.route, cx, sc, input, output, op)
         })
     }
 
@@ -452,7 +469,7 @@ impl Backend for CpuBackend {
         }
         let sig = (input.dtype(), NO_REDOP, total, root);
         self.run(Kind::Gather, sig, timeout, |cx, _| {
-            algo::gather(cx, input, output, counts, root)
+            route::gather(&self.route, cx, input, output, counts, root)
         })
     }
 
@@ -494,7 +511,7 @@ impl Backend for CpuBackend {
         }
         let sig = (output.dtype(), NO_REDOP, total, root);
         self.run(Kind::Scatter, sig, timeout, |cx, _| {
-            algo::scatter(cx, input, output, counts, root)
+            route::scatter(&self.route, cx, input, output, counts, root)
         })
     }
 
@@ -515,7 +532,7 @@ impl Backend for CpuBackend {
         }
         let sig = (input.dtype(), NO_REDOP, 0, 0);
         self.run(Kind::AllToAll, sig, timeout, |cx, _| {
-            algo::all_to_all(cx, input, send_counts, output, recv_counts)
+            route::all_to_all(&self.route, cx, input, send_counts, output, recv_counts)
         })
     }
 
@@ -564,11 +581,15 @@ impl Backend for CpuBackend {
             Kind::Barrier,
             (DType::F32, NO_REDOP, 0, 0),
             timeout,
-            |cx, _| algo::barrier(cx),
+            |cx, _| route::barrier(&self.route, cx),
         )
     }
 
     fn bytes_sent(&self) -> u64 {
         self.sent.load(Ordering::Relaxed)
+    }
+
+    fn transport(&self) -> &'static str {
+        self.route.name()
     }
 }

@@ -1,0 +1,483 @@
+//! The shared-memory algorithms, over the `w` ranks of one host (local indices `0..w`).
+//!
+//! Every algorithm streams its data through the slots in rounds of at most one slot per rank
+//! (any size goes through bounded segments), at least one round per call (so that every call
+//! exchanges signatures). Per round:
+//!
+//! * all_reduce, up to [`one_shot_max`] bytes (one-shot): every rank copies its chunk into its
+//!   slot and publishes; every rank then reduces all slots in local rank order (identical bits
+//!   everywhere). One step per round.
+//! * all_reduce above (two-shot): every rank copies its chunk in and publishes; rank `i`
+//!   reduces slice `i` of the chunk from every slot (its own value first, then the others in
+//!   local rank order) into its own slot and publishes again; every rank then copies all
+//!   reduced slices out. Two steps per round; each byte is reduced once, on one rank.
+//! * broadcast: the root copies in; the others copy out. reduce: everyone copies in; the root
+//!   reduces all slots in rank order. all_gather, gather: everyone copies its piece in; every
+//!   rank (the root) copies all pieces out. scatter, reduce_scatter, all_to_all: a slot is cut
+//!   into `w` sub-slots, sub-slot `j` holding the piece for local rank `j`; all_to_all first
+//!   exchanges every rank's send counts (one round), so that all agree on the number of rounds
+//!   and a count that disagrees with a peer's is a [`crate::Error::Mismatch`].
+//! * barrier: one publish, then a wait for every peer.
+
+use std::ops::Range;
+
+use tensorplay_core::DType;
+
+use super::ShmCtx;
+use crate::backend::{BufMut, BufRef, reduce_into};
+use crate::{Error, ReduceOp, Result};
+
+/// All-reduces of at most this many bytes are one-shot: the smaller of 256 KiB and four slots.
+pub(in crate::backend::cpu) fn one_shot_max(slot: usize) -> usize {
+    (256 << 10).min(4 * slot)
+}
+
+/// A typed read-only view of `n` elements at `p`.
+///
+/// # Safety
+/// `p` must be aligned for `dtype` and valid for `n` elements, and nobody may write them
+/// while the view lives (the step protocol guarantees it for published data).
+unsafe fn view<'x>(dtype: DType, p: *const u8, n: usize) -> BufRef<'x> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match dtype {
+            DType::F32 => BufRef::F32(std::slice::from_raw_parts(p.cast(), n)),
+            DType::F64 => BufRef::F64(std::slice::from_raw_parts(p.cast(), n)),
+            _ => BufRef::I64(std::slice::from_raw_parts(p.cast(), n)),
+        }
+    }
+}
+
+/// A typed mutable view of `n` elements at `p`.
+///
+/// # Safety
+/// As [`view`], and nobody else may read them either while the view lives (our own slot
+/// before we publish it, or the slice of it only we read).
+unsafe fn view_mut<'x>(dtype: DType, p: *mut u8, n: usize) -> BufMut<'x> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match dtype {
+            DType::F32 => BufMut::F32(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::F64 => BufMut::F64(std::slice::from_raw_parts_mut(p.cast(), n)),
+            _ => BufMut::I64(std::slice::from_raw_parts_mut(p.cast(), n)),
+        }
+    }
+}
+
+/// Copies `src` into this rank's slot `s` at byte offset `at` (the caller opened the slot for
+/// writing, and `at + src bytes <= slot`).
+fn put(cx: &ShmCtx<'_>, s: usize, at: usize, src: BufRef<'_>) {
+    let b = src.as_bytes();
+    debug_assert!(at + b.len() <= cx.slot());
+    // SAFETY: inside our own slot (bounds above), which no peer reads until we publish it;
+    // the source is caller memory and cannot overlap shared memory it does not own.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), cx.my_slot(s).add(at), b.len()) }
+}
+
+/// Copies `dst.len()` elements from local rank `li`'s slot `s` at byte offset `at` into `dst`
+/// (after seeing `li` publish that data).
+fn get(cx: &ShmCtx<'_>, li: usize, s: usize, at: usize, dst: &mut BufMut<'_>) {
+    let d = dst.as_bytes_mut();
+    debug_assert!(at + d.len() <= cx.slot());
+    // SAFETY: inside the peer's slot, which it published and does not rewrite until we publish
+    // a later step; `dst` is caller memory.
+    unsafe { std::ptr::copy_nonoverlapping(cx.slot_of(li, s).add(at), d.as_mut_ptr(), d.len()) }
+}
+
+/// Reduces local rank `li`'s published slot `s` (`dst.len()` elements at byte offset `at`) into
+/// `dst`.
+fn reduce_from(
+    cx: &ShmCtx<'_>,
+    li: usize,
+    s: usize,
+    at: usize,
+    dst: &mut BufMut<'_>,
+    op: ReduceOp,
+) -> Result<()> {
+    // SAFETY: published data of a peer (see `get`), aligned: slots are 64-byte aligned and `at`
+    // is a multiple of the element size.
+    let src = unsafe { view(dst.dtype(), cx.slot_of(li, s).add(at), dst.len()) };
+    reduce_into(op, dst, src)
+}
+
+/// Rounds needed to stream `n` elements through pieces of `per` elements (at least one).
+fn rounds(n: usize, per: usize) -> usize {
+    n.div_ceil(per.max(1)).max(1)
+}
+
+/// Piece `k` of `n` elements cut into pieces of `per`: possibly empty.
+fn piece(k: usize, per: usize, n: usize) -> Range<usize> {
+    (k * per).min(n)..((k + 1) * per).min(n)
+}
+
+/// Elements per sub-slot when a slot is cut in `w` (64-byte aligned sub-slots).
+fn sub_elems(cx: &ShmCtx<'_>, es: usize) -> (usize, usize) {
+    let sub = (cx.slot() / cx.w()) & !63;
+    (sub, sub / es)
+}
+
+/// In-place all-reduce over this host's ranks.
+pub(in crate::backend::cpu) fn all_reduce(
+    cx: &mut ShmCtx<'_>,
+    mut data: BufMut<'_>,
+    op: ReduceOp,
+) -> Result<()> {
+    let (es, n) = (data.elem_size(), data.len());
+    let per = cx.slot() / es;
+    let (w, me) = (cx.w(), cx.li());
+    if n * es <= one_shot_max(cx.slot()) {
+        for k in 0..rounds(n, per) {
+            let r = piece(k, per, n);
+            let mut d = data.slice_mut(r);
+            let s = cx.open_slot(true)?;
+            put(cx, s, 0, d.as_ref());
+            cx.write_sig(s, k as u64);
+            let x = cx.publish(Some(s));
+            cx.wait_all(x)?;
+            for p in 0..w {
+                cx.check_sig(p, s, k as u64)?;
+            }
+            if me != 0 {
+                get(cx, 0, s, 0, &mut d);
+            }
+            for p in 1..w {
+                if p == me {
+                    // SAFETY: our own published slot: we read it, nobody writes it now.
+                    let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len()) };
+                    reduce_into(op, &mut d, mine)?;
+                } else {
+                    reduce_from(cx, p, s, 0, &mut d, op)?;
+                }
+            }
+        }
+        return Ok(());
+    }
+    for k in 0..rounds(n, per) {
+        let r = piece(k, per, n);
+        let m = r.len();
+        let mut d = data.slice_mut(r);
+        let slices: Vec<Range<usize>> = (0..w).map(|i| (i * m / w)..((i + 1) * m / w)).collect();
+        let s = cx.open_slot(true)?;
+        put(cx, s, 0, d.as_ref());
+        cx.write_sig(s, k as u64);
+        let x = cx.publish(Some(s));
+        cx.wait_all(x)?;
+        for p in 0..w {
+            cx.check_sig(p, s, k as u64)?;
+        }
+        let mine = slices[me].clone();
+        {
+            // SAFETY: slice `me` of our own slot is read by nobody but us in this round (each
+            // rank reads only its own slice of the others' slots now), so we may write it.
+            let mut acc =
+                unsafe { view_mut(d.dtype(), cx.my_slot(s).add(mine.start * es), mine.len()) };
+            for j in 1..w {
+                reduce_from(cx, (me + j) % w, s, mine.start * es, &mut acc, op)?;
+            }
+        }
+        let x = cx.publish(Some(s));
+        get(cx, me, s, mine.start * es, &mut d.slice_mut(mine));
+        cx.wait_all(x)?;
+        for j in 1..w {
+            let p = (me + j) % w;
+            let sl = slices[p].clone();
+            get(cx, p, s, sl.start * es, &mut d.slice_mut(sl));
+        }
+    }
+    Ok(())
+}
+
+/// In-place broadcast from local rank `root`.
+pub(in crate::backend::cpu) fn broadcast(
+    cx: &mut ShmCtx<'_>,
+    mut data: BufMut<'_>,
+    root: usize,
+) -> Result<()> {
+    let (es, n) = (data.elem_size(), data.len());
+    let per = cx.slot() / es;
+    let me = cx.li();
+    for k in 0..rounds(n, per) {
+        let mut d = data.slice_mut(piece(k, per, n));
+        if me == root {
+            let s = cx.open_slot(true)?;
+            put(cx, s, 0, d.as_ref());
+            cx.write_sig(s, k as u64);
+            cx.publish(Some(s));
+        } else {
+            let s = cx.open_slot(false)?;
+            let x = cx.publish(None);
+            cx.wait_one(root, x)?;
+            cx.check_sig(root, s, k as u64)?;
+            get(cx, root, s, 0, &mut d);
+        }
+    }
+    Ok(())
+}
+
+/// Reduce to local rank `root` (in local rank order); other ranks' `data` is unchanged.
+pub(in crate::backend::cpu) fn reduce(
+    cx: &mut ShmCtx<'_>,
+    mut data: BufMut<'_>,
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    let (es, n) = (data.elem_size(), data.len());
+    let per = cx.slot() / es;
+    let (w, me) = (cx.w(), cx.li());
+    for k in 0..rounds(n, per) {
+        let mut d = data.slice_mut(piece(k, per, n));
+        let s = cx.open_slot(true)?;
+        put(cx, s, 0, d.as_ref());
+        cx.write_sig(s, k as u64);
+        let x = cx.publish(Some(s));
+        if me != root {
+            continue;
+        }
+        cx.wait_all(x)?;
+        for p in 0..w {
+            cx.check_sig(p, s, k as u64)?;
+        }
+        if me != 0 {
+            get(cx, 0, s, 0, &mut d);
+        }
+        for p in 1..w {
+            if p == me {
+                // SAFETY: our own published slot, read-only now.
+                let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len()) };
+                reduce_into(op, &mut d, mine)?;
+            } else {
+                reduce_from(cx, p, s, 0, &mut d, op)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Blocks of the given lengths, back to back.
+fn blocks_of(counts: &[usize]) -> Vec<Range<usize>> {
+    super::super::algo::blocks_of(counts)
+}
+
+/// All-gather (`root` `None`) or gather to local rank `root` of per-rank blocks of `counts`
+/// elements; `output` is `None` exactly on the ranks that receive nothing.
+pub(in crate::backend::cpu) fn gather(
+    cx: &mut ShmCtx<'_>,
+    input: BufRef<'_>,
+    mut output: Option<BufMut<'_>>,
+    counts: &[usize],
+    root: Option<usize>,
+) -> Result<()> {
+    let es = input.elem_size();
+    let per = cx.slot() / es;
+    let (w, me) = (cx.w(), cx.li());
+    let blocks = blocks_of(counts);
+    if let Some(out) = output.as_mut() {
+        out.slice_mut(blocks[me].clone())
+            .as_bytes_mut()
+            .copy_from_slice(input.as_bytes());
+    }
+    let n_rounds = counts.iter().map(|&c| rounds(c, per)).max().unwrap_or(1);
+    let receives = root.is_none_or(|r| r == me);
+    for k in 0..n_rounds {
+        let s = cx.open_slot(true)?;
+        put(cx, s, 0, input.slice(piece(k, per, input.len())));
+        cx.write_sig(s, k as u64);
+        let x = cx.publish(Some(s));
+        if !receives {
+            continue;
+        }
+        cx.wait_all(x)?;
+        let Some(out) = output.as_mut() else {
+            continue;
+        };
+        for j in 1..w {
+            let p = (me + j) % w;
+            cx.check_sig(p, s, k as u64)?;
+            let r = piece(k, per, counts[p]);
+            let b = blocks[p].start;
+            get(cx, p, s, 0, &mut out.slice_mut(b + r.start..b + r.end));
+        }
+    }
+    Ok(())
+}
+
+/// Scatter from local rank `root` (`input` is `Some` exactly there) of blocks of `counts`.
+pub(in crate::backend::cpu) fn scatter(
+    cx: &mut ShmCtx<'_>,
+    input: Option<BufRef<'_>>,
+    mut output: BufMut<'_>,
+    counts: &[usize],
+    root: usize,
+) -> Result<()> {
+    let es = output.elem_size();
+    let (sub, per) = sub_elems(cx, es);
+    let (w, me) = (cx.w(), cx.li());
+    let blocks = blocks_of(counts);
+    if let Some(inp) = input {
+        output
+            .as_bytes_mut()
+            .copy_from_slice(inp.slice(blocks[me].clone()).as_bytes());
+    }
+    let n_rounds = counts.iter().map(|&c| rounds(c, per)).max().unwrap_or(1);
+    for k in 0..n_rounds {
+        match input {
+            Some(inp) => {
+                let s = cx.open_slot(true)?;
+                for p in 0..w {
+                    let r = piece(k, per, counts[p]);
+                    let b = blocks[p].start;
+                    put(cx, s, p * sub, inp.slice(b + r.start..b + r.end));
+                }
+                cx.write_sig(s, k as u64);
+                cx.publish(Some(s));
+            }
+            None => {
+                let s = cx.open_slot(false)?;
+                let x = cx.publish(None);
+                cx.wait_one(root, x)?;
+                cx.check_sig(root, s, k as u64)?;
+                let r = piece(k, per, counts[me]);
+                get(cx, root, s, me * sub, &mut output.slice_mut(r));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reduce-scatter: block `me` (of `output.len()` elements) of the reduction of every rank's
+/// `input` (`w` blocks), reduced in local rank order.
+pub(in crate::backend::cpu) fn reduce_scatter(
+    cx: &mut ShmCtx<'_>,
+    input: BufRef<'_>,
+    mut output: BufMut<'_>,
+    op: ReduceOp,
+) -> Result<()> {
+    let (es, m) = (input.elem_size(), output.len());
+    let (sub, per) = sub_elems(cx, es);
+    let (w, me) = (cx.w(), cx.li());
+    for k in 0..rounds(m, per) {
+        let r = piece(k, per, m);
+        let s = cx.open_slot(true)?;
+        for p in 0..w {
+            put(cx, s, p * sub, input.slice(p * m + r.start..p * m + r.end));
+        }
+        cx.write_sig(s, k as u64);
+        let x = cx.publish(Some(s));
+        cx.wait_all(x)?;
+        let mut d = output.slice_mut(r);
+        get(cx, 0, s, me * sub, &mut d);
+        for p in 1..w {
+            cx.check_sig(p, s, k as u64)?;
+            reduce_from(cx, p, s, me * sub, &mut d, op)?;
+        }
+        cx.check_sig(0, s, k as u64)?;
+    }
+    Ok(())
+}
+
+/// All-to-all with per-rank counts (see [`crate::backend::Backend::all_to_all`]).
+pub(in crate::backend::cpu) fn all_to_all(
+    cx: &mut ShmCtx<'_>,
+    input: BufRef<'_>,
+    send_counts: &[usize],
+    mut output: BufMut<'_>,
+    recv_counts: &[usize],
+) -> Result<()> {
+    let es = input.elem_size();
+    let (w, me) = (cx.w(), cx.li());
+    // round 0: everyone's send counts, so that all agree on the rounds
+    let s = cx.open_slot(true)?;
+    let mine: Vec<u8> = send_counts
+        .iter()
+        .flat_map(|&c| (c as u64).to_le_bytes())
+        .collect();
+    if mine.len() > cx.slot() {
+        return Err(Error::invalid(
+            "all_to_all",
+            cx.rank() as i64,
+            "group size",
+            format!(
+                "at most {} ranks for the shared-memory slot size",
+                cx.slot() / 8
+            ),
+            w,
+        ));
+    }
+    // SAFETY: the first w*8 bytes of our own slot, opened for writing (checked above).
+    unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), cx.my_slot(s), mine.len()) };
+    cx.write_sig(s, u64::MAX);
+    let x = cx.publish(Some(s));
+    cx.wait_all(x)?;
+    let mut matrix = vec![vec![0usize; w]; w];
+    for (p, row) in matrix.iter_mut().enumerate() {
+        cx.check_sig(p, s, u64::MAX)?;
+        let mut b = vec![0u8; w * 8];
+        // SAFETY: the first w*8 bytes of a published slot.
+        unsafe { std::ptr::copy_nonoverlapping(cx.slot_of(p, s), b.as_mut_ptr(), b.len()) };
+        for (q, c) in row.iter_mut().enumerate() {
+            let mut v = [0u8; 8];
+            v.copy_from_slice(&b[q * 8..q * 8 + 8]);
+            *c = u64::from_le_bytes(v) as usize;
+        }
+    }
+    for p in 0..w {
+        if matrix[p][me] != recv_counts[p] {
+            return Err(Error::Mismatch {
+                op: "all_to_all".into(),
+                detail: format!(
+                    "rank {} sends {} elements to rank {} but rank {} expects {} from it \
+                     (recv_counts)",
+                    cx.rank_of(p),
+                    matrix[p][me],
+                    cx.rank(),
+                    cx.rank(),
+                    recv_counts[p]
+                ),
+            });
+        }
+    }
+    let (sub, per) = sub_elems(cx, es);
+    let sb = blocks_of(send_counts);
+    let rb = blocks_of(recv_counts);
+    output
+        .slice_mut(rb[me].clone())
+        .as_bytes_mut()
+        .copy_from_slice(input.slice(sb[me].clone()).as_bytes());
+    let n_rounds = matrix
+        .iter()
+        .flatten()
+        .map(|&c| rounds(c, per))
+        .max()
+        .unwrap_or(1);
+    for k in 0..n_rounds {
+        let s = cx.open_slot(true)?;
+        for q in 0..w {
+            let r = piece(k, per, send_counts[q]);
+            let b = sb[q].start;
+            put(cx, s, q * sub, input.slice(b + r.start..b + r.end));
+        }
+        cx.write_sig(s, k as u64);
+        let x = cx.publish(Some(s));
+        cx.wait_all(x)?;
+        for j in 1..w {
+            let p = (me + j) % w;
+            cx.check_sig(p, s, k as u64)?;
+            let r = piece(k, per, recv_counts[p]);
+            let b = rb[p].start;
+            get(
+                cx,
+                p,
+                s,
+                me * sub,
+                &mut output.slice_mut(b + r.start..b + r.end),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Barrier over this host's ranks.
+pub(in crate::backend::cpu) fn barrier(cx: &mut ShmCtx<'_>) -> Result<()> {
+    let x = cx.publish(None);
+    cx.wait_all(x)
+}
