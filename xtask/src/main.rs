@@ -499,25 +499,47 @@ fn bench_collectives(
         );
         vec![]
     };
+    let memcpy = memcpy_gbps(64);
     println!();
+    println!("memcpy 1 thread {memcpy:.2} GB/s");
     println!(
-        "{:<15} {:>10}  {:>10} {:>10} {:>7}  {:>9} {:>9} {:>7}",
-        "collective", "bytes", "us", "gloo us", "t ratio", "busbw", "gloo", "bw x"
+        "{:<15} {:>10}  {:>10} {:>10} {:>7}  {:>9} {:>9} {:>7} {:>8}",
+        "collective", "bytes", "us", "gloo_us", "t_ratio", "busbw", "gloo", "bw_x", "memcpy_x"
     );
     for ((name, bytes), (us, bw)) in parse_coll(&ours) {
+        let mx = bw / memcpy;
         match theirs.iter().find(|(k, _)| k.0 == name && k.1 == bytes) {
             Some((_, (tus, tbw))) => println!(
-                "{name:<15} {bytes:>10}  {us:>10.1} {tus:>10.1} {:>7.2}  {bw:>9.3} {tbw:>9.3} {:>7.2}",
+                "{name:<15} {bytes:>10}  {us:>10.1} {tus:>10.1} {:>7.2}  {bw:>9.3} {tbw:>9.3} {:>7.2} {mx:>8.2}",
                 us / tus,
                 if *tbw > 0.0 { bw / tbw } else { f64::NAN }
             ),
             None => println!(
-                "{name:<15} {bytes:>10}  {us:>10.1} {:>10} {:>7}  {bw:>9.3}",
-                "-", "-"
+                "{name:<15} {bytes:>10}  {us:>10.1} {:>10} {:>7}  {bw:>9.3} {:>9} {:>7} {mx:>8.2}",
+                "-", "-", "-", "-"
             ),
         }
     }
     Ok(())
+}
+
+/// Single-thread memcpy bandwidth in GB/s (bytes copied / time), as
+/// `../shared/anchors/memcpy_limit.py` measures it: `mib` MiB of float32 into another buffer,
+/// best of 20, after one warm-up copy that faults the pages in.
+fn memcpy_gbps(mib: usize) -> f64 {
+    let n = mib << 18;
+    let a = vec![1.0f32; n];
+    let mut b = vec![0.0f32; n];
+    b.copy_from_slice(&a);
+    let best = (0..20)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            b.copy_from_slice(std::hint::black_box(&a));
+            std::hint::black_box(&b);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    (mib << 20) as f64 / best / 1e9
 }
 
 /// Parses the lines both RPC benchmarks print (the prefix differs):

@@ -7,6 +7,9 @@ use std::time::Duration;
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
+#[path = "multiprocess/shm_paths.rs"]
+mod shm_paths;
+
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 fn init(timeout_s: u64) -> dist::Result<()> {

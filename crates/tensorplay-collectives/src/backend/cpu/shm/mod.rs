@@ -45,7 +45,7 @@ use crate::store::Store;
 use crate::{Error, Result};
 
 /// Default slot size in bytes (two per rank per group).
-const DEFAULT_SLOT: usize = 2 << 20;
+const DEFAULT_SLOT: usize = 256 << 10;
 
 /// Whether the transport is enabled (`TENSORPLAY_SHM`, default on).
 pub(super) fn enabled() -> bool {
