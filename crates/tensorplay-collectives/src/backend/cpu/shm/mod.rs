@@ -160,7 +160,7 @@ impl Shm {
         let advert = match &own {
             Some(o) => format!(
                 "{}\n{}\n{slot}\n{label}",
-                o.path.as_deref().unwrap_or(Path::new("")).display(),
+                o.path.as_deref().unwrap_or_else(|| Path::new("")).display(),
                 o.token
             ),
             None => "none".into(),
@@ -493,7 +493,7 @@ impl<'a> ShmCtx<'a> {
                 return Ok(());
             }
             n += 1;
-            if n % 64 == 0 && t0.elapsed() > SPIN {
+            if n.is_multiple_of(64) && t0.elapsed() > SPIN {
                 break;
             }
         }
@@ -529,19 +529,21 @@ impl<'a> ShmCtx<'a> {
                 });
             }
             if Instant::now() >= self.deadline {
-                let behind: Vec<usize> = (0..self.w())
+                let behind = (0..self.w())
                     .filter(|&l| {
                         l != self.shm.li
                             && !reached(self.shm.segs[l].step().load(Ordering::Acquire), x)
                     })
-                    .map(|l| self.shm.local[l])
-                    .collect();
+                    // "rank N" each: the group-to-global translation of messages finds them
+                    .map(|l| format!("rank {}", self.shm.local[l]))
+                    .collect::<Vec<String>>()
+                    .join(", ");
                 return Err(Error::Timeout {
                     op: self.op.into(),
                     rank: self.rank as i64,
                     timeout: self.timeout,
                     detail: format!(
-                        "ranks {behind:?} never reached this point of the shared-memory {} \
+                        "{behind} never reached this point of the shared-memory {} \
                          (still alive: stuck, or in another collective)",
                         self.op
                     ),
