@@ -88,6 +88,21 @@ pub fn open_owned(path: &Path, write: bool) -> Option<File> {
     (m.is_file() && m.uid() == euid()).then_some(f)
 }
 
+/// Whether process `pid` of this pid namespace exists: `kill(pid, 0)` (asks the kernel in our
+/// own namespace; `/proc` may be another namespace's). Only ESRCH means gone.
+fn alive(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if p <= 0 {
+        return true;
+    }
+    // SAFETY: signal 0 only checks that the process exists and may be signalled; it sends
+    // nothing.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
 /// Removes the objects (files or directories) under `root` named with `prefix` by a process of
 /// this pid namespace that no longer exists, owned by this user: what a process killed before
 /// its cleanup left behind. Returns how many it removed.
@@ -114,7 +129,7 @@ pub fn sweep(root: &Path, prefix: &str) -> usize {
         let Ok(meta) = e.path().symlink_metadata() else {
             continue;
         };
-        if obj_ns != ns || meta.uid() != euid() || Path::new(&format!("/proc/{pid}")).exists() {
+        if obj_ns != ns || meta.uid() != euid() || alive(pid) {
             continue;
         }
         tracing::debug!(path = %e.path().display(), "removing a shared-memory object of a dead process");

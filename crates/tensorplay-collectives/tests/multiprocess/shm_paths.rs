@@ -293,14 +293,19 @@ fn read(dir: &Path, name: &str) -> String {
     std::fs::read_to_string(dir.join(name)).unwrap_or_default()
 }
 
-/// Rank 2 is SIGKILLed while a large shared-memory all_reduce streams: ranks 0 and 1 get an
-/// error naming rank 2 within their timeout, and nothing of the job is left in /dev/shm.
-#[test]
-fn a_rank_killed_inside_a_shared_memory_collective() -> TestResult {
+/// Rank 2 is SIGKILLed while a large shared-memory collective streams (`what`: all_reduce, or
+/// broadcast from rank 0, where the root sees the death first and must not be blamed for it):
+/// ranks 0 and 1 get an error naming rank 2 within their timeout, and nothing of the job is
+/// left in /dev/shm.
+fn killed_inside(what: &'static str) -> TestResult {
     let dir = temp_dir("shm-kill");
     let mut opts = spawn_env(3, &[("TP_TEST_DIR", dir.to_str().ok_or("path")?)]);
     opts.timeout = Duration::from_secs(120);
-    let r = dist::spawn_with(opts, |rank| -> TestResult {
+    let r = dist::spawn_with(opts, move |rank| -> TestResult {
+        let op = |t: &Tensor| match what {
+            "broadcast" => dist::broadcast(t, 0, None),
+            _ => dist::all_reduce(t, ReduceOp::Sum, None),
+        };
         let dir = PathBuf::from(std::env::var("TP_TEST_DIR")?);
         let victim = std::env::var_os("TP_TEST_VICTIM").is_some();
         if rank == 2 && !victim {
@@ -320,9 +325,12 @@ fn a_rank_killed_inside_a_shared_memory_collective() -> TestResult {
         init(8)?;
         assert_eq!(dist::default_group("test")?.transport(), "shm");
         let t = Tensor::ones(&[4 << 20], DType::F32)?;
-        dist::all_reduce(&t, ReduceOp::Sum, None)?;
+        op(&t)?;
         if victim {
-            let w = dist::all_reduce_async(&t, ReduceOp::Sum, None)?;
+            let w = match what {
+                "broadcast" => dist::broadcast_async(&t, 0, None)?,
+                _ => dist::all_reduce_async(&t, ReduceOp::Sum, None)?,
+            };
             std::thread::sleep(Duration::from_millis(3));
             // SAFETY: kill(2) on our own pid with SIGKILL; it does not return.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
@@ -331,7 +339,7 @@ fn a_rank_killed_inside_a_shared_memory_collective() -> TestResult {
         let start = Instant::now();
         let e = loop {
             // keep calling: the first call may finish before rank 2 dies
-            if let Err(e) = dist::all_reduce(&t, ReduceOp::Sum, None) {
+            if let Err(e) = op(&t) {
                 break e;
             }
         };
@@ -353,7 +361,7 @@ fn a_rank_killed_inside_a_shared_memory_collective() -> TestResult {
         e.contains("9") || e.contains("KILL"),
         "the victim was killed: {e}"
     );
-    eprintln!("survivors: {outcome:?}; victim: {e}");
+    eprintln!("{what}: survivors: {outcome:?}; victim: {e}");
     for (r, o) in outcome.iter().enumerate() {
         let (took, msg) = o
             .split_once('\n')
@@ -378,5 +386,50 @@ fn a_rank_killed_inside_a_shared_memory_collective() -> TestResult {
     );
     let left = shm_entries_of(&pids);
     assert!(left.is_empty(), "left in /dev/shm: {left:?}");
+    Ok(())
+}
+
+#[test]
+fn a_rank_killed_inside_a_shared_memory_all_reduce() -> TestResult {
+    killed_inside("all_reduce")
+}
+
+#[test]
+fn a_rank_killed_inside_a_shared_memory_broadcast_is_named_not_the_root() -> TestResult {
+    killed_inside("broadcast")
+}
+
+/// With the cross-rank argument check off, the shared-memory path itself catches ranks in
+/// different calls: broadcasts with different roots, broadcast against reduce, a barrier
+/// against an all_reduce (each case on a fresh group; every rank must fail).
+#[test]
+fn mismatched_calls_on_shared_memory_fail_on_every_rank() -> TestResult {
+    let opts = spawn_env(3, &[("TENSORPLAY_COLLECTIVE_CHECK", "0")]);
+    dist::spawn_with(opts, |rank| -> TestResult {
+        init(10)?;
+        let groups: Vec<dist::ProcessGroup> = (0..3)
+            .map(|_| dist::new_group(&[0, 1, 2], None, None))
+            .collect::<Result<_, _>>()?;
+        let t = Tensor::ones(&[8], DType::F32)?;
+        for (case, g) in groups.iter().enumerate() {
+            assert_eq!(g.transport(), "shm");
+            let r = match (case, rank) {
+                (0, 0) => dist::broadcast(&t, 0, Some(g)),
+                (0, _) => dist::broadcast(&t, 1, Some(g)),
+                (1, 0) => dist::broadcast(&t, 0, Some(g)),
+                (1, _) => dist::reduce(&t, 0, ReduceOp::Sum, Some(g)),
+                (_, 0) => dist::barrier(Some(g)),
+                (_, _) => dist::all_reduce(&t, ReduceOp::Sum, Some(g)),
+            };
+            let e = match r {
+                Ok(()) => return Err(format!("case {case}: rank {rank} succeeded").into()),
+                Err(e) => e.to_string(),
+            };
+            // the rank that sees the disagreement says so; the others see it shut the group
+            let named = e.contains("ranks disagree") || e.contains("failed");
+            assert!(named, "case {case}, rank {rank}: {e}");
+        }
+        Ok(())
+    })?;
     Ok(())
 }

@@ -173,7 +173,8 @@ impl CpuBackend {
                     None => None,
                 });
             }
-            let (hosts, shm) = shm::Shm::setup(&*store, rank, size, timeout, shm::enabled())?;
+            let (hosts, shm) =
+                shm::Shm::setup(&*store, &peers, rank, size, timeout, shm::enabled())?;
             route = Route::new(hosts, shm);
             tracing::debug!(rank, size, transport = route.name(), "cpu backend ready");
         }
@@ -261,6 +262,9 @@ impl CpuBackend {
     /// After an error: shuts every connection down (so that peers fail fast) and marks the
     /// backend failed.
     fn fail(&self, st: &mut State, e: &Error) {
+        if let Some(shm) = self.route.shm() {
+            shm.note_failure(e);
+        }
         self.peers.iter().flatten().for_each(Peer::shutdown);
         st.failed = Some(e.to_string());
     }

@@ -44,6 +44,15 @@ impl Route {
         }
     }
 
+    /// This host's shared-memory state, if any.
+    pub(super) fn shm(&self) -> Option<&Shm> {
+        match self {
+            Route::Tcp => None,
+            Route::Shm(s) => Some(s),
+            Route::Hier(_, s) => s.as_ref(),
+        }
+    }
+
     /// The name of the transport, for logs and `Debug`.
     pub(super) fn name(&self) -> &'static str {
         match self {

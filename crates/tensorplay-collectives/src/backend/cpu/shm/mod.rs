@@ -36,11 +36,12 @@ mod step;
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub(super) use self::algo::*;
 use self::segment::{CreateError, OwnSegment, Segment};
 pub(super) use self::step::ShmCtx;
+use super::conn::Peer;
 use crate::store::Store;
 use crate::{Error, Result};
 
@@ -49,16 +50,39 @@ const DEFAULT_SLOT: usize = 256 << 10;
 
 /// Whether the transport is enabled (`TENSORPLAY_SHM`, default on).
 pub(super) fn enabled() -> bool {
-    std::env::var("TENSORPLAY_SHM").map_or(true, |v| !matches!(v.trim(), "0" | "false" | "off"))
+    std::env::var("TENSORPLAY_SHM").map_or(true, |v| {
+        !matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "false" | "off" | "no"
+        )
+    })
 }
 
 /// The slot size: `TENSORPLAY_SHM_SLOT_BYTES` (a tuning and test knob: small slots reach the
-/// chunk boundaries with small tensors), rounded down to a multiple of 256, at least 256.
+/// chunk boundaries with small tensors), 256 bytes to 64 MiB, rounded down to a multiple of
+/// 256; anything else is warned about once and the default used.
 fn slot_bytes() -> usize {
-    std::env::var("TENSORPLAY_SHM_SLOT_BYTES")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .map_or(DEFAULT_SLOT, |b| (b.clamp(256, 1 << 30)) & !255)
+    const MAX: usize = 64 << 20;
+    let Ok(v) = std::env::var("TENSORPLAY_SHM_SLOT_BYTES") else {
+        return DEFAULT_SLOT;
+    };
+    match v.trim().parse::<usize>() {
+        Ok(b) if (256..=MAX).contains(&b) => b & !255,
+        _ => {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                tracing::warn!(
+                    "TENSORPLAY_SHM_SLOT_BYTES={v:?} is not a byte count from 256 to {MAX}; \
+                     using {DEFAULT_SLOT}"
+                );
+                eprintln!(
+                    "tensorplay warning: TENSORPLAY_SHM_SLOT_BYTES={v:?} is not a byte count \
+                     from 256 to {MAX}; using {DEFAULT_SLOT}"
+                );
+            });
+            DEFAULT_SLOT
+        }
+    }
 }
 
 /// The test-only host label (`TENSORPLAY_SHM_TEST_HOST`): ranks with different labels never
@@ -131,6 +155,7 @@ impl Shm {
     /// the mapped segments. Errors only when peers do not answer within `timeout`.
     pub(super) fn setup(
         store: &dyn Store,
+        peers: &[Option<Peer>],
         rank: usize,
         size: usize,
         timeout: Duration,
@@ -167,8 +192,7 @@ impl Shm {
         };
         store.set(&format!("shm/{rank}"), advert.as_bytes())?;
         let keys: Vec<String> = (0..size).map(|p| format!("shm/{p}")).collect();
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        store.wait(&refs, timeout)?;
+        wait_keys(store, &keys, timeout, peers, rank)?;
         let mut mapped: Vec<Option<Segment>> = (0..size).map(|_| None).collect();
         if own.is_some() {
             for (p, key) in keys.iter().enumerate() {
@@ -190,8 +214,7 @@ impl Shm {
         let row = if own.is_some() { row } else { "0".repeat(size) };
         store.set(&format!("shm_ok/{rank}"), row.as_bytes())?;
         let ok_keys: Vec<String> = (0..size).map(|p| format!("shm_ok/{p}")).collect();
-        let ok_refs: Vec<&str> = ok_keys.iter().map(String::as_str).collect();
-        let waited = store.wait(&ok_refs, timeout);
+        let waited = wait_keys(store, &ok_keys, timeout, peers, rank);
         // every peer has tried to map our segment (or we give up): the file can go
         if let Some(o) = own.as_mut() {
             o.unlink();
@@ -246,9 +269,79 @@ impl Shm {
         ))
     }
 
+    /// Notes in this rank's segment, before it shuts the group down after `e`, which rank it
+    /// saw die (so that peers name that rank, not this one).
+    pub(super) fn note_failure(&self, e: &Error) {
+        let note = match e {
+            Error::PeerFailed { peer, .. } => (*peer as u32).saturating_add(1),
+            _ => u32::MAX,
+        };
+        let own = &self.segs[self.li];
+        let _ = own.blame().compare_exchange(
+            0,
+            note,
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+        );
+    }
+
     /// The local index of group rank `r`, if it is on this host.
     pub(super) fn local_index(&self, r: usize) -> Option<usize> {
         self.local.iter().position(|&p| p == r)
+    }
+}
+
+/// Waits until every rank `p` has set `keys[p]`, checking between short waits whether a
+/// missing rank's TCP connection closed (it died during group creation: `PeerFailed` naming
+/// it at once, not a timeout much later); `Timeout` naming the missing ranks after `timeout`.
+fn wait_keys(
+    store: &dyn Store,
+    keys: &[String],
+    timeout: Duration,
+    peers: &[Option<Peer>],
+    rank: usize,
+) -> Result<()> {
+    const OP: &str = "cpu backend init (shared-memory setup)";
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let deadline = Instant::now() + timeout;
+    loop {
+        let slice = deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(1), Duration::from_millis(50));
+        match store.wait(&refs, slice) {
+            Ok(()) => return Ok(()),
+            Err(Error::Timeout { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        let missing: Vec<usize> = (0..keys.len())
+            .filter(|&p| !store.check(&[refs[p]]).unwrap_or(false))
+            .collect();
+        for &p in &missing {
+            if peers
+                .get(p)
+                .and_then(Option::as_ref)
+                .is_some_and(Peer::is_gone)
+            {
+                return Err(Error::PeerFailed {
+                    rank,
+                    peer: p,
+                    op: OP.into(),
+                    detail: format!("rank {p} died or failed while the group was being created"),
+                });
+            }
+        }
+        if Instant::now() >= deadline {
+            let names: Vec<String> = missing.iter().map(|p| format!("rank {p}")).collect();
+            return Err(Error::Timeout {
+                op: OP.into(),
+                rank: rank as i64,
+                timeout,
+                detail: format!(
+                    "{} never finished the shared-memory setup (alive but stuck?)",
+                    names.join(", ")
+                ),
+            });
+        }
     }
 }
 

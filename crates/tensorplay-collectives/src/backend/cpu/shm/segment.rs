@@ -10,6 +10,7 @@
 //! | 16 | the owner's random token (32 ASCII hex digits) |
 //! | 128 | `step`: the owner's published step counter (u32, the futex word) |
 //! | 192 | `sleepers`: how many peers sleep on `step` (u32) |
+//! | 256 | `blame`: after the owner failed, 1 + the group rank it saw die, or `u32::MAX` |
 //! | 4096 + i * (SIG + slot) | slot `i` (0 or 1): a 64-byte signature, then `slot` bytes of data |
 //!
 //! Only the owner writes its segment's `step`, signatures and slots; peers write only
@@ -35,6 +36,7 @@ const TOKEN_AT: usize = 16;
 const TOKEN_LEN: usize = 32;
 const STEP_AT: usize = 128;
 const SLEEPERS_AT: usize = 192;
+const BLAME_AT: usize = 256;
 /// The prefix of every segment's name under `/dev/shm`.
 pub(super) const PREFIX: &str = "tensorplay-cc-";
 
@@ -211,6 +213,11 @@ impl Segment {
     /// How many peers sleep on the step counter.
     pub(super) fn sleepers(&self) -> &AtomicU32 {
         self.atomic(SLEEPERS_AT)
+    }
+
+    /// The owner's failure note (see the layout).
+    pub(super) fn blame(&self) -> &AtomicU32 {
+        self.atomic(BLAME_AT)
     }
 
     /// Slot `i`'s signature area (SIG bytes).

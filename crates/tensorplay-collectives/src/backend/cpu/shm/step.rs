@@ -28,7 +28,9 @@ pub(in crate::backend::cpu) struct ShmCtx<'a> {
     peers: &'a [Option<Peer>],
     rank: usize,
     timeout: Duration,
-    deadline: Instant,
+    /// When waiting gives up: `timeout` after the last progress (as on TCP, where the timeout
+    /// bounds each wait for a peer, not the whole call).
+    deadline: std::cell::Cell<Instant>,
     /// The signature written with each round's data: the call's header fields, the part of a
     /// hierarchical call, and the round.
     sig: [u8; 48],
@@ -60,7 +62,7 @@ impl<'a> ShmCtx<'a> {
             peers,
             rank,
             timeout,
-            deadline: Instant::now() + timeout,
+            deadline: std::cell::Cell::new(Instant::now() + timeout),
             sig,
             hdr: *hdr,
             op: hdr.kind.name(),
@@ -183,6 +185,18 @@ impl<'a> ShmCtx<'a> {
         })
     }
 
+    /// Waits until every peer has published step `x` and checks every peer's signature of
+    /// round `round` in slot `s`.
+    pub(in crate::backend::cpu) fn check_all(&self, s: usize, x: u64, round: u64) -> Result<()> {
+        self.wait_all(x)?;
+        for li in 0..self.w() {
+            if li != self.shm.li {
+                self.check_sig(li, s, round)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Publishes the next step; `wrote` is the slot this rank wrote data into for it (or
     /// wrote into again, as the reduced slices of a two-shot all-reduce). Returns the step.
     pub(in crate::backend::cpu) fn publish(&mut self, wrote: Option<usize>) -> u64 {
@@ -193,6 +207,42 @@ impl<'a> ShmCtx<'a> {
         }
         segment::publish_step(&self.shm.segs[self.shm.li], x as u32);
         x
+    }
+
+    /// A peer made progress: the timeout counts from now.
+    fn progressed(&self) {
+        self.deadline.set(Instant::now() + self.timeout);
+    }
+
+    /// The error for local rank `li` (group rank `peer`) whose connection closed: it died, or
+    /// it failed and shut the group down. In the second case it noted in its segment which
+    /// rank it saw die, and that rank is the one to name (not the messenger).
+    fn peer_gone(&self, li: usize, peer: usize) -> Error {
+        let note = self.shm.segs[li].blame().load(Ordering::Acquire);
+        let op = self.op.into();
+        match note.checked_sub(1).map(|r| r as usize) {
+            Some(first) if first != self.rank && first != peer && note != u32::MAX => {
+                Error::PeerFailed {
+                    rank: self.rank,
+                    peer: first,
+                    op,
+                    detail: format!(
+                        "rank {first} died or failed (rank {peer} saw it first and shut the \
+                         group down)"
+                    ),
+                }
+            }
+            _ => Error::PeerFailed {
+                rank: self.rank,
+                peer,
+                op,
+                detail: format!(
+                    "rank {peer} died or failed inside a shared-memory {} (its connection \
+                     closed)",
+                    self.op
+                ),
+            },
+        }
     }
 
     /// Waits until every peer on this host has published step `x`.
@@ -211,6 +261,7 @@ impl<'a> ShmCtx<'a> {
         let seg = &self.shm.segs[li];
         let step = seg.step();
         if reached(step.load(Ordering::Acquire), x) {
+            self.progressed();
             return Ok(());
         }
         let t0 = Instant::now();
@@ -218,6 +269,7 @@ impl<'a> ShmCtx<'a> {
         loop {
             std::hint::spin_loop();
             if reached(step.load(Ordering::Acquire), x) {
+                self.progressed();
                 return Ok(());
             }
             n += 1;
@@ -230,12 +282,17 @@ impl<'a> ShmCtx<'a> {
             let cur = step.load(Ordering::SeqCst);
             if reached(cur, x) {
                 seg.sleepers().fetch_sub(1, Ordering::SeqCst);
+                self.progressed();
                 return Ok(());
             }
-            let left = self.deadline.saturating_duration_since(Instant::now());
+            let left = self
+                .deadline
+                .get()
+                .saturating_duration_since(Instant::now());
             segment::futex_wait(step, cur, left.min(SLICE).max(Duration::from_micros(100)));
             seg.sleepers().fetch_sub(1, Ordering::SeqCst);
             if reached(step.load(Ordering::Acquire), x) {
+                self.progressed();
                 return Ok(());
             }
             let peer = self.shm.local[li];
@@ -245,18 +302,9 @@ impl<'a> ShmCtx<'a> {
                 .and_then(Option::as_ref)
                 .is_some_and(Peer::is_gone)
             {
-                return Err(Error::PeerFailed {
-                    rank: self.rank,
-                    peer,
-                    op: self.op.into(),
-                    detail: format!(
-                        "rank {peer} died or failed inside a shared-memory {} (its connection \
-                         closed)",
-                        self.op
-                    ),
-                });
+                return Err(self.peer_gone(li, peer));
             }
-            if Instant::now() >= self.deadline {
+            if Instant::now() >= self.deadline.get() {
                 let behind = (0..self.w())
                     .filter(|&l| {
                         l != self.shm.li
