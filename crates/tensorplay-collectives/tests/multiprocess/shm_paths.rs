@@ -279,12 +279,10 @@ fn shm_entries_of(pids: &[String]) -> Vec<String> {
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "tp-{tag}-{}-{:?}",
-        std::process::id(),
-        Instant::now()
-    ));
-    let d = PathBuf::from(d.to_string_lossy().replace([' ', '{', '}', ':', ','], ""));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let d = std::env::temp_dir().join(format!("tp-{tag}-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
@@ -298,7 +296,11 @@ fn read(dir: &Path, name: &str) -> String {
 /// ranks 0 and 1 get an error naming rank 2 within their timeout, and nothing of the job is
 /// left in /dev/shm.
 fn killed_inside(what: &'static str) -> TestResult {
-    let dir = temp_dir("shm-kill");
+    // code before `spawn` runs in the children too: only the parent makes the directory
+    let dir = match std::env::var_os("TP_TEST_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => temp_dir(what),
+    };
     let mut opts = spawn_env(3, &[("TP_TEST_DIR", dir.to_str().ok_or("path")?)]);
     opts.timeout = Duration::from_secs(120);
     let r = dist::spawn_with(opts, move |rank| -> TestResult {

@@ -35,6 +35,8 @@ pub(in crate::backend::cpu) struct ShmCtx<'a> {
     /// hierarchical call, and the round.
     sig: [u8; 48],
     hdr: Header,
+    /// Whether copies out of peers' slots bypass the cache (large calls).
+    streaming: std::cell::Cell<bool>,
     op: &'static str,
 }
 
@@ -65,6 +67,7 @@ impl<'a> ShmCtx<'a> {
             deadline: std::cell::Cell::new(Instant::now() + timeout),
             sig,
             hdr: *hdr,
+            streaming: std::cell::Cell::new(false),
             op: hdr.kind.name(),
         }
     }
@@ -207,6 +210,16 @@ impl<'a> ShmCtx<'a> {
         }
         segment::publish_step(&self.shm.segs[self.shm.li], x as u32);
         x
+    }
+
+    /// Whether copies out of peers' slots use non-temporal stores.
+    pub(in crate::backend::cpu) fn streaming(&self) -> bool {
+        self.streaming.get()
+    }
+
+    /// Sets [`ShmCtx::streaming`] (for a call whose result is too large to stay in cache).
+    pub(in crate::backend::cpu) fn set_streaming(&self, on: bool) {
+        self.streaming.set(on);
     }
 
     /// A peer made progress: the timeout counts from now.
