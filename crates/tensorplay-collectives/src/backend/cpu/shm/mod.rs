@@ -45,6 +45,9 @@ use super::conn::Peer;
 use crate::store::Store;
 use crate::{Error, Result};
 
+/// The failure note of a rank that timed out (see `segment`'s `blame`).
+const NOTE_TIMED_OUT: u32 = u32::MAX - 1;
+
 /// Default slot size in bytes (two per rank per group).
 const DEFAULT_SLOT: usize = 256 << 10;
 
@@ -273,7 +276,10 @@ impl Shm {
     /// saw die (so that peers name that rank, not this one).
     pub(super) fn note_failure(&self, e: &Error) {
         let note = match e {
-            Error::PeerFailed { peer, .. } => (*peer as u32).saturating_add(1),
+            Error::PeerFailed { peer, .. } => {
+                (*peer as u32).saturating_add(1).min(NOTE_TIMED_OUT - 1)
+            }
+            Error::Timeout { .. } => NOTE_TIMED_OUT,
             _ => u32::MAX,
         };
         let own = &self.segs[self.li];

@@ -10,7 +10,7 @@
 //! | 16 | the owner's random token (32 ASCII hex digits) |
 //! | 128 | `step`: the owner's published step counter (u32, the futex word) |
 //! | 192 | `sleepers`: how many peers sleep on `step` (u32) |
-//! | 256 | `blame`: after the owner failed, 1 + the group rank it saw die, or `u32::MAX` |
+//! | 256 | `blame`: after the owner failed, 1 + the group rank it saw die, `u32::MAX - 1` if it timed out, `u32::MAX` otherwise |
 //! | 4096 + i * (SIG + slot) | slot `i` (0 or 1): a 64-byte signature, then `slot` bytes of data |
 //!
 //! Only the owner writes its segment's `step`, signatures and slots; peers write only

@@ -233,8 +233,20 @@ impl<'a> ShmCtx<'a> {
     fn peer_gone(&self, li: usize, peer: usize) -> Error {
         let note = self.shm.segs[li].blame().load(Ordering::Acquire);
         let op = self.op.into();
+        if note == super::NOTE_TIMED_OUT {
+            return Error::Timeout {
+                op,
+                rank: self.rank as i64,
+                timeout: self.timeout,
+                detail: format!(
+                    "rank {peer} timed out waiting in this shared-memory {} and shut the group \
+                     down",
+                    self.op
+                ),
+            };
+        }
         match note.checked_sub(1).map(|r| r as usize) {
-            Some(first) if first != self.rank && first != peer && note != u32::MAX => {
+            Some(first) if first != self.rank && first != peer && note < super::NOTE_TIMED_OUT => {
                 Error::PeerFailed {
                     rank: self.rank,
                     peer: first,
