@@ -151,7 +151,8 @@ impl ProcessGroup {
             None => "",
         }
     }
-    /// Bytes this process has sent through the group's backend.
+    /// Bytes this process has sent through the group's backend (on the shared-memory
+    /// transport: the bytes it wrote into its slots for peers to read).
     pub fn bytes_sent(&self) -> u64 {
         match &self.inner.backend {
             Some(BackendImpl::Cpu(b)) => b.bytes_sent(),

@@ -193,6 +193,11 @@ fn world_on_path(n: usize, shm: bool) -> TestResult {
         let members: Vec<usize> = (0..n).collect();
         all_collectives(rank, n, None, &members)?;
         boundary_collectives(rank, &members, None)?;
+        assert_eq!(
+            g.bytes_sent() > 0,
+            n > 1,
+            "bytes_sent counts both transports"
+        );
         dist::destroy_process_group()?;
         Ok(())
     })

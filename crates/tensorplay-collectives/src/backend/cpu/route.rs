@@ -64,7 +64,7 @@ impl Route {
 }
 
 fn scx<'a>(s: &'a Shm, cx: &Ctx<'a>, part: u8) -> ShmCtx<'a> {
-    ShmCtx::new(s, cx.peers, &cx.sig, part, cx.rank, cx.timeout)
+    ShmCtx::new(s, cx.peers, &cx.sig, part, cx.rank, cx.timeout, cx.sent)
 }
 
 /// The representative of each host for a call rooted at `root` (or the lowest rank), by host.

@@ -60,6 +60,7 @@ unsafe fn view<'x>(dtype: DType, p: *const u8, n: usize) -> BufRef<'x> {
 fn put(cx: &ShmCtx<'_>, s: usize, at: usize, src: BufRef<'_>) {
     let b = src.as_bytes();
     debug_assert!(at + b.len() <= cx.slot());
+    cx.count_sent(b.len());
     // SAFETY: inside our own slot (bounds above), which no peer reads until we publish it;
     // the source is caller memory and cannot overlap shared memory it does not own.
     unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), cx.my_slot(s).add(at), b.len()) }

@@ -35,6 +35,8 @@ pub(in crate::backend::cpu) struct ShmCtx<'a> {
     /// hierarchical call, and the round.
     sig: [u8; 48],
     hdr: Header,
+    /// The backend's bytes-sent counter (bytes written into our slots count as sent).
+    sent: &'a std::sync::atomic::AtomicU64,
     /// Whether copies out of peers' slots bypass the cache (large calls).
     streaming: std::cell::Cell<bool>,
     op: &'static str,
@@ -49,6 +51,7 @@ impl<'a> ShmCtx<'a> {
         part: u8,
         rank: usize,
         timeout: Duration,
+        sent: &'a std::sync::atomic::AtomicU64,
     ) -> ShmCtx<'a> {
         let mut sig = [0u8; 48];
         sig[0] = hdr.kind as u8;
@@ -67,6 +70,7 @@ impl<'a> ShmCtx<'a> {
             deadline: std::cell::Cell::new(Instant::now() + timeout),
             sig,
             hdr: *hdr,
+            sent,
             streaming: std::cell::Cell::new(false),
             op: hdr.kind.name(),
         }
@@ -210,6 +214,11 @@ impl<'a> ShmCtx<'a> {
         }
         segment::publish_step(&self.shm.segs[self.shm.li], x as u32);
         x
+    }
+
+    /// Counts `n` bytes written into our slot for peers to read.
+    pub(in crate::backend::cpu) fn count_sent(&self, n: usize) {
+        self.sent.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// Whether copies out of peers' slots use non-temporal stores.
