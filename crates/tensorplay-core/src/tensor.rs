@@ -63,6 +63,8 @@ pub(crate) struct AutogradMeta {
     /// Hooks registered on this leaf: kept here because the accumulate-grad node is only
     /// held weakly, and given to every accumulator created for the leaf.
     pub(crate) leaf_hooks: Vec<crate::autograd::Hook>,
+    /// Hooks run after a backward pass accumulated into this leaf's `.grad`, with their ids.
+    pub(crate) post_accumulate_hooks: Vec<(u64, crate::autograd::PostAccumulateGradHook)>,
 }
 
 impl Tensor {

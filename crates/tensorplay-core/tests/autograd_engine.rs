@@ -312,3 +312,121 @@ fn gradcheck_catches_a_wrong_backward() -> tp::Result<()> {
     )?;
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// end-of-backward callbacks and post-accumulate-grad hooks
+
+/// A callback queued from a hook runs after every node of the pass, once, and sees the final
+/// `.grad` of every leaf; callbacks it queues run too, in order.
+#[test]
+fn queued_callbacks_run_after_the_whole_pass() {
+    use std::sync::{Arc, Mutex};
+    let a = Tensor::from_vec(vec![1.0f64, 2.0], &[2])
+        .unwrap()
+        .requires_grad_(true);
+    let b = Tensor::from_vec(vec![3.0f64, 4.0], &[2])
+        .unwrap()
+        .requires_grad_(true);
+    let log: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (l, a2, b2) = (log.clone(), a.clone(), b.clone());
+    // the hook on `a` runs first (a is used last in forward); b has no grad yet then
+    a.register_post_accumulate_grad_hook(move |_| {
+        let (l2, a3, b3) = (l.clone(), a2.clone(), b2.clone());
+        l.lock()
+            .unwrap()
+            .push(format!("hook a, b has grad: {}", b2.grad().is_some()));
+        tp::autograd::queue_callback(move || {
+            let ga = a3.grad().unwrap().to_vec::<f64>()?;
+            let gb = b3.grad().unwrap().to_vec::<f64>()?;
+            l2.lock().unwrap().push(format!("callback {ga:?} {gb:?}"));
+            let l3 = l2.clone();
+            tp::autograd::queue_callback(move || {
+                l3.lock().unwrap().push("nested".into());
+                Ok(())
+            })
+        })
+    })
+    .unwrap();
+    // b is used through a long chain, a directly: a's accumulator is ready first
+    let y = b
+        .mul_scalar(2.0)
+        .unwrap()
+        .exp()
+        .unwrap()
+        .log()
+        .unwrap()
+        .add(&a)
+        .unwrap()
+        .sum()
+        .unwrap();
+    y.backward().unwrap();
+    let got = log.lock().unwrap().clone();
+    assert_eq!(
+        got,
+        vec![
+            "hook a, b has grad: false".to_string(),
+            "callback [1.0, 1.0] [2.0, 2.0]".to_string(),
+            "nested".to_string()
+        ]
+    );
+    // outside a pass it is an error, not a silent no-op
+    assert!(matches!(
+        tp::autograd::queue_callback(|| Ok(())),
+        Err(tp::Error::Autograd(_))
+    ));
+}
+
+/// A callback's error fails the backward call; the hooks see the accumulated sum; removed
+/// hooks stop running; leaves that do not require grad refuse hooks.
+#[test]
+fn post_accumulate_hooks_see_the_sum_and_can_be_removed() {
+    use std::sync::{Arc, Mutex};
+    let w = Tensor::from_vec(vec![1.0f64, 2.0], &[2])
+        .unwrap()
+        .requires_grad_(true);
+    let seen: Arc<Mutex<Vec<Vec<f64>>>> = Arc::default();
+    let s = seen.clone();
+    let h = w
+        .register_post_accumulate_grad_hook(move |t| {
+            s.lock().unwrap().push(t.grad().unwrap().to_vec::<f64>()?);
+            Ok(())
+        })
+        .unwrap();
+    w.mul_scalar(3.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    w.mul_scalar(1.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![vec![3.0, 3.0], vec![4.0, 4.0]]);
+    h.remove();
+    w.sum().unwrap().backward().unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 2, "a removed hook ran");
+    // autograd::grad does not accumulate, so it does not run them
+    let w2 = w.clone();
+    w2.register_post_accumulate_grad_hook(|_| {
+        tp::autograd::queue_callback(|| Err(tp::Error::Autograd("from the callback".into())))
+    })
+    .unwrap();
+    let _ = tp::autograd::grad(&[w.sum().unwrap()], &[w.clone()], &[], Default::default()).unwrap();
+    let err = w.sum().unwrap().backward().unwrap_err();
+    assert!(err.to_string().contains("from the callback"), "{err}");
+    let plain = Tensor::from_vec(vec![1.0f64], &[1]).unwrap();
+    assert!(
+        plain
+            .register_post_accumulate_grad_hook(|_| Ok(()))
+            .is_err()
+    );
+    let nonleaf = w.mul_scalar(2.0).unwrap();
+    assert!(
+        nonleaf
+            .register_post_accumulate_grad_hook(|_| Ok(()))
+            .is_err()
+    );
+}

@@ -1,5 +1,6 @@
 //! The backward engine: runs a graph from root gradients to leaves.
 
+use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
@@ -47,19 +48,94 @@ struct Ready {
 }
 impl Ord for Ready {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        // later-created nodes first (reverse creation order), accumulate nodes last
-        let a = if self.seq == u64::MAX {
-            0
-        } else {
-            self.seq + 1
-        };
-        let b = if o.seq == u64::MAX { 0 } else { o.seq + 1 };
-        a.cmp(&b).then(self.key.cmp(&o.key))
+        // accumulate nodes (seq u64::MAX) first, as soon as they are ready, as in PyTorch:
+        // a leaf's `.grad` (and its post-accumulate hooks, which start data parallelism's
+        // all-reduces) must not wait for the rest of the pass; then later-created nodes first
+        // (reverse creation order)
+        self.seq.cmp(&o.seq).then(self.key.cmp(&o.key))
     }
 }
 impl PartialOrd for Ready {
     fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
         Some(self.cmp(o))
+    }
+}
+
+/// A function queued with [`queue_callback`], run when the backward pass that queued it ends.
+pub type Callback = Box<dyn FnOnce() -> Result<()> + Send>;
+
+thread_local! {
+    /// One frame per backward pass running on this thread (passes nest when a hook or a
+    /// backward function starts another one): the callbacks queued during it.
+    static CALLBACKS: RefCell<Vec<Vec<Callback>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Queues `f` to run once the backward pass that is running on this thread has run all of its
+/// nodes (PyTorch's `Variable._execution_engine.queue_callback`): the end-of-backward hook
+/// that data parallelism waits for its gradient all-reduces in. Callbacks run in the order
+/// they were queued, on the thread of the pass, and may queue more; the first error a
+/// callback returns becomes the result of the backward call (the remaining callbacks still
+/// run, so that each can release what it holds). When the pass itself fails, its queued
+/// callbacks are dropped without running.
+///
+/// Errors ([`Error::Autograd`]) when no backward pass is running on this thread: call it from
+/// a tensor hook, a post-accumulate-grad hook or a custom function's backward.
+pub fn queue_callback(f: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()> {
+    CALLBACKS.with(|c| {
+        let mut c = c.borrow_mut();
+        match c.last_mut() {
+            Some(frame) => {
+                frame.push(Box::new(f));
+                Ok(())
+            }
+            None => Err(Error::Autograd(
+                "queue_callback called outside a backward pass: call it from a hook or a \
+                 backward function"
+                    .into(),
+            )),
+        }
+    })
+}
+
+/// Pops this pass's callback frame when the pass ends, also on an early error return.
+struct CallbackFrame;
+
+impl CallbackFrame {
+    fn push() -> CallbackFrame {
+        CALLBACKS.with(|c| c.borrow_mut().push(Vec::new()));
+        CallbackFrame
+    }
+
+    /// Runs the queued callbacks (and those they queue) in order; the first error wins.
+    fn run(&self) -> Result<()> {
+        let mut first_err = None;
+        loop {
+            let batch = CALLBACKS.with(|c| {
+                c.borrow_mut()
+                    .last_mut()
+                    .map(std::mem::take)
+                    .unwrap_or_default()
+            });
+            if batch.is_empty() {
+                break;
+            }
+            for f in batch {
+                if let Err(e) = f()
+                    && first_err.is_none()
+                {
+                    first_err = Some(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for CallbackFrame {
+    fn drop(&mut self) {
+        CALLBACKS.with(|c| {
+            c.borrow_mut().pop();
+        });
     }
 }
 
@@ -151,6 +227,7 @@ pub fn run_backward(
 
     // 3. execute
     let _mode = set_grad_enabled(options.create_graph);
+    let callbacks = CallbackFrame::push();
     let mut buffers: HashMap<usize, Vec<Option<Tensor>>> = HashMap::new();
     for (e, g) in roots {
         let n = &e.0.node;
@@ -229,6 +306,7 @@ pub fn run_backward(
                         LeafSink::AccumulateGrad if needed.is_none() => {
                             let g = if options.create_graph { g } else { g.detach() };
                             accumulate_into_leaf(leaf, g, options.create_graph)?;
+                            run_post_accumulate_hooks(leaf)?;
                         }
                         LeafSink::Collect => match leaf_index.get(&k) {
                             Some(&i) => {
@@ -305,7 +383,23 @@ pub fn run_backward(
             }
         }
     }
+    callbacks.run()?;
     Ok(result)
+}
+
+/// Runs the leaf's post-accumulate-grad hooks (registration order) after its `.grad` was
+/// updated. The list is copied first, so a hook may register or remove hooks.
+fn run_post_accumulate_hooks(leaf: &Tensor) -> Result<()> {
+    let hooks: Vec<_> = leaf
+        .meta()
+        .post_accumulate_hooks
+        .iter()
+        .map(|(_, h)| h.clone())
+        .collect();
+    for h in hooks {
+        h(leaf)?;
+    }
+    Ok(())
 }
 
 /// Adds `g` to `leaf.grad` without holding the leaf's lock during the addition (which may

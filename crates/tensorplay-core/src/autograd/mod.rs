@@ -4,12 +4,16 @@
 //! the loss to the leaves. The pieces:
 //! - [`Function`] and [`apply`]: custom differentiable operations (every built-in op uses them).
 //! - [`backward`], [`grad`], and the `Tensor` methods `backward`, `grad`, `requires_grad_`,
-//!   `detach`, `register_hook`, `retain_grad`.
+//!   `detach`, `register_hook`, `register_post_accumulate_grad_hook`, `retain_grad`.
+//! - [`queue_callback`]: run a function when the current backward pass ends (data
+//!   parallelism waits for its all-reduces there).
 //! - [`no_grad`] / [`set_grad_enabled`]: thread-local recording switch.
 //! - [`run_backward`]: the lower-level entry (roots as graph edges with given gradients, leaf
 //!   gradients collected into a map instead of `.grad`), used by distributed autograd.
 //! - [`gradcheck`]: finite-difference check in float64.
 //!
+//! Nodes run as soon as they are ready, leaf accumulations first (as in PyTorch), so a leaf's
+//! `.grad` and its post-accumulate hooks come as early in the pass as its gradient is known.
 //! Semantics follow PyTorch: gradients accumulate on leaves, a graph is freed after backward
 //! unless `retain_graph`, `create_graph` records the backward for double backward, and a tensor
 //! saved for backward that is modified in place makes backward fail.
@@ -22,7 +26,9 @@ pub(crate) mod graph;
 
 use std::sync::{Arc, Weak};
 
-pub use engine::{BackwardResult, ExecuteOptions, LeafSink, run_backward};
+pub use engine::{
+    BackwardResult, Callback, ExecuteOptions, LeafSink, queue_callback, run_backward,
+};
 pub use function::{Function, apply};
 pub use grad_mode::{GradModeGuard, is_grad_enabled, no_grad, set_grad_enabled};
 pub use gradcheck::{GradcheckOptions, gradcheck, gradgradcheck};
@@ -30,6 +36,33 @@ pub use graph::{Context, GradientEdge, Hook, Node, TensorMeta};
 
 use crate::{Error, Result, Tensor};
 use graph::Edge;
+
+/// A hook run after a backward pass has accumulated a gradient into a leaf's `.grad`; it gets
+/// the leaf (read the new value with [`Tensor::grad`]). See
+/// [`Tensor::register_post_accumulate_grad_hook`].
+pub type PostAccumulateGradHook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
+
+static NEXT_HOOK_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// The handle of a registered post-accumulate-grad hook (PyTorch's `RemovableHandle`):
+/// [`HookHandle::remove`] unregisters it. Dropping the handle keeps the hook.
+#[derive(Debug)]
+pub struct HookHandle {
+    id: u64,
+    tensor: Weak<crate::tensor::TensorImpl>,
+}
+
+impl HookHandle {
+    /// Unregisters the hook; a no-op when the tensor is gone or the hook was removed already.
+    pub fn remove(&self) {
+        if let Some(t) = self.tensor.upgrade() {
+            Tensor(t)
+                .meta()
+                .post_accumulate_hooks
+                .retain(|(id, _)| *id != self.id);
+        }
+    }
+}
 
 impl Tensor {
     /// Whether operations on this tensor are recorded: it is a leaf that requires grad or
@@ -169,6 +202,40 @@ impl Tensor {
         }
         e.node.add_pre_hook(e.input_nr, hook);
         Ok(())
+    }
+
+    /// Registers a hook run each time a backward pass has accumulated a gradient into this
+    /// leaf's `.grad` (`register_post_accumulate_grad_hook`): the hook gets the leaf, and
+    /// [`Tensor::grad`] holds the updated sum. Hooks run in registration order, on the thread
+    /// of the backward pass; an error from a hook fails that backward call. Passes that do not
+    /// accumulate into `.grad` (`autograd::grad`, distributed autograd) do not run them. Data
+    /// parallelism starts its gradient all-reduces from these hooks.
+    ///
+    /// Errors ([`Error::Autograd`]) on a non-leaf tensor and on a leaf that does not require
+    /// grad.
+    pub fn register_post_accumulate_grad_hook<F>(&self, hook: F) -> Result<HookHandle>
+    where
+        F: Fn(&Tensor) -> Result<()> + Send + Sync + 'static,
+    {
+        let mut m = self.meta();
+        if m.grad_fn.is_some() {
+            return Err(Error::Autograd(
+                "post-accumulate-grad hooks can only be registered on leaf tensors".into(),
+            ));
+        }
+        if !m.requires_grad {
+            return Err(Error::Autograd(
+                "cannot register a post-accumulate-grad hook on a tensor that doesn't \
+                 require grad"
+                    .into(),
+            ));
+        }
+        let id = NEXT_HOOK_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        m.post_accumulate_hooks.push((id, Arc::new(hook)));
+        Ok(HookHandle {
+            id,
+            tensor: Arc::downgrade(&self.0),
+        })
     }
 
     /// Makes this non-leaf tensor keep its gradient in `.grad` during backward
