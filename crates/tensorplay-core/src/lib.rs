@@ -31,6 +31,7 @@ pub mod optim;
 pub mod random;
 mod storage;
 mod tensor;
+pub mod utils;
 
 pub use autograd::{no_grad, set_grad_enabled};
 pub use device::{Device, IntoDevice};

@@ -1,0 +1,3 @@
+//! Utilities outside the tensor library proper (`torch.utils`).
+
+pub mod data;
