@@ -810,16 +810,21 @@ fn check_op(c: &Call<'_>, op: ReduceOp, dt: DType) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // the collectives
 
-/// The job of an `_async` collective, run on the group's worker thread under the grad mode of
-/// the thread that called it (grad mode is per thread): the refusal of tensors that require grad
-/// must see the caller's `no_grad()`.
+/// The job of an `_async` collective, run on the group's worker thread under the grad mode and
+/// the phase of the thread that called it (both are per thread): the refusal of tensors that
+/// require grad must see the caller's `no_grad()`, and the cross-rank check the caller's
+/// [`with_phase`].
 fn callers_grad_mode(
     f: impl FnOnce() -> Result<()> + Send + 'static,
 ) -> Box<dyn FnOnce() -> Result<()> + Send> {
     let enabled = tensorplay_core::autograd::is_grad_enabled();
+    let phase = current_phase();
     Box::new(move || {
         let _mode = tensorplay_core::autograd::set_grad_enabled(enabled);
-        f()
+        match phase {
+            Some(p) => with_phase(p, f),
+            None => f(),
+        }
     })
 }
 
@@ -1738,7 +1743,8 @@ fn p2p_thread(op: &str, f: impl FnOnce() -> Result<()> + Send + 'static) -> Resu
     std::thread::Builder::new()
         .name(format!("tensorplay-{op}"))
         .spawn(move || {
-            let _ = tx.send(f());
+            let started = Some(std::time::Instant::now());
+            let _ = tx.send(crate::work::Done::now(f(), started));
         })
         .map_err(|e| Error::Io(format!("could not start a thread for {op}: {e}")))?;
     Ok(work)

@@ -9,7 +9,28 @@ use crossbeam::channel::{Receiver, Sender, bounded, unbounded};
 use crate::{Error, Result};
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
-type Queued = (u64, Job, Sender<Result<()>>);
+type Queued = (u64, Job, Sender<Done>);
+
+/// What a finished operation reports to its [`Work`]: its result and when it ran.
+#[derive(Debug, Clone)]
+pub(crate) struct Done {
+    result: Result<()>,
+    /// When the operation started running (after earlier operations of the group); `None`
+    /// when it never ran (it timed out waiting for its turn).
+    started: Option<Instant>,
+    finished: Instant,
+}
+
+impl Done {
+    /// An operation that started at `started` and finished now with `result`.
+    pub(crate) fn now(result: Result<()>, started: Option<Instant>) -> Done {
+        Done {
+            result,
+            started,
+            finished: Instant::now(),
+        }
+    }
+}
 
 /// Runs the operations of one group strictly in the order they were issued, whether they are
 /// blocking (run on the caller's thread) or asynchronous (run on the group's worker thread).
@@ -124,7 +145,7 @@ impl Sequencer {
         let (tx, rx) = bounded(1);
         let mut w = self.worker.lock().unwrap_or_else(|e| e.into_inner());
         if w.is_none() {
-            let (jtx, jrx) = unbounded::<(u64, Job, Sender<Result<()>>)>();
+            let (jtx, jrx) = unbounded::<Queued>();
             let me = Arc::downgrade(self);
             let op_name = op.to_string();
             std::thread::Builder::new()
@@ -132,8 +153,12 @@ impl Sequencer {
                 .spawn(move || {
                     while let Ok((ticket, job, done)) = jrx.recv() {
                         let Some(seq) = me.upgrade() else { break };
-                        let r = seq.run_turn(ticket, timeout, &op_name, job);
-                        let _ = done.send(r);
+                        let mut started = None;
+                        let r = seq.run_turn(ticket, timeout, &op_name, || {
+                            started = Some(Instant::now());
+                            job()
+                        });
+                        let _ = done.send(Done::now(r, started));
                     }
                 })
                 .map_err(|e| {
@@ -158,12 +183,12 @@ impl Sequencer {
 }
 
 /// The handle of an asynchronous operation (`torch.distributed.Work`): `wait` blocks until it
-/// finishes and returns its result.
+/// finishes and returns its result; [`Work::timing`] says when it ran.
 #[derive(Debug)]
 pub struct Work {
     op: String,
-    rx: Receiver<Result<()>>,
-    result: Mutex<Option<Result<()>>>,
+    rx: Receiver<Done>,
+    result: Mutex<Option<Done>>,
 }
 
 impl Work {
@@ -172,8 +197,8 @@ impl Work {
     /// later `wait` may still succeed after a timeout.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
         let mut r = self.result.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(res) = r.as_ref() {
-            return res.clone();
+        if let Some(done) = r.as_ref() {
+            return done.result.clone();
         }
         let got = match timeout {
             Some(t) => self.rx.recv_timeout(t).map_err(|_| Error::Timeout {
@@ -182,13 +207,28 @@ impl Work {
                 timeout: t,
                 detail: "Work::wait".into(),
             })?,
-            None => self
-                .rx
-                .recv()
-                .unwrap_or_else(|_| Err(Error::Io("the collectives worker thread stopped".into()))),
+            None => self.rx.recv().unwrap_or_else(|_| {
+                Done::now(
+                    Err(Error::Io("the collectives worker thread stopped".into())),
+                    None,
+                )
+            }),
         };
-        *r = Some(got.clone());
-        got
+        let res = got.result.clone();
+        *r = Some(got);
+        res
+    }
+
+    /// When the finished operation started running (after the group's earlier operations) and
+    /// when it finished, as [`Instant`]s; `None` while it has not finished, or when it never
+    /// started (it timed out waiting for its turn). Data parallelism measures from these how
+    /// much of its communication the backward pass hid.
+    pub fn timing(&self) -> Option<(Instant, Instant)> {
+        if !self.is_completed() {
+            return None;
+        }
+        let r = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        r.as_ref().and_then(|d| d.started.map(|s| (s, d.finished)))
     }
 
     /// Whether the operation has finished (successfully or not).
@@ -207,7 +247,7 @@ impl Work {
 
 impl Work {
     /// A pending `Work` and the sender that completes it.
-    pub(crate) fn pending(op: &str) -> (Sender<Result<()>>, Work) {
+    pub(crate) fn pending(op: &str) -> (Sender<Done>, Work) {
         let (tx, rx) = bounded(1);
         (
             tx,
