@@ -12,7 +12,9 @@
 //!
 //! The facade re-exports this crate as `tensorplay::distributed::nn`.
 
+pub mod data;
 pub mod functional;
+pub mod parallel;
 mod remote_device;
 mod remote_module;
 

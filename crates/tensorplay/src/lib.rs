@@ -8,6 +8,8 @@
 //! | `torch.Tensor`, `torch.randn`, `torch.zeros`, ... | [`Tensor`], [`randn`], [`zeros`], ... |
 //! | `torch.autograd` | [`autograd`] |
 //! | `torch.nn` | [`nn`] |
+//! | `torch.nn.parallel.DistributedDataParallel` | [`nn::parallel::DistributedDataParallel`] |
+//! | `torch.utils.data` (`DataLoader`, `DistributedSampler`) | [`utils::data`] |
 //! | `torch.optim` | [`optim`] |
 //! | `torch.cuda` | [`cuda`] |
 //! | `torch.distributed` | [`distributed`] |
@@ -34,9 +36,35 @@ pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
     CpuStorage, DType, Device, Element, FloatElement, IntoDevice, Layout, ShapeArg, Storage,
     StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, broadcast_shapes, cat, cuda,
-    full, get_num_threads, manual_seed, nn, no_grad, ones, optim, rand, randint, randn, random,
+    full, get_num_threads, manual_seed, no_grad, ones, optim, rand, randint, randn, random,
     set_grad_enabled, set_num_threads, stack, zeros,
 };
+
+/// `torch.nn`: layers, losses, `functional`, `init`, `utils`, and `parallel`
+/// (`DistributedDataParallel`).
+pub mod nn {
+    pub use tensorplay_core::nn::*;
+
+    /// `torch.nn.parallel`: data-parallel training
+    /// ([`DistributedDataParallel`](parallel::DistributedDataParallel)); the module page
+    /// explains how a step runs.
+    pub mod parallel {
+        #[doc(inline)]
+        pub use tensorplay_distributed_nn::parallel::*;
+    }
+}
+
+/// `torch.utils`: `data` (datasets, samplers, batching, and `DistributedSampler`).
+pub mod utils {
+    /// `torch.utils.data`: [`TensorDataset`](data::TensorDataset),
+    /// [`DataLoader`](data::DataLoader), samplers, and
+    /// [`DistributedSampler`](data::DistributedSampler) (`torch.utils.data.distributed`).
+    pub mod data {
+        pub use tensorplay_core::utils::data::*;
+        #[doc(inline)]
+        pub use tensorplay_distributed_nn::data::*;
+    }
+}
 
 /// `torch.distributed`: process groups, stores, collectives, `spawn`.
 ///

@@ -1,0 +1,582 @@
+//! The reducer: gradient hooks copy each parameter's gradient into its bucket, full buckets
+//! start their all-reduce in bucket order while backward goes on, and an end-of-backward
+//! callback waits for them and writes the averaged gradients into `.grad`.
+
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Instant;
+
+use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
+use tensorplay_core::autograd::{self, HookHandle};
+use tensorplay_core::{DType, Result, Tensor, TensorId};
+
+use super::StepStats;
+use super::buckets::{self, ParamSpec};
+use super::comm_hook::{CommFuture, CommHook, GradBucket};
+use super::copy;
+use super::error::DdpError;
+use super::protocol::{self, Outcome, Stop};
+use super::schedule::{MarkError, Schedule};
+
+/// The phase marking DDP's collectives in the cross-rank check.
+pub(crate) const PHASE: &str = "ddp";
+
+/// Options the reducer needs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReducerOptions {
+    pub(crate) find_unused_parameters: bool,
+    pub(crate) gradient_as_bucket_view: bool,
+    pub(crate) divide_by_initial_world_size: bool,
+    pub(crate) bucket_limits: [usize; 2],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// No training forward since the last reduction (or ever).
+    Idle,
+    /// A training forward under `no_sync`: backward accumulates locally.
+    NoSync,
+    /// A synced training forward ran; its backward has not started.
+    Expect,
+    /// Its backward is running and reducing.
+    Running,
+    /// The reduction of the last forward finished; a second backward would not be reduced.
+    Done,
+}
+
+struct Plan {
+    buckets: Vec<Vec<usize>>,
+    schedule: Schedule,
+    tensors: Vec<Tensor>,
+    fingerprint: i64,
+}
+
+enum Launched {
+    Work(Arc<Work>, Tensor),
+    Hook(CommFuture),
+}
+
+/// When one all-reduce ran, and its bytes.
+type Timing = (Instant, Instant, usize);
+
+enum Rebuild {
+    /// No synced step finished yet.
+    NotYet,
+    /// The order of the first synced step, to rebuild from at the next forward.
+    Pending(Vec<usize>),
+    Done,
+}
+
+struct State {
+    plan: Plan,
+    phase: Phase,
+    /// Synced steps begun (handshakes taken), trained or shadowed.
+    step: u64,
+    /// Synced steps this rank trained (not shadowed after `join`).
+    trained: u64,
+    launched: Vec<(usize, Launched)>,
+    used: Vec<bool>,
+    unused_after_forward: Vec<usize>,
+    rebuild: Rebuild,
+    active: usize,
+    comm_hook: Option<Arc<CommHook>>,
+    grads: Vec<Option<Tensor>>,
+    first_ready: Option<Instant>,
+    error: Option<tensorplay_core::Error>,
+    stats: Option<StepStats>,
+}
+
+/// The reducer of one [`DistributedDataParallel`](super::DistributedDataParallel).
+pub(crate) struct Reducer {
+    pub(crate) group: ProcessGroup,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    /// The parameters that require grad, in registration order, and their names.
+    pub(crate) params: Vec<Tensor>,
+    pub(crate) names: Vec<String>,
+    specs: Vec<ParamSpec>,
+    opts: ReducerOptions,
+    state: Mutex<State>,
+}
+
+fn dtype_key(t: &Tensor) -> u64 {
+    let d = match t.dtype() {
+        DType::F32 => 1,
+        DType::F64 => 2,
+        _ => 3,
+    };
+    let dev = match t.device() {
+        tensorplay_core::Device::Cpu => 0,
+        tensorplay_core::Device::Cuda(i) => 1 + i as u64,
+    };
+    d | (dev << 8)
+}
+
+impl Reducer {
+    pub(crate) fn new(
+        group: ProcessGroup,
+        named: Vec<(String, Tensor)>,
+        opts: ReducerOptions,
+    ) -> Result<Arc<Reducer>> {
+        let rank = group.my_global_rank();
+        let world = group.size();
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+        let specs: Vec<ParamSpec> = params
+            .iter()
+            .map(|p| ParamSpec {
+                numel: p.numel(),
+                elem_bytes: p.dtype().size_in_bytes(),
+                key: dtype_key(p),
+            })
+            .collect();
+        let order: Vec<usize> = (0..params.len()).rev().collect();
+        let plan = make_plan(&params, &specs, &order, &opts.bucket_limits)?;
+        let n = params.len();
+        Ok(Arc::new(Reducer {
+            group,
+            rank,
+            world,
+            specs,
+            opts,
+            state: Mutex::new(State {
+                plan,
+                phase: Phase::Idle,
+                step: 0,
+                trained: 0,
+                launched: Vec::new(),
+                used: vec![false; n],
+                unused_after_forward: Vec::new(),
+                rebuild: Rebuild::NotYet,
+                active: world,
+                comm_hook: None,
+                grads: vec![None; n],
+                first_ready: None,
+                error: None,
+                stats: None,
+            }),
+            params,
+            names,
+        }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers the per-parameter gradient hooks.
+    pub(crate) fn install_hooks(self: &Arc<Self>) -> Result<Vec<HookHandle>> {
+        let mut handles = Vec::with_capacity(self.params.len());
+        for (i, p) in self.params.iter().enumerate() {
+            let weak: Weak<Reducer> = Arc::downgrade(self);
+            handles.push(p.register_post_accumulate_grad_hook(
+                move |leaf| match weak.upgrade() {
+                    Some(r) => r.on_grad(i, leaf),
+                    None => Ok(()),
+                },
+            )?);
+        }
+        Ok(handles)
+    }
+
+    /// The bucket assignment: parameter names per bucket, in launch order.
+    pub(crate) fn bucket_names(&self) -> Vec<Vec<String>> {
+        self.lock()
+            .plan
+            .buckets
+            .iter()
+            .map(|b| b.iter().map(|&p| self.names[p].clone()).collect())
+            .collect()
+    }
+
+    pub(crate) fn stats(&self) -> Option<StepStats> {
+        self.lock().stats.clone()
+    }
+
+    pub(crate) fn set_comm_hook(&self, hook: Arc<CommHook>) -> Result<()> {
+        let mut st = self.lock();
+        if st.comm_hook.is_some() {
+            return Err(self.misuse(&st, "register_comm_hook may be called only once".into()));
+        }
+        if st.step > 0 {
+            return Err(self.misuse(
+                &st,
+                "register_comm_hook must be called before the first training forward".into(),
+            ));
+        }
+        st.comm_hook = Some(hook);
+        Ok(())
+    }
+
+    fn misuse(&self, st: &State, detail: String) -> tensorplay_core::Error {
+        DdpError::Misuse {
+            rank: self.rank,
+            step: st.step,
+            detail,
+        }
+        .into()
+    }
+
+    fn peer(&self, st: &State, detail: String) -> tensorplay_core::Error {
+        DdpError::PeerMisuse {
+            rank: self.rank,
+            step: st.step,
+            detail,
+        }
+        .into()
+    }
+
+    /// One handshake (see [`protocol`]); `status` is this rank's.
+    fn handshake(&self, st: &State, status: i64) -> Result<Outcome> {
+        let ready = matches!(st.rebuild, Rebuild::Pending(_));
+        let d = protocol::desc(st.step, status, st.plan.fingerprint, st.trained, ready);
+        let all =
+            dist::all_gather_metadata("DistributedDataParallel", &d, Ok(()), Some(&self.group))?;
+        match protocol::read(&all, self.group.ranks()) {
+            Ok(o) => Ok(o),
+            Err(Stop::Misuse(bad)) => {
+                if let Some((_, s)) = bad.iter().find(|(r, _)| *r == self.rank) {
+                    Err(self.misuse(
+                        st,
+                        format!(
+                            "this rank {}: run backward on the output of every training \
+                             forward before the next one (or run extra forwards under no_grad() \
+                             or eval()); every rank stops here",
+                            protocol::describe(*s)
+                        ),
+                    ))
+                } else {
+                    let who: Vec<String> = bad
+                        .iter()
+                        .map(|(r, s)| format!("rank {r} {}", protocol::describe(*s)))
+                        .collect();
+                    Err(self.peer(st, format!("{}; every rank stops here", who.join("; "))))
+                }
+            }
+            Err(Stop::Disagree(m)) => Err(self.peer(st, m)),
+        }
+    }
+
+    /// Before a synced training forward: checks the protocol with every rank, rebuilds the
+    /// buckets once, and expects a backward. Returns the lowest active global rank (the
+    /// source of buffer broadcasts).
+    pub(crate) fn prepare_forward(&self) -> Result<usize> {
+        let mut st = self.lock();
+        self.refuse_pending(&mut st, "a training forward")?;
+        let outcome = self.handshake(&st, protocol::ACTIVE)?;
+        if let Rebuild::Pending(order) = &st.rebuild
+            && outcome.rebuild
+        {
+            let order = order.clone();
+            self.rebuild(&mut st, order)?;
+        }
+        st.step += 1;
+        st.trained += 1;
+        st.active = outcome.active.len();
+        st.phase = Phase::Expect;
+        st.plan.schedule.reset();
+        st.used.iter_mut().for_each(|u| *u = false);
+        st.unused_after_forward.clear();
+        st.first_ready = None;
+        st.error = None;
+        Ok(outcome.active.first().copied().unwrap_or(self.rank))
+    }
+
+    /// When the last synced forward's reduction did not run (no backward) or did not finish
+    /// (a failed backward): finishes it with zero gradients, so that the other ranks' backward
+    /// of that step completes instead of waiting for this rank, then tells every rank in the
+    /// next handshake, and fails here with what this rank did.
+    fn refuse_pending(&self, st: &mut State, what: &str) -> Result<()> {
+        let status = match st.phase {
+            Phase::Expect => protocol::NO_BACKWARD,
+            Phase::Running => protocol::UNFINISHED,
+            _ => return Ok(()),
+        };
+        st.phase = Phase::Running;
+        for p in st.plan.schedule.unmarked() {
+            self.mark_unused(st, p);
+        }
+        let flags = self.flags(st)?;
+        let _ = self.wait_all(st);
+        let _ = flags.1.and_then(|w| w.wait(None));
+        st.error = None;
+        st.phase = Phase::Idle;
+        let _ = self.handshake(st, status);
+        Err(self.misuse(
+            st,
+            format!(
+                "{what} started before {}: run backward on the output of every training forward \
+                 before the next one (or run extra forwards under no_grad()); this rank sent \
+                 zero gradients for that step, and every rank stops here",
+                if status == protocol::NO_BACKWARD {
+                    "the backward of the previous training forward ran"
+                } else {
+                    "the failed backward of the previous training forward was redone"
+                }
+            ),
+        ))
+    }
+
+    /// Starts the SUM all-reduce of the 0/1 "used here" flags of this pass.
+    fn flags(&self, st: &State) -> Result<(Tensor, dist::Result<Work>)> {
+        let flags = Tensor::from_vec(
+            st.used
+                .iter()
+                .map(|&u| if u { 1.0f32 } else { 0.0 })
+                .collect::<Vec<_>>(),
+            &[st.used.len()],
+        )?;
+        let work = dist::with_phase(PHASE, || {
+            dist::all_reduce_async(&flags, ReduceOp::Sum, Some(&self.group))
+        });
+        Ok((flags, work))
+    }
+
+    /// Rebuilds the buckets from the gradient order of the first synced step, as rank 0 saw
+    /// it (broadcast, so that every rank builds the same buckets).
+    fn rebuild(&self, st: &mut State, order: Vec<usize>) -> Result<()> {
+        let t = Tensor::from_vec(
+            order.iter().map(|&p| p as i64).collect::<Vec<_>>(),
+            &[order.len()],
+        )?;
+        if self.world > 1 {
+            let src = self.group.global_rank(0)?;
+            dist::with_phase(PHASE, || dist::broadcast(&t, src, Some(&self.group)))?;
+        }
+        let order: Vec<usize> = t.to_vec::<i64>()?.into_iter().map(|p| p as usize).collect();
+        let mut seen = vec![false; self.params.len()];
+        let valid = order.len() == self.params.len()
+            && order
+                .iter()
+                .all(|&p| p < seen.len() && !std::mem::replace(&mut seen[p], true));
+        if valid {
+            st.plan = make_plan(&self.params, &self.specs, &order, &self.opts.bucket_limits)?;
+        }
+        st.rebuild = Rebuild::Done;
+        Ok(())
+    }
+
+    /// A training forward under `no_sync`, or one without a backward to reduce.
+    pub(crate) fn forward_without_sync(&self) -> Result<()> {
+        let mut st = self.lock();
+        self.refuse_pending(&mut st, "a no_sync() training forward")?;
+        st.phase = Phase::NoSync;
+        Ok(())
+    }
+
+    /// After a synced training forward: finds the parameters the output does not depend on
+    /// (with `find_unused_parameters`) and hooks the output so that the reduction starts with
+    /// the backward pass even if no parameter gets a gradient.
+    pub(crate) fn after_forward(self: &Arc<Self>, out: &Tensor) -> Result<()> {
+        if self.opts.find_unused_parameters {
+            let reached = reachable_leaves(out);
+            let unused: Vec<usize> = (0..self.params.len())
+                .filter(|&i| !reached.contains(&self.params[i].id()))
+                .collect();
+            self.lock().unused_after_forward = unused;
+        }
+        if out.requires_grad() {
+            let weak = Arc::downgrade(self);
+            out.register_hook(move |_| {
+                if let Some(r) = weak.upgrade() {
+                    let mut st = r.lock();
+                    r.start_backward(&mut st)?;
+                }
+                Ok(None)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The first event of a backward pass that reduces: queue the end-of-backward callback
+    /// and send the parameters found unused after forward.
+    fn start_backward(self: &Arc<Self>, st: &mut State) -> Result<()> {
+        if st.phase != Phase::Expect {
+            return Ok(());
+        }
+        st.phase = Phase::Running;
+        st.first_ready = Some(Instant::now());
+        let weak = Arc::downgrade(self);
+        autograd::queue_callback(move || match weak.upgrade() {
+            Some(r) => r.finalize(),
+            None => Ok(()),
+        })?;
+        for p in std::mem::take(&mut st.unused_after_forward) {
+            self.mark_unused(st, p);
+        }
+        Ok(())
+    }
+
+    /// A parameter's gradient was accumulated into its `.grad`.
+    fn on_grad(self: &Arc<Self>, p: usize, leaf: &Tensor) -> Result<()> {
+        let mut st = self.lock();
+        match st.phase {
+            Phase::Idle | Phase::NoSync => return Ok(()),
+            Phase::Done => {
+                return Err(self.misuse(
+                    &st,
+                    format!(
+                        "parameter {:?} got a gradient from a second backward after one \
+                         forward; its gradients were reduced already (run a forward before each \
+                         backward, or accumulate under no_sync())",
+                        self.names[p]
+                    ),
+                ));
+            }
+            Phase::Expect => self.start_backward(&mut st)?,
+            Phase::Running => {}
+        }
+        if st.plan.schedule.is_marked(p) {
+            // a second gradient for it in this pass: reported when the pass ends
+            let e = self.misuse(
+                &st,
+                format!(
+                    "parameter {:?} got its gradient twice in one backward pass",
+                    self.names[p]
+                ),
+            );
+            st.error.get_or_insert(e);
+            return Ok(());
+        }
+        let Some(g) = leaf.grad() else { return Ok(()) };
+        let slot = st.plan.schedule.slot(p);
+        let scale = if st.comm_hook.is_some() {
+            1.0
+        } else {
+            1.0 / self.world as f64
+        };
+        if let Err(e) = copy::copy_in(&st.plan.tensors[slot.bucket], slot.offset, &g, scale) {
+            st.error.get_or_insert(e);
+            let _ = copy::zero(&st.plan.tensors[slot.bucket], slot.offset, slot.numel);
+        }
+        st.used[p] = true;
+        self.mark(&mut st, p);
+        Ok(())
+    }
+
+    fn mark_unused(&self, st: &mut State, p: usize) {
+        if st.plan.schedule.is_marked(p) {
+            return;
+        }
+        let slot = st.plan.schedule.slot(p);
+        if let Err(e) = copy::zero(&st.plan.tensors[slot.bucket], slot.offset, slot.numel) {
+            st.error.get_or_insert(e);
+        }
+        self.mark(st, p);
+    }
+
+    fn mark(&self, st: &mut State, p: usize) {
+        match st.plan.schedule.mark(p) {
+            Ok(ready) => {
+                for b in ready {
+                    self.launch(st, b);
+                }
+            }
+            Err(MarkError::Twice(_) | MarkError::Unknown(_)) => {}
+        }
+    }
+
+    /// Starts bucket `b`'s all-reduce (or the communication hook on it).
+    fn launch(&self, st: &mut State, b: usize) {
+        let t = st.plan.tensors[b].clone();
+        let r = dist::with_phase(PHASE, || -> Result<Launched> {
+            match &st.comm_hook {
+                Some(h) => {
+                    let bucket = self.grad_bucket(st, b);
+                    Ok(Launched::Hook(h(&self.group, &bucket)?))
+                }
+                None => {
+                    let w = dist::all_reduce_async(&t, ReduceOp::Sum, Some(&self.group))?;
+                    Ok(Launched::Work(Arc::new(w), t.clone()))
+                }
+            }
+        });
+        match r {
+            Ok(l) => st.launched.push((b, l)),
+            Err(e) => {
+                let e = self.comm_error(st, b, e);
+                st.error.get_or_insert(e);
+            }
+        }
+    }
+
+    fn grad_bucket(&self, st: &State, b: usize) -> GradBucket {
+        let members = &st.plan.buckets[b];
+        GradBucket {
+            index: b,
+            count: st.plan.buckets.len(),
+            buffer: st.plan.tensors[b].clone(),
+            parameters: members.iter().map(|&p| self.params[p].clone()).collect(),
+            offsets: members
+                .iter()
+                .map(|&p| st.plan.schedule.slot(p).offset)
+                .collect(),
+        }
+    }
+
+    fn comm_error(
+        &self,
+        st: &State,
+        b: usize,
+        e: tensorplay_core::Error,
+    ) -> tensorplay_core::Error {
+        DdpError::Communication {
+            rank: self.rank,
+            step: st.step.saturating_sub(1),
+            bucket: b,
+            buckets: st.plan.buckets.len(),
+            error: e,
+        }
+        .into()
+    }
+}
+
+fn make_plan(
+    params: &[Tensor],
+    specs: &[ParamSpec],
+    order: &[usize],
+    limits: &[usize],
+) -> Result<Plan> {
+    let assignment = buckets::assign(specs, order, limits);
+    let numels: Vec<usize> = specs.iter().map(|s| s.numel).collect();
+    let schedule = Schedule::new(&assignment, &numels);
+    let mut tensors = Vec::with_capacity(assignment.len());
+    for (b, members) in assignment.iter().enumerate() {
+        let p = &params[members[0]];
+        tensors.push(Tensor::zeros(
+            &[schedule.bucket_numel(b)],
+            (p.dtype(), p.device()),
+        )?);
+    }
+    Ok(Plan {
+        fingerprint: buckets::fingerprint(&assignment, specs),
+        buckets: assignment,
+        schedule,
+        tensors,
+    })
+}
+
+/// The leaves the backward graph of `out` reaches.
+fn reachable_leaves(out: &Tensor) -> std::collections::HashSet<TensorId> {
+    let mut leaves = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = Vec::new();
+    if let Some(e) = out.gradient_edge() {
+        stack.push(e.node().clone());
+    }
+    while let Some(n) = stack.pop() {
+        if !seen.insert(Arc::as_ptr(&n) as usize) {
+            continue;
+        }
+        if let Some(l) = n.leaf() {
+            leaves.insert(l.id());
+        }
+        for e in n.next_functions().into_iter().flatten() {
+            stack.push(e.node().clone());
+        }
+    }
+    leaves
+}
+
+mod finish;
+mod join;
+
+pub(crate) use join::JoinRound;
