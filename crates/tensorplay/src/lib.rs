@@ -47,7 +47,40 @@ pub mod nn {
 
     /// `torch.nn.parallel`: data-parallel training
     /// ([`DistributedDataParallel`](parallel::DistributedDataParallel)); the module page
-    /// explains how a step runs.
+    /// explains how a step runs. A PyTorch-style loop with a
+    /// [`DistributedSampler`](crate::utils::data::DistributedSampler):
+    ///
+    /// ```no_run
+    /// use tensorplay::{self as tp, nn::{self, Module}, optim::{Optimizer, SGD, SgdOptions}};
+    /// use tp::distributed as dist;
+    /// use tp::nn::parallel::DistributedDataParallel as Ddp;
+    /// use tp::utils::data::{DataLoader, DistributedSampler, TensorDataset};
+    ///
+    /// fn main() -> tp::Result<()> {
+    ///     dist::init_process_group("cpu", Default::default())?; // env:// (tensorplay-run sets it)
+    ///     let data = TensorDataset::new(vec![tp::randn(&[1000, 16])?, tp::randint(0, 4, &[1000])?])?;
+    ///     let sampler = DistributedSampler::new(data.len(), None, None)?; // this rank's shard
+    ///     let mut loader = DataLoader::new(&data, 32)?.sampler(Box::new(sampler));
+    ///     let model = nn::Sequential::new()
+    ///         .add(nn::Linear::new(16, 64, true)?)
+    ///         .add(nn::ReLU::new())
+    ///         .add(nn::Linear::new(64, 4, true)?);
+    ///     let ddp = Ddp::new(model)?; // broadcasts rank 0's parameters
+    ///     let mut opt = SGD::new(ddp.parameters(), SgdOptions { lr: 0.1, ..Default::default() })?;
+    ///     for epoch in 0..10 {
+    ///         loader.set_epoch(epoch); // a new shuffle, the same on every rank
+    ///         for batch in &loader {
+    ///             let batch = batch?;
+    ///             opt.zero_grad()?;
+    ///             let loss = nn::CrossEntropyLoss::new().forward(&ddp.call(&batch[0])?, &batch[1])?;
+    ///             loss.backward()?; // all-reduces overlap this backward
+    ///             opt.step()?;
+    ///         }
+    ///     }
+    ///     dist::destroy_process_group()?;
+    ///     Ok(())
+    /// }
+    /// ```
     pub mod parallel {
         #[doc(inline)]
         pub use tensorplay_distributed_nn::parallel::*;
