@@ -1,7 +1,7 @@
 //! The flagship job: the red-wine-quality MLP of `wine_quality` (same data, split, standardisation
 //! and recipe: Adam lr 1e-3, minibatches of 64 in file order, 200 epochs, float32), trained
-//! twice across two workers on 127.0.0.1, each run checked against the same model trained in
-//! one process from the same initial weights:
+//! three times across two workers on 127.0.0.1, each run checked against the same model
+//! trained in one process from the same initial weights:
 //!
 //! 1. **tensor-parallel** (2 ranks, a process group): the first Linear (11 -> 64) is
 //!    column-parallel (each rank holds 32 output features), the second (64 -> 64) row-parallel
@@ -11,6 +11,11 @@
 //! 2. **parameter-server** (2 RPC workers, "trainer" and "ps"): the hidden layers live in a
 //!    `RemoteModule` on "ps"; the trainer holds the head; distributed autograd carries the
 //!    backward pass to "ps" and a `DistributedOptimizer` updates the parameters on both.
+//! 3. **data-parallel** (2 ranks, a process group): each rank holds the whole MLP in a
+//!    `DistributedDataParallel` and takes its share of every minibatch (rank 0 the first
+//!    ceil(b/2) rows, rank 1 the rest); each backpropagates its mean loss scaled by its share
+//!    of the rows, so the gradients DDP averages during backward are the whole minibatch's.
+//!    The loss reported is the whole minibatch's, summed from the ranks' by an `all_reduce`.
 //!
 //! Each run prints one line `<run>: test accuracy 0.xxxx, max loss difference <e-notation>`
 //! (the largest absolute difference of the losses of the first 200 steps against the
@@ -509,6 +514,128 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 3. data parallel
+
+/// The MLP from the seed (the same initial weights as the other runs' references) and a deep
+/// copy of it for the reference.
+fn mlp(seed: u64, f: usize) -> Res<(nn::Sequential, nn::Sequential)> {
+    tp::manual_seed(seed);
+    let l1 = nn::Linear::new(f, HIDDEN, true)?;
+    let l2 = nn::Linear::new(HIDDEN, HIDDEN, true)?;
+    let l3 = nn::Linear::new(HIDDEN, CLASSES, true)?;
+    let full = nn::Sequential::new()
+        .add(copy_linear(&l1)?)
+        .add(nn::ReLU::new())
+        .add(copy_linear(&l2)?)
+        .add(nn::ReLU::new())
+        .add(copy_linear(&l3)?);
+    let model = nn::Sequential::new()
+        .add(l1)
+        .add(nn::ReLU::new())
+        .add(l2)
+        .add(nn::ReLU::new())
+        .add(l3);
+    Ok((model, full))
+}
+
+/// This rank's rows of a minibatch of `b` rows: `(start, len)`; rank 0 takes the first
+/// ceil(b/2), rank 1 the rest.
+fn dp_shard(b: usize, rank: usize) -> (usize, usize) {
+    let first = b.div_ceil(WORLD);
+    let start = (rank * first).min(b);
+    (start, first.min(b - start))
+}
+
+fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
+    use tp::nn::parallel::DistributedDataParallel as Ddp;
+    let (train, test, f) = wine::load()?;
+    let batches = wine::batches(&train, f, BATCH)?;
+    dist::init_process_group(
+        "cpu",
+        dist::InitOptions {
+            init_method: init.to_string(),
+            rank: Some(rank),
+            world_size: Some(WORLD),
+            timeout: Duration::from_secs(120),
+        },
+    )?;
+    let start = Instant::now();
+    let (model, full) = mlp(o.seed, f)?;
+    // broadcasts rank 0's parameters (the same ones: every rank built them from the seed)
+    let ddp = Ddp::new(model)?;
+    let loss_fn = nn::CrossEntropyLoss::new();
+    let mut opt = Adam::new(ddp.parameters(), adam())?;
+    let bar = progress(o.epochs, "data-parallel", rank);
+    let mut losses = Vec::new();
+    let mut epoch_losses = Vec::with_capacity(o.epochs);
+    for _ in 0..o.epochs {
+        let mut total = 0.0;
+        for (x, y) in &batches {
+            let b = y.numel();
+            let (first, len) = dp_shard(b, rank);
+            let share = len as f64 / b as f64;
+            opt.zero_grad()?;
+            let local = loss_fn.forward(
+                &ddp.call(&x.narrow(0, first, len)?)?,
+                &y.narrow(0, first, len)?,
+            )?;
+            // DDP divides the summed gradients by WORLD: scaled by WORLD * b_r / b, they add up
+            // to the gradient of the whole minibatch's mean loss
+            local.mul_scalar(WORLD as f64 * share)?.backward()?;
+            opt.step()?;
+            // the whole minibatch's mean loss: the ranks' shares of it, summed
+            let loss = {
+                let _g = no_grad();
+                let t = Tensor::from_vec(vec![local.item_f64()? * share], &[1])?;
+                dist::all_reduce(&t, ReduceOp::Sum, None)?;
+                t.item::<f64>()?
+            };
+            if losses.len() < COMPARE_STEPS {
+                losses.push(loss);
+            }
+            total += loss * b as f64;
+        }
+        epoch_losses.push(total / train.rows() as f64);
+        bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let accuracy = if rank == 0 {
+        let _g = no_grad();
+        let logits = ddp
+            .module()
+            .call(&Tensor::from_slice(&test.x, &[test.rows(), f])?)?;
+        wine::accuracy(&logits, &test.y)?
+    } else {
+        0.0
+    };
+    let wall = start.elapsed();
+    let sent = Tensor::from_vec(
+        vec![dist::default_group("bytes")?.bytes_sent() as f64],
+        &[1],
+    )?;
+    dist::all_reduce(&sent, ReduceOp::Sum, None)?;
+    let collective_bytes = sent.item::<f64>()? as u64;
+    drop(opt);
+    drop(ddp);
+    dist::destroy_process_group()?;
+    let reference = if rank == 0 {
+        reference(&full, &batches, losses.len())?
+    } else {
+        Vec::new()
+    };
+    Ok(Report {
+        accuracy,
+        losses,
+        reference,
+        epoch_losses,
+        wall,
+        collective_bytes,
+        rpc_bytes: 0,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
 
 /// Two panels: the first steps of each run over its single-process reference (what the check
 /// compares), and the mean training loss of every epoch of the whole run. Every curve has a
@@ -518,7 +645,8 @@ fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
     let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(600);
-    let colours = [RED, BLUE];
+    // a darker green than plotters' GREEN, legible as a thin line on white
+    let colours = [RED, BLUE, RGBColor(0, 140, 0)];
     let range = |vals: &mut dyn Iterator<Item = f64>| {
         let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
             (a.min(v), b.max(v))
@@ -581,7 +709,7 @@ fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
         .border_style(BLACK)
         .draw()?;
 
-    // right: every epoch of both runs
+    // right: every epoch of every run
     let epochs = runs
         .iter()
         .map(|(_, r)| r.epoch_losses.len())
@@ -634,10 +762,11 @@ fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
 
 fn run(o: &Opts) -> Res<bool> {
     let (rank, init, mut child) = launch()?;
-    let result = (|| -> Res<(Report, Report)> {
+    let result = (|| -> Res<(Report, Report, Report)> {
         let tp = tensor_parallel(rank, &init, o)?;
         let ps = parameter_server(rank, &init, o)?;
-        Ok((tp, ps))
+        let dp = data_parallel(rank, &init, o)?;
+        Ok((tp, ps, dp))
     })();
     if let Some(c) = child.as_mut() {
         let status = c.wait()?;
@@ -645,12 +774,17 @@ fn run(o: &Opts) -> Res<bool> {
             return Err(format!("rank 1 failed: {status}").into());
         }
     }
-    let (tp, ps) = result?;
+    let (tp, ps, dp) = result?;
     if rank != 0 {
         return Ok(true);
     }
+    let runs = [
+        ("tensor-parallel", &tp),
+        ("parameter-server", &ps),
+        ("data-parallel", &dp),
+    ];
     let mut ok = true;
-    for (name, r) in [("tensor-parallel", &tp), ("parameter-server", &ps)] {
+    for (name, r) in runs {
         let diff = max_diff(&r.losses, &r.reference);
         println!(
             "{name}: test accuracy {:.4}, max loss difference {diff:.2e}",
@@ -673,7 +807,7 @@ fn run(o: &Opts) -> Res<bool> {
         "{:<18} {:>10} {:>18} {:>12}",
         "run", "wall time", "collective bytes", "RPC bytes"
     );
-    for (name, r) in [("tensor-parallel", &tp), ("parameter-server", &ps)] {
+    for (name, r) in runs {
         println!(
             "{name:<18} {:>9.1}s {:>15.1} MB {:>9.1} MB",
             r.wall.as_secs_f64(),
@@ -682,8 +816,7 @@ fn run(o: &Opts) -> Res<bool> {
         );
     }
     if let Some(p) = &o.plot {
-        plot(p, &[("tensor-parallel", &tp), ("parameter-server", &ps)])
-            .map_err(|e| format!("writing the plot to {}: {e}", p.display()))?;
+        plot(p, &runs).map_err(|e| format!("writing the plot to {}: {e}", p.display()))?;
         println!("\nloss curves written to {}", p.display());
     }
     Ok(ok)
@@ -731,7 +864,7 @@ mod tests {
     }
 
     /// The plot shows every epoch of the run (not only the compared steps) and gives each of
-    /// its six curves a legend entry with a coloured swatch.
+    /// its nine curves a legend entry with a coloured swatch.
     #[test]
     fn plot_has_a_swatch_per_curve_and_every_epoch() {
         let dir = std::env::temp_dir().join(format!("tp-wine-plot-{}", std::process::id()));
@@ -750,8 +883,16 @@ mod tests {
             collective_bytes: 0,
             rpc_bytes: 0,
         };
-        let (a, b) = (report(0.0), report(0.1));
-        plot(&path, &[("tensor-parallel", &a), ("parameter-server", &b)]).unwrap();
+        let (a, b, c) = (report(0.0), report(0.1), report(0.2));
+        plot(
+            &path,
+            &[
+                ("tensor-parallel", &a),
+                ("parameter-server", &b),
+                ("data-parallel", &c),
+            ],
+        )
+        .unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         for label in [
@@ -759,15 +900,17 @@ mod tests {
             "tensor-parallel, one process",
             "parameter-server, 2 workers",
             "parameter-server, one process",
+            "data-parallel, 2 workers",
+            "data-parallel, one process",
             "all 437 epochs",
             "first 200 steps",
         ] {
             assert!(svg.contains(label), "{label} missing");
         }
-        // six curves and six legend swatches, in the runs' two colours
-        assert!(svg.matches("<polyline").count() >= 12, "{svg}");
+        // nine curves and nine legend swatches, in the runs' three colours
+        assert!(svg.matches("<polyline").count() >= 18, "{svg}");
         assert!(
-            svg.contains("#FF0000") && svg.contains("#0000FF"),
+            svg.contains("#FF0000") && svg.contains("#0000FF") && svg.contains("#008C00"),
             "colours"
         );
         // the right panel's axis reaches the last epochs (the left one stops at step 200)
