@@ -335,12 +335,12 @@ fn queued_callbacks_run_after_the_whole_pass() {
         l.lock()
             .unwrap()
             .push(format!("hook a, b has grad: {}", b2.grad().is_some()));
-        tp::autograd::queue_callback(move || {
+        autograd::queue_callback(move || {
             let ga = a3.grad().unwrap().to_vec::<f64>()?;
             let gb = b3.grad().unwrap().to_vec::<f64>()?;
             l2.lock().unwrap().push(format!("callback {ga:?} {gb:?}"));
             let l3 = l2.clone();
-            tp::autograd::queue_callback(move || {
+            autograd::queue_callback(move || {
                 l3.lock().unwrap().push("nested".into());
                 Ok(())
             })
@@ -371,8 +371,8 @@ fn queued_callbacks_run_after_the_whole_pass() {
     );
     // outside a pass it is an error, not a silent no-op
     assert!(matches!(
-        tp::autograd::queue_callback(|| Ok(())),
-        Err(tp::Error::Autograd(_))
+        autograd::queue_callback(|| Ok(())),
+        Err(Error::Autograd(_))
     ));
 }
 
@@ -411,10 +411,16 @@ fn post_accumulate_hooks_see_the_sum_and_can_be_removed() {
     // autograd::grad does not accumulate, so it does not run them
     let w2 = w.clone();
     w2.register_post_accumulate_grad_hook(|_| {
-        tp::autograd::queue_callback(|| Err(tp::Error::Autograd("from the callback".into())))
+        autograd::queue_callback(|| Err(Error::Autograd("from the callback".into())))
     })
     .unwrap();
-    let _ = tp::autograd::grad(&[w.sum().unwrap()], &[w.clone()], &[], Default::default()).unwrap();
+    let _ = autograd::grad(
+        &[w.sum().unwrap()],
+        std::slice::from_ref(&w),
+        &[],
+        Default::default(),
+    )
+    .unwrap();
     let err = w.sum().unwrap().backward().unwrap_err();
     assert!(err.to_string().contains("from the callback"), "{err}");
     let plain = Tensor::from_vec(vec![1.0f64], &[1]).unwrap();

@@ -627,7 +627,8 @@ fn bad_inputs_fail_on_every_rank() {
         let ddp = Ddp::new(mlp(&DIMS, DType::F32, SEED)?)?;
         let started = std::time::Instant::now();
         let (x, y) = rows(rank * 2, 2, &DIMS, DType::F32)?;
-        // step 0: rank 1 runs a second forward instead of its backward
+        // step 0: rank 1 runs a second forward instead of its backward; the others' backward
+        // fails naming it (no rank writes that step's gradients)
         let out = ddp.call(&x)?;
         if rank == 1 {
             let e = expect_err(ddp.call(&x), "two forwards")?;
@@ -640,11 +641,10 @@ fn bad_inputs_fail_on_every_rank() {
                 "two forwards",
             )?;
         } else {
-            mse(&out, &y)?.backward()?;
-            let e = expect_err(ddp.call(&x), "peer's two forwards")?;
+            let e = expect_err(mse(&out, &y)?.backward(), "peer's two forwards")?;
             contains_all(
                 &e,
-                &["rank 1 started a training forward before running backward"],
+                &["rank(s) [1] could not finish this step"],
                 "peer's two forwards",
             )?;
             if !matches!(
@@ -652,6 +652,9 @@ fn bad_inputs_fail_on_every_rank() {
                 Some(DdpError::PeerMisuse { .. })
             ) {
                 return Err(format!("peer's two forwards: {e:?}").into());
+            }
+            if ddp.module().parameters().iter().any(|p| p.grad().is_some()) {
+                return Err("a failed step wrote gradients".into());
             }
         }
         // training goes on: one good step, then rank 0 skips a backward
@@ -661,17 +664,21 @@ fn bad_inputs_fail_on_every_rank() {
         let (xa, ya) = rows(0, 6, &DIMS, DType::F32)?;
         mse(&reference.call(&xa)?, &ya)?.backward()?;
         grads_close(ddp.module(), &reference, 1e-6, "the step after an error")?;
-        let _skipped = ddp.call(&x)?;
-        if rank != 0 {
-            mse(&_skipped, &y)?.backward()?;
-        }
-        let e = expect_err(ddp.call(&x), "skipped backward")?;
-        let want = if rank == 0 {
-            "rank 0"
+        let skipped = ddp.call(&x)?;
+        if rank == 0 {
+            contains_all(
+                &expect_err(ddp.call(&x), "skipped backward")?,
+                &["rank 0"],
+                "skipped",
+            )?;
         } else {
-            "rank 0 started a training forward before running backward"
-        };
-        contains_all(&e, &[want], "skipped backward")?;
+            let e = expect_err(mse(&skipped, &y)?.backward(), "peer's skipped backward")?;
+            contains_all(
+                &e,
+                &["rank(s) [0] could not finish"],
+                "peer's skipped backward",
+            )?;
+        }
         // a second backward through one forward is refused on the rank that does it
         let out = ddp.call(&x)?;
         let loss = mse(&out, &y)?;
@@ -684,6 +691,210 @@ fn bad_inputs_fail_on_every_rank() {
                 started.elapsed()
             )
             .into());
+        }
+        dist::destroy_process_group()?;
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// The ways one rank's step can fail — its backward errors in a tensor hook, its comm hook
+/// errors or panics, its module's forward errors — fail that step on every rank (nobody writes
+/// partial gradients), keep the collectives paired, and the next step is right again with the
+/// replicas still identical.
+#[test]
+fn a_failed_step_fails_everywhere_and_training_goes_on() {
+    dist::spawn::spawn(2, |rank| -> TestResult {
+        init()?;
+        let dims = [5, 16, 16, 3];
+        let make = || Ddp::with_options(mlp(&dims, DType::F64, SEED).unwrap(), options(SMALL_CAP));
+        let fail_hook = Arc::new(Mutex::new(0u8)); // 0 none, 1 error, 2 panic
+        let ddp = make()?;
+        {
+            let f = fail_hook.clone();
+            ddp.register_comm_hook(move |g, b| {
+                let mode = *f.lock().unwrap_or_else(|e| e.into_inner());
+                match mode {
+                    1 if rank == 1 && b.index() == 1 => {
+                        return Err(tp::Error::Autograd("the hook failed on purpose".into()));
+                    }
+                    2 if rank == 1 && b.index() == 0 => panic!("the hook panicked on purpose"),
+                    _ => {}
+                }
+                default_hooks::allreduce_hook(g, b)
+            })?;
+        }
+        let mut opt = sgd(ddp.parameters())?;
+        let reference = mlp(&dims, DType::F64, SEED)?;
+        let mut ref_opt = sgd(reference.parameters())?;
+        let mut good = 0usize;
+        for step in 0..6 {
+            let (x, y) = rows(step * 6 + rank * 3, 3, &dims, DType::F64)?;
+            *fail_hook.lock().unwrap() = match step {
+                1 => 1,
+                2 => 2,
+                _ => 0,
+            };
+            let r = (|| -> tp::Result<()> {
+                opt.zero_grad()?;
+                let x_in = if step == 3 && rank == 1 {
+                    // a bad batch: the module's forward fails on rank 1 only
+                    x.narrow(1, 0, 2)?
+                } else {
+                    x.clone()
+                };
+                let out = ddp.call(&x_in)?;
+                if step == 4 && rank == 1 {
+                    out.register_hook(|_| Err(tp::Error::Autograd("a tensor hook failed".into())))?;
+                }
+                mse(&out, &y)?.backward()
+            })();
+            let should_fail = (1..=4).contains(&step);
+            match (&r, should_fail) {
+                (Ok(()), false) => {
+                    opt.step()?;
+                    let (xa, ya) = rows(step * 6, 6, &dims, DType::F64)?;
+                    ref_opt.zero_grad()?;
+                    mse(&reference.call(&xa)?, &ya)?.backward()?;
+                    ref_opt.step()?;
+                    good += 1;
+                }
+                (Err(_), true) => {
+                    if ddp.module().parameters().iter().any(|p| p.grad().is_some()) {
+                        return Err(format!("step {step}: a failed step wrote gradients").into());
+                    }
+                }
+                (r, _) => return Err(format!("step {step}: {r:?}").into()),
+            }
+            identical_across_ranks(ddp.module(), &format!("after step {step}"))?;
+        }
+        if good != 2 {
+            return Err(format!("{good} good steps").into());
+        }
+        params_close(ddp.module(), &reference, 1e-12, "after the failed steps")?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// Protocol checks at the handshake: `no_sync` on one rank only, two models stepped in a
+/// different order, a comm hook on one rank only — every rank fails at once, naming the
+/// difference. Evaluation forwards with grad enabled need no collectives, and a backward
+/// through one is refused. A gradient penalty (`autograd::grad` before `backward`) works, a
+/// `.grad` the user kept is not overwritten, and with bucket views an unused parameter keeps
+/// its `.grad`.
+#[test]
+fn protocol_checks_and_pytorch_patterns() {
+    dist::spawn::spawn(2, |rank| -> TestResult {
+        init()?;
+        let (x, y) = rows(rank * 3, 3, &DIMS, DType::F64)?;
+        let a = Ddp::new(mlp(&DIMS, DType::F64, SEED)?)?;
+        let b = Ddp::new(mlp(&DIMS, DType::F64, SEED)?)?;
+        // no_sync on rank 0 only
+        if rank == 0 {
+            let _g = a.no_sync();
+            mse(&a.call(&x)?, &y)?.backward()?;
+        }
+        let e = expect_err(a.call(&x), "no_sync on one rank")?;
+        contains_all(
+            &e,
+            &["no_sync", "rank 0 ran 1", "rank 1 ran 0"],
+            "no_sync on one rank",
+        )?;
+        // a and b in a different order
+        let first = if rank == 0 { &a } else { &b };
+        let e = expect_err(first.call(&x), "models in a different order")?;
+        contains_all(
+            &e,
+            &["different DistributedDataParallel"],
+            "models in a different order",
+        )?;
+        // eval forwards: no collectives (rank 1 runs two, rank 0 none), no reduced backward
+        if rank == 1 {
+            let mut m = mlp(&DIMS, DType::F64, SEED)?;
+            m.eval()?;
+            let ev = Ddp::new(m)?;
+            let _ = ev.call(&x)?;
+            let out = ev.call(&x)?;
+            let e = expect_err(mse(&out, &y)?.backward(), "backward through eval")?;
+            contains_all(&e, &["eval() mode"], "backward through eval")?;
+        } else {
+            let mut m = mlp(&DIMS, DType::F64, SEED)?;
+            m.eval()?;
+            let _ev = Ddp::new(m)?;
+        }
+        // a gradient penalty: autograd::grad of the output, then backward
+        let g = Ddp::new(mlp(&DIMS, DType::F64, SEED)?)?;
+        let reference = mlp(&DIMS, DType::F64, SEED)?;
+        let penalty = |m: &dyn Module, x: &Tensor, y: &Tensor| -> tp::Result<Tensor> {
+            let x = x.detach().requires_grad_(true);
+            let out = m.call(&x)?;
+            let gx = tp::autograd::grad(
+                &[out.sum()?],
+                std::slice::from_ref(&x),
+                &[],
+                tp::autograd::GradOptions {
+                    create_graph: true,
+                    ..Default::default()
+                },
+            )?;
+            let gx = gx[0]
+                .clone()
+                .ok_or_else(|| tp::Error::Autograd("no grad".into()))?;
+            mse(&out, y)?.add(&gx.mul(&gx)?.mean()?)
+        };
+        penalty(&g, &x, &y)?.backward()?;
+        let mut total: Option<Tensor> = None;
+        for r in 0..2 {
+            let (xr, yr) = rows(r * 3, 3, &DIMS, DType::F64)?;
+            let l = penalty(&reference, &xr, &yr)?.mul_scalar(0.5)?;
+            total = Some(match total {
+                None => l,
+                Some(t) => t.add(&l)?,
+            });
+        }
+        total.ok_or("no loss")?.backward()?;
+        grads_close(g.module(), &reference, 1e-12, "gradient penalty")?;
+        // a kept `.grad` is not overwritten after zero_grad
+        let kept = g.module().parameters()[0].grad().ok_or("no grad")?;
+        let snapshot = kept.deep_clone()?;
+        g.zero_grad()?;
+        mse(&g.call(&x.mul_scalar(2.0)?)?, &y)?.backward()?;
+        close(&kept, &snapshot, 0.0, "a .grad kept across zero_grad")?;
+        // bucket views: a parameter nobody uses this step keeps its .grad
+        let v = Ddp::with_options(
+            Branchy::new(DType::F64)?,
+            DdpOptions {
+                gradient_as_bucket_view: true,
+                ..Default::default()
+            },
+        )?;
+        let (x5, y5) = rows(rank * 3, 3, &[5, 3], DType::F64)?;
+        for step in 0..3 {
+            *v.module().use_branch.lock().unwrap() = step < 2;
+            let before = v
+                .module()
+                .branch
+                .weight
+                .grad()
+                .map(|g| g.deep_clone())
+                .transpose()?;
+            mse(&v.call(&x5)?, &y5)?.backward()?;
+            if step == 2 {
+                let now = v
+                    .module()
+                    .branch
+                    .weight
+                    .grad()
+                    .ok_or("branch lost its grad")?;
+                close(
+                    &now,
+                    &before.ok_or("no grad before")?,
+                    0.0,
+                    "unused with bucket views",
+                )?;
+            }
         }
         dist::destroy_process_group()?;
         Ok(())

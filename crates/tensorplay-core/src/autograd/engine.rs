@@ -67,7 +67,20 @@ pub type Callback = Box<dyn FnOnce() -> Result<()> + Send>;
 thread_local! {
     /// One frame per backward pass running on this thread (passes nest when a hook or a
     /// backward function starts another one): the callbacks queued during it.
-    static CALLBACKS: RefCell<Vec<Vec<Callback>>> = const { RefCell::new(Vec::new()) };
+    static CALLBACKS: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One running pass: whether it accumulates into `.grad`, and its queued callbacks.
+struct Frame {
+    accumulates: bool,
+    callbacks: Vec<Callback>,
+}
+
+/// Whether the backward pass running on this thread accumulates into leaves' `.grad` (a
+/// `backward` call, not `autograd::grad` or distributed autograd); `false` outside a pass. A
+/// tensor hook can tell from it whether the gradient it sees will reach `.grad`.
+pub fn accumulating_pass() -> bool {
+    CALLBACKS.with(|c| c.borrow().last().is_some_and(|f| f.accumulates))
 }
 
 /// Queues `f` to run once the backward pass that is running on this thread has run all of its
@@ -85,7 +98,7 @@ pub fn queue_callback(f: impl FnOnce() -> Result<()> + Send + 'static) -> Result
         let mut c = c.borrow_mut();
         match c.last_mut() {
             Some(frame) => {
-                frame.push(Box::new(f));
+                frame.callbacks.push(Box::new(f));
                 Ok(())
             }
             None => Err(Error::Autograd(
@@ -101,8 +114,13 @@ pub fn queue_callback(f: impl FnOnce() -> Result<()> + Send + 'static) -> Result
 struct CallbackFrame;
 
 impl CallbackFrame {
-    fn push() -> CallbackFrame {
-        CALLBACKS.with(|c| c.borrow_mut().push(Vec::new()));
+    fn push(accumulates: bool) -> CallbackFrame {
+        CALLBACKS.with(|c| {
+            c.borrow_mut().push(Frame {
+                accumulates,
+                callbacks: Vec::new(),
+            })
+        });
         CallbackFrame
     }
 
@@ -113,7 +131,7 @@ impl CallbackFrame {
             let batch = CALLBACKS.with(|c| {
                 c.borrow_mut()
                     .last_mut()
-                    .map(std::mem::take)
+                    .map(|f| std::mem::take(&mut f.callbacks))
                     .unwrap_or_default()
             });
             if batch.is_empty() {
@@ -133,9 +151,10 @@ impl CallbackFrame {
 
 impl Drop for CallbackFrame {
     fn drop(&mut self) {
-        CALLBACKS.with(|c| {
-            c.borrow_mut().pop();
-        });
+        // callbacks left unrun (the pass failed) are dropped outside the borrow: their `Drop`
+        // may do anything, even start another backward pass
+        let frame = CALLBACKS.with(|c| c.borrow_mut().pop());
+        drop(frame);
     }
 }
 
@@ -227,7 +246,8 @@ pub fn run_backward(
 
     // 3. execute
     let _mode = set_grad_enabled(options.create_graph);
-    let callbacks = CallbackFrame::push();
+    let callbacks =
+        CallbackFrame::push(options.leaf_sink == LeafSink::AccumulateGrad && needed.is_none());
     let mut buffers: HashMap<usize, Vec<Option<Tensor>>> = HashMap::new();
     for (e, g) in roots {
         let n = &e.0.node;

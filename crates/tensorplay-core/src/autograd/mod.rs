@@ -27,7 +27,8 @@ pub(crate) mod graph;
 use std::sync::{Arc, Weak};
 
 pub use engine::{
-    BackwardResult, Callback, ExecuteOptions, LeafSink, queue_callback, run_backward,
+    BackwardResult, Callback, ExecuteOptions, LeafSink, accumulating_pass, queue_callback,
+    run_backward,
 };
 pub use function::{Function, apply};
 pub use grad_mode::{GradModeGuard, is_grad_enabled, no_grad, set_grad_enabled};

@@ -41,19 +41,15 @@ pub enum DdpError {
     },
     /// A gradient all-reduce (or the communication hook) failed: a rank died, timed out, or
     /// called a different collective.
-    #[error(
-        "DistributedDataParallel on rank {rank} (step {step}): reducing gradient bucket \
-         {bucket} of {buckets} failed: {error}"
-    )]
+    #[error("DistributedDataParallel on rank {rank} (step {step}): {what} failed: {error}")]
     Communication {
         /// This rank (global).
         rank: usize,
         /// The training step.
         step: u64,
-        /// The bucket (0 is the first launched).
-        bucket: usize,
-        /// The number of buckets.
-        buckets: usize,
+        /// What was being communicated ("reducing gradient bucket 2 of 4", "exchanging the
+        /// used-parameter flags", ...).
+        what: String,
         /// The collective's error.
         error: tensorplay_core::Error,
     },

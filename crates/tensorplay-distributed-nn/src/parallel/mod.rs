@@ -190,23 +190,27 @@ impl<M: Module> DistributedDataParallel<M> {
             )
             .into());
         }
-        check_same_model(&module, &group)?;
+        let instance = check_same_model(&module, &group, &options)?;
         sync_module_states(&module, &group)?;
         let cap = ((options.bucket_cap_mb * 1024.0 * 1024.0) as usize).max(1);
+        // a parameter registered twice (tied weights) is reduced once
+        let mut seen = std::collections::HashSet::new();
         let trainable: Vec<(String, Tensor)> = module
             .named_parameters()
             .into_iter()
-            .filter(|(_, p)| p.requires_grad())
+            .filter(|(_, p)| p.requires_grad() && seen.insert(p.id()))
             .collect();
         let reducer = Reducer::new(
             group,
             trainable,
             ReducerOptions {
+                broadcast_buffers: options.broadcast_buffers,
                 find_unused_parameters: options.find_unused_parameters,
                 gradient_as_bucket_view: options.gradient_as_bucket_view,
                 divide_by_initial_world_size: options.divide_by_initial_world_size,
                 bucket_limits: [buckets::FIRST_BUCKET_BYTES.min(cap), cap],
             },
+            instance,
         )?;
         let hooks = reducer.install_hooks()?;
         Ok(DistributedDataParallel {
@@ -338,15 +342,38 @@ impl<M: Module> Module for DistributedDataParallel<M> {
         if !tensorplay_core::autograd::is_grad_enabled() {
             return self.module.call(input);
         }
+        if !self.module.is_training() {
+            // evaluation: no collectives; a backward through it would not be reduced
+            let out = self.module.call(input)?;
+            if out.requires_grad() {
+                out.register_hook(|_| {
+                    Err(Error::Autograd(
+                        "backward through a forward of DistributedDataParallel in eval() mode: \
+                         its gradients would not be reduced across ranks; call train() before \
+                         a forward you backpropagate through"
+                            .into(),
+                    ))
+                })?;
+            }
+            return Ok(out);
+        }
         if !self.sync.load(Ordering::SeqCst) {
             self.reducer.forward_without_sync()?;
             return self.module.call(input);
         }
         let src = self.reducer.prepare_forward()?;
-        self.sync_buffers(src)?;
-        let out = self.module.call(input)?;
-        self.reducer.after_forward(&out)?;
-        Ok(out)
+        let out = self
+            .sync_buffers(src)
+            .and_then(|()| self.module.call(input))
+            .and_then(|out| {
+                self.reducer.after_forward(&out)?;
+                Ok(out)
+            });
+        if out.is_err() {
+            // the other ranks' backward must not wait for this rank's gradients
+            self.reducer.abandon_after_forward_error();
+        }
+        out
     }
     fn core(&self) -> &ModuleCore {
         &self.core
@@ -370,9 +397,10 @@ impl<M: Module> Module for DistributedDataParallel<M> {
     }
 }
 
-/// Every rank's parameter and buffer list (names, shapes, dtypes, requires_grad) against the
-/// group rank 0's; the first difference fails construction on every rank with the same text.
-fn check_same_model(module: &dyn Module, group: &ProcessGroup) -> Result<()> {
+/// Every rank's parameter and buffer list (names, shapes, dtypes, requires_grad) and options
+/// against the group rank 0's; the first difference fails construction on every rank with the
+/// same text. Returns the number every rank takes for this instance (rank 0's random one).
+fn check_same_model(module: &dyn Module, group: &ProcessGroup, o: &DdpOptions) -> Result<i64> {
     type Entry = (String, String, Vec<usize>, String, bool);
     let mine: Vec<Entry> = module
         .named_parameters()
@@ -396,7 +424,20 @@ fn check_same_model(module: &dyn Module, group: &ProcessGroup) -> Result<()> {
             )
         }))
         .collect();
-    let all = dist::all_gather_object(&mine, Some(group))?;
+    let options = format!(
+        "bucket_cap_mb {}, broadcast_buffers {}, find_unused_parameters {}, \
+         gradient_as_bucket_view {}, divide_by_initial_world_size {}",
+        o.bucket_cap_mb,
+        o.broadcast_buffers,
+        o.find_unused_parameters,
+        o.gradient_as_bucket_view,
+        o.divide_by_initial_world_size
+    );
+    use std::hash::{BuildHasher, Hasher};
+    let nonce = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish() as i64;
+    let all = dist::all_gather_object(&(mine, options, nonce), Some(group))?;
     let ranks = group.ranks();
     let show = |e: &Entry| {
         format!(
@@ -412,25 +453,32 @@ fn check_same_model(module: &dyn Module, group: &ProcessGroup) -> Result<()> {
             }
         )
     };
-    for (r, list) in all.iter().enumerate().skip(1) {
-        let base = &all[0];
-        let detail = if let Some(i) = (0..list.len().min(base.len())).find(|&i| list[i] != base[i])
-        {
-            Some(format!(
+    let mismatch = |detail: String| -> Result<i64> {
+        Err(DdpError::ModelMismatch {
+            rank: group.my_global_rank(),
+            detail,
+        }
+        .into())
+    };
+    let (base, base_options, _) = &all[0];
+    for (r, (list, options, _)) in all.iter().enumerate().skip(1) {
+        if let Some(i) = (0..list.len().min(base.len())).find(|&i| list[i] != base[i]) {
+            return mismatch(format!(
                 "entry {i} of rank {} is {}, of rank {} is {}",
                 ranks[r],
                 show(&list[i]),
                 ranks[0],
                 show(&base[i])
-            ))
-        } else if list.len() != base.len() {
+            ));
+        }
+        if list.len() != base.len() {
             let (long, who) = if list.len() > base.len() {
                 (list, ranks[r])
             } else {
                 (base, ranks[0])
             };
             let extra = &long[list.len().min(base.len())];
-            Some(format!(
+            return mismatch(format!(
                 "rank {} has {} parameters and buffers, rank {} has {}; the first extra one, on \
                  rank {who}, is {}",
                 ranks[r],
@@ -438,19 +486,16 @@ fn check_same_model(module: &dyn Module, group: &ProcessGroup) -> Result<()> {
                 ranks[0],
                 base.len(),
                 show(extra)
-            ))
-        } else {
-            None
-        };
-        if let Some(detail) = detail {
-            return Err(DdpError::ModelMismatch {
-                rank: group.my_global_rank(),
-                detail,
-            }
-            .into());
+            ));
+        }
+        if options != base_options {
+            return mismatch(format!(
+                "rank {} has options ({options}), rank {} has ({base_options})",
+                ranks[r], ranks[0]
+            ));
         }
     }
-    Ok(())
+    Ok(all[0].2)
 }
 
 /// Broadcasts every parameter and buffer from the group's rank 0 (`_sync_module_states`).

@@ -2,11 +2,12 @@
 //! start of a synced training step, and what every rank concludes from all of them.
 //!
 //! Every synced training forward (and every round of a rank that has [`join`]ed) begins with
-//! one small all-gather of `[step, status, bucket fingerprint, steps trained, rebuild ready]`. It costs one round trip and
-//! buys: ranks that joined are seen (so the others know whom to expect, and the joined rank
-//! knows whether to shadow a step), a rank that broke the protocol tells the others instead of
-//! leaving them to time out, and ranks at different steps or with different bucket layouts stop
-//! before they pair unrelated all-reduces.
+//! one small all-gather of eight integers ([`Hello`]). It costs one round trip and buys: ranks
+//! that joined are seen (so the others know whom to expect, and the joined rank knows whether
+//! to shadow a step), and ranks stepping different models, configured differently, at
+//! different steps, with different buckets or different `no_sync` counts stop before they pair
+//! unrelated all-reduces. (A rank whose step failed says so in the flags all-reduce at the end
+//! of that step's backward instead: see the reducer.)
 //!
 //! [`join`]: super::DistributedDataParallel::join
 
@@ -14,28 +15,52 @@
 pub(crate) const ACTIVE: i64 = 0;
 /// A rank that ran out of data and shadows the others' all-reduces with zeros.
 pub(crate) const JOINED: i64 = 1;
-/// A rank whose previous training forward had no backward (a skipped backward, or two
-/// forwards before one backward).
-pub(crate) const NO_BACKWARD: i64 = 2;
-/// A rank whose previous backward started but did not finish its reduction (it failed).
-pub(crate) const UNFINISHED: i64 = 3;
 
-/// What one rank says: its step, status, bucket fingerprint, how many steps it trained (not
-/// shadowed), and whether it is ready to rebuild its buckets.
-pub(crate) fn desc(
-    step: u64,
-    status: i64,
-    fingerprint: i64,
-    trained: u64,
-    rebuild: bool,
-) -> Vec<i64> {
-    vec![
-        step as i64,
-        status,
-        fingerprint,
-        trained as i64,
-        i64::from(rebuild),
-    ]
+/// Bits of a rank's configuration that every rank must share.
+pub(crate) mod config {
+    /// A communication hook is installed.
+    pub(crate) const COMM_HOOK: i64 = 1;
+    /// Buffers are broadcast before each synced forward.
+    pub(crate) const BROADCAST_BUFFERS: i64 = 2;
+    /// `divide_by_initial_world_size`.
+    pub(crate) const DIVIDE_BY_INITIAL: i64 = 4;
+}
+
+/// What one rank says at a handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    /// Synced steps begun so far.
+    pub(crate) step: u64,
+    /// [`ACTIVE`] or [`JOINED`].
+    pub(crate) status: i64,
+    /// The bucket assignment's fingerprint.
+    pub(crate) fingerprint: i64,
+    /// Steps this rank trained (not shadowed).
+    pub(crate) trained: u64,
+    /// Ready to rebuild the buckets.
+    pub(crate) rebuild: bool,
+    /// Which `DistributedDataParallel` (a number all ranks agreed on at construction).
+    pub(crate) instance: i64,
+    /// The [`config`] bits.
+    pub(crate) config: i64,
+    /// `no_sync` forwards since the last synced one.
+    pub(crate) no_sync: u64,
+}
+
+impl Hello {
+    /// The descriptor all-gathered.
+    pub(crate) fn desc(&self) -> Vec<i64> {
+        vec![
+            self.step as i64,
+            self.status,
+            self.fingerprint,
+            self.trained as i64,
+            i64::from(self.rebuild),
+            self.instance,
+            self.config,
+            self.no_sync as i64,
+        ]
+    }
 }
 
 /// What every rank learns from the handshake.
@@ -52,39 +77,50 @@ pub(crate) struct Outcome {
     pub(crate) rebuild: bool,
 }
 
-/// A handshake that must stop the step on every rank: the text names the ranks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Stop {
-    /// These ranks broke the protocol (`(rank, status)`); this rank may be one of them.
-    Misuse(Vec<(usize, i64)>),
-    /// The ranks disagree on the step or the bucket layout.
-    Disagree(String),
-}
-
-/// What `status` means, for messages.
-pub(crate) fn describe(status: i64) -> &'static str {
-    match status {
-        NO_BACKWARD => {
-            "started a training forward before running backward on its previous one (a skipped \
-             backward, or two forwards before one backward)"
-        }
-        UNFINISHED => "started a training forward after a backward that failed",
-        JOINED => "has joined (ran out of data)",
-        _ => "is training",
+fn config_text(bits: i64) -> String {
+    let mut v = Vec::new();
+    if bits & config::COMM_HOOK != 0 {
+        v.push("a comm hook");
+    }
+    if bits & config::BROADCAST_BUFFERS != 0 {
+        v.push("broadcast_buffers");
+    }
+    if bits & config::DIVIDE_BY_INITIAL != 0 {
+        v.push("divide_by_initial_world_size");
+    }
+    if v.is_empty() {
+        "none of: a comm hook, broadcast_buffers, divide_by_initial_world_size".into()
+    } else {
+        v.join(", ")
     }
 }
 
-/// Reads everyone's descriptors (`all[i]` from the group's rank `i`, `ranks[i]` its global
-/// rank).
-pub(crate) fn read(all: &[Vec<i64>], ranks: &[usize]) -> Result<Outcome, Stop> {
-    let bad: Vec<(usize, i64)> = all
-        .iter()
+/// The ranks (global) whose element `i` differs from the first rank's, with a description.
+fn differ(all: &[Vec<i64>], ranks: &[usize], i: usize) -> Vec<usize> {
+    all.iter()
         .zip(ranks)
-        .filter(|(d, _)| d[1] >= NO_BACKWARD)
-        .map(|(d, &r)| (r, d[1]))
-        .collect();
+        .filter(|(d, _)| d[i] != all[0][i])
+        .map(|(_, &r)| r)
+        .collect()
+}
+
+/// Reads everyone's descriptors (`all[i]` from the group's rank `i`, `ranks[i]` its global
+/// rank). `Err` carries the text of a disagreement that stops the step on every rank.
+pub(crate) fn read(all: &[Vec<i64>], ranks: &[usize]) -> Result<Outcome, String> {
+    let first = ranks[0];
+    let bad = differ(all, ranks, 5);
     if !bad.is_empty() {
-        return Err(Stop::Misuse(bad));
+        return Err(format!(
+            "rank(s) {bad:?} are stepping a different DistributedDataParallel than rank {first}              (are several models on this group stepped in a different order on different              ranks?)"
+        ));
+    }
+    let bad = differ(all, ranks, 6);
+    if !bad.is_empty() {
+        return Err(format!(
+            "rank(s) {bad:?} are configured with {}, rank {first} with {}: every rank must              use the same options and comm hook",
+            config_text(all[ranks.iter().position(|r| *r == bad[0]).unwrap_or(0)][6]),
+            config_text(all[0][6])
+        ));
     }
     if all.iter().any(|d| d[0] != all[0][0]) {
         let steps: Vec<String> = all
@@ -92,26 +128,40 @@ pub(crate) fn read(all: &[Vec<i64>], ranks: &[usize]) -> Result<Outcome, Stop> {
             .zip(ranks)
             .map(|(d, r)| format!("rank {r} at step {}", d[0]))
             .collect();
-        return Err(Stop::Disagree(format!(
+        return Err(format!(
             "the ranks are at different training steps ({}): did a rank run an extra training \
              forward, or wrap its model later than the others?",
             steps.join(", ")
-        )));
+        ));
     }
-    if all.iter().any(|d| d[2] != all[0][2]) {
-        let differ: Vec<usize> = all
+    let bad = differ(all, ranks, 2);
+    if !bad.is_empty() {
+        return Err(format!(
+            "the gradient buckets of rank(s) {bad:?} differ from rank {first}'s"
+        ));
+    }
+    let active_no_sync: Vec<(usize, i64)> = all
+        .iter()
+        .zip(ranks)
+        .filter(|(d, _)| d[1] == ACTIVE)
+        .map(|(d, &r)| (r, d[7]))
+        .collect();
+    if active_no_sync
+        .iter()
+        .any(|(_, n)| *n != active_no_sync[0].1)
+    {
+        let v: Vec<String> = active_no_sync
             .iter()
-            .zip(ranks)
-            .filter(|(d, _)| d[2] != all[0][2])
-            .map(|(_, &r)| r)
+            .map(|(r, n)| format!("rank {r} ran {n}"))
             .collect();
-        return Err(Stop::Disagree(format!(
-            "the gradient buckets of rank(s) {differ:?} differ from rank {}'s",
-            ranks[0]
-        )));
+        return Err(format!(
+            "the ranks ran different numbers of no_sync() forwards since the last synced step \
+             ({}): every rank must accumulate the same micro-batches",
+            v.join(", ")
+        ));
     }
     let (mut active, mut joined) = (Vec::new(), Vec::new());
-    let (mut authority, mut most) = (ranks[0], i64::MIN);
+    let (mut authority, mut most) = (first, i64::MIN);
     for (d, &r) in all.iter().zip(ranks) {
         if d[1] == JOINED {
             joined.push(r);
@@ -135,14 +185,28 @@ pub(crate) fn read(all: &[Vec<i64>], ranks: &[usize]) -> Result<Outcome, Stop> {
 mod tests {
     use super::*;
 
+    fn hello(step: u64, status: i64, trained: u64, rebuild: bool) -> Vec<i64> {
+        Hello {
+            step,
+            status,
+            fingerprint: 9,
+            trained,
+            rebuild,
+            instance: 77,
+            config: config::BROADCAST_BUFFERS,
+            no_sync: 0,
+        }
+        .desc()
+    }
+
     #[test]
-    fn agreement_misuse_and_disagreement() {
+    fn agreement_and_disagreement() {
         let ranks = [0, 1, 2];
         let ok = read(
             &[
-                desc(4, ACTIVE, 9, 4, true),
-                desc(4, JOINED, 9, 2, true),
-                desc(4, ACTIVE, 9, 4, true),
+                hello(4, ACTIVE, 4, true),
+                hello(4, JOINED, 2, true),
+                hello(4, ACTIVE, 4, true),
             ],
             &ranks,
         );
@@ -156,7 +220,7 @@ mod tests {
             })
         );
         let last = read(
-            &[desc(6, JOINED, 9, 3, true), desc(6, JOINED, 9, 5, true)],
+            &[hello(6, JOINED, 3, true), hello(6, JOINED, 5, true)],
             &[0, 1],
         );
         assert_eq!(
@@ -164,13 +228,13 @@ mod tests {
             Ok(1),
             "the last joiner is the authority"
         );
-        let all_ready = read(
-            &[desc(2, ACTIVE, 9, 2, true), desc(2, ACTIVE, 9, 2, true)],
+        let ready = read(
+            &[hello(2, ACTIVE, 2, true), hello(2, ACTIVE, 2, true)],
             &[0, 1],
         );
-        assert_eq!(all_ready.map(|o| o.rebuild), Ok(true));
+        assert_eq!(ready.map(|o| o.rebuild), Ok(true));
         let one_not = read(
-            &[desc(2, ACTIVE, 9, 2, true), desc(2, ACTIVE, 9, 1, false)],
+            &[hello(2, ACTIVE, 2, true), hello(2, ACTIVE, 1, false)],
             &[0, 1],
         );
         assert_eq!(
@@ -178,36 +242,36 @@ mod tests {
             Ok(false),
             "rebuild only when every rank is ready"
         );
-        let misuse = read(
+        let steps = read(
             &[
-                desc(4, ACTIVE, 9, 0, true),
-                desc(4, NO_BACKWARD, 9, 0, true),
-                desc(3, ACTIVE, 9, 0, true),
+                hello(4, ACTIVE, 0, true),
+                hello(4, ACTIVE, 0, true),
+                hello(3, ACTIVE, 0, true),
             ],
             &ranks,
         );
-        assert_eq!(
-            misuse,
-            Err(Stop::Misuse(vec![(1, NO_BACKWARD)])),
-            "misuse wins"
+        assert!(steps.unwrap_err().contains("rank 2 at step 3"));
+        let mut other = hello(4, ACTIVE, 0, true);
+        other[2] = 8;
+        let m = read(&[hello(4, ACTIVE, 0, true), other], &[3, 5]).unwrap_err();
+        assert!(m.contains("[5]") && m.contains("rank 3"), "{m}");
+        other = hello(4, ACTIVE, 0, true);
+        other[5] = 78;
+        let m = read(&[hello(4, ACTIVE, 0, true), other], &[0, 1]).unwrap_err();
+        assert!(m.contains("different DistributedDataParallel"), "{m}");
+        other = hello(4, ACTIVE, 0, true);
+        other[6] |= config::COMM_HOOK;
+        let m = read(&[hello(4, ACTIVE, 0, true), other], &[0, 1]).unwrap_err();
+        assert!(
+            m.contains("rank(s) [1] are configured with a comm hook"),
+            "{m}"
         );
-        match read(
-            &[
-                desc(4, ACTIVE, 9, 0, true),
-                desc(4, ACTIVE, 9, 0, true),
-                desc(3, ACTIVE, 9, 0, true),
-            ],
-            &ranks,
-        ) {
-            Err(Stop::Disagree(m)) => assert!(m.contains("rank 2 at step 3"), "{m}"),
-            other => panic!("{other:?}"),
-        }
-        match read(
-            &[desc(4, ACTIVE, 9, 0, true), desc(4, ACTIVE, 8, 0, true)],
-            &[3, 5],
-        ) {
-            Err(Stop::Disagree(m)) => assert!(m.contains("[5]") && m.contains("rank 3"), "{m}"),
-            other => panic!("{other:?}"),
-        }
+        other = hello(4, ACTIVE, 0, true);
+        other[7] = 2;
+        let m = read(&[hello(4, ACTIVE, 0, true), other.clone()], &[0, 1]).unwrap_err();
+        assert!(m.contains("rank 1 ran 2") && m.contains("no_sync"), "{m}");
+        // a joined rank runs no forwards: its count does not matter
+        other[1] = JOINED;
+        assert!(read(&[hello(4, ACTIVE, 0, true), other], &[0, 1]).is_ok());
     }
 }

@@ -21,23 +21,43 @@ impl Reducer {
         for p in st.plan.schedule.unmarked() {
             self.mark_unused(&mut st, p);
         }
-        // which parameters some rank used: a SUM of 0/1 flags, after the last bucket
-        let (flags, flag_work) = self.flags(&st)?;
         let (results, timings) = self.wait_all(&mut st);
-        let flag_res = flag_work
-            .and_then(|w| w.wait(None))
-            .map_err(tensorplay_core::Error::from);
+        let failed_here = st.error.is_some() || results.is_err();
+        // which parameters some rank used, and which ranks failed this step: one small SUM
+        // after the last bucket
+        let flags = self.exchange_flags(&st, failed_here);
         let wait_end = Instant::now();
         st.phase = Phase::Done;
-        if let Some(e) = st.error.take() {
-            return Err(e);
+        let checked = (|| {
+            if let Some(e) = st.error.take() {
+                return Err(e);
+            }
+            Ok((results?, flags?))
+        })();
+        let (results, flags) = match checked {
+            Ok(v) => v,
+            Err(e) => {
+                self.clear_grads();
+                return Err(e);
+            }
+        };
+        let n = self.params.len();
+        let failed: Vec<usize> = (0..self.world)
+            .filter(|&r| flags[n + r] > 0.0)
+            .filter_map(|r| self.group.global_rank(r).ok())
+            .collect();
+        if !failed.is_empty() {
+            self.clear_grads();
+            return Err(self.peer(
+                &st,
+                format!(
+                    "rank(s) {failed:?} could not finish this step (a forward or backward that \
+                     failed, a skipped backward, or a failed comm hook); no rank wrote this \
+                     step's gradients (their .grad is cleared), so the replicas stay identical"
+                ),
+            ));
         }
-        if let Err(e) = flag_res {
-            let n = st.plan.buckets.len();
-            return Err(self.comm_error(&st, n, e));
-        }
-        let results = results?;
-        let used_anywhere = flags.to_vec::<f32>()?;
+        let used_anywhere = &flags[..n];
         let rescale = if st.comm_hook.is_none()
             && !self.opts.divide_by_initial_world_size
             && st.active > 0
@@ -128,7 +148,8 @@ impl Reducer {
                     }
                 }
                 Err(e) => {
-                    let e = self.comm_error(st, b, e);
+                    let what = format!("reducing gradient bucket {b} of {}", st.plan.buckets.len());
+                    let e = self.comm_error(st, &what, e);
                     first.get_or_insert(e);
                 }
             }

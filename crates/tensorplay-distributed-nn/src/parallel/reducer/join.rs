@@ -14,7 +14,7 @@ impl Reducer {
     /// [`join`]: super::DistributedDataParallel::join
     pub(crate) fn join_round(&self) -> Result<JoinRound> {
         let mut st = self.lock();
-        self.refuse_pending(&mut st, "join()")?;
+        self.settle_pending(&mut st, "join()")?;
         let outcome = self.handshake(&st, protocol::JOINED)?;
         if outcome.active.is_empty() {
             st.phase = Phase::Idle;
@@ -37,15 +37,15 @@ impl Reducer {
         for p in st.plan.schedule.unmarked() {
             self.mark(&mut st, p);
         }
-        let (_flags, flag_work) = self.flags(&st)?;
         let (results, _) = self.wait_all(&mut st);
+        let failed_here = st.error.is_some() || results.is_err();
+        let flags = self.exchange_flags(&st, failed_here);
         st.phase = Phase::Done;
-        let flag_res = flag_work.and_then(|w| w.wait(None));
         if let Some(e) = st.error.take() {
             return Err(e);
         }
         results?;
-        flag_res?;
+        flags?;
         Ok(())
     }
 }

@@ -14,7 +14,7 @@ use super::buckets::{self, ParamSpec};
 use super::comm_hook::{CommFuture, CommHook, GradBucket};
 use super::copy;
 use super::error::DdpError;
-use super::protocol::{self, Outcome, Stop};
+use super::protocol::{self, Hello, Outcome};
 use super::schedule::{MarkError, Schedule};
 
 /// The phase marking DDP's collectives in the cross-rank check.
@@ -23,6 +23,7 @@ pub(crate) const PHASE: &str = "ddp";
 /// Options the reducer needs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ReducerOptions {
+    pub(crate) broadcast_buffers: bool,
     pub(crate) find_unused_parameters: bool,
     pub(crate) gradient_as_bucket_view: bool,
     pub(crate) divide_by_initial_world_size: bool,
@@ -73,6 +74,8 @@ struct State {
     step: u64,
     /// Synced steps this rank trained (not shadowed after `join`).
     trained: u64,
+    /// `no_sync` training forwards since the last synced one.
+    no_sync: u64,
     launched: Vec<(usize, Launched)>,
     used: Vec<bool>,
     unused_after_forward: Vec<usize>,
@@ -95,6 +98,8 @@ pub(crate) struct Reducer {
     pub(crate) names: Vec<String>,
     specs: Vec<ParamSpec>,
     opts: ReducerOptions,
+    /// The number every rank agreed on for this `DistributedDataParallel`.
+    instance: i64,
     state: Mutex<State>,
 }
 
@@ -116,6 +121,7 @@ impl Reducer {
         group: ProcessGroup,
         named: Vec<(String, Tensor)>,
         opts: ReducerOptions,
+        instance: i64,
     ) -> Result<Arc<Reducer>> {
         let rank = group.my_global_rank();
         let world = group.size();
@@ -137,11 +143,13 @@ impl Reducer {
             world,
             specs,
             opts,
+            instance,
             state: Mutex::new(State {
                 plan,
                 phase: Phase::Idle,
                 step: 0,
                 trained: 0,
+                no_sync: 0,
                 launched: Vec::new(),
                 used: vec![false; n],
                 unused_after_forward: Vec::new(),
@@ -206,10 +214,19 @@ impl Reducer {
         Ok(())
     }
 
+    /// The step an error is about: the one being reduced (or abandoned) while a step is under
+    /// way, else the one about to begin.
+    fn step_of(st: &State) -> u64 {
+        match st.phase {
+            Phase::Expect | Phase::Running | Phase::Done => st.step.saturating_sub(1),
+            Phase::Idle | Phase::NoSync => st.step,
+        }
+    }
+
     fn misuse(&self, st: &State, detail: String) -> tensorplay_core::Error {
         DdpError::Misuse {
             rank: self.rank,
-            step: st.step,
+            step: Self::step_of(st),
             detail,
         }
         .into()
@@ -218,41 +235,46 @@ impl Reducer {
     fn peer(&self, st: &State, detail: String) -> tensorplay_core::Error {
         DdpError::PeerMisuse {
             rank: self.rank,
-            step: st.step,
+            step: Self::step_of(st),
             detail,
         }
         .into()
     }
 
+    /// This rank's configuration bits (see [`protocol::config`]).
+    fn config(&self, st: &State) -> i64 {
+        let mut c = 0;
+        if st.comm_hook.is_some() {
+            c |= protocol::config::COMM_HOOK;
+        }
+        if self.opts.broadcast_buffers {
+            c |= protocol::config::BROADCAST_BUFFERS;
+        }
+        if self.opts.divide_by_initial_world_size {
+            c |= protocol::config::DIVIDE_BY_INITIAL;
+        }
+        c
+    }
+
     /// One handshake (see [`protocol`]); `status` is this rank's.
     fn handshake(&self, st: &State, status: i64) -> Result<Outcome> {
-        let ready = matches!(st.rebuild, Rebuild::Pending(_));
-        let d = protocol::desc(st.step, status, st.plan.fingerprint, st.trained, ready);
-        let all =
-            dist::all_gather_metadata("DistributedDataParallel", &d, Ok(()), Some(&self.group))?;
-        match protocol::read(&all, self.group.ranks()) {
-            Ok(o) => Ok(o),
-            Err(Stop::Misuse(bad)) => {
-                if let Some((_, s)) = bad.iter().find(|(r, _)| *r == self.rank) {
-                    Err(self.misuse(
-                        st,
-                        format!(
-                            "this rank {}: run backward on the output of every training \
-                             forward before the next one (or run extra forwards under no_grad() \
-                             or eval()); every rank stops here",
-                            protocol::describe(*s)
-                        ),
-                    ))
-                } else {
-                    let who: Vec<String> = bad
-                        .iter()
-                        .map(|(r, s)| format!("rank {r} {}", protocol::describe(*s)))
-                        .collect();
-                    Err(self.peer(st, format!("{}; every rank stops here", who.join("; "))))
-                }
-            }
-            Err(Stop::Disagree(m)) => Err(self.peer(st, m)),
-        }
+        let hello = Hello {
+            step: st.step,
+            status,
+            fingerprint: st.plan.fingerprint,
+            trained: st.trained,
+            rebuild: matches!(st.rebuild, Rebuild::Pending(_)),
+            instance: self.instance,
+            config: self.config(st),
+            no_sync: st.no_sync,
+        };
+        let all = dist::all_gather_metadata(
+            "DistributedDataParallel",
+            &hello.desc(),
+            Ok(()),
+            Some(&self.group),
+        )?;
+        protocol::read(&all, self.group.ranks()).map_err(|m| self.peer(st, m))
     }
 
     /// Before a synced training forward: checks the protocol with every rank, rebuilds the
@@ -260,8 +282,17 @@ impl Reducer {
     /// source of buffer broadcasts).
     pub(crate) fn prepare_forward(&self) -> Result<usize> {
         let mut st = self.lock();
-        self.refuse_pending(&mut st, "a training forward")?;
+        self.settle_pending(&mut st, "a training forward")?;
+        // a `.grad` the user replaced or cleared since the last step is not ours to overwrite
+        for (p, param) in self.params.iter().enumerate() {
+            if let Some(g) = &st.grads[p]
+                && param.grad().is_none_or(|now| now.id() != g.id())
+            {
+                st.grads[p] = None;
+            }
+        }
         let outcome = self.handshake(&st, protocol::ACTIVE)?;
+        st.no_sync = 0;
         if let Rebuild::Pending(order) = &st.rebuild
             && outcome.rebuild
         {
@@ -280,54 +311,81 @@ impl Reducer {
         Ok(outcome.active.first().copied().unwrap_or(self.rank))
     }
 
-    /// When the last synced forward's reduction did not run (no backward) or did not finish
-    /// (a failed backward): finishes it with zero gradients, so that the other ranks' backward
-    /// of that step completes instead of waiting for this rank, then tells every rank in the
-    /// next handshake, and fails here with what this rank did.
-    fn refuse_pending(&self, st: &mut State, what: &str) -> Result<()> {
-        let status = match st.phase {
-            Phase::Expect => protocol::NO_BACKWARD,
-            Phase::Running => protocol::UNFINISHED,
-            _ => return Ok(()),
-        };
+    /// Before a new step: when the last synced forward's reduction did not run (no backward)
+    /// or did not finish (its backward failed), finishes it with zero gradients and marks it
+    /// failed, so that the other ranks' backward of that step completes — with an error, not
+    /// with partial gradients. A skipped backward is then this rank's error too; a failed
+    /// backward was reported already, and training goes on.
+    fn settle_pending(&self, st: &mut State, what: &str) -> Result<()> {
+        match st.phase {
+            Phase::Expect => {
+                self.abandon(st);
+                Err(self.misuse(
+                    st,
+                    format!(
+                        "{what} started before the backward of the previous training forward \
+                         ran: run backward on the output of every training forward before the \
+                         next one (or run extra forwards under no_grad() or in eval() mode); \
+                         this rank sent zero gradients for that step and marked it failed, so \
+                         no rank used it"
+                    ),
+                ))
+            }
+            Phase::Running => {
+                self.abandon(st);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Finishes the current step with zeros for every parameter not sent yet, and tells every
+    /// rank, through the flags, that it failed here.
+    fn abandon(&self, st: &mut State) {
         st.phase = Phase::Running;
         for p in st.plan.schedule.unmarked() {
             self.mark_unused(st, p);
         }
-        let flags = self.flags(st)?;
         let _ = self.wait_all(st);
-        let _ = flags.1.and_then(|w| w.wait(None));
+        let _ = self.exchange_flags(st, true);
         st.error = None;
         st.phase = Phase::Idle;
-        let _ = self.handshake(st, status);
-        Err(self.misuse(
-            st,
-            format!(
-                "{what} started before {}: run backward on the output of every training forward \
-                 before the next one (or run extra forwards under no_grad()); this rank sent \
-                 zero gradients for that step, and every rank stops here",
-                if status == protocol::NO_BACKWARD {
-                    "the backward of the previous training forward ran"
-                } else {
-                    "the failed backward of the previous training forward was redone"
-                }
-            ),
-        ))
+        self.clear_grads();
     }
 
-    /// Starts the SUM all-reduce of the 0/1 "used here" flags of this pass.
-    fn flags(&self, st: &State) -> Result<(Tensor, dist::Result<Work>)> {
-        let flags = Tensor::from_vec(
-            st.used
-                .iter()
-                .map(|&u| if u { 1.0f32 } else { 0.0 })
-                .collect::<Vec<_>>(),
-            &[st.used.len()],
-        )?;
-        let work = dist::with_phase(PHASE, || {
-            dist::all_reduce_async(&flags, ReduceOp::Sum, Some(&self.group))
+    /// After a failed step: no `.grad` holds a local, unreduced gradient that an optimizer
+    /// step would apply on this rank only.
+    fn clear_grads(&self) {
+        for p in &self.params {
+            p.set_grad(None);
+        }
+    }
+
+    /// After a synced training forward whose module failed: abandons the step (see
+    /// [`Reducer::abandon`]) so that the other ranks' backward fails instead of waiting.
+    pub(crate) fn abandon_after_forward_error(&self) {
+        let mut st = self.lock();
+        if st.phase == Phase::Expect {
+            self.abandon(&mut st);
+        }
+    }
+
+    /// The SUM all-reduce, after the last bucket, of `[used here (one per parameter), failed
+    /// here (one per group rank)]` as 0/1 values; returns the sums.
+    fn exchange_flags(&self, st: &State, failed: bool) -> Result<Vec<f32>> {
+        let n = st.used.len();
+        let mut v: Vec<f32> = st.used.iter().map(|&u| if u { 1.0 } else { 0.0 }).collect();
+        v.resize(n + self.world, 0.0);
+        if failed {
+            let me = self.group.group_rank(self.rank)?;
+            v[n + me] = 1.0;
+        }
+        let flags = Tensor::from_vec(v, &[n + self.world])?;
+        let r = dist::with_phase(PHASE, || {
+            dist::all_reduce_async(&flags, ReduceOp::Sum, Some(&self.group))?.wait(None)
         });
-        Ok((flags, work))
+        r.map_err(|e| self.comm_error(st, "exchanging the used-parameter flags", e.into()))?;
+        flags.to_vec::<f32>()
     }
 
     /// Rebuilds the buckets from the gradient order of the first synced step, as rank 0 saw
@@ -357,8 +415,9 @@ impl Reducer {
     /// A training forward under `no_sync`, or one without a backward to reduce.
     pub(crate) fn forward_without_sync(&self) -> Result<()> {
         let mut st = self.lock();
-        self.refuse_pending(&mut st, "a no_sync() training forward")?;
+        self.settle_pending(&mut st, "a no_sync() training forward")?;
         st.phase = Phase::NoSync;
+        st.no_sync += 1;
         Ok(())
     }
 
@@ -389,13 +448,15 @@ impl Reducer {
     /// The first event of a backward pass that reduces: queue the end-of-backward callback
     /// and send the parameters found unused after forward.
     fn start_backward(self: &Arc<Self>, st: &mut State) -> Result<()> {
-        if st.phase != Phase::Expect {
+        if st.phase != Phase::Expect || !autograd::accumulating_pass() {
             return Ok(());
         }
         st.phase = Phase::Running;
         st.first_ready = Some(Instant::now());
-        let weak = Arc::downgrade(self);
-        autograd::queue_callback(move || match weak.upgrade() {
+        // if the pass fails, its callbacks are dropped unrun: the guard then abandons the step
+        // at once, so the other ranks' backward fails instead of waiting for this rank
+        let guard = SettleOnDrop(Arc::downgrade(self));
+        autograd::queue_callback(move || match guard.0.upgrade() {
             Some(r) => r.finalize(),
             None => Ok(()),
         })?;
@@ -457,6 +518,19 @@ impl Reducer {
             return;
         }
         let slot = st.plan.schedule.slot(p);
+        // with bucket views, a `.grad` that views this slot must survive its zeroing (a
+        // parameter no rank uses keeps its `.grad`)
+        if self.opts.gradient_as_bucket_view
+            && let Some(g) = self.params[p].grad()
+            && g.shares_storage_with(&st.plan.tensors[slot.bucket])
+        {
+            match g.deep_clone() {
+                Ok(c) => self.params[p].set_grad(Some(c)),
+                Err(e) => {
+                    st.error.get_or_insert(e);
+                }
+            }
+        }
         if let Err(e) = copy::zero(&st.plan.tensors[slot.bucket], slot.offset, slot.numel) {
             st.error.get_or_insert(e);
         }
@@ -474,14 +548,26 @@ impl Reducer {
         }
     }
 
-    /// Starts bucket `b`'s all-reduce (or the communication hook on it).
+    /// Starts bucket `b`'s all-reduce (or the communication hook on it). When the hook fails
+    /// (an error or a panic) or the launch fails here, the bucket still goes out, as zeros, so
+    /// that the ranks' collectives stay paired; the error fails this step on every rank
+    /// through the flags.
     fn launch(&self, st: &mut State, b: usize) {
         let t = st.plan.tensors[b].clone();
         let r = dist::with_phase(PHASE, || -> Result<Launched> {
             match &st.comm_hook {
                 Some(h) => {
                     let bucket = self.grad_bucket(st, b);
-                    Ok(Launched::Hook(h(&self.group, &bucket)?))
+                    let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        h(&self.group, &bucket)
+                    }));
+                    match called {
+                        Ok(r) => Ok(Launched::Hook(r?)),
+                        Err(_) => Err(tensorplay_core::Error::Custom {
+                            context: format!("the communication hook on bucket {b}"),
+                            message: "panicked".into(),
+                        }),
+                    }
                 }
                 None => {
                     let w = dist::all_reduce_async(&t, ReduceOp::Sum, Some(&self.group))?;
@@ -492,8 +578,20 @@ impl Reducer {
         match r {
             Ok(l) => st.launched.push((b, l)),
             Err(e) => {
-                let e = self.comm_error(st, b, e);
+                let what = format!("reducing gradient bucket {b} of {}", st.plan.buckets.len());
+                let e = self.comm_error(st, &what, e);
                 st.error.get_or_insert(e);
+                // keep the collectives paired: this rank's share of the bucket is zeros
+                let zeros = t.zero_().and_then(|()| {
+                    dist::with_phase(PHASE, || {
+                        dist::all_reduce_async(&t, ReduceOp::Sum, Some(&self.group))
+                    })
+                    .map_err(Into::into)
+                });
+                if let Ok(w) = zeros {
+                    st.launched
+                        .push((b, Launched::Work(Arc::new(w), t.clone())));
+                }
             }
         }
     }
@@ -515,14 +613,13 @@ impl Reducer {
     fn comm_error(
         &self,
         st: &State,
-        b: usize,
+        what: &str,
         e: tensorplay_core::Error,
     ) -> tensorplay_core::Error {
         DdpError::Communication {
             rank: self.rank,
-            step: st.step.saturating_sub(1),
-            bucket: b,
-            buckets: st.plan.buckets.len(),
+            step: Self::step_of(st),
+            what: what.to_string(),
             error: e,
         }
         .into()
@@ -580,3 +677,18 @@ mod finish;
 mod join;
 
 pub(crate) use join::JoinRound;
+
+/// Held by the end-of-backward callback: when a backward pass fails, the engine drops its
+/// callbacks without running them, and this abandons the step that was being reduced.
+struct SettleOnDrop(Weak<Reducer>);
+
+impl Drop for SettleOnDrop {
+    fn drop(&mut self) {
+        if let Some(r) = self.0.upgrade() {
+            let mut st = r.lock();
+            if st.phase == Phase::Running {
+                r.abandon(&mut st);
+            }
+        }
+    }
+}
