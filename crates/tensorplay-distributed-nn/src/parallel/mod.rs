@@ -180,6 +180,16 @@ impl<M: Module> DistributedDataParallel<M> {
             None => dist::default_group("DistributedDataParallel")?,
         };
         let rank = group.my_global_rank();
+        if !group.is_member() {
+            return Err(dist::Error::invalid(
+                "DistributedDataParallel",
+                rank as i64,
+                "process_group",
+                "a group this rank belongs to",
+                format!("a group of ranks {:?}", group.ranks()),
+            )
+            .into());
+        }
         if !(options.bucket_cap_mb.is_finite() && options.bucket_cap_mb > 0.0) {
             return Err(dist::Error::invalid(
                 "DistributedDataParallel",
