@@ -810,6 +810,15 @@ fn protocol_checks_and_pytorch_patterns() {
             &["different DistributedDataParallel"],
             "models in a different order",
         )?;
+        // after the failed handshakes both models train again, on every rank alike
+        for m in [&a, &b] {
+            m.zero_grad()?;
+            mse(&m.call(&x)?, &y)?.backward()?;
+        }
+        let reference = mlp(&DIMS, DType::F64, SEED)?;
+        let (xa, ya) = rows(0, 6, &DIMS, DType::F64)?;
+        mse(&reference.call(&xa)?, &ya)?.backward()?;
+        grads_close(a.module(), &reference, 1e-12, "after the failed handshakes")?;
         // eval forwards: no collectives (rank 1 runs two, rank 0 none), no reduced backward
         if rank == 1 {
             let mut m = mlp(&DIMS, DType::F64, SEED)?;

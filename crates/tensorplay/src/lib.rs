@@ -77,6 +77,7 @@ pub mod nn {
     ///             opt.step()?;
     ///         }
     ///     }
+    ///     dist::barrier(None)?; // no rank leaves while another still needs it
     ///     dist::destroy_process_group()?;
     ///     Ok(())
     /// }

@@ -146,6 +146,7 @@ pub struct StepStats {
 ///     let loss = nn::CrossEntropyLoss::new().forward(&ddp.call(&x)?, &y)?;
 ///     loss.backward()?; // gradients are averaged across ranks here
 ///     opt.step()?;
+///     dist::barrier(None)?; // no rank leaves while another still needs it
 ///     dist::destroy_process_group()?;
 ///     Ok(())
 /// }

@@ -274,7 +274,14 @@ impl Reducer {
             Ok(()),
             Some(&self.group),
         )?;
-        protocol::read(&all, self.group.ranks()).map_err(|m| self.peer(st, m))
+        protocol::read(&all, self.group.ranks()).map_err(|m| {
+            DdpError::PeerMisuse {
+                rank: self.rank,
+                step: st.step,
+                detail: m,
+            }
+            .into()
+        })
     }
 
     /// Before a synced training forward: checks the protocol with every rank, rebuilds the
@@ -291,8 +298,11 @@ impl Reducer {
                 st.grads[p] = None;
             }
         }
-        let outcome = self.handshake(&st, protocol::ACTIVE)?;
+        let outcome = self.handshake(&st, protocol::ACTIVE);
+        // every rank counts its no_sync forwards afresh, also after a failed handshake (so a
+        // rank that ran one more than the others does not fail every later step)
         st.no_sync = 0;
+        let outcome = outcome?;
         if let Rebuild::Pending(order) = &st.rebuild
             && outcome.rebuild
         {
@@ -319,17 +329,24 @@ impl Reducer {
     fn settle_pending(&self, st: &mut State, what: &str) -> Result<()> {
         match st.phase {
             Phase::Expect => {
-                self.abandon(st);
-                Err(self.misuse(
+                // the step being abandoned, as the other ranks' backward names it
+                let e = self.misuse(
                     st,
                     format!(
                         "{what} started before the backward of the previous training forward \
-                         ran: run backward on the output of every training forward before the \
-                         next one (or run extra forwards under no_grad() or in eval() mode); \
-                         this rank sent zero gradients for that step and marked it failed, so \
-                         no rank used it"
+                         ran{}; this rank sent zero gradients for that step and marked it \
+                         failed, so no rank used it",
+                        if what == "join()" {
+                            ": run backward on the output of the last training forward before \
+                             join()"
+                        } else {
+                            ": run backward on the output of every training forward before the \
+                             next one (or run extra forwards under no_grad() or in eval() mode)"
+                        }
                     ),
-                ))
+                );
+                self.abandon(st);
+                Err(e)
             }
             Phase::Running => {
                 self.abandon(st);
