@@ -7,6 +7,10 @@
 //! - `conformance --vectors FILE [--backend nccl]`: runs a conformance vectors file against the
 //!   differentiable collectives (`crates/tensorplay-conformance`).
 //! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's.
+//! - `bench-ddp`: one `DistributedDataParallel` training step (our `bench_ddp` example, cpu
+//!   backend) and PyTorch's `torch_ddp_step.py` (DDP over gloo) in the same run, alternately for
+//!   `--rounds` rounds; prints both sides' local step, DDP step and overhead with the median
+//!   ratios (ours / PyTorch's) against the goals, and our hidden fraction and exposed wait.
 //! - `bench-core`: runs the core benchmark (`cargo bench -p tensorplay-core --bench core_step`)
 //!   and PyTorch's anchor script `torch_core_step.py` in one run on this machine, and prints
 //!   both with the ratios (ours / PyTorch's time; ours / PyTorch's GFLOP/s).
@@ -101,6 +105,25 @@ enum Cmd {
         /// Largest size in MiB.
         #[arg(long, default_value_t = 64)]
         max_mib: usize,
+    },
+    /// DistributedDataParallel training step (MLP 784-hidden-hidden-hidden-10, batch 32 per
+    /// rank) next to PyTorch DDP over gloo: local step, DDP step, overhead and their ratios.
+    BenchDdp {
+        #[command(flatten)]
+        anchor: Anchor,
+        /// Number of ranks.
+        #[arg(long, default_value_t = 2, value_parser = at_least_one())]
+        world: usize,
+        /// Width of the three hidden layers.
+        #[arg(long, default_value_t = 1024, value_parser = at_least_one())]
+        hidden: usize,
+        /// Timed steps of each phase (after 5 warm-up steps); the median is reported.
+        #[arg(long, default_value_t = 30, value_parser = at_least_one())]
+        steps: usize,
+        /// How many times to alternate the two programs; the summary gives the median of the
+        /// rounds' ratios.
+        #[arg(long, default_value_t = 1, value_parser = at_least_one())]
+        rounds: usize,
     },
     /// Runs a conformance vectors file against the differentiable collectives (one world of
     /// processes per world size in the file); ends with `N passed, M failed`.
@@ -696,6 +719,238 @@ fn bench_rpc(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String>
     Ok(())
 }
 
+/// A clap parser of whole numbers >= 1 (bad values exit with code 2 and clap's message).
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+}
+
+/// What one run of a DDP benchmark printed (`<prefix>-ddp ...` lines; the prefix differs).
+#[derive(Debug, Default, Clone, PartialEq)]
+struct DdpRun {
+    params: Option<u64>,
+    grad_bytes: Option<u64>,
+    buckets: Option<i64>,
+    local_us: Option<f64>,
+    ddp_us: Option<f64>,
+    overhead_us: Option<f64>,
+    hidden_fraction: Option<f64>,
+    wait_us: Option<f64>,
+    allreduce_us: Option<f64>,
+}
+
+/// One number of a [`DdpRun`], for the summary's rows.
+type DdpField = fn(&DdpRun) -> Option<f64>;
+
+/// The value, or `-` when it was not printed.
+fn or_dash<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_string(), |v| v.to_string())
+}
+
+/// Parses the lines both DDP benchmarks print: `<p> params N grad_bytes B buckets K`,
+/// `<p> local step X us`, `<p> ddp step Y us`, `<p> overhead Z us`, and ours only:
+/// `<p> hidden fraction F`, `<p> exposed wait W us`, `<p> all-reduce time T us ...`.
+fn parse_ddp(text: &str) -> DdpRun {
+    let mut r = DdpRun::default();
+    for line in text.lines() {
+        let t: Vec<&str> = line.split_whitespace().collect();
+        if !t.first().is_some_and(|p| p.ends_with("-ddp")) {
+            continue;
+        }
+        let num = |i: usize| t.get(i).and_then(|s| s.parse::<f64>().ok());
+        let us = |i: usize| num(i).filter(|_| t.get(i + 1) == Some(&"us"));
+        match t.get(1..3) {
+            Some(["params", _]) if t.len() >= 7 => {
+                r.params = t[2].parse().ok();
+                r.grad_bytes = t[4].parse().ok();
+                r.buckets = t[6].parse().ok();
+            }
+            Some(["local", "step"]) => r.local_us = us(3),
+            Some(["ddp", "step"]) => r.ddp_us = us(3),
+            Some(["overhead", _]) => r.overhead_us = us(2),
+            Some(["hidden", "fraction"]) => r.hidden_fraction = num(3),
+            Some(["exposed", "wait"]) => r.wait_us = us(3),
+            Some(["all-reduce", "time"]) => r.allreduce_us = us(3),
+            _ => {}
+        }
+    }
+    r
+}
+
+/// The median of the values present (the mean of the two middle ones for an even count).
+fn median(v: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
+    let mut v: Vec<f64> = v.into_iter().flatten().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// `a / b` when both are known and `b > 0` (a ratio to a non-positive time means nothing).
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+fn bench_ddp(
+    anchors: &Path,
+    python: &Path,
+    world: usize,
+    hidden: usize,
+    steps: usize,
+    rounds: usize,
+) -> Result<(), String> {
+    let example = [
+        "--release",
+        "-q",
+        "-p",
+        "tensorplay-distributed-nn",
+        "--example",
+        "bench_ddp",
+    ];
+    let sizes = [world.to_string(), hidden.to_string(), steps.to_string()];
+    run_capture(Command::new("cargo").arg("build").args(example))?;
+    let script = anchors.join("torch_ddp_step.py");
+    let have_torch = script.exists() && python.exists();
+    if !have_torch {
+        eprintln!(
+            "note: PyTorch anchor not found ({} / {}); run `bash ../shared/anchors/setup.sh` \
+             to compare side by side. Reporting tensorplay only.",
+            script.display(),
+            python.display()
+        );
+    }
+    let mut ours: Vec<DdpRun> = Vec::new();
+    let mut theirs: Vec<Option<DdpRun>> = Vec::new();
+    for r in 0..rounds {
+        eprintln!("round {}: running tensorplay (cpu backend)", r + 1);
+        let o = run_capture(
+            Command::new("cargo")
+                .arg("run")
+                .args(example)
+                .arg("--")
+                .args(&sizes),
+        )?;
+        print!("{o}");
+        let parsed = parse_ddp(&o);
+        if parsed.ddp_us.is_none() || parsed.local_us.is_none() {
+            return Err(format!(
+                "the bench_ddp example printed no step times in round {}:\n{o}",
+                r + 1
+            ));
+        }
+        ours.push(parsed);
+        if have_torch {
+            eprintln!("round {}: running PyTorch DDP (gloo)", r + 1);
+            match run_capture(
+                Command::new(python)
+                    .arg(&script)
+                    .args(&sizes)
+                    .env("OMP_NUM_THREADS", "1"),
+            ) {
+                Ok(t) => {
+                    print!("{t}");
+                    theirs.push(Some(parse_ddp(&t)));
+                }
+                Err(e) => {
+                    let last = e.lines().rev().find(|l| l.contains("Error")).unwrap_or("");
+                    eprintln!("note: the PyTorch anchor failed in round {}: {last}", r + 1);
+                    theirs.push(None);
+                }
+            }
+        }
+    }
+    let pairs: Vec<(&DdpRun, &DdpRun)> = ours
+        .iter()
+        .zip(&theirs)
+        .filter_map(|(o, t)| t.as_ref().map(|t| (o, t)))
+        .collect();
+    let theirs: Vec<&DdpRun> = theirs.iter().flatten().collect();
+    let med = |runs: &[&DdpRun], f: DdpField| median(runs.iter().map(|r| f(r)));
+    let ours: Vec<&DdpRun> = ours.iter().collect();
+    let med_ratio = |f: DdpField| median(pairs.iter().map(|(o, t)| ratio(f(o), f(t))));
+    let show = |v: Option<f64>, p: usize| v.map_or_else(|| "-".to_string(), |v| format!("{v:.p$}"));
+    let first = ours.first().copied().cloned().unwrap_or_default();
+    println!();
+    println!(
+        "world {world}, MLP 784-{hidden}-{hidden}-{hidden}-10, batch 32 per rank, float32, \
+         {steps} timed steps; params {} grad_bytes {} buckets {} (PyTorch: {})",
+        or_dash(first.params),
+        or_dash(first.grad_bytes),
+        or_dash(first.buckets),
+        or_dash(theirs.first().and_then(|t| t.buckets))
+    );
+    println!(
+        "median of {} round(s); ratio = tensorplay / PyTorch, the median of the rounds' ratios \
+         ({} round(s) with both)",
+        ours.len(),
+        pairs.len()
+    );
+    println!(
+        "{:<22} {:>12} {:>12} {:>8}",
+        "metric", "tensorplay", "pytorch", "ratio"
+    );
+    let rows: [(&str, DdpField); 5] = [
+        ("local step (us)", |r| r.local_us),
+        ("ddp step (us)", |r| r.ddp_us),
+        ("overhead (us)", |r| r.overhead_us),
+        ("exposed wait (us)", |r| r.wait_us),
+        ("all-reduce time (us)", |r| r.allreduce_us),
+    ];
+    for (name, f) in rows {
+        println!(
+            "{name:<22} {:>12} {:>12} {:>8}",
+            show(med(&ours, f), 1),
+            show(med(&theirs, f), 1),
+            show(med_ratio(f), 3)
+        );
+    }
+    println!(
+        "{:<22} {:>12} {:>12}",
+        "hidden fraction",
+        show(med(&ours, |r| r.hidden_fraction), 3),
+        "-"
+    );
+    println!();
+    let verdict = |v: Option<f64>, goal: f64| match v {
+        Some(v) if v <= goal => "met",
+        Some(_) => "MISSED",
+        None => "not measured",
+    };
+    if pairs.is_empty() {
+        println!("no PyTorch run: ratios not measured");
+    } else {
+        let over = med_ratio(|r| r.overhead_us);
+        let step = med_ratio(|r| r.ddp_us);
+        println!(
+            "overhead ratio (ours/torch) {}  goal <= 0.25 {}",
+            show(over, 3),
+            verdict(over, 0.25)
+        );
+        println!(
+            "ddp step ratio (ours/torch) {}  goal <= 0.7 {}",
+            show(step, 3),
+            verdict(step, 0.7)
+        );
+        println!(
+            "local step ratio (ours/torch) {}",
+            show(med_ratio(|r| r.local_us), 3)
+        );
+    }
+    println!(
+        "hidden fraction (ours) {}",
+        show(med(&ours, |r| r.hidden_fraction), 3)
+    );
+    Ok(())
+}
+
 /// Builds and runs the `tensorplay-conformance` program (in `crates/tensorplay-conformance`).
 fn conformance(vectors: &Path, backend: &str, timeout: u64) -> Result<(), String> {
     // resolve the path before cargo changes directory
@@ -732,6 +987,20 @@ fn main() -> ExitCode {
             world,
             max_mib,
         } => bench_collectives(&anchor.anchors, &anchor.python(), world, max_mib),
+        Cmd::BenchDdp {
+            anchor,
+            world,
+            hidden,
+            steps,
+            rounds,
+        } => bench_ddp(
+            &anchor.anchors,
+            &anchor.python(),
+            world,
+            hidden,
+            steps,
+            rounds,
+        ),
         Cmd::BenchCore { anchor, rounds } => bench_core(&anchor.anchors, &anchor.python(), rounds),
         Cmd::BenchRpc { anchor, rounds } => bench_rpc(&anchor.anchors, &anchor.python(), rounds),
         Cmd::Conformance {
@@ -765,6 +1034,39 @@ mod tests {
         assert_eq!(m[0].value, 151.2);
         assert_eq!(m[1].key, "matmul 512^3 f32");
         assert_eq!(m[1].unit, "GFLOP/s");
+    }
+
+    #[test]
+    fn parses_the_ddp_lines_of_both_programs() {
+        let text = "torch-ddp params 2913290 grad_bytes 11653160 buckets 2\n\
+            torch-ddp local step    12000.5 us\n\
+            torch-ddp ddp step      20000.0 us\n\
+            torch-ddp overhead       7999.5 us\n\
+            [rank 0] noise\n";
+        let t = parse_ddp(text);
+        assert_eq!(t.params, Some(2913290));
+        assert_eq!(t.grad_bytes, Some(11653160));
+        assert_eq!(t.buckets, Some(2));
+        assert_eq!(t.local_us, Some(12000.5));
+        assert_eq!(t.ddp_us, Some(20000.0));
+        assert_eq!(t.overhead_us, Some(7999.5));
+        assert_eq!(t.hidden_fraction, None);
+        let o = parse_ddp(
+            "tensorplay-ddp hidden fraction 0.875\n\
+             tensorplay-ddp hidden fraction -\n\
+             tensorplay-ddp exposed wait      310.2 us\n\
+             tensorplay-ddp all-reduce time  2500.0 us (sum over buckets, 11653160 bytes)\n",
+        );
+        assert_eq!(o.hidden_fraction, None);
+        assert_eq!(o.wait_us, Some(310.2));
+        assert_eq!(o.allreduce_us, Some(2500.0));
+        assert_eq!(
+            parse_ddp("tensorplay-ddp hidden fraction 0.875\n").hidden_fraction,
+            Some(0.875)
+        );
+        assert_eq!(median([Some(3.0), None, Some(1.0), Some(2.0)]), Some(2.0));
+        assert_eq!(median([Some(1.0), Some(2.0)]), Some(1.5));
+        assert_eq!(ratio(Some(1.0), Some(0.0)), None);
     }
 
     #[test]
