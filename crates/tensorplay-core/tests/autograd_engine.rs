@@ -436,3 +436,23 @@ fn post_accumulate_hooks_see_the_sum_and_can_be_removed() {
             .is_err()
     );
 }
+
+/// `linear`'s weight gradient comes out contiguous (its matmul sees `weight.t()`), with the
+/// same values as the general formula.
+#[test]
+fn the_weight_gradient_of_a_transposed_operand_is_contiguous() -> tp::Result<()> {
+    let w = t64(&[1.0, -2.0, 0.5, 3.0, 1.5, -1.0], &[2, 3]);
+    let x = Tensor::from_slice(&[0.3f64, -0.7, 1.1, 2.0, 0.1, -0.4], &[2, 3])?;
+    x.matmul(&w.t()?)?.mul_scalar(2.0)?.sum()?.backward()?;
+    let g = w.grad().unwrap();
+    assert!(g.is_contiguous(), "strides {:?}", g.strides());
+    // d/dW sum(2 x W^T) = 2 * sum over rows of x, for every output row
+    let col: Vec<f64> = (0..3)
+        .map(|j| 2.0 * (x.to_vec::<f64>().unwrap()[j] + x.to_vec::<f64>().unwrap()[3 + j]))
+        .collect();
+    let want: Vec<f64> = col.iter().chain(col.iter()).copied().collect();
+    for (a, b) in g.to_vec::<f64>()?.iter().zip(&want) {
+        assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+    }
+    Ok(())
+}

@@ -152,7 +152,19 @@ impl Function for MatMul {
             None
         };
         let gb = if ctx.needs_input_grad(1) {
-            Some(a.transpose(-1, -2)?.matmul(&g[0])?.sum_to_size(b.shape())?)
+            if a.ndim() == 2
+                && b.ndim() == 2
+                && b.shape()[0] > 1
+                && b.strides() == [1, b.shape()[0]]
+            {
+                // `b` is a transposed matrix (`linear`'s `weight.t()`): compute its gradient in
+                // the transposed layout, `(g^T a)^T`, so that the gradient of the matrix it
+                // views comes out contiguous (as PyTorch's `mm_mat2_backward` does) instead of
+                // as a strided view every reader walks one element per cache line
+                Some(g[0].t()?.matmul(a)?.t()?)
+            } else {
+                Some(a.transpose(-1, -2)?.matmul(&g[0])?.sum_to_size(b.shape())?)
+            }
         } else {
             None
         };
