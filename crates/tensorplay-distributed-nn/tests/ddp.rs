@@ -280,7 +280,6 @@ fn gradients_match_one_process_world_4() {
 fn launch_order_overlap_and_comm_hooks() {
     dist::spawn::spawn(3, |rank| -> TestResult {
         init()?;
-        let world = 3;
         let dims = [5, 64, 64, 64, 3];
         let ddp = Ddp::with_options(mlp(&dims, DType::F64, SEED)?, options(SMALL_CAP))?;
         // (step, bucket, whether the first layer's weight had a gradient at launch)
@@ -392,7 +391,6 @@ fn launch_order_overlap_and_comm_hooks() {
         {
             return Err(format!("stats {s:?}").into());
         }
-        let _ = world;
         dist::destroy_process_group()?;
         Ok(())
     })

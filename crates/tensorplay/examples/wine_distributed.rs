@@ -319,9 +319,8 @@ fn tp_models(seed: u64, f: usize, rank: usize) -> Res<(TpModel, nn::Sequential)>
     Ok((model, full))
 }
 
-fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
-    let (train, test, f) = wine::load()?;
-    let batches = wine::batches(&train, f, BATCH)?;
+/// Joins the 2-rank process group of the tensor-parallel and data-parallel runs.
+fn init_group(rank: usize, init: &str) -> Res<()> {
     dist::init_process_group(
         "cpu",
         dist::InitOptions {
@@ -331,6 +330,23 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
             timeout: Duration::from_secs(120),
         },
     )?;
+    Ok(())
+}
+
+/// The bytes every rank's collectives sent on the default group, summed over the ranks.
+fn collective_bytes() -> Res<u64> {
+    let sent = Tensor::from_vec(
+        vec![dist::default_group("bytes")?.bytes_sent() as f64],
+        &[1],
+    )?;
+    dist::all_reduce(&sent, ReduceOp::Sum, None)?;
+    Ok(sent.item::<f64>()? as u64)
+}
+
+fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
+    let (train, test, f) = wine::load()?;
+    let batches = wine::batches(&train, f, BATCH)?;
+    init_group(rank, init)?;
     let start = Instant::now();
     let (model, full) = tp_models(o.seed, f, rank)?;
     let loss_fn = nn::CrossEntropyLoss::new();
@@ -370,12 +386,7 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         wine::accuracy(&logits, &test.y)?
     };
     let wall = start.elapsed();
-    let sent = Tensor::from_vec(
-        vec![dist::default_group("bytes")?.bytes_sent() as f64],
-        &[1],
-    )?;
-    dist::all_reduce(&sent, ReduceOp::Sum, None)?;
-    let collective_bytes = sent.item::<f64>()? as u64;
+    let collective_bytes = collective_bytes()?;
     dist::destroy_process_group()?;
     let reference = if rank == 0 {
         reference(&full, &batches, losses.len())?
@@ -550,15 +561,7 @@ fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     use tp::nn::parallel::DistributedDataParallel as Ddp;
     let (train, test, f) = wine::load()?;
     let batches = wine::batches(&train, f, BATCH)?;
-    dist::init_process_group(
-        "cpu",
-        dist::InitOptions {
-            init_method: init.to_string(),
-            rank: Some(rank),
-            world_size: Some(WORLD),
-            timeout: Duration::from_secs(120),
-        },
-    )?;
+    init_group(rank, init)?;
     let start = Instant::now();
     let (model, full) = mlp(o.seed, f)?;
     // broadcasts rank 0's parameters (the same ones: every rank built them from the seed)
@@ -610,12 +613,7 @@ fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         0.0
     };
     let wall = start.elapsed();
-    let sent = Tensor::from_vec(
-        vec![dist::default_group("bytes")?.bytes_sent() as f64],
-        &[1],
-    )?;
-    dist::all_reduce(&sent, ReduceOp::Sum, None)?;
-    let collective_bytes = sent.item::<f64>()? as u64;
+    let collective_bytes = collective_bytes()?;
     drop(opt);
     drop(ddp);
     dist::destroy_process_group()?;

@@ -95,7 +95,7 @@ fn config_text(bits: i64) -> String {
     }
 }
 
-/// The ranks (global) whose element `i` differs from the first rank's, with a description.
+/// The ranks (global) whose element `i` differs from the first rank's.
 fn differ(all: &[Vec<i64>], ranks: &[usize], i: usize) -> Vec<usize> {
     all.iter()
         .zip(ranks)
