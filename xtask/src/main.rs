@@ -4,6 +4,8 @@
 //!   every GPU count up to the number of GPUs when there are GPUs, and with the `cpu` backend at
 //!   world sizes 2 to 4 always; then the differentiable collectives' test suites and the
 //!   conformance vectors (cpu, and nccl with GPUs). Ends with `N passed, M failed`.
+//! - `gpu-check [--bundle DIR]`: the GPU check as a bundle of prebuilt binaries and `run.sh`
+//!   for a GPU machine without a toolchain, or built and run here (see `gpu_check.rs`).
 //! - `conformance --vectors FILE [--backend nccl]`: runs a conformance vectors file against the
 //!   differentiable collectives (`crates/tensorplay-conformance`).
 //! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's.
@@ -25,6 +27,7 @@ use std::process::{Command, ExitCode};
 use clap::{Parser, Subcommand};
 
 mod check_docs;
+mod gpu_check;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "tensorplay project automation")]
@@ -159,6 +162,14 @@ enum Cmd {
     /// --no-deps`): no example names an internal crate, no prose shows a broken
     /// `[tensorplay_...` link.
     CheckDocs,
+    /// The GPU check: builds `tensorplay-gpu-check` and a `run.sh` into `--bundle DIR` (under
+    /// 64 MiB, no toolchain needed where it runs), or builds and runs it here. Without a GPU it
+    /// says so and fails; it never reports checks that did not run as passed.
+    GpuCheck {
+        /// Only build the bundle into this folder.
+        #[arg(long)]
+        bundle: Option<PathBuf>,
+    },
 }
 
 /// One measured line: a key such as `mlp_step` and its value with unit.
@@ -1009,6 +1020,7 @@ fn main() -> ExitCode {
             timeout,
         } => conformance(&vectors, &backend, timeout),
         Cmd::CheckDocs => check_docs::check_docs(),
+        Cmd::GpuCheck { bundle } => gpu_check::gpu_check(bundle.as_deref()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

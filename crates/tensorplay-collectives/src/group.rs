@@ -3,9 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::backend::Backend;
-use crate::backend::cpu::{CpuBackend, CpuOptions};
-use crate::backend::nccl::NcclBackend;
+use crate::backend::{Backend, HostBackend, make_backend};
 use crate::rendezvous::{InitMethod, rendezvous};
 use crate::store::{PrefixStore, Store};
 use crate::work::Sequencer;
@@ -41,9 +39,25 @@ impl Default for InitOptions {
     }
 }
 
-pub(crate) enum BackendImpl {
-    Cpu(Box<dyn Backend>),
-    Nccl(Box<NcclBackend>),
+/// What a member of a group holds: the group's backend and its cpu control channel (the
+/// cross-rank checks and barriers; for a `"cpu"` group the same connections as the backend).
+pub(crate) struct Member {
+    pub(crate) backend: Box<dyn Backend>,
+    pub(crate) control: Arc<dyn HostBackend>,
+}
+
+impl Member {
+    fn new(
+        backend: &str,
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        local_rank: usize,
+        timeout: Duration,
+    ) -> Result<Member> {
+        let (backend, control) = make_backend(backend, store, rank, size, local_rank, timeout)?;
+        Ok(Member { backend, control })
+    }
 }
 
 pub(crate) struct GroupInner {
@@ -54,7 +68,8 @@ pub(crate) struct GroupInner {
     pub(crate) global_rank: usize,
     /// This process's rank in the group; `None` for a non-member handle.
     pub(crate) group_rank: Option<usize>,
-    pub(crate) backend: Option<BackendImpl>,
+    /// The backend and control channel; `None` for a non-member handle.
+    pub(crate) member: Option<Member>,
     pub(crate) timeout: Duration,
     pub(crate) seq: Arc<Sequencer>,
     pub(crate) store: Arc<dyn Store>,
@@ -96,7 +111,7 @@ impl ProcessGroup {
     pub fn ranks(&self) -> &[usize] {
         &self.inner.ranks
     }
-    /// The backend's name (`"cpu"` or `"nccl"`).
+    /// The backend's name (`"cpu"`, `"nccl"`, or a registered one).
     pub fn backend(&self) -> &str {
         &self.inner.backend_name
     }
@@ -145,20 +160,18 @@ impl ProcessGroup {
     /// one host: shared memory), `"tcp"`, `"shm+tcp"` (several hosts: shared memory inside
     /// each, TCP between them), `"nccl"`, or `""` on a non-member handle.
     pub fn transport(&self) -> &'static str {
-        match &self.inner.backend {
-            Some(BackendImpl::Cpu(b)) => b.transport(),
-            Some(BackendImpl::Nccl(_)) => "nccl",
-            None => "",
-        }
+        self.inner
+            .member
+            .as_ref()
+            .map_or("", |m| m.backend.transport())
     }
     /// Bytes this process has sent through the group's backend (on the shared-memory
     /// transport: the bytes it wrote into its slots for peers to read).
     pub fn bytes_sent(&self) -> u64 {
-        match &self.inner.backend {
-            Some(BackendImpl::Cpu(b)) => b.bytes_sent(),
-            Some(BackendImpl::Nccl(n)) => n.bytes_sent(),
-            None => 0,
-        }
+        self.inner
+            .member
+            .as_ref()
+            .map_or(0, |m| m.backend.bytes_sent())
     }
 }
 
@@ -175,37 +188,12 @@ fn world() -> std::sync::MutexGuard<'static, Option<World>> {
     WORLD.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn make_backend(
-    backend: &str,
-    store: Arc<dyn Store>,
-    rank: usize,
-    size: usize,
-    local_rank: usize,
-    timeout: Duration,
-) -> Result<BackendImpl> {
-    match backend {
-        "cpu" | "gloo" => Ok(BackendImpl::Cpu(Box::new(CpuBackend::with_options(
-            store,
-            rank,
-            size,
-            timeout,
-            CpuOptions::default(),
-        )?))),
-        "nccl" => Ok(BackendImpl::Nccl(Box::new(NcclBackend::new(
-            store, rank, size, local_rank, timeout,
-        )?))),
-        other => Err(Error::Backend {
-            backend: other.to_string(),
-            detail: "unknown backend; expected \"cpu\" (host tensors over TCP) or \"nccl\" (CUDA tensors)".into(),
-        }),
-    }
-}
-
 /// Initialises the default process group (`torch.distributed.init_process_group`): rendezvous
 /// through the store named by `options.init_method`, then connects the backend.
 ///
-/// `backend` is `"cpu"` (host tensors over TCP; `"gloo"` is accepted as an alias) or `"nccl"`
-/// (CUDA tensors). Errors: already initialised, a bad init method or environment variable, a
+/// `backend` is `"cpu"` (host tensors over shared memory and TCP; `"gloo"` is accepted as an
+/// alias), `"nccl"` (CUDA tensors; registered by the facade's `nccl` feature), or a name given
+/// to [`register_backend`](crate::register_backend). Errors: already initialised, a bad init method or environment variable, a
 /// rendezvous timeout naming the ranks that did not join, or a backend that cannot run here
 /// (for NCCL: no CUDA driver, no `libnccl`, not enough GPUs), each with what to do about it.
 pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
@@ -222,7 +210,7 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
     let init: InitMethod = options.init_method.parse()?;
     let info = rendezvous(&init, options.rank, options.world_size, options.timeout)?;
     let pg_store: Arc<dyn Store> = Arc::new(PrefixStore::new("pg/world", info.store.clone()));
-    let b = make_backend(
+    let b = Member::new(
         backend,
         pg_store.clone(),
         info.rank,
@@ -236,7 +224,7 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
             ranks: (0..info.world_size).collect(),
             global_rank: info.rank,
             group_rank: Some(info.rank),
-            backend: Some(b),
+            member: Some(b),
             timeout: options.timeout,
             seq: Sequencer::new(),
             store: pg_store,
@@ -388,7 +376,7 @@ pub fn new_group(
     let gstore: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("pg/group{id}"), store));
     let group_rank = ranks.iter().position(|&r| r == me);
     let b = match group_rank {
-        Some(gr) => Some(make_backend(
+        Some(gr) => Some(Member::new(
             &backend_name,
             gstore.clone(),
             gr,
@@ -404,7 +392,7 @@ pub fn new_group(
             ranks: ranks.to_vec(),
             global_rank: me,
             group_rank,
-            backend: b,
+            member: b,
             timeout,
             seq: Sequencer::new(),
             store: gstore,

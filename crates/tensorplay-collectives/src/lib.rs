@@ -1,6 +1,8 @@
 //! `tensorplay-collectives`: `torch.distributed` for tensorplay — stores and rendezvous,
-//! process groups, and collectives over a CPU (TCP) backend and an NCCL backend, plus `spawn`
-//! for multi-process programs and tests.
+//! process groups, the backend contract every backend implements (`backend`), the built-in
+//! `"cpu"` backend (shared memory and TCP), and `spawn` for multi-process programs and tests.
+//! The NCCL backend is the crate `tensorplay-nccl`, registered through
+//! [`register_backend`]; this crate never links CUDA.
 
 pub mod backend;
 mod error;
@@ -13,6 +15,7 @@ pub mod spawn;
 pub mod store;
 mod work;
 
+pub use backend::{register_backend, registered_backends};
 pub use error::{Error, Result};
 pub use group::{
     DEFAULT_TIMEOUT, InitOptions, ProcessGroup, default_group, destroy_process_group, get_backend,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorplay_collectives::backend::cpu::CpuBackend;
-use tensorplay_collectives::backend::{Backend, BufMut, BufRef};
+use tensorplay_collectives::backend::{BufMut, BufRef, HostBackend};
 use tensorplay_collectives::store::{MemoryStore, PrefixStore, Store};
 use tensorplay_collectives::{Error, ReduceOp, Result};
 

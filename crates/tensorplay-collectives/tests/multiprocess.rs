@@ -7,6 +7,8 @@ use std::time::Duration;
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
+#[path = "multiprocess/double.rs"]
+mod double;
 #[path = "multiprocess/shm_paths.rs"]
 mod shm_paths;
 
@@ -671,6 +673,7 @@ fn nccl_without_gpu_is_a_clear_error() {
         return;
     }
     let e = dist::spawn::spawn(1, |_rank| -> TestResult {
+        tensorplay_nccl::register();
         let e = dist::init_process_group(
             "nccl",
             InitOptions {
@@ -702,6 +705,7 @@ fn nccl_world() -> TestResult {
         return Ok(());
     };
     dist::spawn::spawn(n, move |rank| -> TestResult {
+        tensorplay_nccl::register();
         dist::init_process_group(
             "nccl",
             InitOptions {

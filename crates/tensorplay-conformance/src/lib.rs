@@ -478,6 +478,7 @@ fn run_world(cases: &[Case], w: usize, opts: &RunOptions, dir: &Path) -> dist::R
 fn worker(rank: usize, w: usize, cases: &[&Case], opts: &RunOptions) -> dist::Result<()> {
     let dir = PathBuf::from(std::env::var(OUT_ENV).unwrap_or_default());
     let mut out = fs::File::create(dir.join(format!("world{w}-rank{rank}.jsonl")))?;
+    tensorplay_nccl::register();
     dist::init_process_group(
         &opts.backend,
         InitOptions {

@@ -31,6 +31,28 @@ impl DType {
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F64)
     }
+
+    /// Every dtype, in the order of their [`code`](DType::code)s.
+    pub const ALL: [DType; 4] = [DType::F32, DType::F64, DType::I64, DType::Bool];
+
+    /// The dtype's wire code (0 float32, 1 float64, 2 int64, 3 bool): the one numbering every
+    /// layer that sends a dtype between processes uses (collective descriptors, the cpu
+    /// backend's frames, the differentiable collectives' metadata, RPC messages). Stable:
+    /// new dtypes get new codes.
+    pub fn code(self) -> u8 {
+        match self {
+            DType::F32 => 0,
+            DType::F64 => 1,
+            DType::I64 => 2,
+            DType::Bool => 3,
+        }
+    }
+
+    /// The dtype of a wire [`code`](DType::code); `None` for a code no dtype has (a corrupt
+    /// or newer peer).
+    pub fn from_code(code: u8) -> Option<DType> {
+        DType::ALL.get(usize::from(code)).copied()
+    }
 }
 
 impl fmt::Display for DType {

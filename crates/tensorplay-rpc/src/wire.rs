@@ -337,24 +337,13 @@ impl Wire for Tensor {
     }
 }
 
-/// The dtype code on the wire.
+/// The dtype code on the wire (the core's [`DType::code`]).
 pub(crate) fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 0,
-        DType::F64 => 1,
-        DType::I64 => 2,
-        DType::Bool => 3,
-    }
+    d.code()
 }
 
 pub(crate) fn dtype_from(code: u8) -> Result<DType> {
-    Ok(match code {
-        0 => DType::F32,
-        1 => DType::F64,
-        2 => DType::I64,
-        3 => DType::Bool,
-        c => return Err(Error::Serialization(format!("unknown dtype code {c}"))),
-    })
+    DType::from_code(code).ok_or_else(|| Error::Serialization(format!("unknown dtype code {code}")))
 }
 
 /// Encodes `v` for `dest` (payload, tensors, RRef forks). When it fails part-way, the forks

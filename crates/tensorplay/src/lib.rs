@@ -31,6 +31,11 @@
 //!
 //! Every layer's error converts into the one [`Error`] of this crate, so `?` works across
 //! layers in a function returning [`Result`].
+//!
+//! Features: `cuda` (CUDA tensors; default) and `nccl` (the `"nccl"` process-group backend;
+//! default, implies `cuda`). Both load their libraries at run time, so default builds run on
+//! machines without GPUs; `default-features = false` builds without cudarc. The
+//! `tensorplay-gpu-check` binary (feature `nccl`) checks a GPU machine's NCCL and CUDA paths.
 
 pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
@@ -123,10 +128,49 @@ pub mod distributed {
         all_gather_into_tensor, all_gather_into_tensor_async, all_gather_object, all_reduce,
         all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async, backend, barrier,
         broadcast, broadcast_async, broadcast_object_list, default_group, destroy_process_group,
-        gather, get_backend, get_rank, get_world_size, init_process_group, irecv, is_initialized,
-        isend, new_group, recv, reduce, reduce_scatter, reduce_scatter_tensor,
-        reduce_scatter_tensor_async, rendezvous, scatter, send, spawn, store, world_store,
+        gather, get_backend, get_rank, get_world_size, irecv, is_initialized, isend, recv, reduce,
+        reduce_scatter, reduce_scatter_tensor, reduce_scatter_tensor_async, register_backend,
+        registered_backends, rendezvous, scatter, send, spawn, store, world_store,
     };
+
+    /// Registers the backends this build has beyond `"cpu"` (`"nccl"` with the `nccl`
+    /// feature), once.
+    fn register_builtin() {
+        #[cfg(feature = "nccl")]
+        tensorplay_nccl::register();
+    }
+
+    /// Initialises the default process group (`torch.distributed.init_process_group`):
+    /// rendezvous through the store named by `options.init_method`, then connects the backend.
+    ///
+    /// `backend` is `"cpu"` (host tensors over shared memory and TCP; `"gloo"` is an alias),
+    /// `"nccl"` (CUDA tensors on `cuda:LOCAL_RANK`; in builds with the `nccl` feature, the
+    /// default), or a name given to [`register_backend`].
+    ///
+    /// # Errors
+    /// Already initialised, a bad init method or environment variable, a rendezvous timeout
+    /// naming the ranks that did not join, an unknown backend, or a backend that cannot run
+    /// here (for NCCL: no CUDA driver, no `libnccl`, not enough GPUs), each with what to do.
+    pub fn init_process_group(backend: &str, options: InitOptions) -> Result<(), Error> {
+        register_builtin();
+        tensorplay_collectives::init_process_group(backend, options)
+    }
+
+    /// Creates a group of the given global ranks (`new_group`); every process of the world
+    /// calls it with the same ranks, in the same order. `backend` defaults to the world's,
+    /// `timeout` to the world's; processes outside `ranks` get a non-member handle.
+    ///
+    /// # Errors
+    /// Not initialised, empty or repeated ranks, ranks outside the world, or a backend that
+    /// cannot be created (as [`init_process_group`]).
+    pub fn new_group(
+        ranks: &[usize],
+        backend: Option<&str>,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<ProcessGroup, Error> {
+        register_builtin();
+        tensorplay_collectives::new_group(ranks, backend, timeout)
+    }
 
     /// `torch.distributed.rpc`: remote calls and remote references between workers over QUIC.
     ///

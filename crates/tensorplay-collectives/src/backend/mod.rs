@@ -1,270 +1,163 @@
-//! Backends: the byte movers under process groups. A backend works on contiguous typed
-//! buffers and group-local ranks; the public collectives in `ops.rs` validate arguments, handle
-//! strided tensors and global/group rank translation, and call into it.
+//! The backend contract: what every process-group backend implements, and the registry that
+//! maps a backend's name (`"cpu"`, `"nccl"`, a test double) to the factory that builds it.
+//!
+//! A backend moves tensors between the group-local ranks `0..size` of one group. Everything a
+//! backend should not have to get right on its own is done once, above this trait, for every
+//! backend (the `ops` module): resolving the group and this rank in it, refusing tensors on
+//! the wrong device or of a dtype the backend lacks, the cross-rank check that every rank
+//! passed agreeing dtypes, shapes, roots and ops (over the group's cpu control channel, before
+//! any data moves), staging strided views and aliased inputs, running calls in issue order,
+//! translating the group ranks in errors into the global ranks users know, and the barrier.
+//!
+//! So a backend only ever sees arguments that passed those checks on every rank: contiguous
+//! tensors (possibly views at an offset into their storage: use
+//! `layout().contiguous_range()`), on [`Backend::device`], of one of [`Backend::dtypes`], with
+//! element counts that match across ranks, no input that shares storage with an output, and
+//! `root`s that are group ranks. It must honour `timeout` (return [`Error::Timeout`] naming
+//! the call rather than hang), report a dead peer as [`Error::PeerFailed`], and after an
+//! error of its own transport fail every later call at once.
+//!
+//! A third backend is a crate: implement [`Backend`] and call [`register_backend`] before
+//! `init_process_group`/`new_group` name it (PyTorch's `Backend.register_backend`). The NCCL
+//! backend (crate `tensorplay-nccl`) is registered this way by the facade.
+//!
+//! [`Error::Timeout`]: crate::Error::Timeout
+//! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
 pub mod cpu;
-pub mod nccl;
+mod host;
+mod host_tensors;
+mod registry;
 
 use std::time::Duration;
 
+use tensorplay_core::{DType, Device, Tensor};
+
+pub use host::{BufMut, BufRef, HostBackend, reduce_into};
+pub use host_tensors::HostTensors;
+pub(crate) use registry::make_backend;
+pub use registry::{BackendContext, BackendFactory, register_backend, registered_backends};
+
 use crate::{ReduceOp, Result};
 
-/// A mutable contiguous buffer of one of the dtypes collectives support.
-#[derive(Debug)]
-pub enum BufMut<'a> {
-    /// float32 elements.
-    F32(&'a mut [f32]),
-    /// float64 elements.
-    F64(&'a mut [f64]),
-    /// int64 elements.
-    I64(&'a mut [i64]),
-}
-
-/// A read-only contiguous buffer of one of the dtypes collectives support.
-#[derive(Debug, Clone, Copy)]
-pub enum BufRef<'a> {
-    /// float32 elements.
-    F32(&'a [f32]),
-    /// float64 elements.
-    F64(&'a [f64]),
-    /// int64 elements.
-    I64(&'a [i64]),
-}
-
-macro_rules! buf_common {
-    ($t:ident) => {
-        impl $t<'_> {
-            /// Number of elements.
-            pub fn len(&self) -> usize {
-                match self {
-                    $t::F32(s) => s.len(),
-                    $t::F64(s) => s.len(),
-                    $t::I64(s) => s.len(),
-                }
-            }
-            /// Whether there are no elements.
-            pub fn is_empty(&self) -> bool {
-                self.len() == 0
-            }
-            /// Size of one element in bytes.
-            pub fn elem_size(&self) -> usize {
-                match self {
-                    $t::F32(_) => 4,
-                    $t::F64(_) | $t::I64(_) => 8,
-                }
-            }
-            /// The dtype.
-            pub fn dtype(&self) -> tensorplay_core::DType {
-                match self {
-                    $t::F32(_) => tensorplay_core::DType::F32,
-                    $t::F64(_) => tensorplay_core::DType::F64,
-                    $t::I64(_) => tensorplay_core::DType::I64,
-                }
-            }
-        }
-    };
-}
-buf_common!(BufMut);
-buf_common!(BufRef);
-
-impl BufMut<'_> {
-    /// The elements as bytes (native endianness).
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: f32, f64 and i64 have no padding and every bit pattern is valid for them, so
-        // viewing their memory as bytes (and writing any bytes) is sound; the length is the
-        // byte size of the same allocation.
-        unsafe {
-            match self {
-                BufMut::F32(s) => {
-                    std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len() * 4)
-                }
-                BufMut::F64(s) => {
-                    std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len() * 8)
-                }
-                BufMut::I64(s) => {
-                    std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len() * 8)
-                }
-            }
-        }
-    }
-    /// A read-only view.
-    pub fn as_ref(&self) -> BufRef<'_> {
-        match self {
-            BufMut::F32(s) => BufRef::F32(s),
-            BufMut::F64(s) => BufRef::F64(s),
-            BufMut::I64(s) => BufRef::I64(s),
-        }
-    }
-    /// Elements `range` as a buffer.
-    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> BufMut<'_> {
-        match self {
-            BufMut::F32(s) => BufMut::F32(&mut s[range]),
-            BufMut::F64(s) => BufMut::F64(&mut s[range]),
-            BufMut::I64(s) => BufMut::I64(&mut s[range]),
-        }
-    }
-}
-
-impl<'a> BufRef<'a> {
-    /// The elements as bytes (native endianness).
-    pub fn as_bytes(&self) -> &'a [u8] {
-        // SAFETY: as in `BufMut::as_bytes_mut`; reading plain numbers as bytes is sound.
-        unsafe {
-            match *self {
-                BufRef::F32(s) => std::slice::from_raw_parts(s.as_ptr().cast(), s.len() * 4),
-                BufRef::F64(s) => std::slice::from_raw_parts(s.as_ptr().cast(), s.len() * 8),
-                BufRef::I64(s) => std::slice::from_raw_parts(s.as_ptr().cast(), s.len() * 8),
-            }
-        }
-    }
-    /// Elements `range` as a buffer.
-    pub fn slice(&self, range: std::ops::Range<usize>) -> BufRef<'a> {
-        match *self {
-            BufRef::F32(s) => BufRef::F32(&s[range]),
-            BufRef::F64(s) => BufRef::F64(&s[range]),
-            BufRef::I64(s) => BufRef::I64(&s[range]),
-        }
-    }
-}
-
-/// `dst[i] = op(dst[i], src[i])` elementwise. `Avg` reduces as `Sum` (the caller divides);
-/// bitwise ops apply to int64 only. Errors when the dtypes differ or the op does not apply.
-pub fn reduce_into(op: ReduceOp, dst: &mut BufMut<'_>, src: BufRef<'_>) -> Result<()> {
-    fn float<T: Copy + PartialOrd + std::ops::Add<Output = T> + std::ops::Mul<Output = T>>(
-        op: ReduceOp,
-        d: &mut [T],
-        s: &[T],
-    ) -> Result<()> {
-        #[allow(clippy::eq_op)]
-        let nan = |x: T| x != x;
-        match op {
-            ReduceOp::Sum | ReduceOp::Avg => d.iter_mut().zip(s).for_each(|(a, &b)| *a = *a + b),
-            ReduceOp::Product => d.iter_mut().zip(s).for_each(|(a, &b)| *a = *a * b),
-            ReduceOp::Max => d.iter_mut().zip(s).for_each(|(a, &b)| {
-                if b > *a || nan(b) {
-                    *a = b
-                }
-            }),
-            ReduceOp::Min => d.iter_mut().zip(s).for_each(|(a, &b)| {
-                if b < *a || nan(b) {
-                    *a = b
-                }
-            }),
-            _ => {
-                return Err(crate::Error::invalid(
-                    "reduce",
-                    -1,
-                    "op",
-                    "Sum, Product, Min, Max or Avg for floating tensors",
-                    format!("{op:?}"),
-                ));
-            }
-        }
-        Ok(())
-    }
-    match (dst, src) {
-        (BufMut::F32(d), BufRef::F32(s)) => float(op, d, s),
-        (BufMut::F64(d), BufRef::F64(s)) => float(op, d, s),
-        (BufMut::I64(d), BufRef::I64(s)) => {
-            let z = d.iter_mut().zip(s);
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => z.for_each(|(a, &b)| *a = a.wrapping_add(b)),
-                ReduceOp::Product => z.for_each(|(a, &b)| *a = a.wrapping_mul(b)),
-                ReduceOp::Max => z.for_each(|(a, &b)| *a = (*a).max(b)),
-                ReduceOp::Min => z.for_each(|(a, &b)| *a = (*a).min(b)),
-                ReduceOp::BAnd => z.for_each(|(a, &b)| *a &= b),
-                ReduceOp::BOr => z.for_each(|(a, &b)| *a |= b),
-                ReduceOp::BXor => z.for_each(|(a, &b)| *a ^= b),
-            }
-            Ok(())
-        }
-        (d, s) => Err(crate::Error::invalid(
-            "reduce",
-            -1,
-            "buffers",
-            format!("one dtype ({})", d.dtype()),
-            s.dtype(),
-        )),
-    }
-}
-
-/// A process-group backend over group-local ranks `0..size`. All buffers are contiguous; every
-/// call blocks until done or until `timeout`, and fails with a clear error when a peer dies.
-/// Calls on one backend object are made from one thread at a time, in issue order.
+/// A process-group backend over tensors (see the [module docs](self) for what the layer above
+/// guarantees and what a backend must do). Calls on one backend are made one at a time, in the
+/// group's issue order, except `send`/`recv`, which may run beside each other and beside a
+/// collective. Every tensor argument is contiguous, on [`device`](Backend::device), of one of
+/// [`dtypes`](Backend::dtypes); outputs are written in place.
 pub trait Backend: Send + Sync {
-    /// `"cpu"` or `"nccl"`.
-    fn name(&self) -> &'static str;
-    /// This process's rank in the group.
+    /// The name it was registered under, for errors (`"cpu"`, `"nccl"`).
+    fn name(&self) -> &str;
+    /// This process's rank in the group, `0..size()`.
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
     fn size(&self) -> usize;
-    /// In-place all-reduce of `data` (every rank passes the same length).
-    fn all_reduce(&self, data: BufMut<'_>, op: ReduceOp, timeout: Duration) -> Result<()>;
-    /// In-place broadcast from `root`.
-    fn broadcast(&self, data: BufMut<'_>, root: usize, timeout: Duration) -> Result<()>;
-    /// Reduces into `root`'s `data`; other ranks' `data` is left unchanged.
-    fn reduce(&self, data: BufMut<'_>, op: ReduceOp, root: usize, timeout: Duration) -> Result<()>;
-    /// Concatenates every rank's `input` into `output` in rank order; `counts[r]` is the length
-    /// of rank `r`'s input and `output.len() == counts.iter().sum()`.
-    fn all_gather(
+    /// The device whose tensors this backend moves on this rank (`cpu`, or `cuda:LOCAL_RANK`
+    /// for NCCL).
+    fn device(&self) -> Device;
+    /// The dtypes it moves.
+    fn dtypes(&self) -> &'static [DType] {
+        &[DType::F32, DType::F64, DType::I64]
+    }
+    /// Whether reduction `op` applies to `dtype`; `Err` says what would (for the error the
+    /// layer above raises on every rank). The default is PyTorch's: bitwise ops for integers,
+    /// `Avg` for floating dtypes.
+    fn check_op(&self, op: ReduceOp, dtype: DType) -> std::result::Result<(), String> {
+        let ok = match op {
+            ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => dtype == DType::I64,
+            ReduceOp::Avg => dtype.is_float(),
+            _ => true,
+        };
+        if ok {
+            Ok(())
+        } else if dtype.is_float() {
+            Err("Sum, Product, Min, Max or Avg for floating tensors".into())
+        } else {
+            Err("Sum, Product, Min, Max, BAnd, BOr or BXor for int64 tensors".into())
+        }
+    }
+
+    /// In-place all-reduce of `tensor` (every rank passes the same shape); `Avg` divides by
+    /// the group size.
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp, timeout: Duration) -> Result<()>;
+    /// In-place broadcast from group rank `root`.
+    fn broadcast(&self, tensor: &Tensor, root: usize, timeout: Duration) -> Result<()>;
+    /// Reduces into `root`'s `tensor`; the other ranks' tensors are left unchanged.
+    fn reduce(&self, tensor: &Tensor, op: ReduceOp, root: usize, timeout: Duration) -> Result<()>;
+    /// Rank `r`'s `input` lands in `outputs[r]` on every rank (`outputs[r].numel()` is rank
+    /// `r`'s input size, which may differ per rank).
+    fn all_gather(&self, outputs: &[Tensor], input: &Tensor, timeout: Duration) -> Result<()>;
+    /// Every rank's `input` (one size on all ranks) concatenated in rank order into `output`
+    /// (`size * input.numel()` elements).
+    fn all_gather_into_tensor(
         &self,
-        input: BufRef<'_>,
-        output: BufMut<'_>,
-        counts: &[usize],
+        output: &Tensor,
+        input: &Tensor,
         timeout: Duration,
     ) -> Result<()>;
-    /// Reduces `input` (`size * n` elements) across ranks and leaves block `rank` (n elements)
-    /// in `output`.
+    /// `inputs[r]` reduced over ranks lands in rank `r`'s `output` (all of one shape).
     fn reduce_scatter(
         &self,
-        input: BufRef<'_>,
-        output: BufMut<'_>,
+        output: &Tensor,
+        inputs: &[Tensor],
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<()>;
-    /// Gathers every rank's `input` into `root`'s `output` (`counts` as in `all_gather`);
-    /// `output` is `None` on other ranks.
+    /// `input` (`size * output.numel()` elements, blocks in rank order) reduced over ranks;
+    /// block `rank` lands in `output`.
+    fn reduce_scatter_tensor(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()>;
+    /// Every rank's `input` lands in `outputs[r]` on `root` (`outputs` is `None` elsewhere);
+    /// `counts[r]` is rank `r`'s input size, known on every rank.
     fn gather(
         &self,
-        input: BufRef<'_>,
-        output: Option<BufMut<'_>>,
+        input: &Tensor,
+        outputs: Option<&[Tensor]>,
         counts: &[usize],
         root: usize,
         timeout: Duration,
     ) -> Result<()>;
-    /// Sends block `r` of `root`'s `input` (split by `counts`) to rank `r`'s `output`.
+    /// `root`'s `inputs[r]` lands in rank `r`'s `output` (`inputs` is `None` elsewhere);
+    /// `counts[r]` is rank `r`'s output size, known on every rank.
     fn scatter(
         &self,
-        input: Option<BufRef<'_>>,
-        output: BufMut<'_>,
+        inputs: Option<&[Tensor]>,
+        output: &Tensor,
         counts: &[usize],
         root: usize,
         timeout: Duration,
     ) -> Result<()>;
-    /// Sends `input[send_offsets[r]..][..send_counts[r]]` to rank `r` and receives rank `r`'s
-    /// block into `output[recv_offsets[r]..][..recv_counts[r]]` (offsets are prefix sums).
-    fn all_to_all(
+    /// `inputs[s]` goes to rank `s`, which receives it into its `outputs[r]` (sizes agree
+    /// between each sender and receiver).
+    fn all_to_all(&self, outputs: &[Tensor], inputs: &[Tensor], timeout: Duration) -> Result<()>;
+    /// `input`'s elements `send_counts` (prefix sums are the offsets) go to ranks `0..size` in
+    /// order; what rank `r` sends lands in `output` at `recv_counts`' offset `r`.
+    fn all_to_all_single(
         &self,
-        input: BufRef<'_>,
+        output: &Tensor,
+        input: &Tensor,
         send_counts: &[usize],
-        output: BufMut<'_>,
         recv_counts: &[usize],
         timeout: Duration,
     ) -> Result<()>;
-    /// Sends `data` to `dst` with `tag`.
-    fn send(&self, data: BufRef<'_>, dst: usize, tag: u64, timeout: Duration) -> Result<()>;
-    /// Receives into `data` from `src` with `tag`.
-    fn recv(&self, data: BufMut<'_>, src: usize, tag: u64, timeout: Duration) -> Result<()>;
-    /// Waits until every rank has entered the barrier.
-    fn barrier(&self, timeout: Duration) -> Result<()>;
-    /// Bytes this backend has sent so far (for summaries).
+    /// Sends `tensor` to group rank `dst` with `tag` (a backend without tags may ignore it:
+    /// then messages between two ranks match in order).
+    fn send(&self, tensor: &Tensor, dst: usize, tag: u64, timeout: Duration) -> Result<()>;
+    /// Receives into `tensor` from group rank `src` with `tag`.
+    fn recv(&self, tensor: &Tensor, src: usize, tag: u64, timeout: Duration) -> Result<()>;
+
+    /// Bytes this backend has sent so far (for summaries and benchmarks).
     fn bytes_sent(&self) -> u64 {
         0
     }
-    /// How collectives move between this group's ranks: `"shm"` (shared memory, every rank
-    /// on one host), `"tcp"`, `"shm+tcp"` (several hosts), or the backend's name where it
-    /// has a single transport.
+    /// How collectives move between this group's ranks: `"shm"`, `"tcp"`, `"shm+tcp"` for the
+    /// cpu backend, or the backend's name where it has a single transport.
     fn transport(&self) -> &'static str {
-        self.name()
+        "other"
     }
 }

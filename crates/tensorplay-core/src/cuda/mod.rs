@@ -1,188 +1,28 @@
-//! CUDA storage through cudarc: the only module of the crate that calls cudarc.
+//! CUDA devices and storage.
 //!
-//! cudarc is built with dynamic loading and fixed CUDA 12.8 bindings, so this compiles and links
-//! on machines without a CUDA toolkit. cudarc panics when its library cannot be loaded; every
-//! entry point here first checks that the driver library is present and returns
-//! [`Error::CudaUnavailable`] otherwise, so user code never sees a panic.
+//! With the `cuda` feature (the facade's default) this is cudarc-backed device memory; without
+//! it, the same items exist as a stand-in (candle's dummy backend is the model): no CUDA
+//! device is ever present, [`is_available`] is `false`, and creating CUDA storage returns
+//! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) saying the build lacks the
+//! feature. Code above the core compiles the same either way.
 //!
 //! Supported so far: allocation, host-to-device and device-to-host copies (`Tensor::to`).
-//! Arithmetic on CUDA tensors returns [`Error::NotSupported`].
+//! Arithmetic on CUDA tensors returns [`Error::NotSupported`](crate::Error::NotSupported).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+#[cfg(not(feature = "cuda"))]
+mod dummy;
+#[cfg(feature = "cuda")]
+mod real;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+#[cfg(not(feature = "cuda"))]
+pub use dummy::{CudaData, CudaStorage, device_count, is_driver_present};
+#[cfg(feature = "cuda")]
+pub use real::{CudaData, CudaStorage, context, device_count, is_driver_present};
 
-use crate::storage::CpuStorage;
-use crate::{DType, Device, Error, Result};
+/// Whether this build has CUDA support (the core's `cuda` feature).
+pub const COMPILED: bool = cfg!(feature = "cuda");
 
-/// Device memory of one dtype on one CUDA device.
-#[derive(Debug)]
-pub struct CudaStorage {
-    ordinal: usize,
-    data: CudaData,
-    stream: Arc<CudaStream>,
-}
-
-/// The typed device buffer inside a [`CudaStorage`].
-#[derive(Debug)]
-pub enum CudaData {
-    /// float32 elements.
-    F32(CudaSlice<f32>),
-    /// float64 elements.
-    F64(CudaSlice<f64>),
-    /// int64 elements.
-    I64(CudaSlice<i64>),
-    /// bool elements.
-    Bool(CudaSlice<bool>),
-}
-
-fn driver_error(op: &'static str, e: impl std::fmt::Debug) -> Error {
-    Error::Cuda {
-        op,
-        message: format!("{e:?}"),
-    }
-}
-
-/// Whether the CUDA driver library (`libcuda.so`) can be loaded on this machine.
-pub fn is_driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: is_culib_present only tries to dlopen the library and reports the outcome.
-    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
-}
-
-/// Number of CUDA devices; 0 when there is no driver or no device.
-pub fn device_count() -> usize {
-    if !is_driver_present() {
-        return 0;
-    }
-    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
-}
-
-/// Whether CUDA can be used (`torch.cuda.is_available`).
+/// Whether CUDA can be used (`torch.cuda.is_available`): compiled in, a driver, a device.
 pub fn is_available() -> bool {
     device_count() > 0
-}
-
-/// The context of device `ordinal` (cached, shared by every tensor on that device), or a
-/// clear [`Error::CudaUnavailable`] naming what is missing.
-pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
-    if !is_driver_present() {
-        return Err(Error::CudaUnavailable {
-            reason: "the CUDA driver library (libcuda.so) was not found; install the NVIDIA \
-                     driver or use the cpu device"
-                .into(),
-        });
-    }
-    let n = device_count();
-    if ordinal >= n {
-        return Err(Error::CudaUnavailable {
-            reason: format!("device cuda:{ordinal} requested but {n} CUDA device(s) are present"),
-        });
-    }
-    static CTX: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
-    let mut map = CTX
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if let Some(c) = map.get(&ordinal) {
-        return Ok(c.clone());
-    }
-    let c = CudaContext::new(ordinal).map_err(|e| driver_error("CudaContext::new", e))?;
-    map.insert(ordinal, c.clone());
-    Ok(c)
-}
-
-impl CudaStorage {
-    /// Copies host memory to device `ordinal`.
-    pub fn from_cpu(src: &CpuStorage, ordinal: usize) -> Result<CudaStorage> {
-        let ctx = context(ordinal)?;
-        let stream = ctx.default_stream();
-        let e = |e| driver_error("memcpy host to device", e);
-        let data = match src {
-            CpuStorage::F32(v) => CudaData::F32(stream.clone_htod(v).map_err(e)?),
-            CpuStorage::F64(v) => CudaData::F64(stream.clone_htod(v).map_err(e)?),
-            CpuStorage::I64(v) => CudaData::I64(stream.clone_htod(v).map_err(e)?),
-            CpuStorage::Bool(v) => CudaData::Bool(stream.clone_htod(v).map_err(e)?),
-        };
-        Ok(CudaStorage {
-            ordinal,
-            data,
-            stream,
-        })
-    }
-
-    /// `n` zeros of `dtype` on device `ordinal`.
-    pub fn zeros(dtype: DType, n: usize, ordinal: usize) -> Result<CudaStorage> {
-        let ctx = context(ordinal)?;
-        let stream = ctx.default_stream();
-        let e = |e| driver_error("alloc_zeros", e);
-        let data = match dtype {
-            DType::F32 => CudaData::F32(stream.alloc_zeros(n).map_err(e)?),
-            DType::F64 => CudaData::F64(stream.alloc_zeros(n).map_err(e)?),
-            DType::I64 => CudaData::I64(stream.alloc_zeros(n).map_err(e)?),
-            DType::Bool => CudaData::Bool(stream.alloc_zeros(n).map_err(e)?),
-        };
-        Ok(CudaStorage {
-            ordinal,
-            data,
-            stream,
-        })
-    }
-
-    /// Copies the whole buffer back to host memory (synchronising the stream).
-    pub fn to_cpu(&self) -> Result<CpuStorage> {
-        let e = |e| driver_error("memcpy device to host", e);
-        Ok(match &self.data {
-            CudaData::F32(s) => CpuStorage::F32(self.stream.clone_dtoh(s).map_err(e)?),
-            CudaData::F64(s) => CpuStorage::F64(self.stream.clone_dtoh(s).map_err(e)?),
-            CudaData::I64(s) => CpuStorage::I64(self.stream.clone_dtoh(s).map_err(e)?),
-            CudaData::Bool(s) => CpuStorage::Bool(self.stream.clone_dtoh(s).map_err(e)?),
-        })
-    }
-
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match &self.data {
-            CudaData::F32(_) => DType::F32,
-            CudaData::F64(_) => DType::F64,
-            CudaData::I64(_) => DType::I64,
-            CudaData::Bool(_) => DType::Bool,
-        }
-    }
-
-    /// The device.
-    pub fn device(&self) -> Device {
-        Device::Cuda(self.ordinal)
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match &self.data {
-            CudaData::F32(s) => s.len(),
-            CudaData::F64(s) => s.len(),
-            CudaData::I64(s) => s.len(),
-            CudaData::Bool(s) => s.len(),
-        }
-    }
-
-    /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The typed device buffer (for communication backends such as NCCL).
-    pub fn data(&self) -> &CudaData {
-        &self.data
-    }
-
-    /// The typed device buffer, mutably.
-    pub fn data_mut(&mut self) -> &mut CudaData {
-        &mut self.data
-    }
-
-    /// The stream work on this buffer is ordered on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
 }

@@ -182,21 +182,14 @@ impl Grp {
 }
 
 fn dtype_code(d: DType) -> i64 {
-    match d {
-        DType::F32 => 0,
-        DType::F64 => 1,
-        DType::I64 => 2,
-        DType::Bool => 3,
-    }
+    i64::from(d.code())
 }
 
 fn dtype_of(code: i64) -> DType {
-    match code {
-        0 => DType::F32,
-        1 => DType::F64,
-        2 => DType::I64,
-        _ => DType::Bool,
-    }
+    u8::try_from(code)
+        .ok()
+        .and_then(DType::from_code)
+        .unwrap_or(DType::Bool)
 }
 
 /// Length of a shape descriptor: `[ndim, d_0 .. d_7]`.

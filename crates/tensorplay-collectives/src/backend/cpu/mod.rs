@@ -42,7 +42,7 @@ use self::algo::Ctx;
 use self::buf::{Scratch, copy, reborrow};
 use self::conn::{Header, Kind, NO_REDOP, Peer};
 use self::route::Route;
-use super::{Backend, BufMut, BufRef, reduce_into};
+use super::{BufMut, BufRef, HostBackend, reduce_into};
 use crate::store::Store;
 use crate::{Error, ReduceOp, Result};
 
@@ -99,14 +99,6 @@ pub struct CpuBackend {
     p2p: Vec<(Mutex<()>, Mutex<()>)>,
     /// The transport of collectives (shared memory, TCP or both).
     route: Route,
-}
-
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 0,
-        DType::F64 => 1,
-        _ => 2,
-    }
 }
 
 fn redop_code(op: ReduceOp) -> u8 {
@@ -284,7 +276,7 @@ impl CpuBackend {
             timeout,
             sig: Header {
                 kind,
-                dtype: dtype_code(sig.0),
+                dtype: sig.0.code(),
                 redop: sig.1,
                 seq,
                 count: sig.2 as u64,
@@ -348,7 +340,7 @@ impl CpuBackend {
     }
 }
 
-impl Backend for CpuBackend {
+impl HostBackend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }

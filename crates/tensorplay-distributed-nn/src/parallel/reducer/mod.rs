@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
 use tensorplay_core::autograd::{self, HookHandle};
-use tensorplay_core::{DType, Result, Tensor, TensorId};
+use tensorplay_core::{Result, Tensor, TensorId};
 
 use super::StepStats;
 use super::buckets::{self, ParamSpec};
@@ -104,11 +104,7 @@ pub(crate) struct Reducer {
 }
 
 fn dtype_key(t: &Tensor) -> u64 {
-    let d = match t.dtype() {
-        DType::F32 => 1,
-        DType::F64 => 2,
-        _ => 3,
-    };
+    let d = 1 + u64::from(t.dtype().code());
     let dev = match t.device() {
         tensorplay_core::Device::Cpu => 0,
         tensorplay_core::Device::Cuda(i) => 1 + i as u64,

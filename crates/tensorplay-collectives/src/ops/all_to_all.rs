@@ -1,0 +1,214 @@
+//! The exchanges between every pair of ranks: `all_to_all`, `all_to_all_single`.
+
+use tensorplay_core::{DType, Tensor};
+
+use super::check::{agree, dtype_code, dtype_name};
+use super::stage::{self, Out};
+use super::{Call, call, callers_grad_mode, check_writable, resolve};
+use crate::group::ProcessGroup;
+use crate::work::Work;
+use crate::{Error, Result};
+
+/// Rank `r` sends `input_list[s]` to rank `s`, which receives it into `output_list[r]`
+/// (`dist.all_to_all`). Sizes may differ per pair but must agree between sender and receiver.
+///
+/// # Errors
+/// Not initialised, not a member, lists of the wrong length, tensors the group's backend does
+/// not move or of differing dtypes, sizes that disagree between a sender and its receiver (on
+/// every rank), a timeout or a failed peer.
+pub fn all_to_all(
+    output_list: &[Tensor],
+    input_list: &[Tensor],
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
+    let g = resolve(group, "all_to_all")?;
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "all_to_all", || {
+            let c = call(&g, "all_to_all")?;
+            for (name, l) in [("output_list", output_list), ("input_list", input_list)] {
+                if l.len() != c.size {
+                    return Err(c.err(name, format!("{} tensors (one per rank)", c.size), l.len()));
+                }
+            }
+            let dt = input_list[0].dtype();
+            for (r, t) in input_list.iter().chain(output_list).enumerate() {
+                c.accept(&format!("tensor {r} of the lists"), t)?;
+                if t.dtype() != dt {
+                    return Err(c.err("lists", format!("one dtype ({dt})"), t.dtype()));
+                }
+            }
+            for (r, t) in output_list.iter().enumerate() {
+                check_writable(&c, &format!("output_list[{r}]"), t)?;
+            }
+            let send: Vec<usize> = input_list.iter().map(|t| t.numel()).collect();
+            let recv: Vec<usize> = output_list.iter().map(|t| t.numel()).collect();
+            a2a_check(&c, dt, &send, &recv)?;
+            let mut inputs = stage::inputs(input_list)?;
+            for t in &mut inputs {
+                for o in output_list {
+                    *t = stage::input(t, Some(o))?;
+                }
+            }
+            let outs = stage::outs(output_list)?;
+            let views = stage::views(&outs);
+            c.run(|b| b.all_to_all(&views, &inputs, c.timeout()))?;
+            stage::finish_all(outs)
+        })
+}
+
+/// Checks that what each rank sends to each other rank is what that rank expects to receive.
+fn a2a_check(c: &Call<'_>, dt: DType, send: &[usize], recv: &[usize]) -> Result<()> {
+    let mut d = vec![dtype_code(dt)];
+    d.extend(send.iter().map(|&x| x as i64));
+    d.extend(recv.iter().map(|&x| x as i64));
+    let all = c.exchange(&d)?;
+    agree(c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
+    let n = c.size;
+    for r in 0..n {
+        for s in 0..n {
+            let sends = all[r][1 + s];
+            let expects = all[s][1 + n + r];
+            if sends != expects {
+                return Err(Error::Mismatch {
+                    op: c.op.to_string(),
+                    detail: format!(
+                        "rank {} sends {sends} elements to rank {} but rank {} expects {expects} from rank {}",
+                        c.g.ranks()[r],
+                        c.g.ranks()[s],
+                        c.g.ranks()[s],
+                        c.g.ranks()[r]
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Splits `input` along its first dimension by `input_split_sizes` (rows; default: equal
+/// parts), sends part `s` to rank `s`, and writes what rank `r` sent into `output`'s rows given
+/// by `output_split_sizes` (`dist.all_to_all_single`). Rows must have one shape on all ranks.
+///
+/// # Errors
+/// As [`all_to_all`], and split sizes that do not sum to the rows (or rows that do not split
+/// evenly when no sizes are given).
+pub fn all_to_all_single(
+    output: &Tensor,
+    input: &Tensor,
+    output_split_sizes: Option<&[usize]>,
+    input_split_sizes: Option<&[usize]>,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
+    let g = resolve(group, "all_to_all_single")?;
+    g.inner
+        .seq
+        .clone()
+        .run_blocking(g.timeout(), "all_to_all_single", || {
+            a2as_impl(&g, output, input, output_split_sizes, input_split_sizes)
+        })
+}
+
+/// [`all_to_all_single`] with `async_op=True`.
+pub fn all_to_all_single_async(
+    output: &Tensor,
+    input: &Tensor,
+    output_split_sizes: Option<Vec<usize>>,
+    input_split_sizes: Option<Vec<usize>>,
+    group: Option<&ProcessGroup>,
+) -> Result<Work> {
+    let g = resolve(group, "all_to_all_single")?;
+    let (o, i, g2) = (output.clone(), input.clone(), g.clone());
+    g.inner.seq.submit(
+        g.timeout(),
+        "all_to_all_single",
+        callers_grad_mode(move || {
+            a2as_impl(
+                &g2,
+                &o,
+                &i,
+                output_split_sizes.as_deref(),
+                input_split_sizes.as_deref(),
+            )
+        }),
+    )
+}
+
+fn a2as_impl(
+    g: &ProcessGroup,
+    output: &Tensor,
+    input: &Tensor,
+    out_splits: Option<&[usize]>,
+    in_splits: Option<&[usize]>,
+) -> Result<()> {
+    let c = call(g, "all_to_all_single")?;
+    c.accept("input", input)?;
+    c.accept("output", output)?;
+    check_writable(&c, "output", output)?;
+    if input.dtype() != output.dtype() {
+        return Err(c.err(
+            "output",
+            format!("input's dtype {}", input.dtype()),
+            output.dtype(),
+        ));
+    }
+    let rows = |t: &Tensor| if t.ndim() == 0 { 1 } else { t.shape()[0] };
+    let row_numel = |t: &Tensor| {
+        if t.ndim() == 0 {
+            1
+        } else {
+            t.shape()[1..].iter().product::<usize>()
+        }
+    };
+    if input.ndim() > 0 && output.ndim() > 0 && input.shape()[1..] != output.shape()[1..] {
+        return Err(c.err(
+            "output",
+            format!("rows of shape {:?} like input's", &input.shape()[1..]),
+            format!("{:?}", &output.shape()[1..]),
+        ));
+    }
+    let splits = |given: Option<&[usize]>, t: &Tensor, arg: &str| -> Result<Vec<usize>> {
+        match given {
+            Some(s) => {
+                let sum = s.iter().try_fold(0usize, |a, &v| a.checked_add(v));
+                if s.len() != c.size || sum != Some(rows(t)) {
+                    return Err(c.err(
+                        arg,
+                        format!("{} sizes summing to {} rows", c.size, rows(t)),
+                        format!("{s:?}"),
+                    ));
+                }
+                Ok(s.to_vec())
+            }
+            None => {
+                if rows(t) % c.size != 0 {
+                    return Err(c.err(
+                        arg,
+                        format!(
+                            "given, since {} rows do not split evenly over {} ranks",
+                            rows(t),
+                            c.size
+                        ),
+                        "None",
+                    ));
+                }
+                Ok(vec![rows(t) / c.size; c.size])
+            }
+        }
+    };
+    let rn = row_numel(input);
+    let send: Vec<usize> = splits(in_splits, input, "input_split_sizes")?
+        .iter()
+        .map(|r| r * rn)
+        .collect();
+    let recv: Vec<usize> = splits(out_splits, output, "output_split_sizes")?
+        .iter()
+        .map(|r| r * rn)
+        .collect();
+    a2a_check(&c, input.dtype(), &send, &recv)?;
+    let inp = stage::input(input, Some(output))?;
+    let out = Out::new(output)?;
+    c.run(|b| b.all_to_all_single(out.t(), &inp, &send, &recv, c.timeout()))?;
+    out.finish()
+}

@@ -1,0 +1,89 @@
+//! `cargo xtask gpu-check [--bundle DIR]`: the GPU check as a self-contained bundle. Builds
+//! `tensorplay-gpu-check` (release, stripped) and writes it with a `run.sh` into `DIR`, which a
+//! GPU machine runs without a Rust toolchain; without `--bundle` it builds the bundle in a
+//! temporary folder and runs it here.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The most a bundle may weigh (what the device tool carries).
+const MAX_BYTES: u64 = 64 << 20;
+
+const RUN_SH: &str = r#"#!/bin/sh
+# The tensorplay GPU check: NCCL at world size 1, the NCCL timeout path, CUDA copies, RPC of
+# CUDA tensors. Prints `N passed, M failed, K skipped`; exits non-zero when a check failed or
+# when there is no GPU (then nothing was checked).
+here="$(cd "$(dirname "$0")" && pwd)"
+export TENSORPLAY_SPAWN_VERBOSE="${TENSORPLAY_SPAWN_VERBOSE:-0}"
+exec "$here/tensorplay-gpu-check" "$@"
+"#;
+
+/// Builds the bundle into `dir`; returns the path of `run.sh`.
+pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
+    let status = Command::new("cargo")
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "tensorplay",
+            "--bin",
+            "tensorplay-gpu-check",
+        ])
+        .env("CARGO_PROFILE_RELEASE_STRIP", "true")
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
+        .status()
+        .map_err(|e| format!("could not run cargo build: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "cargo build of tensorplay-gpu-check failed ({status})"
+        ));
+    }
+    let target =
+        std::env::var("CARGO_TARGET_DIR").map_or_else(|_| PathBuf::from("target"), PathBuf::from);
+    let bin = target.join("release/tensorplay-gpu-check");
+    std::fs::create_dir_all(dir).map_err(|e| format!("could not create {}: {e}", dir.display()))?;
+    let dest = dir.join("tensorplay-gpu-check");
+    std::fs::copy(&bin, &dest).map_err(|e| format!("could not copy {}: {e}", bin.display()))?;
+    let run = dir.join("run.sh");
+    std::fs::write(&run, RUN_SH).map_err(|e| format!("could not write {}: {e}", run.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("could not make run.sh executable: {e}"))?;
+    }
+    let size: u64 = [&dest, &run]
+        .iter()
+        .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+        .sum();
+    if size > MAX_BYTES {
+        return Err(format!(
+            "the bundle is {} MiB, over the 64 MiB limit",
+            size >> 20
+        ));
+    }
+    println!(
+        "gpu-check bundle: {} ({:.1} MiB); run {}",
+        dir.display(),
+        size as f64 / 1048576.0,
+        run.display()
+    );
+    Ok(run)
+}
+
+/// `cargo xtask gpu-check [--bundle DIR]`.
+pub(crate) fn gpu_check(bundle_dir: Option<&Path>) -> Result<(), String> {
+    if let Some(dir) = bundle_dir {
+        return bundle(dir).map(|_| ());
+    }
+    let dir = std::env::temp_dir().join(format!("tensorplay-gpu-check-{}", std::process::id()));
+    let run = bundle(&dir)?;
+    let status = Command::new("sh").arg(&run).status();
+    let _ = std::fs::remove_dir_all(&dir);
+    let status = status.map_err(|e| format!("could not run {}: {e}", run.display()))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("the GPU check did not pass ({status})"))
+    }
+}
