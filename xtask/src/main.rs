@@ -108,6 +108,10 @@ enum Cmd {
         /// Largest size in MiB.
         #[arg(long, default_value_t = 64)]
         max_mib: usize,
+        /// Instead: the flight recorder's cost, this many rounds alternating
+        /// `TENSORPLAY_FR_BUFFER_SIZE=0` and the default (4 KiB collectives, 20000 calls each, best round each).
+        #[arg(long, default_value_t = 0)]
+        fr_rounds: usize,
     },
     /// DistributedDataParallel training step (MLP 784-hidden-hidden-hidden-10, batch 32 per
     /// rank) next to PyTorch DDP over gloo: local step, DDP step, overhead and their ratios.
@@ -557,6 +561,75 @@ fn bench_collectives(
     Ok(())
 }
 
+/// The flight recorder's cost: the 4 KiB collectives of `bench_collectives` (20000 iterations
+/// each), alternately with the recorder off (`TENSORPLAY_FR_BUFFER_SIZE=0`) and on (the
+/// default), for `rounds` rounds; prints the best round of each and the ratios (goal: the
+/// 4 KiB all_reduce at most 3% slower with it on).
+fn bench_flight_recorder(world: usize, rounds: usize) -> Result<(), String> {
+    run_capture(Command::new("cargo").args([
+        "build",
+        "--release",
+        "-q",
+        "-p",
+        "tensorplay-collectives",
+        "--example",
+        "bench_collectives",
+    ]))?;
+    let mut best: [Vec<((String, u64), f64)>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..rounds {
+        for (i, size) in ["0", "2000"].iter().enumerate() {
+            let out = run_capture(
+                Command::new("cargo")
+                    .args([
+                        "run",
+                        "--release",
+                        "-q",
+                        "-p",
+                        "tensorplay-collectives",
+                        "--example",
+                        "bench_collectives",
+                        "--",
+                    ])
+                    .arg(world.to_string())
+                    .arg("0")
+                    .env("TENSORPLAY_FR_BUFFER_SIZE", size)
+                    .env("TENSORPLAY_BENCH_ITERS", "20000"),
+            )?;
+            for (k, (us, _)) in parse_coll(&out) {
+                match best[i].iter_mut().find(|(b, _)| *b == k) {
+                    Some((_, b)) => *b = b.min(us),
+                    None => best[i].push((k, us)),
+                }
+            }
+        }
+        eprintln!("round {} of {rounds} done", round + 1);
+    }
+    println!("flight recorder cost, best of {rounds} rounds, {world} ranks (us per call)");
+    println!(
+        "{:<15} {:>8} {:>10} {:>10} {:>7}",
+        "collective", "bytes", "off_us", "on_us", "on/off"
+    );
+    let mut all_reduce = None;
+    for ((name, bytes), off) in &best[0] {
+        if let Some((_, on)) = best[1].iter().find(|(k, _)| k.0 == *name && k.1 == *bytes) {
+            println!(
+                "{name:<15} {bytes:>8} {off:>10.2} {on:>10.2} {:>7.3}",
+                on / off
+            );
+            if name == "all_reduce" {
+                all_reduce = Some(on / off);
+            }
+        }
+    }
+    if let Some(r) = all_reduce {
+        println!(
+            "4 KiB all_reduce with the recorder on: {r:.3}x (goal <= 1.03: {})",
+            if r <= 1.03 { "met" } else { "missed" }
+        );
+    }
+    Ok(())
+}
+
 /// Single-thread memcpy bandwidth in GB/s (bytes copied / time), as
 /// `../shared/anchors/memcpy_limit.py` measures it: `mib` MiB of float32 into another buffer,
 /// best of 20, after one warm-up copy that faults the pages in.
@@ -994,9 +1067,13 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Cmd::TestMultigpu => test_multigpu(),
         Cmd::BenchCollectives {
+            world, fr_rounds, ..
+        } if fr_rounds > 0 => bench_flight_recorder(world, fr_rounds),
+        Cmd::BenchCollectives {
             anchor,
             world,
             max_mib,
+            ..
         } => bench_collectives(&anchor.anchors, &anchor.python(), world, max_mib),
         Cmd::BenchDdp {
             anchor,

@@ -46,7 +46,11 @@ fn run(rank: usize, world: usize, max_mib: usize) -> R {
                     _ => dist::reduce_scatter_tensor(&x, &big, ReduceOp::Sum, None),
                 }
             };
-            let iters = (((64usize << 20) / nbytes).clamp(3, 200)) as u32;
+            // TENSORPLAY_BENCH_ITERS overrides the count (for latency comparisons)
+            let iters = std::env::var("TENSORPLAY_BENCH_ITERS")
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .unwrap_or_else(|| (((64usize << 20) / nbytes).clamp(3, 200)) as u32);
             for _ in 0..2 {
                 op()?;
             }
@@ -66,7 +70,7 @@ fn run(rank: usize, world: usize, max_mib: usize) -> R {
             if rank == 0 {
                 // the children's output is captured by spawn: rank 0 reports through a file
                 let line = format!(
-                    "tensorplay-cpu {name:15} {nbytes:>10} B  {:10.1} us  algbw {algbw:7.3} GB/s  busbw {:7.3} GB/s\n",
+                    "tensorplay-cpu {name:15} {nbytes:>10} B  {:10.2} us  algbw {algbw:7.3} GB/s  busbw {:7.3} GB/s\n",
                     dt * 1e6,
                     algbw * f
                 );

@@ -2,6 +2,16 @@
 
 use std::time::Duration;
 
+/// " on rank N", or nothing when the rank is not known yet (-1): messages never say
+/// "rank -1".
+fn on_rank(rank: i64) -> String {
+    if rank < 0 {
+        String::new()
+    } else {
+        format!(" on rank {rank}")
+    }
+}
+
 /// Every fallible operation of this crate returns this error. Variants name the rank(s),
 /// the argument and what was expected.
 #[derive(Clone, thiserror::Error)]
@@ -11,7 +21,7 @@ pub enum Error {
     #[error(transparent)]
     Core(#[from] tensorplay_core::Error),
     /// A blocking call did not complete within its timeout.
-    #[error("{op} timed out after {timeout:?} on rank {rank}: {detail}")]
+    #[error("{op} timed out after {timeout:?}{}: {detail}", on_rank(*rank))]
     Timeout {
         /// The operation.
         op: String,
@@ -47,7 +57,7 @@ pub enum Error {
         detail: String,
     },
     /// An argument had an invalid value on this rank.
-    #[error("{op} on rank {rank}: invalid argument `{arg}`: expected {expected}, got {got}")]
+    #[error("{op}{}: invalid argument `{arg}`: expected {expected}, got {got}", on_rank(*rank))]
     InvalidArgument {
         /// The operation.
         op: String,

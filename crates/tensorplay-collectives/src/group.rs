@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::backend::{Backend, HostBackend, make_backend};
+use crate::recorder::GroupRecorder;
 use crate::rendezvous::{InitMethod, rendezvous};
 use crate::store::{PrefixStore, Store};
 use crate::work::Sequencer;
@@ -74,6 +75,8 @@ pub(crate) struct GroupInner {
     pub(crate) seq: Arc<Sequencer>,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) backend_name: String,
+    /// The flight recorder of this group on this rank.
+    pub(crate) recorder: Arc<GroupRecorder>,
 }
 
 /// A process group (`torch.distributed.ProcessGroup`): a set of ranks, a backend and a
@@ -226,11 +229,19 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
             group_rank: Some(info.rank),
             member: Some(b),
             timeout: options.timeout,
-            seq: Sequencer::new(),
+            seq: Sequencer::new(info.rank, (0..info.world_size).collect()),
             store: pg_store,
             backend_name: backend.to_string(),
+            recorder: GroupRecorder::new(
+                "world",
+                backend,
+                &(0..info.world_size).collect::<Vec<_>>(),
+            ),
         }),
     };
+    if let Some((master, prefix)) = &info.dial {
+        crate::recorder::start_watcher(*master, prefix.clone());
+    }
     *w = Some(World {
         group,
         store: info.store,
@@ -249,6 +260,7 @@ pub fn destroy_process_group() -> Result<()> {
             op: "destroy_process_group".into(),
         });
     }
+    crate::recorder::WORLD_GENERATION.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     Ok(())
 }
 
@@ -394,8 +406,9 @@ pub fn new_group(
             group_rank,
             member: b,
             timeout,
-            seq: Sequencer::new(),
+            seq: Sequencer::new(me, ranks.to_vec()),
             store: gstore,
+            recorder: GroupRecorder::new(&format!("group{id}"), &backend_name, ranks),
             backend_name,
         }),
     })

@@ -9,6 +9,7 @@ mod error;
 mod group;
 mod object;
 mod ops;
+pub mod recorder;
 pub mod rendezvous;
 pub mod shm_host;
 pub mod spawn;
@@ -28,6 +29,7 @@ pub use ops::{
     broadcast, broadcast_async, gather, irecv, isend, recv, reduce, reduce_scatter,
     reduce_scatter_tensor, reduce_scatter_tensor_async, scatter, send, with_phase,
 };
+pub use recorder::dump_flight_recorder;
 pub use rendezvous::{
     InitMethod, RendezvousInfo, rendezvous, rendezvous_barrier, rendezvous_scoped,
 };

@@ -86,6 +86,9 @@ pub struct RendezvousInfo {
     pub local_rank: usize,
     /// The store shared by all ranks (rank 0 hosts its server).
     pub store: Arc<dyn Store>,
+    /// The store server's address and this rendezvous' key prefix, for a second connection
+    /// (the flight recorder's watcher).
+    pub(crate) dial: Option<(std::net::SocketAddr, String)>,
 }
 
 impl std::fmt::Debug for RendezvousInfo {
@@ -269,10 +272,8 @@ pub fn rendezvous_scoped(
             }
         }
     };
-    let store: Arc<dyn Store> = Arc::new(crate::store::PrefixStore::new(
-        format!("{scope}{generation}/"),
-        store,
-    ));
+    let prefix = format!("{scope}{generation}/");
+    let store: Arc<dyn Store> = Arc::new(crate::store::PrefixStore::new(prefix.clone(), store));
     let left = timeout.saturating_sub(start.elapsed());
     rendezvous_barrier(&*store, rank, world_size, left)?;
     Ok(RendezvousInfo {
@@ -280,6 +281,7 @@ pub fn rendezvous_scoped(
         world_size,
         local_rank,
         store,
+        dial: Some((master, prefix)),
     })
 }
 
@@ -364,11 +366,16 @@ pub fn rendezvous_barrier(
         ));
     }
     let joined = store.add(JOINED_KEY, 1)?;
-    if joined >= world_size as i64 {
+    // a rank arriving after rank 0 gave up must not release the others: it reads the note
+    let abandoned =
+        store.check(&[COMPLETE_KEY])? && store.get(COMPLETE_KEY)?.starts_with(ABANDONED);
+    if joined >= world_size as i64 && !abandoned {
         store.set(COMPLETE_KEY, b"1")?;
     }
     let start = Instant::now();
     let every = report_interval();
+    // the missing ranks as last seen, kept for when the store's host has gone
+    let mut known: Option<Vec<String>> = None;
     let waited = loop {
         let left = timeout.saturating_sub(start.elapsed());
         match store.wait(&[COMPLETE_KEY], left.min(every)) {
@@ -376,48 +383,110 @@ pub fn rendezvous_barrier(
             // this is the final timeout, not another slice
             Err(Error::Timeout { .. }) if start.elapsed() + Duration::from_millis(50) < timeout => {
                 let (joined, missing) = who_joined(store, world_size, joined);
+                if let Some(m) = &missing {
+                    known = Some(m.clone());
+                }
                 waiting_note(&format!(
                     "rendezvous: rank {rank} has waited {:.0}s of {:.0}s: {joined} of \
                      {world_size} ranks joined; waiting for ranks {}",
                     start.elapsed().as_secs_f64(),
                     timeout.as_secs_f64(),
-                    missing.join(", ")
+                    list(missing.as_deref().or(known.as_deref()))
                 ));
             }
             other => break other,
         }
     };
     match waited {
-        Ok(()) => Ok(()),
+        Ok(()) => match store.get(COMPLETE_KEY) {
+            Ok(v) if v.starts_with(ABANDONED) => {
+                // rank 0 gave up and published who was missing; say so, and let it go
+                let _ = store.add(ABANDON_SEEN_KEY, 1);
+                let missing = String::from_utf8_lossy(&v[ABANDONED.len()..]).into_owned();
+                Err(Error::Timeout {
+                    op: "rendezvous".into(),
+                    rank: r,
+                    timeout,
+                    detail: format!(
+                        "rank 0, which hosts the store, timed out waiting for the world of \
+                         {world_size}: missing ranks: {missing}"
+                    ),
+                })
+            }
+            _ => Ok(()),
+        },
         Err(Error::Timeout { .. }) => {
             let (joined, missing) = who_joined(store, world_size, joined);
+            if missing.as_ref().is_some_and(Vec::is_empty) {
+                // the last rank arrived just as the wait ended: the others are released
+                return Ok(());
+            }
+            let missing = missing.or(known);
+            if rank == 0 {
+                // the store's host leaves with this error: first tell the others who was
+                // missing, and wait (briefly) until they have read it
+                let mut v = ABANDONED.to_vec();
+                v.extend_from_slice(list(missing.as_deref()).as_bytes());
+                if store.set(COMPLETE_KEY, &v).is_ok() {
+                    let others = joined.saturating_sub(1);
+                    let until = Instant::now() + Duration::from_secs(2);
+                    while store.add(ABANDON_SEEN_KEY, 0).unwrap_or(others) < others
+                        && Instant::now() < until
+                    {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
             Err(Error::Timeout {
                 op: "rendezvous".into(),
                 rank: r,
                 timeout,
                 detail: format!(
                     "only {joined} of {world_size} ranks joined (missing ranks: {})",
-                    missing.join(", ")
+                    list(missing.as_deref())
                 ),
             })
         }
         // rank 0 hosts the store: when it gave up first, the others lose the server
         Err(Error::Store(m)) => Err(Error::Store(format!(
-            "rendezvous on rank {r}: {m}; {joined} of {world_size} ranks had joined when this \
-             rank did (rank 0, which hosts the store, probably timed out waiting for the rest)"
+            "rendezvous on rank {r}: {m}; the store host rank 0 left before {} arrived \
+             ({joined} of {world_size} ranks had joined when this rank did)",
+            match &known {
+                Some(k) => format!("ranks {}", k.join(", ")),
+                None => "every rank".to_string(),
+            }
         ))),
         Err(e) => Err(e),
     }
 }
 
-/// How many ranks joined the barrier, and which did not (as strings, for messages).
-fn who_joined(store: &dyn Store, world_size: usize, joined: i64) -> (i64, Vec<String>) {
+/// The value rank 0 puts in [`COMPLETE_KEY`] when it gives up, before the missing ranks.
+const ABANDONED: &[u8] = b"abandoned; missing: ";
+/// Counts the ranks that read rank 0's "abandoned" note.
+const ABANDON_SEEN_KEY: &str = "rdzv/abandon_seen";
+
+/// `0, 3` (or "unknown" when the store could not say).
+fn list(missing: Option<&[String]>) -> String {
+    match missing {
+        Some([]) => "none".into(),
+        Some(m) => m.join(", "),
+        None => "unknown (the store did not answer)".into(),
+    }
+}
+
+/// How many ranks joined the barrier, and which did not (as strings, for messages); `None`
+/// for the missing ranks when the store could not be asked.
+fn who_joined(store: &dyn Store, world_size: usize, joined: i64) -> (i64, Option<Vec<String>>) {
     let joined = store.add(JOINED_KEY, 0).unwrap_or(joined);
-    let missing = (0..world_size)
-        .filter(|q| !store.check(&[&format!("rdzv/rank/{q}")]).unwrap_or(true))
-        .map(|q| q.to_string())
-        .collect();
-    (joined, missing)
+    let mut missing = Vec::new();
+    for q in 0..world_size {
+        match store.check(&[&format!("rdzv/rank/{q}")]) {
+            Ok(true) => {}
+            Ok(false) => missing.push(q.to_string()),
+            Err(_) => return (joined, None),
+        }
+    }
+    (joined, Some(missing))
 }
 
 /// Sets how often (in seconds, default 10) a rank still waiting in rendezvous says who it waits

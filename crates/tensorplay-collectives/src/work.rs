@@ -9,7 +9,7 @@ use crossbeam::channel::{Receiver, Sender, bounded, unbounded};
 use crate::{Error, Result};
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
-type Queued = (u64, Job, Sender<Done>);
+type Queued = (u64, Job, Sender<Done>, String, Duration);
 
 /// What a finished operation reports to its [`Work`]: its result and when it ran.
 #[derive(Debug, Clone)]
@@ -35,6 +35,9 @@ impl Done {
 /// Runs the operations of one group strictly in the order they were issued, whether they are
 /// blocking (run on the caller's thread) or asynchronous (run on the group's worker thread).
 pub(crate) struct Sequencer {
+    /// This process's global rank and the group's global ranks, for errors.
+    rank: i64,
+    ranks: Vec<usize>,
     state: Mutex<SeqState>,
     turn: Condvar,
     worker: Mutex<Option<Sender<Queued>>>,
@@ -48,8 +51,11 @@ struct SeqState {
 }
 
 impl Sequencer {
-    pub(crate) fn new() -> Arc<Sequencer> {
+    /// The sequencer of the group of global `ranks` on global rank `rank`.
+    pub(crate) fn new(rank: usize, ranks: Vec<usize>) -> Arc<Sequencer> {
         Arc::new(Sequencer {
+            rank: rank as i64,
+            ranks,
             state: Mutex::new(SeqState {
                 next_ticket: 0,
                 now_serving: 0,
@@ -86,9 +92,12 @@ impl Sequencer {
                 self.skip(ticket);
                 return Err(Error::Timeout {
                     op: op.to_string(),
-                    rank: -1,
+                    rank: self.rank,
                     timeout,
-                    detail: "an earlier operation on this group did not finish".into(),
+                    detail: format!(
+                        "an earlier operation on this group (ranks {:?}) did not finish",
+                        self.ranks
+                    ),
                 });
             }
             s = self
@@ -147,11 +156,10 @@ impl Sequencer {
         if w.is_none() {
             let (jtx, jrx) = unbounded::<Queued>();
             let me = Arc::downgrade(self);
-            let op_name = op.to_string();
             std::thread::Builder::new()
                 .name("tensorplay-collectives".into())
                 .spawn(move || {
-                    while let Ok((ticket, job, done)) = jrx.recv() {
+                    while let Ok((ticket, job, done, op_name, timeout)) = jrx.recv() {
                         let Some(seq) = me.upgrade() else { break };
                         let mut started = None;
                         let r = seq.run_turn(ticket, timeout, &op_name, || {
@@ -168,7 +176,9 @@ impl Sequencer {
                 })?;
             *w = Some(jtx);
         }
-        let sender = w.as_ref().map(|s| s.send((t, f, tx)));
+        let sender = w
+            .as_ref()
+            .map(|s| s.send((t, f, tx, op.to_string(), timeout)));
         if !matches!(sender, Some(Ok(()))) {
             return Err(Error::Io(
                 "the collectives worker thread has stopped".into(),
@@ -176,6 +186,8 @@ impl Sequencer {
         }
         Ok(Work {
             op: op.to_string(),
+            rank: self.rank,
+            ranks: self.ranks.clone(),
             rx,
             result: Mutex::new(None),
         })
@@ -187,6 +199,9 @@ impl Sequencer {
 #[derive(Debug)]
 pub struct Work {
     op: String,
+    /// This process's global rank and the group's ranks, for errors.
+    rank: i64,
+    ranks: Vec<usize>,
     rx: Receiver<Done>,
     result: Mutex<Option<Done>>,
 }
@@ -202,10 +217,16 @@ impl Work {
         }
         let got = match timeout {
             Some(t) => self.rx.recv_timeout(t).map_err(|_| Error::Timeout {
-                op: self.op.clone(),
-                rank: -1,
+                op: format!("Work::wait on {}", self.op),
+                rank: self.rank,
                 timeout: t,
-                detail: "Work::wait".into(),
+                detail: format!(
+                    "the operation has not finished: one of the group's ranks {:?} has not \
+                     taken part yet, or an earlier operation of the group still runs (a later \
+                     wait may still succeed; the operation itself fails at the group's timeout \
+                     naming the rank it waits for)",
+                    self.ranks
+                ),
             })?,
             None => self.rx.recv().unwrap_or_else(|_| {
                 Done::now(
@@ -247,12 +268,14 @@ impl Work {
 
 impl Work {
     /// A pending `Work` and the sender that completes it.
-    pub(crate) fn pending(op: &str) -> (Sender<Done>, Work) {
+    pub(crate) fn pending(op: &str, rank: usize, ranks: &[usize]) -> (Sender<Done>, Work) {
         let (tx, rx) = bounded(1);
         (
             tx,
             Work {
                 op: op.to_string(),
+                rank: rank as i64,
+                ranks: ranks.to_vec(),
                 rx,
                 result: Mutex::new(None),
             },

@@ -733,12 +733,19 @@ fn bad_init_methods() -> TestResult {
         ("RANK", "-1", "RANK"),
         ("LOCAL_RANK", "x", "LOCAL_RANK"),
     ] {
+        // the children of every iteration re-run this test up to its first spawn call, so
+        // the case travels in the environment, not in the closure
         let r = dist::spawn_with(
             SpawnOptions {
-                env: vec![(var.into(), val.into())],
+                env: vec![
+                    (var.into(), val.into()),
+                    ("TP_BAD_INIT_CASE".into(), format!("{var}|{needle}")),
+                ],
                 ..SpawnOptions::new(1)
             },
-            move |_| -> TestResult {
+            |_| -> TestResult {
+                let case = std::env::var("TP_BAD_INIT_CASE").unwrap_or_default();
+                let (var, needle) = case.split_once('|').unwrap_or(("?", "?"));
                 expect_err(var, init(2), &[needle])?;
                 assert!(!dist::is_initialized());
                 Ok(())

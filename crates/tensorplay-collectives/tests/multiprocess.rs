@@ -7,6 +7,8 @@ use std::time::Duration;
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
+#[path = "multiprocess/blame.rs"]
+mod blame;
 #[path = "multiprocess/double.rs"]
 mod double;
 #[path = "multiprocess/shm_paths.rs"]

@@ -264,3 +264,60 @@ fn gpu_check_without_a_gpu_says_why_and_fails() {
     assert!(stderr.contains("nothing was checked"), "{stderr}");
     assert!(!stdout.contains("passed"), "{stdout}");
 }
+
+/// Selects [`rank_killed_under_the_launcher`]'s body in the ranks the launcher starts.
+const KILL_CASE_ENV: &str = "TP_LAUNCHER_KILL_CASE";
+
+/// Not a test of its own: each rank of [`the_killed_rank_is_the_one_named`] runs this (it
+/// returns at once anywhere else): rank 2 is SIGKILLed while the others wait for it.
+#[test]
+fn rank_killed_under_the_launcher() {
+    use tensorplay as tp;
+    use tp::distributed as dist;
+    if std::env::var_os(KILL_CASE_ENV).is_none() {
+        return;
+    }
+    let r = (|| -> tp::Result<()> {
+        dist::init_process_group("cpu", Default::default())?;
+        dist::barrier(None)?;
+        if dist::get_rank(None)? == 2 {
+            // SAFETY: signals this very process; nothing runs after it.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        dist::all_reduce(&tp::ones(&[100])?, dist::ReduceOp::Sum, None)?;
+        Ok(())
+    })();
+    if let Err(e) = r {
+        eprintln!("{e}");
+        std::process::exit(1);
+    }
+}
+
+/// Under `tensorplay-run --nproc-per-node 3`, a rank killed by a signal is the one the launcher
+/// names, never a survivor that failed a moment later reporting it (run many times: the
+/// survivors end about a millisecond after it).
+#[test]
+fn the_killed_rank_is_the_one_named() {
+    let exe = std::env::current_exe().expect("test binary");
+    for run in 0..20 {
+        let out = launcher()
+            .args(["--nproc-per-node", "3", "--kill-grace", "2"])
+            .arg(&exe)
+            .args([
+                "rank_killed_under_the_launcher",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(KILL_CASE_ENV, "1")
+            .stdin(Stdio::null())
+            .output()
+            .expect("runs");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("tensorplay-run: rank 2 was killed by signal 9 (the first rank to fail)"),
+            "run {run}: {err}"
+        );
+    }
+}

@@ -4,7 +4,7 @@ use tensorplay_core::{DType, Tensor};
 
 use super::check::{agree, dtype_code, dtype_name};
 use super::stage::{self, Out};
-use super::{Call, call, callers_grad_mode, check_writable, resolve};
+use super::{Call, blocking, call, check_writable, queued, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
 use crate::{Error, Result};
@@ -16,46 +16,45 @@ use crate::{Error, Result};
 /// Not initialised, not a member, lists of the wrong length, tensors the group's backend does
 /// not move or of differing dtypes, sizes that disagree between a sender and its receiver (on
 /// every rank), a timeout or a failed peer.
+#[track_caller]
 pub fn all_to_all(
     output_list: &[Tensor],
     input_list: &[Tensor],
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_to_all")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "all_to_all", || {
-            let c = call(&g, "all_to_all")?;
-            for (name, l) in [("output_list", output_list), ("input_list", input_list)] {
-                if l.len() != c.size {
-                    return Err(c.err(name, format!("{} tensors (one per rank)", c.size), l.len()));
-                }
+    blocking(&g, "all_to_all", site, input_list.first(), || {
+        let c = call(&g, "all_to_all")?;
+        for (name, l) in [("output_list", output_list), ("input_list", input_list)] {
+            if l.len() != c.size {
+                return Err(c.err(name, format!("{} tensors (one per rank)", c.size), l.len()));
             }
-            let dt = input_list[0].dtype();
-            for (r, t) in input_list.iter().chain(output_list).enumerate() {
-                c.accept(&format!("tensor {r} of the lists"), t)?;
-                if t.dtype() != dt {
-                    return Err(c.err("lists", format!("one dtype ({dt})"), t.dtype()));
-                }
+        }
+        let dt = input_list[0].dtype();
+        for (r, t) in input_list.iter().chain(output_list).enumerate() {
+            c.accept(&format!("tensor {r} of the lists"), t)?;
+            if t.dtype() != dt {
+                return Err(c.err("lists", format!("one dtype ({dt})"), t.dtype()));
             }
-            for (r, t) in output_list.iter().enumerate() {
-                check_writable(&c, &format!("output_list[{r}]"), t)?;
+        }
+        for (r, t) in output_list.iter().enumerate() {
+            check_writable(&c, &format!("output_list[{r}]"), t)?;
+        }
+        let send: Vec<usize> = input_list.iter().map(|t| t.numel()).collect();
+        let recv: Vec<usize> = output_list.iter().map(|t| t.numel()).collect();
+        a2a_check(&c, dt, &send, &recv)?;
+        let mut inputs = stage::inputs(input_list)?;
+        for t in &mut inputs {
+            for o in output_list {
+                *t = stage::input(t, Some(o))?;
             }
-            let send: Vec<usize> = input_list.iter().map(|t| t.numel()).collect();
-            let recv: Vec<usize> = output_list.iter().map(|t| t.numel()).collect();
-            a2a_check(&c, dt, &send, &recv)?;
-            let mut inputs = stage::inputs(input_list)?;
-            for t in &mut inputs {
-                for o in output_list {
-                    *t = stage::input(t, Some(o))?;
-                }
-            }
-            let outs = stage::outs(output_list)?;
-            let views = stage::views(&outs);
-            c.run(|b| b.all_to_all(&views, &inputs, c.timeout()))?;
-            stage::finish_all(outs)
-        })
+        }
+        let outs = stage::outs(output_list)?;
+        let views = stage::views(&outs);
+        c.run(|b| b.all_to_all(&views, &inputs, c.timeout()))?;
+        stage::finish_all(outs)
+    })
 }
 
 /// Checks that what each rank sends to each other rank is what that rank expects to receive.
@@ -94,6 +93,7 @@ fn a2a_check(c: &Call<'_>, dt: DType, send: &[usize], recv: &[usize]) -> Result<
 /// # Errors
 /// As [`all_to_all`], and split sizes that do not sum to the rows (or rows that do not split
 /// evenly when no sizes are given).
+#[track_caller]
 pub fn all_to_all_single(
     output: &Tensor,
     input: &Tensor,
@@ -101,16 +101,15 @@ pub fn all_to_all_single(
     input_split_sizes: Option<&[usize]>,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_to_all_single")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "all_to_all_single", || {
-            a2as_impl(&g, output, input, output_split_sizes, input_split_sizes)
-        })
+    blocking(&g, "all_to_all_single", site, Some(input), || {
+        a2as_impl(&g, output, input, output_split_sizes, input_split_sizes)
+    })
 }
 
 /// [`all_to_all_single`] with `async_op=True`.
+#[track_caller]
 pub fn all_to_all_single_async(
     output: &Tensor,
     input: &Tensor,
@@ -118,21 +117,18 @@ pub fn all_to_all_single_async(
     input_split_sizes: Option<Vec<usize>>,
     group: Option<&ProcessGroup>,
 ) -> Result<Work> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_to_all_single")?;
     let (o, i, g2) = (output.clone(), input.clone(), g.clone());
-    g.inner.seq.submit(
-        g.timeout(),
-        "all_to_all_single",
-        callers_grad_mode(move || {
-            a2as_impl(
-                &g2,
-                &o,
-                &i,
-                output_split_sizes.as_deref(),
-                input_split_sizes.as_deref(),
-            )
-        }),
-    )
+    queued(&g, "all_to_all_single", site, Some(input), move || {
+        a2as_impl(
+            &g2,
+            &o,
+            &i,
+            output_split_sizes.as_deref(),
+            input_split_sizes.as_deref(),
+        )
+    })
 }
 
 fn a2as_impl(

@@ -6,7 +6,7 @@
 use tensorplay_core::{DType, Tensor};
 
 use super::translate::to_global;
-use super::{Call, call, resolve};
+use super::{Call, blocking, call, resolve};
 use crate::backend::{BufMut, BufRef};
 use crate::group::ProcessGroup;
 use crate::{Error, ReduceOp, Result};
@@ -81,8 +81,9 @@ impl Call<'_> {
                 Error::Mismatch { detail, .. } => Error::Mismatch {
                     op: format!("{} (while checking arguments across ranks)", self.op),
                     detail: format!(
-                        "{detail}: the ranks' argument descriptors differ in length (did they \
-                         call different collectives?), and this group can no longer be used"
+                        "{}: the ranks' argument descriptors differ in length (did they \
+                         call different collectives?), and this group can no longer be used",
+                        self.user_terms(&detail)
                     ),
                 },
                 other => other,
@@ -91,22 +92,104 @@ impl Call<'_> {
         agree(self, &all, 0..2, "the collective called", |v| {
             format!("{}{}", op_name(v[0]), phase_name(v[1]))
         })?;
-        local?;
-        let bad: Vec<usize> = (0..self.size)
-            .filter(|&r| all[r][2] != 0)
-            .map(|r| self.g.ranks()[r])
-            .collect();
+        let bad: Vec<usize> = (0..self.size).filter(|&r| all[r][2] != 0).collect();
         if !bad.is_empty() {
+            // every rank takes part in this second exchange (all saw the same flags), so that
+            // each rank's own error text reaches the others
+            let texts = self.error_texts(local.as_ref().err())?;
+            local?;
+            let global: Vec<usize> = bad.iter().map(|&r| self.g.ranks()[r]).collect();
+            let said: Vec<String> = bad
+                .iter()
+                .map(|&r| format!("rank {}: {}", self.g.ranks()[r], texts[r]))
+                .collect();
             return Err(Error::Mismatch {
                 op: self.op.to_string(),
                 detail: format!(
-                    "rank(s) {bad:?} rejected their own arguments (their errors say why)"
+                    "rank(s) {global:?} rejected their own arguments: {}",
+                    said.join("; ")
                 ),
             });
         }
         Ok(all.into_iter().map(|mut v| v.split_off(3)).collect())
     }
+
+    /// All-gathers each rank's error text (at most [`TEXT_WORDS`] * 8 bytes; empty for a rank
+    /// without one) over the control channel.
+    fn error_texts(&self, mine: Option<&Error>) -> Result<Vec<String>> {
+        let text = mine.map(ToString::to_string).unwrap_or_default();
+        let mut bytes = [0u8; TEXT_WORDS * 8];
+        let mut cut = text.len().min(bytes.len());
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        bytes[..cut].copy_from_slice(&text.as_bytes()[..cut]);
+        let words: Vec<i64> = bytes
+            .chunks(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        let mut out = vec![0i64; TEXT_WORDS * self.size];
+        self.ctl()?
+            .all_gather(
+                BufRef::I64(&words),
+                BufMut::I64(&mut out),
+                &vec![TEXT_WORDS; self.size],
+                self.timeout(),
+            )
+            .map_err(|e| to_global(self.g.ranks(), e))?;
+        Ok(out
+            .chunks(TEXT_WORDS)
+            .map(|c| {
+                let b: Vec<u8> = c.iter().flat_map(|w| w.to_le_bytes()).collect();
+                let n = b.iter().position(|&x| x == 0).unwrap_or(b.len());
+                String::from_utf8_lossy(&b[..n]).into_owned()
+            })
+            .collect())
+    }
+
+    /// [`in_user_terms`] for this call's argument check.
+    fn user_terms(&self, detail: &str) -> String {
+        let phase = phase_name(phase_id(current_phase()));
+        in_user_terms(
+            detail,
+            &format!(
+                "{}{phase} (checking its arguments with the other ranks)",
+                self.op
+            ),
+        )
+    }
 }
+
+/// A transport-level mismatch ("rank 0 called all_gather #3 (...) but rank 1 called
+/// barrier #3 (...)") in the user's terms: this rank's side becomes `mine`, the call the user
+/// made; the other side's internal all-gather becomes "another collective (checking its
+/// arguments)"; the internal sequence numbers go.
+pub(super) fn in_user_terms(detail: &str, mine: &str) -> String {
+    let Some((left, right)) = detail.split_once(" but ") else {
+        return detail.to_string();
+    };
+    let left = match left.split_once(" called ") {
+        Some((who, _)) => format!("{who} called {mine}"),
+        None => left.to_string(),
+    };
+    let right = match right.split_once(" called ") {
+        Some((who, what)) => {
+            let name = what.split(" #").next().unwrap_or(what);
+            let rest = what.find(" (").map_or("", |i| &what[i..]);
+            if name == "all_gather" {
+                format!("{who} called another collective (checking its arguments)")
+            } else {
+                format!("{who} called {name}{rest}")
+            }
+        }
+        None => right.to_string(),
+    };
+    format!("{left} but {right}")
+}
+
+/// The size of an error text in the second exchange of a failed check, in 8-byte words
+/// (512 bytes).
+const TEXT_WORDS: usize = 64;
 
 thread_local! {
     static PHASE: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
@@ -219,14 +302,16 @@ fn op_name(id: i64) -> String {
 /// [`Error::NotInitialized`] without a default group, [`Error::InvalidArgument`] when this rank
 /// is not in `group`, `local`'s error, [`Error::Mismatch`], [`Error::Timeout`],
 /// [`Error::PeerFailed`].
+#[track_caller]
 pub fn all_gather_metadata(
     op: &'static str,
     desc: &[i64],
     local: Result<()>,
     group: Option<&ProcessGroup>,
 ) -> Result<Vec<Vec<i64>>> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, op)?;
-    g.inner.seq.clone().run_blocking(g.timeout(), op, || {
+    blocking(&g, op, site, None, || {
         call(&g, op)?.exchange_local(desc, local)
     })
 }
@@ -332,4 +417,46 @@ pub(super) fn numel_of(d: &[i64]) -> usize {
     (0..nd.min(MAX_DIMS))
         .map(|i| d[2 + i].max(0) as usize)
         .product()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_user_terms;
+    use crate::Error;
+
+    #[test]
+    fn transport_mismatches_read_in_the_users_terms() {
+        let d = "rank 0 called all_gather #3 (36 elements of int64) but rank 1 called barrier #3 (0 elements of float32)";
+        let t = in_user_terms(
+            d,
+            "all_reduce (in backward) (checking its arguments with the other ranks)",
+        );
+        assert_eq!(
+            t,
+            "rank 0 called all_reduce (in backward) (checking its arguments with the other ranks) \
+             but rank 1 called barrier (0 elements of float32)"
+        );
+        let d = "rank 1 called barrier #3 (0 elements of float32) but rank 0 called all_gather #3 (36 elements of int64)";
+        let t = in_user_terms(d, "barrier");
+        assert_eq!(
+            t,
+            "rank 1 called barrier but rank 0 called another collective (checking its arguments)"
+        );
+        assert!(!t.contains('#'), "{t}");
+    }
+
+    #[test]
+    fn errors_never_say_rank_minus_one() {
+        let e = Error::Timeout {
+            op: "store get".into(),
+            rank: -1,
+            timeout: std::time::Duration::from_secs(1),
+            detail: "key k".into(),
+        };
+        assert_eq!(e.to_string(), "store get timed out after 1s: key k");
+        let e = Error::invalid("rendezvous", -1, "RANK", "a rank", "\"-1\"");
+        assert!(!e.to_string().contains("rank -1"), "{e}");
+        let e = Error::invalid("all_reduce", 3, "op", "Sum", "BAnd");
+        assert!(e.to_string().contains("on rank 3"), "{e}");
+    }
 }

@@ -4,7 +4,7 @@ use tensorplay_core::Tensor;
 
 use super::check::{DESC, agree, checks_enabled, dtype_name, fmt_shape, numel_of, shape_desc};
 use super::stage::{self, Out};
-use super::{call, callers_grad_mode, check_writable, resolve};
+use super::{blocking, call, check_writable, queued, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
 use crate::{Error, Result};
@@ -17,54 +17,53 @@ use crate::{Error, Result};
 /// Not initialised, not a member, tensors the group's backend does not move, a list of the
 /// wrong length, dtypes that differ across ranks, `tensor_list[r]` not of rank `r`'s shape,
 /// a timeout or a failed peer.
+#[track_caller]
 pub fn all_gather(
     tensor_list: &[Tensor],
     tensor: &Tensor,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_gather")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "all_gather", || {
-            let c = call(&g, "all_gather")?;
-            c.accept("tensor", tensor)?;
-            if tensor_list.len() != c.size {
+    blocking(&g, "all_gather", site, Some(tensor), || {
+        let c = call(&g, "all_gather")?;
+        c.accept("tensor", tensor)?;
+        if tensor_list.len() != c.size {
+            return Err(c.err(
+                "tensor_list",
+                format!("{} tensors (one per rank)", c.size),
+                tensor_list.len(),
+            ));
+        }
+        for (r, o) in tensor_list.iter().enumerate() {
+            c.accept(&format!("tensor_list[{r}]"), o)?;
+            check_writable(&c, &format!("tensor_list[{r}]"), o)?;
+        }
+        let all = c.exchange(&shape_desc(tensor))?;
+        agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
+        for (r, o) in tensor_list.iter().enumerate() {
+            if shape_desc(o) != all[r] {
                 return Err(c.err(
-                    "tensor_list",
-                    format!("{} tensors (one per rank)", c.size),
-                    tensor_list.len(),
+                    &format!("tensor_list[{r}]"),
+                    format!(
+                        "the shape rank {} passed: {}",
+                        c.g.ranks()[r],
+                        fmt_shape(&all[r])
+                    ),
+                    fmt_shape(&shape_desc(o)),
                 ));
             }
-            for (r, o) in tensor_list.iter().enumerate() {
-                c.accept(&format!("tensor_list[{r}]"), o)?;
-                check_writable(&c, &format!("tensor_list[{r}]"), o)?;
-            }
-            let all = c.exchange(&shape_desc(tensor))?;
-            agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
-            for (r, o) in tensor_list.iter().enumerate() {
-                if shape_desc(o) != all[r] {
-                    return Err(c.err(
-                        &format!("tensor_list[{r}]"),
-                        format!(
-                            "the shape rank {} passed: {}",
-                            c.g.ranks()[r],
-                            fmt_shape(&all[r])
-                        ),
-                        fmt_shape(&shape_desc(o)),
-                    ));
-                }
-            }
-            let outs = stage::outs(tensor_list)?;
-            let views = stage::views(&outs);
-            let inp = tensor_list
-                .iter()
-                .try_fold(stage::input(tensor, None)?, |t, o| {
-                    stage::input(&t, Some(o))
-                })?;
-            c.run(|b| b.all_gather(&views, &inp, c.timeout()))?;
-            stage::finish_all(outs)
-        })
+        }
+        let outs = stage::outs(tensor_list)?;
+        let views = stage::views(&outs);
+        let inp = tensor_list
+            .iter()
+            .try_fold(stage::input(tensor, None)?, |t, o| {
+                stage::input(&t, Some(o))
+            })?;
+        c.run(|b| b.all_gather(&views, &inp, c.timeout()))?;
+        stage::finish_all(outs)
+    })
 }
 
 /// Gathers every rank's `input` into `output`, concatenated along the first dimension in rank
@@ -73,33 +72,32 @@ pub fn all_gather(
 ///
 /// # Errors
 /// As [`all_gather`], and an `output` of the wrong size or dtype.
+#[track_caller]
 pub fn all_gather_into_tensor(
     output: &Tensor,
     input: &Tensor,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_gather_into_tensor")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "all_gather_into_tensor", || {
-            agit_impl(&g, output, input)
-        })
+    blocking(&g, "all_gather_into_tensor", site, Some(input), || {
+        agit_impl(&g, output, input)
+    })
 }
 
 /// [`all_gather_into_tensor`] with `async_op=True`.
+#[track_caller]
 pub fn all_gather_into_tensor_async(
     output: &Tensor,
     input: &Tensor,
     group: Option<&ProcessGroup>,
 ) -> Result<Work> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_gather_into_tensor")?;
     let (o, i, g2) = (output.clone(), input.clone(), g.clone());
-    g.inner.seq.submit(
-        g.timeout(),
-        "all_gather_into_tensor",
-        callers_grad_mode(move || agit_impl(&g2, &o, &i)),
-    )
+    queued(&g, "all_gather_into_tensor", site, Some(input), move || {
+        agit_impl(&g2, &o, &i)
+    })
 }
 
 fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
@@ -143,14 +141,16 @@ fn agit_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor) -> Result<()> {
 /// # Errors
 /// As [`all_gather`], and `dst` outside the group or a missing or unusable `gather_list` on
 /// `dst` (an error on every rank).
+#[track_caller]
 pub fn gather(
     tensor: &Tensor,
     gather_list: Option<&[Tensor]>,
     dst: usize,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "gather")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "gather", || {
+    blocking(&g, "gather", site, Some(tensor), || {
         let c = call(&g, "gather")?;
         let root = c.root("dst", dst)?;
         c.accept("tensor", tensor)?;

@@ -234,6 +234,75 @@ fn call<'a>(g: &'a ProcessGroup, op: &'static str) -> Result<Call<'a>> {
     })
 }
 
+/// Runs the blocking operation `f` of group `g` in the group's issue order: recorded in the
+/// flight recorder (called at `site` on `t`) inside a tracing span; a timeout or a peer
+/// failure dumps the recorder (`recorder::on_failure`).
+fn blocking<R>(
+    g: &ProcessGroup,
+    op: &'static str,
+    site: &'static std::panic::Location<'static>,
+    t: Option<&Tensor>,
+    f: impl FnOnce() -> Result<R>,
+) -> Result<R> {
+    let rec = &g.inner.recorder;
+    let id = rec.issued(op, site, t);
+    let span = span(g, op, t);
+    let _in = span.enter();
+    let start = std::time::Instant::now();
+    let r = g.inner.seq.clone().run_blocking(g.timeout(), op, || {
+        rec.started(id);
+        f()
+    });
+    rec.finished(id, &r);
+    tracing::debug!(
+        latency_us = start.elapsed().as_micros() as u64,
+        ok = r.is_ok(),
+        "collective finished"
+    );
+    r.map_err(crate::recorder::on_failure)
+}
+
+/// [`blocking`] for an `_async` operation: queued on the group's worker thread under the
+/// caller's grad mode and phase; returns its [`Work`](crate::Work).
+fn queued(
+    g: &ProcessGroup,
+    op: &'static str,
+    site: &'static std::panic::Location<'static>,
+    t: Option<&Tensor>,
+    f: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<crate::Work> {
+    let rec = g.inner.recorder.clone();
+    let id = rec.issued(op, site, t);
+    let span = span(g, op, t);
+    g.inner.seq.submit(
+        g.timeout(),
+        op,
+        callers_grad_mode(move || {
+            let _in = span.enter();
+            let start = std::time::Instant::now();
+            rec.started(id);
+            let r = f();
+            rec.finished(id, &r);
+            tracing::debug!(
+                latency_us = start.elapsed().as_micros() as u64,
+                ok = r.is_ok(),
+                "collective finished"
+            );
+            r.map_err(crate::recorder::on_failure)
+        }),
+    )
+}
+
+/// The tracing span of one collective (op, group, bytes).
+fn span(g: &ProcessGroup, op: &'static str, t: Option<&Tensor>) -> tracing::Span {
+    tracing::debug_span!(
+        "collective",
+        op,
+        group = %g.inner.name,
+        bytes = t.map_or(0, |t| (t.numel() * t.dtype().size_in_bytes()) as u64)
+    )
+}
+
 /// The job of an `_async` collective, run on the group's worker thread under the grad mode and
 /// the phase of the thread that called it (both are per thread): the refusal of tensors that
 /// require grad must see the caller's `no_grad()`, and the cross-rank check the caller's

@@ -4,7 +4,7 @@ use tensorplay_core::Tensor;
 
 use super::stage::{self, Out};
 use super::translate::to_global;
-use super::{call, check_writable, resolve};
+use super::{blocking, call, check_writable, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
 use crate::{Error, Result};
@@ -16,17 +16,22 @@ use crate::{Error, Result};
 /// # Errors
 /// Not initialised, not a member, a timeout naming the ranks that did not arrive, a failed
 /// peer.
+#[track_caller]
 pub fn barrier(group: Option<&ProcessGroup>) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "barrier")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "barrier", || {
-            let c = call(&g, "barrier")?;
-            c.ctl()?
-                .barrier(c.timeout())
-                .map_err(|e| to_global(g.ranks(), e))
-        })
+    blocking(&g, "barrier", site, None, || {
+        let c = call(&g, "barrier")?;
+        c.ctl()?
+            .barrier(c.timeout())
+            .map_err(|e| match to_global(g.ranks(), e) {
+                Error::Mismatch { op, detail } => Error::Mismatch {
+                    op,
+                    detail: super::check::in_user_terms(&detail, "barrier"),
+                },
+                other => other,
+            })
+    })
 }
 
 /// Sends `tensor` to global rank `dst` (`dist.send`); `tag` must match the receiver's.
@@ -79,20 +84,24 @@ fn recv_impl(g: &ProcessGroup, tensor: &Tensor, src: usize, tag: u64) -> Result<
 pub fn isend(tensor: &Tensor, dst: usize, group: Option<&ProcessGroup>, tag: u64) -> Result<Work> {
     let g = resolve(group, "isend")?;
     let (t, g2) = (tensor.clone(), g.clone());
-    p2p_thread("isend", move || send_impl(&g2, &t, dst, tag))
+    p2p_thread("isend", &g, move || send_impl(&g2, &t, dst, tag))
 }
 
 /// Non-blocking [`recv`] (`dist.irecv`).
 pub fn irecv(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>, tag: u64) -> Result<Work> {
     let g = resolve(group, "irecv")?;
     let (t, g2) = (tensor.clone(), g.clone());
-    p2p_thread("irecv", move || recv_impl(&g2, &t, src, tag))
+    p2p_thread("irecv", &g, move || recv_impl(&g2, &t, src, tag))
 }
 
 /// Point-to-point operations do not take a turn in the group's sequence (a rank may post a
 /// receive and a send to different peers at once); each runs on its own thread.
-fn p2p_thread(op: &str, f: impl FnOnce() -> Result<()> + Send + 'static) -> Result<Work> {
-    let (tx, work) = Work::pending(op);
+fn p2p_thread(
+    op: &str,
+    g: &ProcessGroup,
+    f: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<Work> {
+    let (tx, work) = Work::pending(op, g.my_global_rank(), g.ranks());
     std::thread::Builder::new()
         .name(format!("tensorplay-{op}"))
         .spawn(move || {

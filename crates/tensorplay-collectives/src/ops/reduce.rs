@@ -4,7 +4,7 @@ use tensorplay_core::Tensor;
 
 use super::check::{DESC, agree, checks_enabled, fmt_shape, op_code, op_label, shape_desc};
 use super::stage::{self, Out};
-use super::{Call, call, callers_grad_mode, check_writable, resolve};
+use super::{Call, blocking, call, check_writable, queued, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
 use crate::{ReduceOp, Result};
@@ -16,29 +16,30 @@ use crate::{ReduceOp, Result};
 /// Not initialised, not a member, a tensor the group's backend does not move (device, dtype,
 /// requires grad), an op that does not apply to the dtype, ranks that disagree on shape or op
 /// ([`Error::Mismatch`](crate::Error::Mismatch) on every rank), a timeout or a failed peer.
+#[track_caller]
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_reduce")?;
     let t = tensor.clone();
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "all_reduce", || all_reduce_impl(&g, &t, op))
+    blocking(&g, "all_reduce", site, Some(tensor), || {
+        all_reduce_impl(&g, &t, op)
+    })
 }
 
 /// [`all_reduce`] with `async_op=True`: returns a [`Work`] to wait on.
+#[track_caller]
 pub fn all_reduce_async(
     tensor: &Tensor,
     op: ReduceOp,
     group: Option<&ProcessGroup>,
 ) -> Result<Work> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "all_reduce")?;
     let t = tensor.clone();
     let g2 = g.clone();
-    g.inner.seq.submit(
-        g.timeout(),
-        "all_reduce",
-        callers_grad_mode(move || all_reduce_impl(&g2, &t, op)),
-    )
+    queued(&g, "all_reduce", site, Some(tensor), move || {
+        all_reduce_impl(&g2, &t, op)
+    })
 }
 
 fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
@@ -68,14 +69,16 @@ fn all_reduce_impl(g: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
 ///
 /// # Errors
 /// As [`all_reduce`], and `dst` outside the group.
+#[track_caller]
 pub fn reduce(
     tensor: &Tensor,
     dst: usize,
     op: ReduceOp,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "reduce")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "reduce", || {
+    blocking(&g, "reduce", site, Some(tensor), || {
         let c = call(&g, "reduce")?;
         let root = c.root("dst", dst);
         let local = root
@@ -108,47 +111,46 @@ pub fn reduce(
 ///
 /// # Errors
 /// As [`all_reduce`], and an `input_list` of the wrong length or shapes.
+#[track_caller]
 pub fn reduce_scatter(
     output: &Tensor,
     input_list: &[Tensor],
     op: ReduceOp,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "reduce_scatter")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "reduce_scatter", || {
-            let c = call(&g, "reduce_scatter")?;
-            let pre = (|| {
-                if input_list.len() != c.size {
+    blocking(&g, "reduce_scatter", site, Some(output), || {
+        let c = call(&g, "reduce_scatter")?;
+        let pre = (|| {
+            if input_list.len() != c.size {
+                return Err(c.err(
+                    "input_list",
+                    format!("{} tensors (one per rank)", c.size),
+                    input_list.len(),
+                ));
+            }
+            for (r, t) in input_list.iter().enumerate() {
+                if t.shape() != output.shape() || t.dtype() != output.dtype() {
                     return Err(c.err(
-                        "input_list",
-                        format!("{} tensors (one per rank)", c.size),
-                        input_list.len(),
+                        &format!("input_list[{r}]"),
+                        format!("output's {} {:?}", output.dtype(), output.shape()),
+                        format!("{} {:?}", t.dtype(), t.shape()),
                     ));
                 }
-                for (r, t) in input_list.iter().enumerate() {
-                    if t.shape() != output.shape() || t.dtype() != output.dtype() {
-                        return Err(c.err(
-                            &format!("input_list[{r}]"),
-                            format!("output's {} {:?}", output.dtype(), output.shape()),
-                            format!("{} {:?}", t.dtype(), t.shape()),
-                        ));
-                    }
-                    c.accept(&format!("input_list[{r}]"), t)?;
-                }
-                Ok(())
-            })();
-            rs_check(&c, output, op, pre)?;
-            let inputs = input_list
-                .iter()
-                .map(|t| stage::input(t, Some(output)))
-                .collect::<Result<Vec<_>>>()?;
-            let out = Out::new(output)?;
-            c.run(|b| b.reduce_scatter(out.t(), &inputs, op, c.timeout()))?;
-            out.finish()
-        })
+                c.accept(&format!("input_list[{r}]"), t)?;
+            }
+            Ok(())
+        })();
+        rs_check(&c, output, op, pre)?;
+        let inputs = input_list
+            .iter()
+            .map(|t| stage::input(t, Some(output)))
+            .collect::<Result<Vec<_>>>()?;
+        let out = Out::new(output)?;
+        c.run(|b| b.reduce_scatter(out.t(), &inputs, op, c.timeout()))?;
+        out.finish()
+    })
 }
 
 /// Reduces `input` (`size * output.numel()` elements, blocks in rank order) over ranks and
@@ -156,35 +158,34 @@ pub fn reduce_scatter(
 ///
 /// # Errors
 /// As [`all_reduce`], and an `input` of the wrong size or dtype.
+#[track_caller]
 pub fn reduce_scatter_tensor(
     output: &Tensor,
     input: &Tensor,
     op: ReduceOp,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "reduce_scatter_tensor")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "reduce_scatter_tensor", || {
-            rst_impl(&g, output, input, op)
-        })
+    blocking(&g, "reduce_scatter_tensor", site, Some(output), || {
+        rst_impl(&g, output, input, op)
+    })
 }
 
 /// [`reduce_scatter_tensor`] with `async_op=True`.
+#[track_caller]
 pub fn reduce_scatter_tensor_async(
     output: &Tensor,
     input: &Tensor,
     op: ReduceOp,
     group: Option<&ProcessGroup>,
 ) -> Result<Work> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "reduce_scatter_tensor")?;
     let (o, i, g2) = (output.clone(), input.clone(), g.clone());
-    g.inner.seq.submit(
-        g.timeout(),
-        "reduce_scatter_tensor",
-        callers_grad_mode(move || rst_impl(&g2, &o, &i, op)),
-    )
+    queued(&g, "reduce_scatter_tensor", site, Some(output), move || {
+        rst_impl(&g2, &o, &i, op)
+    })
 }
 
 fn rst_impl(g: &ProcessGroup, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {

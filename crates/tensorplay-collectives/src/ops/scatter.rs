@@ -4,7 +4,7 @@ use tensorplay_core::Tensor;
 
 use super::check::{DESC, agree, checks_enabled, dtype_name, fmt_shape, numel_of, shape_desc};
 use super::stage::{self, Out};
-use super::{call, callers_grad_mode, check_writable, resolve};
+use super::{blocking, call, check_writable, queued, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
 use crate::{Error, Result};
@@ -14,23 +14,24 @@ use crate::{Error, Result};
 /// # Errors
 /// Not initialised, not a member, `src` outside the group, a tensor the group's backend does
 /// not move, ranks that disagree on shape or `src` (on every rank), a timeout or a failed peer.
+#[track_caller]
 pub fn broadcast(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "broadcast")?;
-    g.inner
-        .seq
-        .clone()
-        .run_blocking(g.timeout(), "broadcast", || broadcast_impl(&g, tensor, src))
+    blocking(&g, "broadcast", site, Some(tensor), || {
+        broadcast_impl(&g, tensor, src)
+    })
 }
 
 /// [`broadcast`] with `async_op=True`.
+#[track_caller]
 pub fn broadcast_async(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<Work> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "broadcast")?;
     let (t, g2) = (tensor.clone(), g.clone());
-    g.inner.seq.submit(
-        g.timeout(),
-        "broadcast",
-        callers_grad_mode(move || broadcast_impl(&g2, &t, src)),
-    )
+    queued(&g, "broadcast", site, Some(tensor), move || {
+        broadcast_impl(&g2, &t, src)
+    })
 }
 
 fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
@@ -64,14 +65,16 @@ fn broadcast_impl(g: &ProcessGroup, t: &Tensor, src: usize) -> Result<()> {
 /// # Errors
 /// As [`broadcast`], and a missing or unusable `scatter_list` on `src` (an error on every
 /// rank) or element counts that do not match the receivers'.
+#[track_caller]
 pub fn scatter(
     tensor: &Tensor,
     scatter_list: Option<&[Tensor]>,
     src: usize,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    let site = std::panic::Location::caller();
     let g = resolve(group, "scatter")?;
-    g.inner.seq.clone().run_blocking(g.timeout(), "scatter", || {
+    blocking(&g, "scatter", site, Some(tensor), || {
         let c = call(&g, "scatter")?;
         let root = c.root("src", src)?;
         c.accept("tensor", tensor)?;

@@ -472,7 +472,7 @@ pub fn all_gather(tensor: &Tensor, group: Option<&ProcessGroup>) -> Result<Vec<T
         push_shape(&mut d, tensor.shape());
         d
     });
-    let all = gp.exchange("functional::all_gather", desc, 1 + SHAPE_LEN)?;
+    let all = gp.exchange("the shape exchange of all_gather", desc, 1 + SHAPE_LEN)?;
     agree_dtype(&gp, OP, &all, |d| d[0])?;
     let shapes: Vec<Vec<usize>> = all.iter().map(|d| read_shape(&d[1..])).collect();
     apply(AllGather { gp, shapes }, &[tensor])
@@ -678,7 +678,7 @@ pub fn gather(tensor: &Tensor, dst: usize, group: Option<&ProcessGroup>) -> Resu
             push_shape(&mut d, tensor.shape());
             d
         });
-    let all = gp.exchange("functional::gather", desc, 2 + SHAPE_LEN)?;
+    let all = gp.exchange("the shape exchange of gather", desc, 2 + SHAPE_LEN)?;
     agree_dtype(&gp, OP, &all, |d| d[0])?;
     agree_root(&gp, OP, "dst", &all, |d| d[1])?;
     let shapes: Vec<Vec<usize>> = all.iter().map(|d| read_shape(&d[2..])).collect();
@@ -803,7 +803,7 @@ pub fn scatter(
         }
         Ok(d)
     });
-    let all = gp.exchange("functional::scatter", desc, len)?;
+    let all = gp.exchange("the shape exchange of scatter", desc, len)?;
     agree_root(&gp, OP, "src", &all, |d| d[0])?;
     let root = gp.root(OP, "src", src)?;
     let meta = &all[root];
@@ -922,7 +922,7 @@ pub fn all_to_all(inputs: &[Tensor], group: Option<&ProcessGroup>) -> Result<Vec
         }
         Ok(d)
     })();
-    let all = gp.exchange("functional::all_to_all", desc, len)?;
+    let all = gp.exchange("the size exchange of all_to_all", desc, len)?;
     agree_dtype(&gp, OP, &all, |d| d[0])?;
     // what rank j sends to this rank: its inputs[rank]
     let shapes: Vec<Vec<usize>> = all
@@ -1080,7 +1080,7 @@ pub fn all_to_all_single(
         push_shape(&mut d, &input.shape()[1..]);
         Ok(d)
     })();
-    let all = gp.exchange("functional::all_to_all_single", desc, len)?;
+    let all = gp.exchange("the size exchange of all_to_all_single", desc, len)?;
     agree_dtype(&gp, OP, &all, |d| d[0])?;
     let trailing: Vec<Vec<usize>> = all.iter().map(|d| read_shape(&d[2 + 2 * w..])).collect();
     if let Some(k) = trailing.iter().position(|t| *t != trailing[0]) {

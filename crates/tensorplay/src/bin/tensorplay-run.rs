@@ -14,14 +14,17 @@
 //! (non-zero exit or a signal), the others are sent SIGTERM (then SIGKILL after
 //! `--kill-grace` seconds) and the launcher exits non-zero, naming the rank and the reason.
 
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use tensorplay::distributed::recorder;
+use tensorplay::distributed::spawn::blame::{self, Ended, Exit};
 
 /// Starts the processes of a distributed tensorplay job on this node (like `torchrun`).
 #[derive(Parser, Debug)]
@@ -61,10 +64,17 @@ struct Args {
 /// The longest piece of a child's line forwarded at once (64 KiB).
 const MAX_LINE: u64 = 64 * 1024;
 
+/// How many of a child's last lines are kept for the failure report.
+const KEEP_LINES: usize = 8;
+
+/// A child's last lines (both streams), for the failure report.
+type Tail = Arc<Mutex<VecDeque<String>>>;
+
 fn forward(
     rank: usize,
     from: impl Read + Send + 'static,
     to_stderr: bool,
+    tail: Tail,
     done: std::sync::mpsc::Sender<()>,
 ) {
     std::thread::spawn(move || {
@@ -81,6 +91,18 @@ fn forward(
                 Ok(_) => {
                     if !line.ends_with(b"\n") {
                         line.push(b'\n');
+                    }
+                    {
+                        let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+                        if t.len() == KEEP_LINES {
+                            t.pop_front();
+                        }
+                        let prefix = format!("[rank {rank}] ").len();
+                        t.push_back(
+                            String::from_utf8_lossy(&line[prefix..])
+                                .trim_end()
+                                .to_string(),
+                        );
                     }
                     let _ = if to_stderr {
                         let mut e = std::io::stderr().lock();
@@ -105,15 +127,6 @@ fn signal(child: &Child, sig: libc::c_int) {
     }
 }
 
-fn describe(status: ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exited with code {c}"),
-        (None, Some(s)) => format!("was killed by signal {s}"),
-        _ => "ended".into(),
-    }
-}
-
 fn run(args: Args) -> Result<(), String> {
     if args.nproc_per_node == 0 || args.nnodes == 0 {
         return Err("--nproc-per-node and --nnodes must be at least 1".into());
@@ -133,6 +146,16 @@ fn run(args: Args) -> Result<(), String> {
         None => return Err("--master-port is required with several nodes".into()),
     };
     let world = args.nnodes * args.nproc_per_node;
+    // where the ranks write their flight recorders (the default folder is this job's: a stale
+    // one from an earlier job on the same port goes)
+    let fr_dir = match std::env::var_os(recorder::FR_DIR_ENV) {
+        Some(d) => std::path::PathBuf::from(d),
+        None => {
+            let d = recorder::job_dump_dir(&args.master_addr, &port.to_string());
+            let _ = std::fs::remove_dir_all(&d);
+            d
+        }
+    };
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
@@ -140,9 +163,10 @@ fn run(args: Args) -> Result<(), String> {
             .map_err(|e| format!("installing the SIGINT/SIGTERM/SIGHUP handler: {e}"))?;
     }
     let mut children: Vec<(usize, Child)> = Vec::new();
+    let tails: Vec<Tail> = (0..args.nproc_per_node).map(|_| Tail::default()).collect();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let mut streams = 0usize;
-    for local in 0..args.nproc_per_node {
+    for (local, tail) in tails.iter().enumerate() {
         let rank = args.node_rank * args.nproc_per_node + local;
         let mut cmd = Command::new(&args.command[0]);
         cmd.args(&args.command[1..])
@@ -171,16 +195,18 @@ fn run(args: Args) -> Result<(), String> {
             }
         };
         if let Some(o) = child.stdout.take() {
-            forward(rank, o, false, done_tx.clone());
+            forward(rank, o, false, tail.clone(), done_tx.clone());
             streams += 1;
         }
         if let Some(e) = child.stderr.take() {
-            forward(rank, e, true, done_tx.clone());
+            forward(rank, e, true, tail.clone(), done_tx.clone());
             streams += 1;
         }
         children.push((rank, child));
     }
-    let mut failure: Option<String> = None;
+    let start = Instant::now();
+    let mut interrupt: Option<String> = None;
+    let mut exits: Vec<Exit> = Vec::new();
     let mut forwarded = false;
     let mut stop_sent: Option<Instant> = None;
     let mut running: Vec<(usize, Child)> = children;
@@ -190,29 +216,33 @@ fn run(args: Args) -> Result<(), String> {
             for (_, c) in &running {
                 signal(c, libc::SIGINT);
             }
-            failure.get_or_insert_with(|| {
-                "interrupted (SIGINT, SIGTERM or SIGHUP; forwarded to every rank as SIGINT)".into()
-            });
+            interrupt = Some(
+                "interrupted (SIGINT, SIGTERM or SIGHUP; forwarded to every rank as SIGINT)".into(),
+            );
             // SIGINT is the stop signal here: SIGKILL follows after the grace period
             stop_sent = Some(Instant::now());
         }
         let mut still = Vec::with_capacity(running.len());
         for (rank, mut c) in running {
-            match c.try_wait() {
-                Ok(Some(status)) if status.success() => {}
-                Ok(Some(status)) => {
-                    if failure.is_none() {
-                        failure = Some(format!("rank {rank} {}", describe(status)));
-                    }
+            let how = match c.try_wait() {
+                Ok(Some(status)) => ended(status),
+                Ok(None) => {
+                    still.push((rank, c));
+                    continue;
                 }
-                Ok(None) => still.push((rank, c)),
-                Err(e) => {
-                    failure.get_or_insert_with(|| format!("waiting for rank {rank}: {e}"));
-                }
-            }
+                Err(_) => Ended::Code(-1),
+            };
+            exits.push(Exit {
+                rank,
+                at: start.elapsed(),
+                how,
+                message: String::new(),
+                stopped: stop_sent.is_some(),
+            });
         }
         running = still;
-        if failure.is_some() && !running.is_empty() {
+        let failed = exits.iter().any(|e| !e.how.success());
+        if failed && !running.is_empty() {
             match stop_sent {
                 None => {
                     for (_, c) in &running {
@@ -228,7 +258,7 @@ fn run(args: Args) -> Result<(), String> {
                 Some(_) => {}
             }
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(5));
     }
     // let the forwarding threads print the last lines (a grandchild may keep a stream open:
     // wait a little only)
@@ -239,10 +269,86 @@ fn run(args: Args) -> Result<(), String> {
             break;
         }
     }
-    match failure {
-        Some(f) => Err(f),
-        None => Ok(()),
+    let base = args.node_rank * args.nproc_per_node;
+    for e in &mut exits {
+        let t = tails[e.rank - base]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        e.message = t.iter().cloned().collect::<Vec<_>>().join("\n");
     }
+    if let Some(i) = interrupt {
+        return Err(i);
+    }
+    let Some(v) = blame::root_cause(&exits) else {
+        return Ok(());
+    };
+    let mut msg = report(&v, &exits);
+    if let Ok((dumps, _)) = recorder::read_dumps(&fr_dir) {
+        msg.push_str(&format!(
+            "\nflight recorder ({}; `tensorplay-fr {}` prints this again):\n{}",
+            fr_dir.display(),
+            fr_dir.display(),
+            recorder::diagnose(&dumps).to_string().trim_end()
+        ));
+    }
+    Err(msg)
+}
+
+/// How `st` ended.
+fn ended(st: ExitStatus) -> Ended {
+    use std::os::unix::process::ExitStatusExt;
+    match (st.code(), st.signal()) {
+        (Some(c), _) => Ended::Code(c),
+        (None, Some(s)) => Ended::Signal(s),
+        _ => Ended::Code(-1),
+    }
+}
+
+/// The failure report: the root cause with its last lines, then the consequences.
+fn report(v: &blame::Verdict, exits: &[Exit]) -> String {
+    let find = |r: usize| exits.iter().find(|e| e.rank == r);
+    let how = |e: &Exit| match e.how {
+        Ended::Code(c) => format!("exited with code {c}"),
+        Ended::Signal(s) => format!("was killed by signal {s}"),
+    };
+    let mut out = String::new();
+    if let Some(root) = find(v.root) {
+        out.push_str(&format!(
+            "rank {} {} (the first rank to fail)",
+            root.rank,
+            how(root)
+        ));
+        if !root.message.is_empty() {
+            out.push_str(&format!(
+                "; its last lines:\n    {}",
+                root.message.replace('\n', "\n    ")
+            ));
+        }
+    }
+    let own: Vec<String> = v
+        .consequences
+        .iter()
+        .filter_map(|&r| find(r))
+        .filter(|e| !e.stopped)
+        .map(|e| {
+            let last = e.message.lines().last().unwrap_or("").trim();
+            format!("rank {} {} ({last})", e.rank, how(e))
+        })
+        .collect();
+    if !own.is_empty() {
+        out.push_str(&format!("\nthen, as a consequence: {}", own.join("; ")));
+    }
+    let stopped: Vec<usize> = v
+        .consequences
+        .iter()
+        .filter_map(|&r| find(r))
+        .filter(|e| e.stopped)
+        .map(|e| e.rank)
+        .collect();
+    if !stopped.is_empty() {
+        out.push_str(&format!("\nstopped by the launcher: ranks {stopped:?}"));
+    }
+    out
 }
 
 fn main() -> ExitCode {

@@ -1,0 +1,288 @@
+//! Reading the dumps of a job and saying what went wrong: per group, the earliest operation
+//! that did not finish everywhere, which ranks wait in it, and which rank is behind (it never
+//! called it), in a different operation, or failed, with call sites. Pure: tested in memory.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::dump::{Dump, GroupDump};
+use super::{Entry, State};
+
+/// The diagnosis of a job's dumps: one paragraph per group that has an unfinished or failed
+/// operation.
+#[derive(Debug, Clone, Default)]
+pub struct Diagnosis {
+    /// The lines to print.
+    pub lines: Vec<String>,
+}
+
+impl std::fmt::Display for Diagnosis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for l in &self.lines {
+            writeln!(f, "{l}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads every `rank*.json` dump in `dir`.
+///
+/// # Errors
+/// The folder cannot be read, or holds no dump (each unreadable file is skipped with a note
+/// in the diagnosis instead).
+pub fn read_dumps(dir: &Path) -> Result<(Vec<Dump>, Vec<String>), String> {
+    let rd = std::fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    let (mut dumps, mut notes) = (Vec::new(), Vec::new());
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !(name.starts_with("rank") && name.ends_with(".json")) {
+            continue;
+        }
+        match std::fs::read(e.path())
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<Dump>(&b).map_err(|e| e.to_string()))
+        {
+            Ok(d) => dumps.push(d),
+            Err(err) => notes.push(format!("skipped {name}: {err}")),
+        }
+    }
+    if dumps.is_empty() {
+        return Err(format!(
+            "no flight-recorder dumps (rank*.json) in {}",
+            dir.display()
+        ));
+    }
+    dumps.sort_by_key(|d| d.rank);
+    Ok((dumps, notes))
+}
+
+fn describe(e: &Entry) -> String {
+    let mut s = format!("#{} {}", e.seq, e.op);
+    if let Some(dt) = &e.dtype {
+        s.push_str(&format!(" ({dt} {:?})", e.shape));
+    }
+    s
+}
+
+fn state_word(e: &Entry) -> &'static str {
+    match e.state {
+        State::Issued => "waits for its turn in",
+        State::Started => "waits in",
+        State::Done => "finished",
+        State::Failed => "failed in",
+    }
+}
+
+/// What the dumps say, group by group.
+pub fn diagnose(dumps: &[Dump]) -> Diagnosis {
+    let mut out = Diagnosis::default();
+    // group name -> (its description, rank -> its ring)
+    let mut groups: BTreeMap<String, (&GroupDump, BTreeMap<usize, &GroupDump>)> = BTreeMap::new();
+    for d in dumps {
+        for g in &d.groups {
+            groups
+                .entry(g.name.clone())
+                .or_insert_with(|| (g, BTreeMap::new()))
+                .1
+                .insert(d.rank, g);
+        }
+    }
+    for (name, (first, by_rank)) in &groups {
+        let head = format!(
+            "group {name} (ranks {:?}, backend {})",
+            first.ranks, first.backend
+        );
+        // the earliest operation not finished on some rank
+        let open: Option<u64> = by_rank
+            .values()
+            .filter_map(|g| {
+                g.entries
+                    .iter()
+                    .find(|e| e.state != State::Done)
+                    .map(|e| e.seq)
+            })
+            .min();
+        let Some(k) = open else {
+            out.lines.push(format!(
+                "{head}: every recorded operation finished on every rank that dumped"
+            ));
+            continue;
+        };
+        // the operation most ranks have at #k
+        // (ties: the operation of the lowest rank)
+        let mut votes: Vec<(&str, usize)> = Vec::new();
+        for g in by_rank.values() {
+            if let Some(e) = g.entries.iter().find(|e| e.seq == k) {
+                match votes.iter_mut().find(|(op, _)| *op == e.op) {
+                    Some(v) => v.1 += 1,
+                    None => votes.push((e.op.as_str(), 1)),
+                }
+            }
+        }
+        let most = votes.iter().map(|v| v.1).max().unwrap_or(0);
+        let reference = votes.iter().find(|v| v.1 == most).map_or("?", |v| v.0);
+        let ref_entry = by_rank
+            .values()
+            .filter_map(|g| g.entries.iter().find(|e| e.seq == k && e.op == reference))
+            .next();
+        let ref_site = ref_entry.map_or(String::new(), |e| format!(" (called at {})", e.site));
+        out.lines.push(format!(
+            "{head}: operation #{k} {reference}{ref_site} did not finish everywhere"
+        ));
+        let (mut waiting, mut lines) = (Vec::new(), Vec::new());
+        for &r in &first.ranks {
+            let Some(g) = by_rank.get(&r) else {
+                lines.push(format!(
+                    "  rank {r}: no dump (it exited, was killed, or could not be asked)"
+                ));
+                continue;
+            };
+            match g.entries.iter().find(|e| e.seq == k) {
+                Some(e) if e.op == reference && matches!(e.state, State::Started | State::Issued) => {
+                    waiting.push(r);
+                    lines.push(format!("  rank {r} {} {} at {}", state_word(e), describe(e), e.site));
+                }
+                Some(e) if e.op == reference && e.state == State::Failed => {
+                    lines.push(format!(
+                        "  rank {r} failed in {} at {}: {}",
+                        describe(e),
+                        e.site,
+                        e.error.as_deref().unwrap_or("")
+                    ));
+                }
+                Some(e) if e.op == reference => {
+                    let now = g.entries.iter().find(|x| x.state != State::Done);
+                    lines.push(match now {
+                        Some(n) => format!("  rank {r} finished #{k} and {} {} at {}", state_word(n), describe(n), n.site),
+                        None => format!("  rank {r} finished #{k} and every later operation"),
+                    });
+                }
+                Some(e) => lines.push(format!(
+                    "  rank {r} is in a different operation: it called {} at {} where the others called {reference}",
+                    describe(e),
+                    e.site
+                )),
+                None => {
+                    let last = g.entries.iter().rev().find(|e| e.seq < k);
+                    lines.push(match last {
+                        Some(l) => format!(
+                            "  rank {r} never called #{k} {reference}: it is behind, its last operation is {} ({}) at {}",
+                            describe(l),
+                            match l.state {
+                                State::Done => "finished",
+                                State::Failed => "failed",
+                                _ => "not finished",
+                            },
+                            l.site
+                        ),
+                        None => format!("  rank {r} never called #{k} {reference} (it recorded nothing before it)"),
+                    });
+                }
+            }
+        }
+        if !waiting.is_empty() {
+            out.lines
+                .push(format!("  ranks {waiting:?} wait in #{k} {reference}"));
+        }
+        out.lines.extend(lines);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(seq: u64, op: &str, state: State, site: &str) -> Entry {
+        Entry {
+            seq,
+            op: op.into(),
+            dtype: Some("float32".into()),
+            shape: vec![4],
+            bytes: 16,
+            state,
+            issued_ms: 0.0,
+            started_ms: None,
+            finished_ms: None,
+            error: None,
+            site: site.into(),
+        }
+    }
+
+    fn dump(rank: usize, entries: Vec<Entry>) -> Dump {
+        Dump {
+            rank,
+            pid: 1,
+            reason: String::new(),
+            time_ms: 0.0,
+            groups: vec![GroupDump {
+                name: "world".into(),
+                backend: "cpu".into(),
+                ranks: vec![0, 1, 2],
+                entries,
+            }],
+        }
+    }
+
+    #[test]
+    fn the_rank_that_skipped_an_operation_is_named_with_its_call_site() {
+        let done = |s| entry(s, "all_reduce", State::Done, "train.rs:10:5");
+        let dumps = vec![
+            dump(
+                0,
+                vec![
+                    done(0),
+                    entry(1, "all_reduce", State::Started, "train.rs:20:5"),
+                ],
+            ),
+            dump(
+                1,
+                vec![
+                    done(0),
+                    entry(1, "all_reduce", State::Started, "train.rs:20:5"),
+                ],
+            ),
+            dump(2, vec![done(0)]),
+        ];
+        let text = diagnose(&dumps).to_string();
+        assert!(
+            text.contains("operation #1 all_reduce (called at train.rs:20:5)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("ranks [0, 1] wait in #1 all_reduce"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rank 2 never called #1 all_reduce: it is behind"),
+            "{text}"
+        );
+        assert!(
+            text.contains("#0 all_reduce (float32 [4]) (finished) at train.rs:10:5"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_different_operation_and_a_missing_dump_are_said() {
+        let dumps = vec![
+            dump(0, vec![entry(0, "all_reduce", State::Started, "a.rs:1:1")]),
+            dump(1, vec![entry(0, "barrier", State::Started, "b.rs:2:2")]),
+        ];
+        let text = diagnose(&dumps).to_string();
+        assert!(
+            text.contains("rank 1 is in a different operation: it called #0 barrier"),
+            "{text}"
+        );
+        assert!(text.contains("rank 2: no dump"), "{text}");
+        let all_done = vec![dump(
+            0,
+            vec![entry(0, "all_reduce", State::Done, "a.rs:1:1")],
+        )];
+        assert!(
+            diagnose(&all_done)
+                .to_string()
+                .contains("every recorded operation finished")
+        );
+    }
+}

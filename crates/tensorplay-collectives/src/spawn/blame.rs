@@ -1,0 +1,187 @@
+//! Who failed first: the root cause of a failed job among the ranks that ended, for `spawn`
+//! and `tensorplay-run`. Pure logic over what the parent saw (no processes, no clock), tested
+//! in memory.
+//!
+//! When one rank dies, the others fail a moment later with errors about it (a closed
+//! connection, an unreachable worker, a timeout); a parent that reports the first failure it
+//! happens to look at blames a survivor. The rules, in order:
+//!
+//! 1. A rank that ended before the parent stopped the job beats one the parent stopped.
+//! 2. A rank that ended on its own account (killed by a signal, a panic, an error of its own)
+//!    beats one whose last message is a consequence of another rank's failure
+//!    ([`is_consequence`]).
+//! 3. Then the earliest exit, then the lowest rank.
+
+use std::time::Duration;
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Exited with this code.
+    Code(i32),
+    /// Killed by this signal.
+    Signal(i32),
+}
+
+impl Ended {
+    /// Whether this is a successful exit (code 0).
+    pub fn success(self) -> bool {
+        self == Ended::Code(0)
+    }
+}
+
+/// What the parent saw of one rank that ended.
+#[derive(Debug, Clone)]
+pub struct Exit {
+    /// The rank.
+    pub rank: usize,
+    /// When the parent saw it end, since the job started.
+    pub at: Duration,
+    /// How it ended.
+    pub how: Ended,
+    /// Its failure message (the spawn marker line) or its last output lines.
+    pub message: String,
+    /// Whether it ended after the parent began stopping the job (it was told to stop).
+    pub stopped: bool,
+}
+
+/// The verdict over a failed job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// The rank that failed first in its own right.
+    pub root: usize,
+    /// The other ranks that failed, in the order they ended.
+    pub consequences: Vec<usize>,
+}
+
+/// Whether `message` reports another rank's failure rather than one of this rank's own: a
+/// connection to a peer that failed, an unreachable RPC worker, a timeout waiting for
+/// others, a store whose host left.
+pub fn is_consequence(message: &str) -> bool {
+    const SIGNS: &[&str] = &[
+        "connection to rank",
+        "is unreachable during",
+        "timed out after",
+        "ran for more than its timeout",
+        "the store host",
+        "store: connection",
+        "store: the store server",
+        "(did rank",
+    ];
+    SIGNS.iter().any(|s| message.contains(s))
+}
+
+/// The root cause and the consequences among `exits` (the ranks that ended so far); `None`
+/// when none failed.
+pub fn root_cause(exits: &[Exit]) -> Option<Verdict> {
+    let mut failed: Vec<&Exit> = exits.iter().filter(|e| !e.how.success()).collect();
+    if failed.is_empty() {
+        return None;
+    }
+    let key = |e: &Exit| {
+        let own = matches!(e.how, Ended::Signal(_)) || !is_consequence(&e.message);
+        (e.stopped, !own, e.at, e.rank)
+    };
+    let root = failed.iter().min_by_key(|e| key(e)).map(|e| e.rank)?;
+    failed.sort_by_key(|e| (e.at, e.rank));
+    Some(Verdict {
+        root,
+        consequences: failed
+            .iter()
+            .map(|e| e.rank)
+            .filter(|&r| r != root)
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exit(rank: usize, ms: u64, how: Ended, message: &str) -> Exit {
+        Exit {
+            rank,
+            at: Duration::from_millis(ms),
+            how,
+            message: message.into(),
+            stopped: false,
+        }
+    }
+
+    const PEER: &str = "rank 0: connection to rank 2 failed during all_reduce: closed";
+
+    #[test]
+    fn a_killed_rank_beats_the_survivors_that_report_it() {
+        // the survivors are seen first (same poll pass, lower ranks)
+        let v = root_cause(&[
+            exit(0, 10, Ended::Code(1), PEER),
+            exit(1, 10, Ended::Code(1), PEER),
+            exit(2, 10, Ended::Signal(9), ""),
+        ])
+        .unwrap();
+        assert_eq!(
+            v,
+            Verdict {
+                root: 2,
+                consequences: vec![0, 1]
+            }
+        );
+    }
+
+    #[test]
+    fn an_own_error_beats_a_consequence_seen_earlier() {
+        let v = root_cause(&[
+            exit(0, 5, Ended::Code(1), PEER),
+            exit(1, 7, Ended::Code(1), "invalid argument `src`"),
+        ])
+        .unwrap();
+        assert_eq!(v.root, 1);
+    }
+
+    #[test]
+    fn stopped_ranks_and_successes_are_never_the_root() {
+        let mut stopped = exit(0, 1, Ended::Signal(15), "");
+        stopped.stopped = true;
+        let v = root_cause(&[
+            stopped,
+            exit(1, 3, Ended::Code(0), ""),
+            exit(2, 9, Ended::Code(1), PEER),
+        ])
+        .unwrap();
+        assert_eq!(
+            v,
+            Verdict {
+                root: 2,
+                consequences: vec![0]
+            }
+        );
+        assert_eq!(root_cause(&[exit(0, 1, Ended::Code(0), "")]), None);
+    }
+
+    #[test]
+    fn among_equals_the_earliest_then_the_lowest_rank() {
+        let v = root_cause(&[
+            exit(3, 4, Ended::Code(2), "x"),
+            exit(1, 4, Ended::Code(2), "y"),
+            exit(0, 6, Ended::Code(2), "z"),
+        ])
+        .unwrap();
+        assert_eq!(v.root, 1);
+        assert_eq!(v.consequences, vec![3, 0]);
+    }
+
+    #[test]
+    fn consequence_texts() {
+        assert!(is_consequence(PEER));
+        assert!(is_consequence(
+            "worker worker1 is unreachable during rpc_sync: reset"
+        ));
+        assert!(is_consequence(
+            "all_reduce timed out after 5s on rank 1: waiting for rank 2"
+        ));
+        assert!(!is_consequence("panicked: boom"));
+        assert!(!is_consequence(
+            "broadcast on rank 1: invalid argument `src`: expected a rank"
+        ));
+    }
+}

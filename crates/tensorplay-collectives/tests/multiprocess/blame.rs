@@ -1,0 +1,130 @@
+//! Failure attribution in real processes, each case repeated (the races it guards against
+//! are timing-dependent): a rank SIGKILLed while the others wait for it in a collective is the
+//! rank `spawn` blames, never a survivor that reported it; a rank that never arrives at
+//! rendezvous is named by every rank that waited, also after the store's host left.
+
+use std::time::Duration;
+
+use tensorplay_collectives::{self as dist, InitOptions, ReduceOp, SpawnOptions};
+use tensorplay_core::{DType, Tensor};
+
+use super::TestResult;
+
+/// How many times each case runs.
+const RUNS: usize = 20;
+
+fn init(timeout: Duration) -> dist::Result<()> {
+    dist::init_process_group(
+        "cpu",
+        InitOptions {
+            timeout,
+            ..Default::default()
+        },
+    )
+}
+
+#[test]
+fn a_killed_rank_is_blamed_not_the_survivors() -> TestResult {
+    for run in 0..RUNS {
+        let opts = SpawnOptions {
+            timeout: Duration::from_secs(60),
+            env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
+            ..SpawnOptions::new(3)
+        };
+        let r = dist::spawn_with(opts, |rank| -> TestResult {
+            init(Duration::from_secs(10))?;
+            dist::barrier(None)?;
+            if rank == 2 {
+                // SAFETY: signals this very process; nothing runs after it.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            let t = Tensor::ones(&[1000], DType::F32)?;
+            dist::all_reduce(&t, ReduceOp::Sum, None)?;
+            Ok(())
+        });
+        match r {
+            Err(dist::Error::Spawn {
+                rank: 2, reason, ..
+            }) => {
+                assert!(reason.contains("signal 9"), "run {run}: {reason}");
+                // the survivors' recorders show the operation in flight when it died
+                assert!(
+                    reason.contains("failed in #1 all_reduce"),
+                    "run {run}: {reason}"
+                );
+                assert!(reason.contains("rank 2: no dump"), "run {run}: {reason}");
+            }
+            other => return Err(format!("run {run}: expected rank 2 blamed, got {other:?}").into()),
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_by_every_rank() -> TestResult {
+    for run in 0..RUNS / 2 {
+        let opts = SpawnOptions {
+            timeout: Duration::from_secs(60),
+            env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
+            ..SpawnOptions::new(3)
+        };
+        dist::spawn_with(opts, |rank| -> TestResult {
+            if rank == 2 {
+                return Ok(()); // never calls init_process_group
+            }
+            let e = init(Duration::from_millis(1500)).unwrap_err().to_string();
+            if !(e.contains("missing ranks: 2") || e.contains("before ranks 2 arrived")) {
+                return Err(format!("rank {rank} does not name rank 2: {e}").into());
+            }
+            assert!(!e.contains("rank -1"), "{e}");
+            Ok(())
+        })
+        .map_err(|e| format!("run {run}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A rank that skips one collective: the job fails in time, and the flight-recorder diagnosis
+/// in `spawn`'s error names the skipping rank, the operation and its call site.
+#[test]
+fn a_skipped_collective_is_diagnosed_by_the_flight_recorder() -> TestResult {
+    let opts = SpawnOptions {
+        timeout: Duration::from_secs(60),
+        env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
+        ..SpawnOptions::new(3)
+    };
+    let r = dist::spawn_with(opts, |rank| -> TestResult {
+        init(Duration::from_secs(3))?;
+        let t = Tensor::ones(&[8], DType::F32)?;
+        dist::all_reduce(&t, ReduceOp::Sum, None)?;
+        if rank == 2 {
+            // skips the next collective, and lives on long enough to be asked for its recorder
+            std::thread::sleep(Duration::from_secs(8));
+            return Ok(());
+        }
+        dist::all_reduce(&t, ReduceOp::Sum, None)?; // the call the others wait in
+        Ok(())
+    });
+    let Err(dist::Error::Spawn { reason, .. }) = r else {
+        return Err(format!("expected the job to fail, got {r:?}").into());
+    };
+    assert!(reason.contains("flight recorder:"), "{reason}");
+    assert!(
+        reason.contains("operation #1 all_reduce (called at "),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("multiprocess/blame.rs:"),
+        "the call site: {reason}"
+    );
+    assert!(
+        reason.contains("rank 2 never called #1 all_reduce: it is behind"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("rank 0 failed in #1 all_reduce"),
+        "{reason}"
+    );
+    assert!(!reason.contains("rank -1"), "{reason}");
+    Ok(())
+}
