@@ -299,7 +299,9 @@ fn rank_killed_under_the_launcher() {
 #[test]
 fn the_killed_rank_is_the_one_named() {
     let exe = std::env::current_exe().expect("test binary");
+    let fr = std::env::temp_dir().join(format!("tp-launcher-fr-{}", std::process::id()));
     for run in 0..20 {
+        let _ = std::fs::remove_dir_all(&fr);
         let out = launcher()
             .args(["--nproc-per-node", "3", "--kill-grace", "2"])
             .arg(&exe)
@@ -310,6 +312,7 @@ fn the_killed_rank_is_the_one_named() {
                 "--test-threads=1",
             ])
             .env(KILL_CASE_ENV, "1")
+            .env("TENSORPLAY_FR_DIR", &fr)
             .stdin(Stdio::null())
             .output()
             .expect("runs");
@@ -319,5 +322,22 @@ fn the_killed_rank_is_the_one_named() {
             err.contains("tensorplay-run: rank 2 was killed by signal 9 (the first rank to fail)"),
             "run {run}: {err}"
         );
+        // the survivors' flight recorders, diagnosed by the launcher
+        assert!(err.contains("flight recorder ("), "run {run}: {err}");
+        assert!(err.contains("rank 2: no dump"), "run {run}: {err}");
     }
+    // and by tensorplay-fr, from the folder
+    let fr_bin = || Command::new(env!("CARGO_BIN_EXE_tensorplay-fr"));
+    let out = fr_bin().arg(&fr).output().expect("runs tensorplay-fr");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let _ = std::fs::remove_dir_all(&fr);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.contains("failed in #1 all_reduce"), "{text}");
+    assert!(text.contains("launcher.rs:"), "the call site: {text}");
+    let out = fr_bin().arg(&fr).output().expect("runs tensorplay-fr");
+    assert!(!out.status.success(), "a folder without dumps is an error");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot read"),
+        "{out:?}"
+    );
 }

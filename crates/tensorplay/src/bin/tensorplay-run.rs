@@ -11,8 +11,10 @@
 //! `TENSORPLAY_RUN=1`. Every line a child prints is prefixed with `[rank N] `. Ctrl-C, SIGTERM
 //! and SIGHUP (a scheduler, `timeout`, `docker stop`, a closed terminal) are forwarded to the
 //! children as SIGINT, and the launcher waits for them. When a child fails
-//! (non-zero exit or a signal), the others are sent SIGTERM (then SIGKILL after
-//! `--kill-grace` seconds) and the launcher exits non-zero, naming the rank and the reason.
+//! (non-zero exit or a signal), the others get 1.5 s to end on their own (and write their
+//! flight recorders), are then sent SIGTERM (then SIGKILL after `--kill-grace` seconds), and
+//! the launcher exits non-zero, naming the rank that failed first (not a survivor that reported
+//! it), its last lines, the consequences, and the flight recorder's diagnosis.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -63,6 +65,10 @@ struct Args {
 /// channel hears when the stream ended.
 /// The longest piece of a child's line forwarded at once (64 KiB).
 const MAX_LINE: u64 = 64 * 1024;
+
+/// How long the other ranks may take to end on their own after the first failure, before the
+/// launcher stops them.
+const FAIL_GRACE: Duration = Duration::from_millis(1500);
 
 /// How many of a child's last lines are kept for the failure report.
 const KEEP_LINES: usize = 8;
@@ -208,6 +214,7 @@ fn run(args: Args) -> Result<(), String> {
     let mut interrupt: Option<String> = None;
     let mut exits: Vec<Exit> = Vec::new();
     let mut forwarded = false;
+    let mut first_failure: Option<Instant> = None;
     let mut stop_sent: Option<Instant> = None;
     let mut running: Vec<(usize, Child)> = children;
     while !running.is_empty() {
@@ -242,7 +249,13 @@ fn run(args: Args) -> Result<(), String> {
         }
         running = still;
         let failed = exits.iter().any(|e| !e.how.success());
-        if failed && !running.is_empty() {
+        if failed && first_failure.is_none() {
+            first_failure = Some(Instant::now());
+        }
+        // the others get a moment to end on their own (and to write their flight recorders)
+        // before they are told to stop
+        let stop_now = first_failure.is_some_and(|t| t.elapsed() >= FAIL_GRACE);
+        if stop_now && !running.is_empty() {
             match stop_sent {
                 None => {
                     for (_, c) in &running {
