@@ -59,6 +59,19 @@ impl Member {
         let (backend, control) = make_backend(backend, store, rank, size, local_rank, timeout)?;
         Ok(Member { backend, control })
     }
+
+    /// [`Member::new`] for a group of the global `ranks`: errors name global ranks.
+    fn for_ranks(
+        backend: &str,
+        store: Arc<dyn Store>,
+        ranks: &[usize],
+        rank: usize,
+        local_rank: usize,
+        timeout: Duration,
+    ) -> Result<Member> {
+        Member::new(backend, store, rank, ranks.len(), local_rank, timeout)
+            .map_err(|e| crate::ops::to_global(ranks, e))
+    }
 }
 
 pub(crate) struct GroupInner {
@@ -388,11 +401,11 @@ pub fn new_group(
     let gstore: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("pg/group{id}"), store));
     let group_rank = ranks.iter().position(|&r| r == me);
     let b = match group_rank {
-        Some(gr) => Some(Member::new(
+        Some(gr) => Some(Member::for_ranks(
             &backend_name,
             gstore.clone(),
+            ranks,
             gr,
-            ranks.len(),
             local_rank,
             timeout,
         )?),

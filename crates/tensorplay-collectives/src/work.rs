@@ -107,7 +107,19 @@ impl Sequencer {
                 .0;
         }
         drop(s);
-        let r = f();
+        // a panic inside the operation (a backend's bug) becomes its error, and the turn still
+        // passes on: the group's later calls are not left waiting for a turn that never ends
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string panic".into());
+            Err(Error::Backend {
+                backend: "(the group's backend)".into(),
+                detail: format!("{op} panicked on rank {}: {msg}", self.rank),
+            })
+        });
         self.advance();
         r
     }
@@ -216,17 +228,23 @@ impl Work {
             return done.result.clone();
         }
         let got = match timeout {
-            Some(t) => self.rx.recv_timeout(t).map_err(|_| Error::Timeout {
-                op: format!("Work::wait on {}", self.op),
-                rank: self.rank,
-                timeout: t,
-                detail: format!(
-                    "the operation has not finished: one of the group's ranks {:?} has not \
+            Some(t) => self.rx.recv_timeout(t).map_err(|e| match e {
+                crossbeam::channel::RecvTimeoutError::Disconnected => Error::Io(format!(
+                    "{}: the collectives worker thread stopped",
+                    self.op
+                )),
+                crossbeam::channel::RecvTimeoutError::Timeout => Error::Timeout {
+                    op: format!("Work::wait on {}", self.op),
+                    rank: self.rank,
+                    timeout: t,
+                    detail: format!(
+                        "the operation has not finished: one of the group's ranks {:?} has not \
                      taken part yet, or an earlier operation of the group still runs (a later \
                      wait may still succeed; the operation itself fails at the group's timeout \
                      naming the rank it waits for)",
-                    self.ranks
-                ),
+                        self.ranks
+                    ),
+                },
             })?,
             None => self.rx.recv().unwrap_or_else(|_| {
                 Done::now(

@@ -9,8 +9,39 @@ fn global(ranks: &[usize], r: usize) -> usize {
     ranks.get(r).copied().unwrap_or(r)
 }
 
-/// `text` with every "rank N" (a group rank) renamed to the global rank.
+/// `text` with every "rank N" and "ranks [N, M]" (group ranks) renamed to global ranks.
 fn text(ranks: &[usize], text: &str) -> String {
+    let text = lists(ranks, text);
+    singles(ranks, &text)
+}
+
+/// Renames the members of every "ranks [..]" list.
+fn lists(ranks: &[usize], text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("ranks [") {
+        let (head, tail) = rest.split_at(i + "ranks [".len());
+        out.push_str(head);
+        let Some(end) = tail.find(']') else {
+            rest = tail;
+            break;
+        };
+        let items: Vec<String> = tail[..end]
+            .split(',')
+            .map(|x| match x.trim().parse::<usize>() {
+                Ok(r) => global(ranks, r).to_string(),
+                Err(_) => x.trim().to_string(),
+            })
+            .collect();
+        out.push_str(&items.join(", "));
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Renames every "rank N".
+fn singles(ranks: &[usize], text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(i) = rest.find("rank ") {
@@ -93,6 +124,14 @@ mod tests {
             op: "all_reduce".into(),
             detail: "rank 1 closed; rank 0 waited; rank x".into(),
         };
+        let t = text(
+            &[3, 5],
+            "ranks [1] of 2 never joined; rank 0 waited; ranks [0, 1]",
+        );
+        assert_eq!(
+            t,
+            "ranks [5] of 2 never joined; rank 3 waited; ranks [3, 5]"
+        );
         match to_global(&[3, 5], e) {
             Error::PeerFailed {
                 rank, peer, detail, ..

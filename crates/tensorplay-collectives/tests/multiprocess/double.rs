@@ -27,6 +27,8 @@ fn calls() -> Vec<String> {
 
 /// The elements count that makes the double fail, blaming its group rank 1.
 const POISON: usize = 13;
+/// The elements count that makes the double panic (a backend bug).
+const PANIC: usize = 17;
 
 struct Recording {
     inner: HostTensors,
@@ -66,6 +68,9 @@ impl Backend for Recording {
                 op: "all_reduce".into(),
                 detail: "rank 1 hung up (injected by the test double)".into(),
             });
+        }
+        if t.numel() == PANIC {
+            panic!("the test double panics on purpose");
         }
         self.inner.all_reduce(t, op, timeout)
     }
@@ -238,6 +243,17 @@ fn a_registered_backend_gets_the_checks_translation_and_timeouts() -> TestResult
             before,
             "the double was called for a mismatched call"
         );
+
+        // a backend that panics: the panic is this call's error, and the group goes on
+        let p = Tensor::zeros(&[PANIC], DType::F32)?;
+        let e = dist::all_reduce(&p, ReduceOp::Sum, None).unwrap_err();
+        assert!(
+            e.to_string().contains("panics on purpose"),
+            "rank {rank}: {e}"
+        );
+        let t = tensor(&[1.0], &[1], DType::F32);
+        dist::all_reduce(&t, ReduceOp::Sum, None)?;
+        check("after a backend panic", as_f64(&t), vec![3.0])?;
 
         // a subgroup: roots reach the double as group ranks, errors leave it as global ranks
         let g = dist::new_group(&[0, 2], None, None)?;
