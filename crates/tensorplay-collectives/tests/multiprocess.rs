@@ -11,6 +11,8 @@ use tensorplay_core::{DType, Tensor};
 mod blame;
 #[path = "multiprocess/double.rs"]
 mod double;
+#[path = "multiprocess/one_bad_rank.rs"]
+mod one_bad_rank;
 #[path = "multiprocess/shm_paths.rs"]
 mod shm_paths;
 

@@ -26,24 +26,27 @@ pub fn all_to_all(
     let g = resolve(group, "all_to_all")?;
     blocking(&g, "all_to_all", site, input_list.first(), || {
         let c = call(&g, "all_to_all")?;
-        for (name, l) in [("output_list", output_list), ("input_list", input_list)] {
-            if l.len() != c.size {
-                return Err(c.err(name, format!("{} tensors (one per rank)", c.size), l.len()));
+        let local = (|| -> Result<(DType, Vec<usize>, Vec<usize>)> {
+            for (name, l) in [("output_list", output_list), ("input_list", input_list)] {
+                if l.len() != c.size {
+                    return Err(c.err(name, format!("{} tensors (one per rank)", c.size), l.len()));
+                }
             }
-        }
-        let dt = input_list[0].dtype();
-        for (r, t) in input_list.iter().chain(output_list).enumerate() {
-            c.accept(&format!("tensor {r} of the lists"), t)?;
-            if t.dtype() != dt {
-                return Err(c.err("lists", format!("one dtype ({dt})"), t.dtype()));
+            let dt = input_list[0].dtype();
+            for (r, t) in input_list.iter().chain(output_list).enumerate() {
+                c.accept(&format!("tensor {r} of the lists"), t)?;
+                if t.dtype() != dt {
+                    return Err(c.err("lists", format!("one dtype ({dt})"), t.dtype()));
+                }
             }
-        }
-        for (r, t) in output_list.iter().enumerate() {
-            check_writable(&c, &format!("output_list[{r}]"), t)?;
-        }
-        let send: Vec<usize> = input_list.iter().map(|t| t.numel()).collect();
-        let recv: Vec<usize> = output_list.iter().map(|t| t.numel()).collect();
-        a2a_check(&c, dt, &send, &recv)?;
+            for (r, t) in output_list.iter().enumerate() {
+                check_writable(&c, &format!("output_list[{r}]"), t)?;
+            }
+            let send = input_list.iter().map(|t| t.numel()).collect();
+            let recv = output_list.iter().map(|t| t.numel()).collect();
+            Ok((dt, send, recv))
+        })();
+        a2a_check(&c, local)?;
         let mut inputs = stage::inputs(input_list)?;
         for t in &mut inputs {
             for o in output_list {
@@ -57,12 +60,20 @@ pub fn all_to_all(
     })
 }
 
-/// Checks that what each rank sends to each other rank is what that rank expects to receive.
-fn a2a_check(c: &Call<'_>, dt: DType, send: &[usize], recv: &[usize]) -> Result<()> {
-    let mut d = vec![dtype_code(dt)];
-    d.extend(send.iter().map(|&x| x as i64));
-    d.extend(recv.iter().map(|&x| x as i64));
-    let all = c.exchange(&d)?;
+/// Checks that what each rank sends to each other rank is what that rank expects to receive;
+/// `local` is this rank's dtype and element counts sent and expected per rank, or its own
+/// argument error (which then fails the call on every rank). Returns the counts.
+fn a2a_check(
+    c: &Call<'_>,
+    local: Result<(DType, Vec<usize>, Vec<usize>)>,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let local = local.map(|(dt, send, recv)| {
+        let mut d = vec![dtype_code(dt)];
+        d.extend(send.iter().map(|&x| x as i64));
+        d.extend(recv.iter().map(|&x| x as i64));
+        (d, (send, recv))
+    });
+    let (all, counts) = c.exchange_checked(1 + 2 * c.size, local)?;
     agree(c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
     let n = c.size;
     for r in 0..n {
@@ -83,7 +94,7 @@ fn a2a_check(c: &Call<'_>, dt: DType, send: &[usize], recv: &[usize]) -> Result<
             }
         }
     }
-    Ok(())
+    Ok(counts)
 }
 
 /// Splits `input` along its first dimension by `input_split_sizes` (rows; default: equal
@@ -139,72 +150,84 @@ fn a2as_impl(
     in_splits: Option<&[usize]>,
 ) -> Result<()> {
     let c = call(g, "all_to_all_single")?;
-    c.accept("input", input)?;
-    c.accept("output", output)?;
-    check_writable(&c, "output", output)?;
-    if input.dtype() != output.dtype() {
-        return Err(c.err(
-            "output",
-            format!("input's dtype {}", input.dtype()),
-            output.dtype(),
-        ));
-    }
-    let rows = |t: &Tensor| if t.ndim() == 0 { 1 } else { t.shape()[0] };
-    let row_numel = |t: &Tensor| {
-        if t.ndim() == 0 {
-            1
-        } else {
-            t.shape()[1..].iter().product::<usize>()
+    let local = (|| -> Result<(DType, Vec<usize>, Vec<usize>)> {
+        c.accept("input", input)?;
+        c.accept("output", output)?;
+        check_writable(&c, "output", output)?;
+        if input.dtype() != output.dtype() {
+            return Err(c.err(
+                "output",
+                format!("input's dtype {}", input.dtype()),
+                output.dtype(),
+            ));
         }
-    };
-    if input.ndim() > 0 && output.ndim() > 0 && input.shape()[1..] != output.shape()[1..] {
-        return Err(c.err(
-            "output",
-            format!("rows of shape {:?} like input's", &input.shape()[1..]),
-            format!("{:?}", &output.shape()[1..]),
-        ));
-    }
-    let splits = |given: Option<&[usize]>, t: &Tensor, arg: &str| -> Result<Vec<usize>> {
-        match given {
-            Some(s) => {
-                let sum = s.iter().try_fold(0usize, |a, &v| a.checked_add(v));
-                if s.len() != c.size || sum != Some(rows(t)) {
-                    return Err(c.err(
-                        arg,
-                        format!("{} sizes summing to {} rows", c.size, rows(t)),
-                        format!("{s:?}"),
-                    ));
-                }
-                Ok(s.to_vec())
-            }
-            None => {
-                if rows(t) % c.size != 0 {
-                    return Err(c.err(
-                        arg,
-                        format!(
-                            "given, since {} rows do not split evenly over {} ranks",
-                            rows(t),
-                            c.size
-                        ),
-                        "None",
-                    ));
-                }
-                Ok(vec![rows(t) / c.size; c.size])
-            }
+        if input.ndim() > 0 && output.ndim() > 0 && input.shape()[1..] != output.shape()[1..] {
+            return Err(c.err(
+                "output",
+                format!("rows of shape {:?} like input's", &input.shape()[1..]),
+                format!("{:?}", &output.shape()[1..]),
+            ));
         }
-    };
-    let rn = row_numel(input);
-    let send: Vec<usize> = splits(in_splits, input, "input_split_sizes")?
-        .iter()
-        .map(|r| r * rn)
-        .collect();
-    let recv: Vec<usize> = splits(out_splits, output, "output_split_sizes")?
-        .iter()
-        .map(|r| r * rn)
-        .collect();
-    a2a_check(&c, input.dtype(), &send, &recv)?;
+        let rn = row_numel(input);
+        let send = splits(&c, in_splits, input, "input_split_sizes")?
+            .iter()
+            .map(|r| r * rn)
+            .collect();
+        let recv = splits(&c, out_splits, output, "output_split_sizes")?
+            .iter()
+            .map(|r| r * rn)
+            .collect();
+        Ok((input.dtype(), send, recv))
+    })();
+    let (send, recv) = a2a_check(&c, local)?;
     let inp = stage::input(input, Some(output))?;
     let out = Out::new(output)?;
     c.run(|b| b.all_to_all_single(out.t(), &inp, &send, &recv, c.timeout()))?;
     out.finish()
+}
+
+/// The rows of `t` for splitting: its first dimension (a scalar is one row).
+fn rows(t: &Tensor) -> usize {
+    if t.ndim() == 0 { 1 } else { t.shape()[0] }
+}
+
+/// The elements of one row of `t`.
+fn row_numel(t: &Tensor) -> usize {
+    if t.ndim() == 0 {
+        1
+    } else {
+        t.shape()[1..].iter().product::<usize>()
+    }
+}
+
+/// The rows per rank: the `given` split sizes of argument `arg`, checked to be one per rank
+/// summing to `t`'s rows, or equal parts when none are given.
+fn splits(c: &Call<'_>, given: Option<&[usize]>, t: &Tensor, arg: &str) -> Result<Vec<usize>> {
+    match given {
+        Some(s) => {
+            let sum = s.iter().try_fold(0usize, |a, &v| a.checked_add(v));
+            if s.len() != c.size || sum != Some(rows(t)) {
+                return Err(c.err(
+                    arg,
+                    format!("{} sizes summing to {} rows", c.size, rows(t)),
+                    format!("{s:?}"),
+                ));
+            }
+            Ok(s.to_vec())
+        }
+        None => {
+            if !rows(t).is_multiple_of(c.size) {
+                return Err(c.err(
+                    arg,
+                    format!(
+                        "given, since {} rows do not split evenly over {} ranks",
+                        rows(t),
+                        c.size
+                    ),
+                    "None",
+                ));
+            }
+            Ok(vec![rows(t) / c.size; c.size])
+        }
+    }
 }

@@ -20,17 +20,15 @@ pub(super) fn checks_enabled() -> bool {
 }
 
 impl Call<'_> {
-    /// All ranks' descriptors (one all-gather of `desc`, which has the same length on every rank).
-    /// The collective's name travels with it: ranks that called different collectives get an
-    /// [`Error::Mismatch`] naming them instead of pairing unrelated descriptors.
-    pub(super) fn exchange(&self, desc: &[i64]) -> Result<Vec<Vec<i64>>> {
-        self.exchange_local(desc, Ok(()))
-    }
-
-    /// Like [`Call::exchange`], for a rank whose own argument checks gave `local`: it still
-    /// takes part (with a flag), so that when one rank alone passes bad arguments every rank
-    /// fails this call together — that rank with its own error, the others with an
-    /// [`Error::Mismatch`] naming it — and the ranks stay in step for the next call.
+    /// All ranks' descriptors (one all-gather of `desc`, which has the same length on every
+    /// rank). The collective's name travels with it: ranks that called different collectives
+    /// get an [`Error::Mismatch`] naming them instead of pairing unrelated descriptors.
+    ///
+    /// A rank whose own argument checks gave an error in `local` still takes part (with a
+    /// flag), so that when one rank alone passes bad arguments every rank fails this call
+    /// together — that rank with its own error, the others with an [`Error::Mismatch`] naming
+    /// it and quoting its error — and the ranks stay in step for the next call. Every check a
+    /// collective makes of its own arguments therefore goes into `local`, never returns early.
     pub(super) fn exchange_local(&self, desc: &[i64], local: Result<()>) -> Result<Vec<Vec<i64>>> {
         if self.size == 1 {
             local?;
@@ -112,6 +110,25 @@ impl Call<'_> {
             });
         }
         Ok(all.into_iter().map(|mut v| v.split_off(3)).collect())
+    }
+
+    /// [`Call::exchange_local`] for checks that also produce values (split sizes, a root):
+    /// `local` is this rank's descriptor and values, or its own error, in which case a
+    /// descriptor of `len` zeros stands in, so that every rank still takes part and fails the
+    /// call together.
+    pub(super) fn exchange_checked<T>(
+        &self,
+        len: usize,
+        local: Result<(Vec<i64>, T)>,
+    ) -> Result<(Vec<Vec<i64>>, T)> {
+        match local {
+            Ok((d, v)) => Ok((self.exchange_local(&d, Ok(()))?, v)),
+            Err(e) => {
+                let mine = e.clone();
+                self.exchange_local(&vec![0; len], Err(e))?;
+                Err(mine)
+            }
+        }
     }
 
     /// All-gathers each rank's error text (at most [`TEXT_WORDS`] * 8 bytes; empty for a rank

@@ -27,31 +27,50 @@ pub fn all_gather(
     let g = resolve(group, "all_gather")?;
     blocking(&g, "all_gather", site, Some(tensor), || {
         let c = call(&g, "all_gather")?;
-        c.accept("tensor", tensor)?;
-        if tensor_list.len() != c.size {
-            return Err(c.err(
-                "tensor_list",
-                format!("{} tensors (one per rank)", c.size),
-                tensor_list.len(),
-            ));
-        }
-        for (r, o) in tensor_list.iter().enumerate() {
-            c.accept(&format!("tensor_list[{r}]"), o)?;
-            check_writable(&c, &format!("tensor_list[{r}]"), o)?;
-        }
-        let all = c.exchange(&shape_desc(tensor))?;
-        agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
-        for (r, o) in tensor_list.iter().enumerate() {
-            if shape_desc(o) != all[r] {
+        // descriptor: own input shape, then the shapes of own tensor_list, so that every rank
+        // sees every rank's list and a wrong one fails the call on every rank, not only there
+        let len = DESC * (1 + c.size);
+        let local = (|| -> Result<(Vec<i64>, ())> {
+            c.accept("tensor", tensor)?;
+            if tensor_list.len() != c.size {
                 return Err(c.err(
-                    &format!("tensor_list[{r}]"),
-                    format!(
-                        "the shape rank {} passed: {}",
-                        c.g.ranks()[r],
-                        fmt_shape(&all[r])
-                    ),
-                    fmt_shape(&shape_desc(o)),
+                    "tensor_list",
+                    format!("{} tensors (one per rank)", c.size),
+                    tensor_list.len(),
                 ));
+            }
+            let mut d = shape_desc(tensor);
+            for (r, o) in tensor_list.iter().enumerate() {
+                c.accept(&format!("tensor_list[{r}]"), o)?;
+                check_writable(&c, &format!("tensor_list[{r}]"), o)?;
+                d.extend(shape_desc(o));
+            }
+            Ok((d, ()))
+        })();
+        let (all, ()) = c.exchange_checked(len, local)?;
+        agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
+        for (q, dq) in all.iter().enumerate() {
+            for (r, dr) in all.iter().enumerate() {
+                let listed = &dq[DESC * (1 + r)..DESC * (2 + r)];
+                if listed == &dr[..DESC] {
+                    continue;
+                }
+                let expected = format!(
+                    "the shape rank {} passed: {}",
+                    c.g.ranks()[r],
+                    fmt_shape(&dr[..DESC])
+                );
+                if q == c.rank {
+                    return Err(c.err(&format!("tensor_list[{r}]"), expected, fmt_shape(listed)));
+                }
+                return Err(Error::Mismatch {
+                    op: "all_gather".into(),
+                    detail: format!(
+                        "rank {}'s tensor_list[{r}] is {} but must have {expected}",
+                        c.g.ranks()[q],
+                        fmt_shape(listed)
+                    ),
+                });
             }
         }
         let outs = stage::outs(tensor_list)?;
@@ -152,15 +171,19 @@ pub fn gather(
     let g = resolve(group, "gather")?;
     blocking(&g, "gather", site, Some(tensor), || {
         let c = call(&g, "gather")?;
-        let root = c.root("dst", dst)?;
-        c.accept("tensor", tensor)?;
+        let root = c.root("dst", dst);
+        let local = root
+            .as_ref()
+            .map(|_| ())
+            .map_err(Clone::clone)
+            .and_then(|_| c.accept("tensor", tensor));
         // descriptor: own input shape, dst, whether the list on dst is usable, and (on dst) the
         // list's shapes, so that a bad gather_list is an error on every rank, not only on dst
         let w = DESC;
         let mut d = shape_desc(tensor);
         d.push(dst as i64);
         let mut local_err = None;
-        if c.rank == root {
+        if root.as_ref().is_ok_and(|&r| r == c.rank) {
             let checked = (|| -> Result<&[Tensor]> {
                 let list = gather_list.ok_or_else(|| {
                     c.err(
@@ -198,7 +221,8 @@ pub fn gather(
             d.push(1);
             d.extend(std::iter::repeat_n(0, c.size * w));
         }
-        let all = c.exchange(&d)?;
+        let all = c.exchange_local(&d, local)?;
+        let root = root?;
         agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
         agree(&c, &all, w..w + 1, "dst", |v| format!("dst {}", v[0]))?;
         let rd = &all[root];

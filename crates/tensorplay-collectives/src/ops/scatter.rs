@@ -76,14 +76,18 @@ pub fn scatter(
     let g = resolve(group, "scatter")?;
     blocking(&g, "scatter", site, Some(tensor), || {
         let c = call(&g, "scatter")?;
-        let root = c.root("src", src)?;
-        c.accept("tensor", tensor)?;
-        check_writable(&c, "tensor", tensor)?;
+        let root = c.root("src", src);
+        let local = root
+            .as_ref()
+            .map(|_| ())
+            .map_err(Clone::clone)
+            .and_then(|_| c.accept("tensor", tensor))
+            .and_then(|_| check_writable(&c, "tensor", tensor));
         // descriptor: own output shape, src, and (on src) the list's element counts
         let mut d = shape_desc(tensor);
         d.push(src as i64);
         let mut local_err = None;
-        let list_ok = if c.rank == root {
+        let list_ok = if root.as_ref().is_ok_and(|&r| r == c.rank) {
             let checked = match scatter_list {
                 Some(l) if l.len() == c.size => l
                     .iter()
@@ -122,7 +126,8 @@ pub fn scatter(
             1
         };
         d.push(list_ok);
-        let all = c.exchange(&d)?;
+        let all = c.exchange_local(&d, local)?;
+        let root = root?;
         agree(&c, &all, 0..1, "dtype", |v| dtype_name(v[0]))?;
         agree(&c, &all, DESC..DESC + 1, "src", |v| format!("src {}", v[0]))?;
         let sd = &all[root];
