@@ -274,6 +274,8 @@ pub(crate) struct Agent {
     /// Incoming calls being served.
     serving: AtomicUsize,
     pub(crate) rrefs: RRefContext,
+    /// The distributed-autograd contexts open on this worker.
+    pub(crate) contexts: crate::autograd::Contexts,
     shutdowns: AtomicU64,
     /// Bytes sent and received (requests and responses).
     pub(crate) bytes: AtomicU64,
@@ -427,7 +429,6 @@ pub fn init_rpc(
     let init: InitMethod = options.init_method.parse()?;
     crate::autograd::register_builtins();
     crate::optim::register_builtins();
-    crate::autograd::reset();
     crate::optim::reset();
     let rdv_timeout = if options.rpc_timeout.is_zero() {
         Duration::from_secs(3600)
@@ -599,6 +600,10 @@ pub fn init_rpc(
         inflight: AtomicUsize::new(0),
         serving: AtomicUsize::new(0),
         rrefs: RRefContext::default(),
+        contexts: Mutex::new(crate::proto::context::ContextTable::new(
+            rank,
+            crate::autograd::released_horizon(options.rpc_timeout),
+        )),
         shutdowns: AtomicU64::new(0),
         bytes: AtomicU64::new(0),
         shm: shm_dir,
@@ -719,7 +724,6 @@ pub fn shutdown(graceful: bool) -> Result<()> {
     let res = if graceful { a.graceful() } else { Ok(()) };
     AGENT.write().unwrap_or_else(|e| e.into_inner()).take();
     a.close();
-    crate::autograd::reset();
     crate::optim::reset();
     res
 }

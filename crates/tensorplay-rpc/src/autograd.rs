@@ -36,18 +36,17 @@
 //! PyTorch.
 
 use std::cell::Cell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 
 use tensorplay_core::autograd::{ExecuteOptions, Function, LeafSink, run_backward};
 use tensorplay_core::{DType, Tensor, TensorId};
 
 use crate::agent::agent;
+pub use crate::proto::context::ContextId;
+use crate::proto::context::ContextTable;
 use crate::{Error, RRef, Result};
-
-/// A distributed autograd context id: `worker_id << 48 | counter`.
-pub type ContextId = u64;
 
 /// The registered name of the gradient message.
 pub(crate) const PROPAGATE: &str = "tensorplay::dist_autograd::propagate";
@@ -58,13 +57,11 @@ pub(crate) const RREF_BACKWARD: &str = "tensorplay::dist_autograd::rref_backward
 
 /// One context on this worker.
 #[derive(Default)]
-struct Ctx {
+pub(crate) struct Ctx {
     /// Send functions by message id: the tensors that required grad, in message order.
     sends: HashMap<u64, Vec<Tensor>>,
     /// Number of recv functions recorded.
     recvs: usize,
-    /// Workers this context was sent to.
-    known: HashSet<usize>,
     /// Gradients accumulated here, by leaf.
     grads: HashMap<TensorId, (Tensor, Tensor)>,
     /// A backward without `retain_graph` ran.
@@ -73,12 +70,12 @@ struct Ctx {
     failure: Option<Error>,
 }
 
-type Shared = Arc<Mutex<Ctx>>;
+/// The shell's data of one context (the table in [`crate::proto::context`] holds the rest).
+pub(crate) type Shared = Arc<Mutex<Ctx>>;
 
-static CONTEXTS: LazyLock<Mutex<HashMap<ContextId, Shared>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
-static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(0);
-static NEXT_MESSAGE: AtomicU64 = AtomicU64::new(0);
+/// This worker's context table (the agent's).
+pub(crate) type Contexts = Mutex<ContextTable<Shared>>;
+
 static PASSES: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
@@ -99,20 +96,22 @@ fn not_found(id: ContextId) -> Error {
 }
 
 fn get(id: ContextId) -> Result<Shared> {
-    lock(&CONTEXTS)
-        .get(&id)
-        .cloned()
+    agent("dist_autograd")
+        .ok()
+        .and_then(|a| lock(&a.contexts).get(id))
         .ok_or_else(|| not_found(id))
 }
 
-/// Whether context `id` was created by this worker (its top 16 bits are this worker's id).
-fn created_here(id: ContextId) -> bool {
-    agent("dist_autograd").is_ok_and(|a| (id >> 48) == a.me.id as u64)
-}
-
-/// Forgets every context (at `init_rpc` and `shutdown`).
-pub(crate) fn reset() {
-    lock(&CONTEXTS).clear();
+/// How long a worker remembers a context it released, so that a request sent inside it and
+/// overtaken by its cleanup does not reopen it: past any RPC timeout.
+pub(crate) fn released_horizon(rpc_timeout: std::time::Duration) -> std::time::Duration {
+    if rpc_timeout.is_zero() {
+        std::time::Duration::from_secs(24 * 3600)
+    } else {
+        rpc_timeout
+            .saturating_mul(2)
+            .max(std::time::Duration::from_secs(60))
+    }
 }
 
 /// An open distributed autograd context, current on the thread that opened it until dropped
@@ -156,9 +155,7 @@ pub fn context() -> Result<ContextGuard> {
             format!("context {cur} is already open on this thread"),
         ));
     }
-    let n = NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed) & ((1 << 48) - 1);
-    let id = ((a.me.id as u64) << 48) | n;
-    lock(&CONTEXTS).insert(id, Shared::default());
+    let (id, _) = lock(&a.contexts).create();
     CURRENT.with(|c| c.set(Some(id)));
     Ok(ContextGuard { id })
 }
@@ -171,7 +168,7 @@ pub fn current_context() -> Option<ContextId> {
 
 /// Whether context `id` is open on this worker.
 pub fn is_valid_context(id: ContextId) -> bool {
-    lock(&CONTEXTS).contains_key(&id)
+    agent("dist_autograd").is_ok_and(|a| lock(&a.contexts).get(id).is_some())
 }
 
 /// Runs `f` with `ctx` as this thread's current context (the callee side of an RPC).
@@ -191,18 +188,13 @@ pub(crate) fn with_context<R>(ctx: Option<ContextId>, f: impl FnOnce() -> R) -> 
 
 /// Releases `id` here and, in the background, on every worker it reached.
 fn release(id: ContextId) {
-    let Some(ctx) = lock(&CONTEXTS).remove(&id) else {
-        return;
-    };
-    let known: Vec<usize> = lock(&ctx).known.iter().copied().collect();
     let Ok(a) = agent("dist_autograd cleanup") else {
         return;
     };
-    for w in known {
-        if w != a.me.id {
-            // best effort: a worker that is gone has nothing left to clean
-            let _ = crate::rpc_async::<ContextId, ()>(w, CLEANUP, id, None);
-        }
+    let cleanups = lock(&a.contexts).release(id, std::time::Instant::now());
+    for c in cleanups {
+        // best effort: a worker that is gone has nothing left to clean
+        let _ = crate::rpc_async::<ContextId, ()>(c.to, CLEANUP, c.context, None);
     }
 }
 
@@ -224,9 +216,10 @@ pub struct ContextInfo {
 /// [`Error::InvalidArgument`] when `id` is not open here.
 pub fn context_info(id: ContextId) -> Result<ContextInfo> {
     let c = get(id)?;
+    let known = agent("dist_autograd")
+        .map(|a| lock(&a.contexts).known(id))
+        .unwrap_or_default();
     let c = lock(&c);
-    let mut known: Vec<usize> = c.known.iter().copied().collect();
-    known.sort_unstable();
     Ok(ContextInfo {
         num_sends: c.sends.len(),
         num_recvs: c.recvs,
@@ -246,7 +239,7 @@ pub struct DebugInfo {
 /// This worker's [`DebugInfo`].
 pub fn debug_info() -> DebugInfo {
     DebugInfo {
-        num_autograd_contexts: lock(&CONTEXTS).len(),
+        num_autograd_contexts: agent("dist_autograd").map_or(0, |a| lock(&a.contexts).len()),
         num_current_backward_passes: PASSES.load(Ordering::Relaxed) as usize,
     }
 }
@@ -292,10 +285,6 @@ pub fn get_gradients(id: ContextId) -> Result<Gradients> {
 // ---------------------------------------------------------------------------------------------
 // recording
 
-fn new_message_id(me: usize) -> u64 {
-    ((me as u64) << 48) | (NEXT_MESSAGE.fetch_add(1, Ordering::Relaxed) & ((1 << 48) - 1))
-}
-
 /// The autograd header of a request from this thread to `to` (its current context, if any).
 pub(crate) fn request_header(tensors: &[Tensor], me: usize, to: usize) -> Vec<u64> {
     outgoing(current_context(), tensors, me, to)
@@ -322,15 +311,24 @@ pub(crate) fn respond(
 pub(crate) fn outgoing(
     ctx: Option<ContextId>,
     tensors: &[Tensor],
-    me: usize,
+    _me: usize,
     to: usize,
 ) -> Vec<u64> {
     // a context released meanwhile records nothing and is not sent on: recreating it here
     // would leave it on this worker (and on `to`) for good
-    let Some((id, c)) = ctx.and_then(|id| Some((id, get(id).ok()?))) else {
+    let Some(id) = ctx else {
         return Vec::new();
     };
-    let msg = new_message_id(me);
+    let Ok(a) = agent("dist_autograd") else {
+        return Vec::new();
+    };
+    let (c, msg) = {
+        let mut table = lock(&a.contexts);
+        let Some(c) = table.sent(id, to) else {
+            return Vec::new();
+        };
+        (c, table.message_id())
+    };
     let mut header = vec![id, msg];
     let grad = tensorplay_core::autograd::is_grad_enabled();
     let sent: Vec<Tensor> = tensors
@@ -342,10 +340,8 @@ pub(crate) fn outgoing(
             t.clone()
         })
         .collect();
-    let mut c = lock(&c);
-    c.known.insert(to);
     if !sent.is_empty() {
-        c.sends.insert(msg, sent);
+        lock(&c).sends.insert(msg, sent);
     }
     header
 }
@@ -354,9 +350,9 @@ pub(crate) fn outgoing(
 /// worker created), and makes the tensors that required grad on the sender outputs of a
 /// `RecvRpcBackward` node. Returns the context id.
 ///
-/// A response, or a request for a context this worker created, whose context is no longer
-/// open here arrived after the release: its tensors are not recorded and the context is not
-/// recreated (nothing would ever release it again).
+/// A response, a request for a context this worker created, or a request overtaken by its
+/// context's cleanup (see [`crate::proto::context`]) finds the context closed: its tensors
+/// are not recorded and the context is not reopened (nothing would ever release it again).
 pub(crate) fn incoming(
     header: &[u64],
     from: usize,
@@ -366,13 +362,11 @@ pub(crate) fn incoming(
     let [id, msg, idx @ ..] = header else {
         return Ok((None, tensors));
     };
-    let c = {
-        let mut all = lock(&CONTEXTS);
-        match all.get(id) {
-            Some(c) => c.clone(),
-            None if request && !created_here(*id) => all.entry(*id).or_default().clone(),
-            None => return Ok((None, tensors)),
-        }
+    let opened = agent("dist_autograd")
+        .ok()
+        .and_then(|a| lock(&a.contexts).received(*id, request, std::time::Instant::now()));
+    let Some(c) = opened else {
+        return Ok((None, tensors));
     };
     if idx.is_empty() {
         return Ok((Some(*id), tensors));

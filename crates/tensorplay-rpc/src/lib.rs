@@ -48,6 +48,7 @@ mod error;
 mod frame;
 mod future;
 mod optim;
+mod proto;
 mod rref;
 mod shm;
 mod tls;

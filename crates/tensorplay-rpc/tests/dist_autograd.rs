@@ -43,6 +43,9 @@ impl Function for FailsInBackward {
     }
 }
 
+/// Nested calls of `pass_on` that ended on this worker.
+static NESTED_DONE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn register_all() {
     register_common();
     rpc::register("add", |(a, b): (Tensor, Tensor)| a.add(&b));
@@ -64,6 +67,19 @@ fn register_all() {
         Ok(dist_autograd::debug_info().num_autograd_contexts)
     });
     rpc::register("scaled_sum", |(x, k): (Tensor, f64)| x.mul_scalar(k)?.sum());
+    rpc::register("numel", |x: Tensor| Ok(x.numel()));
+    // calls on to `next` without waiting; the nested call's end is counted in NESTED_DONE
+    rpc::register("pass_on", |(next, x): (usize, Tensor)| {
+        let f = rpc::rpc_async::<Tensor, usize>(next, "numel", x, None)?;
+        std::thread::spawn(move || {
+            let _ = f.wait();
+            NESTED_DONE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
+        Ok(())
+    });
+    rpc::register("nested_done", |(): ()| {
+        Ok(NESTED_DONE.load(std::sync::atomic::Ordering::SeqCst))
+    });
     rpc::register("context_info", |id: u64| {
         let i = dist_autograd::context_info(id)?;
         Ok((i.num_sends, i.num_recvs))
@@ -359,6 +375,53 @@ fn world2_rref_backward() -> TestResult {
             drop(ctx);
         }
         barrier("done")?;
+        rpc::shutdown(true)?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// A request sent inside a context and overtaken by that context's cleanup (a large tensor is
+/// slow to send; the cleanup is not) must not reopen the context on the callee: every worker
+/// is back to no context within a second of the late call ending, 20 times, for one hop
+/// (0 -> 1) and for two (0 -> 1 -> 2, the second call still in flight when 0 releases).
+#[test]
+fn world3_late_requests_do_not_reopen_released_contexts() -> TestResult {
+    spawn(3, |rank| -> TestResult {
+        register_all();
+        init(rank, 3)?;
+        if rank == 0 {
+            let big = Tensor::zeros(&[4 << 20], tensorplay_core::DType::F32)?;
+            let all_released = |what: &str, i: usize| -> TestResult {
+                for w in 0..3usize {
+                    eventually(Duration::from_secs(1), || {
+                        Ok(rpc::rpc_sync::<(), usize>(w, "num_contexts", (), None)? == 0)
+                    })
+                    .map_err(|e| format!("{what} #{i}: worker {w} still has a context: {e}"))?;
+                }
+                Ok(())
+            };
+            for i in 0..20 {
+                // one hop: the guard is dropped while the call is in flight
+                let f = {
+                    let _ctx = dist_autograd::context()?;
+                    rpc::rpc_async::<Tensor, usize>(1, "numel", big.clone(), None)?
+                };
+                assert_eq!(f.wait()?, 4 << 20);
+                all_released("one hop", i)?;
+                // two hops: worker 1 calls on to 2 and answers at once
+                let before: usize = rpc::rpc_sync(1, "nested_done", (), None)?;
+                {
+                    let _ctx = dist_autograd::context()?;
+                    rpc::rpc_sync::<(usize, Tensor), ()>(1, "pass_on", (2, big.clone()), None)?;
+                }
+                eventually(Duration::from_secs(30), || {
+                    Ok(rpc::rpc_sync::<(), usize>(1, "nested_done", (), None)? > before)
+                })?;
+                all_released("two hops", i)?;
+            }
+        }
+        barrier("late requests checked")?;
         rpc::shutdown(true)?;
         Ok(())
     })?;
