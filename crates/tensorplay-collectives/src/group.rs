@@ -252,6 +252,7 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
             ),
         }),
     };
+    crate::recorder::agree_job_id(&*group.inner.store, info.rank, options.timeout)?;
     if let Some((master, prefix)) = &info.dial {
         crate::recorder::start_watcher(*master, prefix.clone());
     }

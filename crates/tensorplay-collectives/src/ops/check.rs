@@ -59,7 +59,7 @@ impl Call<'_> {
                     rank,
                     peer,
                     op: format!("{} (while checking arguments across ranks)", self.op),
-                    detail: format!("{detail} (did rank {peer} exit or fail?)"),
+                    detail: format!("{} (did rank {peer} exit or fail?)", plain(&detail)),
                 },
                 Error::Timeout {
                     rank,
@@ -71,7 +71,8 @@ impl Call<'_> {
                     rank,
                     timeout,
                     detail: format!(
-                        "{detail} (did that rank skip this call, for example a backward pass the other ranks run?)"
+                        "{} (did that rank skip this call, for example a backward pass the other ranks run?)",
+                        plain(&detail)
                     ),
                 },
                 // the backend's own check: the descriptors differ in length, so the ranks called
@@ -177,6 +178,35 @@ impl Call<'_> {
     }
 }
 
+/// A transport-level text without the transport's internals: which shared-memory step a
+/// peer did not reach or died in, and the internal call numbers.
+pub(super) fn plain(detail: &str) -> String {
+    let mut s = detail.to_string();
+    for (from, to) in [
+        (
+            "never reached this point of the shared-memory ",
+            "never reached this call",
+        ),
+        ("died or failed inside a shared-memory ", "died or failed"),
+    ] {
+        while let Some(i) = s.find(from) {
+            // drop the internal collective's name that follows
+            let rest = &s[i + from.len()..];
+            let skip = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(rest.len());
+            s = format!("{}{to}{}", &s[..i], &rest[skip..]);
+        }
+    }
+    while let Some(i) = s.find(" (call #") {
+        match s[i..].find(')') {
+            Some(j) => s.replace_range(i..i + j + 1, ""),
+            None => break,
+        }
+    }
+    s
+}
+
 /// A transport-level mismatch ("rank 0 called all_gather #3 (...) but rank 1 called
 /// barrier #3 (...)") in the user's terms: this rank's side becomes `mine`, the call the user
 /// made; the other side's internal all-gather becomes "another collective (checking its
@@ -201,7 +231,7 @@ pub(super) fn in_user_terms(detail: &str, mine: &str) -> String {
         }
         None => right.to_string(),
     };
-    format!("{left} but {right}")
+    plain(&format!("{left} but {right}"))
 }
 
 /// The size of an error text in the second exchange of a failed check, in 8-byte words
@@ -438,7 +468,7 @@ pub(super) fn numel_of(d: &[i64]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::in_user_terms;
+    use super::{in_user_terms, plain};
     use crate::Error;
 
     #[test]
@@ -460,6 +490,26 @@ mod tests {
             "rank 1 called barrier but rank 0 called another collective (checking its arguments)"
         );
         assert!(!t.contains('#'), "{t}");
+    }
+
+    #[test]
+    fn transport_internals_are_left_out() {
+        assert_eq!(
+            plain("rank 2 never reached this point of the shared-memory all_gather (still alive)"),
+            "rank 2 never reached this call (still alive)"
+        );
+        assert_eq!(
+            plain(
+                "rank 0 died or failed inside a shared-memory all_gather (its connection closed)"
+            ),
+            "rank 0 died or failed (its connection closed)"
+        );
+        assert_eq!(
+            plain(
+                "rank 0 called x but rank 2 called barrier (0 elements) (call #3 and #3 of the group, round 0 and 0): differ"
+            ),
+            "rank 0 called x but rank 2 called barrier (0 elements): differ"
+        );
     }
 
     #[test]

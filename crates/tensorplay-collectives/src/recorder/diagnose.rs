@@ -52,6 +52,19 @@ pub fn read_dumps(dir: &Path) -> Result<(Vec<Dump>, Vec<String>), String> {
             dir.display()
         ));
     }
+    // a kept folder may hold dumps of earlier jobs: only the newest dump's job counts
+    let newest = dumps
+        .iter()
+        .max_by(|a, b| a.time_ms.total_cmp(&b.time_ms))
+        .map(|d| d.job.clone())
+        .unwrap_or_default();
+    let (mut dumps, old): (Vec<Dump>, Vec<Dump>) = dumps.into_iter().partition(|d| d.job == newest);
+    for d in &old {
+        notes.push(format!(
+            "ignored rank{}.json: written by an earlier job (pid {}), not the newest dump's",
+            d.rank, d.pid
+        ));
+    }
     dumps.sort_by_key(|d| d.rank);
     Ok((dumps, notes))
 }
@@ -215,6 +228,7 @@ mod tests {
             pid: 1,
             reason: String::new(),
             time_ms: 0.0,
+            job: String::new(),
             groups: vec![GroupDump {
                 name: "world".into(),
                 backend: "cpu".into(),

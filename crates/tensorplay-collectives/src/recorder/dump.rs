@@ -30,6 +30,10 @@ pub struct Dump {
     pub reason: String,
     /// When, in milliseconds since the Unix epoch.
     pub time_ms: f64,
+    /// The job's id (the same on every rank of one job; empty outside a job), so that dumps
+    /// of earlier jobs left in a kept folder are told apart.
+    #[serde(default)]
+    pub job: String,
     /// Every live group's ring.
     pub groups: Vec<GroupDump>,
 }
@@ -94,6 +98,11 @@ fn write(reason: &str) -> Result<PathBuf> {
         pid: std::process::id(),
         reason: reason.to_string(),
         time_ms: super::ms(SystemTime::now()),
+        job: JOB
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default(),
         groups,
     };
     let dir = dump_dir();
@@ -140,6 +149,11 @@ fn request_all(reason: &str) {
 /// # Errors
 /// [`Error::Io`] when the folder cannot be written.
 pub fn dump_flight_recorder() -> Result<PathBuf> {
+    if crate::world_store().is_err() {
+        return Err(Error::NotInitialized {
+            op: "dump_flight_recorder".into(),
+        });
+    }
     write("on demand (dump_flight_recorder)")?;
     request_all("another rank called dump_flight_recorder");
     Ok(dump_dir())
@@ -188,6 +202,26 @@ pub(crate) fn on_failure(e: Error) -> Error {
         },
         other => other,
     }
+}
+
+/// The id of this process's job, agreed at `init_process_group` (see [`agree_job_id`]).
+static JOB: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Agrees on the job's id through the world's `store` (rank 0 makes it: its pid and the
+/// time) and keeps it for the dumps.
+pub(crate) fn agree_job_id(store: &dyn Store, rank: usize, timeout: Duration) -> Result<()> {
+    const KEY: &str = "fr/job";
+    if rank == 0 {
+        let nanos = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        store.set(KEY, format!("{}-{nanos}", std::process::id()).as_bytes())?;
+    } else {
+        store.wait(&[KEY], timeout)?;
+    }
+    let id = String::from_utf8_lossy(&store.get(KEY)?).into_owned();
+    *JOB.lock().unwrap_or_else(|e| e.into_inner()) = Some(id);
+    Ok(())
 }
 
 /// Increases when the default group goes, so that its watcher stops.

@@ -22,7 +22,7 @@ use tensorplay_core::{DType, Tensor};
 
 pub use diagnose::{Diagnosis, diagnose, read_dumps};
 pub use dump::{Dump, FR_DIR_ENV, GroupDump, dump_dir, dump_flight_recorder, job_dump_dir};
-pub(crate) use dump::{WORLD_GENERATION, on_failure, start_watcher};
+pub(crate) use dump::{WORLD_GENERATION, agree_job_id, on_failure, start_watcher};
 
 /// The variable that sets the ring's size per group (0: off).
 pub const FR_BUFFER_SIZE_ENV: &str = "TENSORPLAY_FR_BUFFER_SIZE";
@@ -31,11 +31,15 @@ pub const DEFAULT_FR_BUFFER_SIZE: usize = 2000;
 
 fn capacity() -> usize {
     static CAP: OnceLock<usize> = OnceLock::new();
-    *CAP.get_or_init(|| {
-        std::env::var(FR_BUFFER_SIZE_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(DEFAULT_FR_BUFFER_SIZE)
+    *CAP.get_or_init(|| match std::env::var(FR_BUFFER_SIZE_ENV) {
+        Err(_) => DEFAULT_FR_BUFFER_SIZE,
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            // a typo should not pass silently, nor stop the job
+            eprintln!(
+                "tensorplay: {FR_BUFFER_SIZE_ENV}={v:?} is not a number of operations (0 turns the flight recorder off); using {DEFAULT_FR_BUFFER_SIZE}"
+            );
+            DEFAULT_FR_BUFFER_SIZE
+        }),
     })
 }
 

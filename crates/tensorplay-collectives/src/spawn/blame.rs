@@ -11,6 +11,12 @@
 //!    beats one whose last message is a consequence of another rank's failure
 //!    ([`is_consequence`]).
 //! 3. Then the earliest exit, then the lowest rank.
+//!
+//! When even the root's message is a consequence that names another rank ("rank 2 never
+//! reached this call", "connection to rank 2 failed"), that rank is the likely culprit even
+//! though it did not fail: it exited with code 0 while the others still expected it in a
+//! collective, or it was still running (stuck, or it skipped a collective) when the others
+//! timed out waiting for it. [`implicated`] says so.
 
 use std::time::Duration;
 
@@ -52,6 +58,86 @@ pub struct Verdict {
     pub root: usize,
     /// The other ranks that failed, in the order they ended.
     pub consequences: Vec<usize>,
+}
+
+/// A rank that did not fail but that the root's message blames.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Implicated {
+    /// The rank named by the root's message.
+    pub rank: usize,
+    /// What happened to it.
+    pub why: Why,
+    /// The rank whose message names it (the verdict's root).
+    pub named_by: usize,
+}
+
+/// How an [`Implicated`] rank went wrong without failing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// It exited with code 0 before the rank that names it failed.
+    ExitedEarly,
+    /// It was still running when the job was stopped.
+    StillRunning,
+}
+
+/// The rank the root's consequence message names, when that rank did not fail itself: it
+/// exited successfully before the root ended, or it is in `still_running` (the ranks the
+/// parent had to stop).
+pub fn implicated(
+    exits: &[Exit],
+    verdict: &Verdict,
+    still_running: &[usize],
+) -> Option<Implicated> {
+    let root = exits.iter().find(|e| e.rank == verdict.root)?;
+    if matches!(root.how, Ended::Signal(_)) || !is_consequence(&root.message) {
+        return None;
+    }
+    let peer = named_peer(&root.message).filter(|&p| p != root.rank)?;
+    if still_running.contains(&peer) {
+        return Some(Implicated {
+            rank: peer,
+            why: Why::StillRunning,
+            named_by: root.rank,
+        });
+    }
+    let e = exits.iter().find(|e| e.rank == peer)?;
+    (e.how.success() && e.at <= root.at).then_some(Implicated {
+        rank: peer,
+        why: Why::ExitedEarly,
+        named_by: root.rank,
+    })
+}
+
+/// The first rank a consequence message names as the one it waited for or lost.
+fn named_peer(message: &str) -> Option<usize> {
+    const BEFORE: &[&str] = &["connection to rank ", "(did rank ", "waiting for rank "];
+    const AFTER: &[&str] = &[" never reached", " never called", " did not "];
+    let number = |s: &str| -> Option<usize> {
+        let d: String = s.chars().take_while(char::is_ascii_digit).collect();
+        d.parse().ok()
+    };
+    for b in BEFORE {
+        if let Some(r) = message.find(b).and_then(|i| number(&message[i + b.len()..])) {
+            return Some(r);
+        }
+    }
+    for a in AFTER {
+        if let Some(i) = message.find(a) {
+            let head = &message[..i];
+            let digits: String = head
+                .chars()
+                .rev()
+                .take_while(char::is_ascii_digit)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            if !digits.is_empty() && head[..head.len() - digits.len()].ends_with("rank ") {
+                return digits.parse().ok();
+            }
+        }
+    }
+    None
 }
 
 /// Whether `message` reports another rank's failure rather than one of this rank's own: a
@@ -168,6 +254,44 @@ mod tests {
         .unwrap();
         assert_eq!(v.root, 1);
         assert_eq!(v.consequences, vec![3, 0]);
+    }
+
+    #[test]
+    fn a_rank_that_others_wait_for_is_implicated() {
+        let timeout = "all_reduce timed out after 3s on rank 1: rank 2 never reached this call";
+        let exits = [
+            exit(1, 3000, Ended::Code(1), timeout),
+            exit(0, 3001, Ended::Code(1), timeout),
+        ];
+        let v = root_cause(&exits).unwrap();
+        assert_eq!(
+            implicated(&exits, &v, &[2]),
+            Some(Implicated {
+                rank: 2,
+                why: Why::StillRunning,
+                named_by: v.root
+            })
+        );
+        // exited with code 0 first: the others lost their connection to it
+        let exits = [
+            exit(2, 5, Ended::Code(0), ""),
+            exit(0, 9, Ended::Code(1), PEER),
+        ];
+        let v = root_cause(&exits).unwrap();
+        assert_eq!(
+            implicated(&exits, &v, &[]).map(|i| (i.rank, i.why)),
+            Some((2, Why::ExitedEarly))
+        );
+        // a killed root, or an own error, implicates no one
+        let exits = [
+            exit(2, 5, Ended::Signal(9), ""),
+            exit(0, 9, Ended::Code(1), PEER),
+        ];
+        let v = root_cause(&exits).unwrap();
+        assert_eq!(implicated(&exits, &v, &[1]), None);
+        assert_eq!(named_peer("rank 12 never reached it"), Some(12));
+        assert_eq!(named_peer("connection to rank 3 failed"), Some(3));
+        assert_eq!(named_peer("panicked"), None);
     }
 
     #[test]

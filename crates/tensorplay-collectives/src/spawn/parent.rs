@@ -237,31 +237,67 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
     let Some(verdict) = blame::root_cause(&exits) else {
         return Ok(());
     };
-    let rank = verdict.root;
-    let (output, marker) = outputs[rank].take().unwrap_or_default();
-    let status = procs[rank]
-        .wait_error
-        .clone()
-        .or_else(|| procs[rank].status.map(describe_status))
-        .unwrap_or_else(|| "failed".into());
-    let mut reason = match marker {
-        Some(msg) => format!("failed: {msg} ({status})"),
-        None => status,
+    let implicated = blame::implicated(&exits, &verdict, &stopped);
+    // "rank 1 failed: rank 1: ..." says the rank once
+    let own_words = |r: usize, m: &str| -> String {
+        m.strip_prefix(&format!("rank {r}: "))
+            .unwrap_or(m)
+            .to_string()
     };
-    if !verdict.consequences.is_empty() {
-        let then: Vec<String> = verdict
-            .consequences
+    let failed_line = |r: usize| -> String {
+        let why = exits
             .iter()
-            .map(|&r| {
-                let why = exits
-                    .iter()
-                    .find(|e| e.rank == r)
-                    .map(|e| first_line(&e.message))
-                    .unwrap_or_default();
-                format!("rank {r} ({why})")
-            })
-            .collect();
+            .find(|e| e.rank == r)
+            .map(|e| first_line(&own_words(r, &e.message)))
+            .unwrap_or_default();
+        format!("rank {r} ({why})")
+    };
+    let (rank, mut reason, output, then) = match &implicated {
+        Some(imp) => {
+            let (output, _) = collect_output(&mut procs[imp.rank]);
+            let r = imp.named_by;
+            let said = exits
+                .iter()
+                .find(|e| e.rank == r)
+                .map(|e| first_line(&own_words(r, &e.message)))
+                .unwrap_or_default();
+            let what = match imp.why {
+                blame::Why::StillRunning => format!(
+                    "was still running when rank {r} failed waiting for it (stuck, or it skipped a collective the others called)"
+                ),
+                blame::Why::ExitedEarly => format!(
+                    "exited with code 0 while rank {r} still expected it in a collective (did it skip or return early?)"
+                ),
+            };
+            let mut then = vec![verdict.root];
+            then.extend(&verdict.consequences);
+            (imp.rank, format!("{what}; rank {r}: {said}"), output, then)
+        }
+        None => {
+            let rank = verdict.root;
+            let (output, marker) = outputs[rank].take().unwrap_or_default();
+            let status = procs[rank]
+                .wait_error
+                .clone()
+                .or_else(|| procs[rank].status.map(describe_status))
+                .unwrap_or_else(|| "failed".into());
+            let reason = match marker {
+                Some(msg) => format!("failed: {} ({status})", own_words(rank, &msg)),
+                None => status,
+            };
+            (rank, reason, output, verdict.consequences.clone())
+        }
+    };
+    if !then.is_empty() {
+        let then: Vec<String> = then.iter().map(|&r| failed_line(r)).collect();
         reason.push_str(&format!("\nthen, as a consequence: {}", then.join("; ")));
+    }
+    if let Some(d) = &fr_dir {
+        // spawn's own folder is gone by now: its diagnosis follows instead
+        reason = reason.replace(
+            &format!("(run `tensorplay-fr {}` for a diagnosis)", d.display()),
+            "(read by spawn, diagnosis below; set TENSORPLAY_FR_DIR to keep the dumps)",
+        );
     }
     if !stopped.is_empty() {
         reason.push_str(&format!("\nstopped by spawn: ranks {stopped:?}"));

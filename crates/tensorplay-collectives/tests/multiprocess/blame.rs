@@ -105,9 +105,16 @@ fn a_skipped_collective_is_diagnosed_by_the_flight_recorder() -> TestResult {
         dist::all_reduce(&t, ReduceOp::Sum, None)?; // the call the others wait in
         Ok(())
     });
-    let Err(dist::Error::Spawn { reason, .. }) = r else {
+    let Err(dist::Error::Spawn { rank, reason, .. }) = r else {
         return Err(format!("expected the job to fail, got {r:?}").into());
     };
+    // the rank the others waited for is named first, not the first to time out
+    assert_eq!(rank, 2, "{reason}");
+    assert!(
+        reason.starts_with("was still running when rank "),
+        "{reason}"
+    );
+    assert!(!reason.contains("shared-memory"), "{reason}");
     assert!(reason.contains("flight recorder:"), "{reason}");
     assert!(
         reason.contains("operation #1 all_reduce (called at "),
@@ -123,6 +130,37 @@ fn a_skipped_collective_is_diagnosed_by_the_flight_recorder() -> TestResult {
     );
     assert!(
         reason.contains("rank 0 failed in #1 all_reduce"),
+        "{reason}"
+    );
+    assert!(!reason.contains("rank -1"), "{reason}");
+    Ok(())
+}
+
+/// A rank that returns early (exit code 0) while the others still expect it in a collective:
+/// it is named first, though it did not fail.
+#[test]
+fn a_rank_that_exits_early_with_success_is_named() -> TestResult {
+    let opts = SpawnOptions {
+        timeout: Duration::from_secs(60),
+        env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
+        ..SpawnOptions::new(3)
+    };
+    let r = dist::spawn_with(opts, |rank| -> TestResult {
+        init(Duration::from_secs(10))?;
+        let t = Tensor::ones(&[8], DType::F32)?;
+        dist::all_reduce(&t, ReduceOp::Sum, None)?;
+        if rank == 1 {
+            return Ok(()); // leaves without the second all_reduce
+        }
+        dist::all_reduce(&t, ReduceOp::Sum, None)?;
+        Ok(())
+    });
+    let Err(dist::Error::Spawn { rank, reason, .. }) = r else {
+        return Err(format!("expected the job to fail, got {r:?}").into());
+    };
+    assert_eq!(rank, 1, "{reason}");
+    assert!(
+        reason.starts_with("exited with code 0 while rank "),
         "{reason}"
     );
     assert!(!reason.contains("rank -1"), "{reason}");

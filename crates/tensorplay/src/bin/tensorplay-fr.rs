@@ -18,6 +18,14 @@ fn main() -> ExitCode {
         eprintln!("usage: tensorplay-fr [DIR]   (the folder of a job's flight-recorder dumps)");
         return ExitCode::from(if args.len() > 1 { 2 } else { 0 });
     }
+    let from_env = std::env::var_os(recorder::FR_DIR_ENV).is_some()
+        || (std::env::var_os("MASTER_ADDR").is_some() && std::env::var_os("MASTER_PORT").is_some());
+    if args.is_empty() && !from_env {
+        eprintln!(
+            "usage: tensorplay-fr DIR   (the folder of a job's flight-recorder dumps: the failed job's error names it; without DIR, TENSORPLAY_FR_DIR or MASTER_ADDR and MASTER_PORT say where it is)"
+        );
+        return ExitCode::from(2);
+    }
     let dir = args.first().map_or_else(recorder::dump_dir, PathBuf::from);
     match recorder::read_dumps(&dir) {
         Ok((dumps, notes)) => {

@@ -293,9 +293,17 @@ fn run(args: Args) -> Result<(), String> {
         return Err(i);
     }
     let Some(v) = blame::root_cause(&exits) else {
+        if std::env::var_os(recorder::FR_DIR_ENV).is_none() {
+            // a job that succeeded leaves no folder behind
+            let _ = std::fs::remove_dir_all(&fr_dir);
+        }
         return Ok(());
     };
-    let mut msg = report(&v, &exits);
+    let stopped: Vec<usize> = exits.iter().filter(|e| e.stopped).map(|e| e.rank).collect();
+    let mut msg = match blame::implicated(&exits, &v, &stopped) {
+        Some(imp) => implicated_report(&imp, &v, &exits),
+        None => report(&v, &exits),
+    };
     if let Ok((dumps, _)) = recorder::read_dumps(&fr_dir) {
         msg.push_str(&format!(
             "\nflight recorder ({}; `tensorplay-fr {}` prints this again):\n{}",
@@ -361,6 +369,28 @@ fn report(v: &blame::Verdict, exits: &[Exit]) -> String {
     if !stopped.is_empty() {
         out.push_str(&format!("\nstopped by the launcher: ranks {stopped:?}"));
     }
+    out
+}
+
+/// The failure report when the first rank to fail blames a rank that did not fail itself.
+fn implicated_report(imp: &blame::Implicated, v: &blame::Verdict, exits: &[Exit]) -> String {
+    let what = match imp.why {
+        blame::Why::StillRunning => format!(
+            "was still running when rank {} failed waiting for it (stuck, or it skipped a collective the others called)",
+            imp.named_by
+        ),
+        blame::Why::ExitedEarly => format!(
+            "exited with code 0 while rank {} still expected it in a collective (did it skip or return early?)",
+            imp.named_by
+        ),
+    };
+    let mut out = format!("rank {} {what} (the likely cause)\n", imp.rank);
+    let rest = report(v, exits);
+    out.push_str(&rest.replacen(
+        " (the first rank to fail)",
+        " (the first rank to fail, because of it)",
+        1,
+    ));
     out
 }
 
