@@ -96,6 +96,9 @@ struct OwnerEntry {
     forks: HashSet<GloballyUniqueId>,
     /// Live local (owner) handles.
     local: usize,
+    /// Owner handles in a message from this worker to itself (a self-call's argument or
+    /// result), not decoded yet: the value must outlive the sender's handle until then.
+    in_transit: usize,
 }
 
 impl OwnerEntry {
@@ -104,6 +107,7 @@ impl OwnerEntry {
             value: watch::channel(None).0,
             forks: HashSet::new(),
             local: 0,
+            in_transit: 0,
         }
     }
 }
@@ -206,7 +210,7 @@ impl RRefContext {
         let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
         if owners
             .get(&id)
-            .is_some_and(|e| e.forks.is_empty() && e.local == 0)
+            .is_some_and(|e| e.forks.is_empty() && e.local == 0 && e.in_transit == 0)
         {
             owners.remove(&id);
         }
@@ -963,8 +967,18 @@ where
 pub(crate) struct PendingFork {
     child: GloballyUniqueId,
     rref_id: GloballyUniqueId,
-    /// An owner sender's early fork registration (else a user sender's kept parent).
-    early: bool,
+    kind: ForkKind,
+}
+
+/// What encoding an RRef into a message did, to undo when the message does not arrive.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ForkKind {
+    /// An owner sender registered the child fork early.
+    Early,
+    /// A user sender keeps its RRef alive until the child is accepted.
+    KeptParent,
+    /// An owner sent its own handle to itself (counted in transit).
+    InTransit,
 }
 
 /// After a message carrying RRefs was sent: when it did not arrive, undo what encoding did
@@ -974,15 +988,24 @@ pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: boo
         return;
     }
     for f in forks {
-        if f.early {
-            a.rrefs.with_entry(f.rref_id, |e| e.forks.remove(&f.child));
-            a.rrefs.maybe_remove(f.rref_id);
-        } else {
-            a.rrefs
-                .pending_children
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&f.child);
+        match f.kind {
+            ForkKind::Early => {
+                a.rrefs.with_entry(f.rref_id, |e| e.forks.remove(&f.child));
+                a.rrefs.maybe_remove(f.rref_id);
+            }
+            ForkKind::InTransit => {
+                a.rrefs.with_entry(f.rref_id, |e| {
+                    e.in_transit = e.in_transit.saturating_sub(1);
+                });
+                a.rrefs.maybe_remove(f.rref_id);
+            }
+            ForkKind::KeptParent => {
+                a.rrefs
+                    .pending_children
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&f.child);
+            }
         }
     }
 }
@@ -1020,23 +1043,34 @@ impl<T: Send + 'static> Wire for RRef<T> {
                 e.forks.push(PendingFork {
                     child,
                     rref_id: self.inner.rref_id,
-                    early: true,
+                    kind: ForkKind::Early,
                 });
             } else {
                 keep_parent(&a, child, &self.inner);
                 e.forks.push(PendingFork {
                     child,
                     rref_id: self.inner.rref_id,
-                    early: false,
+                    kind: ForkKind::KeptParent,
                 });
             }
-        } else if !self.inner.is_owner {
+        } else if self.inner.is_owner {
+            // from the owner to itself: counted in transit until decoded, so that the value
+            // outlives this handle (a function returning `RRef::new(v)` to a self-call drops
+            // its handle before the caller decodes the result)
+            a.rrefs
+                .with_entry(self.inner.rref_id, |en| en.in_transit += 1);
+            e.forks.push(PendingFork {
+                child,
+                rref_id: self.inner.rref_id,
+                kind: ForkKind::InTransit,
+            });
+        } else {
             // to the owner: it resolves to its own value and accepts the child at once
             keep_parent(&a, child, &self.inner);
             e.forks.push(PendingFork {
                 child,
                 rref_id: self.inner.rref_id,
-                early: false,
+                kind: ForkKind::KeptParent,
             });
         }
         (owner as u64).encode(e)?;
@@ -1082,6 +1116,12 @@ impl<T: Send + 'static> Wire for RRef<T> {
         if owner == a.me.id {
             // we own it: a local handle; a user parent is told its child was accepted
             let r = RRef::owner_handle(&a, rref_id);
+            if parent_is_owner && parent == a.me.id {
+                // sent by this worker to itself: the handle in transit arrived
+                a.rrefs.with_entry(rref_id, |e| {
+                    e.in_transit = e.in_transit.saturating_sub(1);
+                });
+            }
             if !parent_is_owner && parent != a.me.id {
                 send_control(
                     &a,

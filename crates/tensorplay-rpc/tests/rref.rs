@@ -264,3 +264,58 @@ fn world3_rrefs() -> TestResult {
     })?;
     Ok(())
 }
+
+/// An RRef made by a function that was called on its own worker (`rpc_sync` to oneself whose
+/// function returns `RRef::new(v)`) holds its value: `local_value`, `to_here` and a
+/// `DistributedOptimizer` see it, and the owner table empties when it is dropped.
+#[test]
+fn world2_rrefs_returned_by_self_calls_hold_their_value() -> TestResult {
+    spawn(2, |rank| -> TestResult {
+        register_all();
+        rpc::register("make_param", |v: Vec<f64>| {
+            let n = v.len();
+            Ok(RRef::new(Tensor::from_vec(v, &[n])?.requires_grad_(true))?)
+        });
+        rpc::init_rpc(&format!("worker{rank}"), rank, 2, opts(20, 4))?;
+        if rank == 0 {
+            let r: RRef<f64> = rpc::rpc_sync(0, "make_rref", 2.5, None)?;
+            assert!(r.is_owner());
+            assert_eq!(r.local_value()?, 2.5);
+            assert_eq!(r.to_here(Some(Duration::from_secs(5)))?, 2.5);
+            assert_eq!(debug_counts(0)?, (1, 0, 0, 0));
+            drop(r);
+            eventually(Duration::from_secs(5), || {
+                Ok(debug_counts(0)? == (0, 0, 0, 0))
+            })?;
+            // a parameter made that way, stepped by a distributed optimizer
+            let p: RRef<Tensor> = rpc::rpc_sync(0, "make_param", vec![1.0, -2.0], None)?;
+            let opt = rpc::DistributedOptimizer::new(
+                rpc::OptimizerKind::Sgd(tensorplay_core::optim::SgdOptions {
+                    lr: 0.1,
+                    ..Default::default()
+                }),
+                std::slice::from_ref(&p),
+            )?;
+            {
+                let ctx = rpc::autograd::context()?;
+                let x = p.local_value()?;
+                let loss = x.mul(&x)?.sum()?; // gradient 2x: x - 0.1 * 2x = 0.8x
+                rpc::autograd::backward(ctx.id(), &[loss], false)?;
+                opt.step(ctx.id())?;
+            }
+            let after = p.local_value()?.to_vec::<f64>()?;
+            assert!(
+                (after[0] - 0.8).abs() < 1e-12 && (after[1] + 1.6).abs() < 1e-12,
+                "{after:?}"
+            );
+            drop((opt, p));
+            eventually(Duration::from_secs(5), || {
+                Ok(debug_counts(0)? == (0, 0, 0, 0))
+            })?;
+        }
+        barrier("self calls checked")?;
+        rpc::shutdown(true)?;
+        Ok(())
+    })?;
+    Ok(())
+}

@@ -117,7 +117,10 @@ fn named_peer(message: &str) -> Option<usize> {
         d.parse().ok()
     };
     for b in BEFORE {
-        if let Some(r) = message.find(b).and_then(|i| number(&message[i + b.len()..])) {
+        if let Some(r) = message
+            .find(b)
+            .and_then(|i| number(&message[i + b.len()..]))
+        {
             return Some(r);
         }
     }
