@@ -321,3 +321,205 @@ fn invalid_hyperparameters_and_grads() -> tp::Result<()> {
     assert_eq!(w.to_vec::<f64>()?, W0.to_vec()); // untouched
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// parameter groups and learning-rate schedulers
+
+fn w(v: &[f64]) -> Tensor {
+    Tensor::from_slice(v, &[v.len()])
+        .expect("tensor")
+        .requires_grad_(true)
+}
+
+/// Two groups with their own options step exactly like two optimizers, one per group; a
+/// group's rate changed through `param_groups_mut` applies from the next step.
+#[test]
+fn param_groups_step_like_separate_optimizers() -> tp::Result<()> {
+    let (a, b) = (w(&W0), w(&W0));
+    let (a2, b2) = (w(&W0), w(&W0));
+    let oa = SgdOptions {
+        lr: 0.05,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let ob = SgdOptions {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut both = SGD::with_groups(vec![(vec![a.clone()], oa), (vec![b.clone()], ob)])?;
+    let mut sa = SGD::new(vec![a2.clone()], oa)?;
+    let mut sb = SGD::new(vec![b2.clone()], ob)?;
+    assert_eq!(both.param_groups().len(), 2);
+    assert_eq!(both.param_groups()[1].params(), 1..2);
+    for step in 0..STEPS {
+        if step == 3 {
+            both.param_groups_mut()[1].lr = 0.2;
+            sb.set_lr(0.2)?;
+        }
+        for (opt, ts) in [
+            (&mut both as &mut dyn Optimizer, vec![&a, &b]),
+            (&mut sa, vec![&a2]),
+            (&mut sb, vec![&b2]),
+        ] {
+            opt.zero_grad()?;
+            for t in ts {
+                loss(t)?.backward()?;
+            }
+            opt.step()?;
+        }
+    }
+    assert_close(&a.to_vec::<f64>()?, &a2.to_vec::<f64>()?);
+    assert_close(&b.to_vec::<f64>()?, &b2.to_vec::<f64>()?);
+    // Adam: betas per group
+    let (c, d, c2, d2) = (w(&W0), w(&W0), w(&W0), w(&W0));
+    let oc = AdamOptions {
+        lr: 0.1,
+        betas: (0.5, 0.9),
+        ..Default::default()
+    };
+    let od = AdamOptions {
+        lr: 0.01,
+        ..Default::default()
+    };
+    let mut both = Adam::with_groups(vec![(vec![c.clone()], oc), (vec![d.clone()], od)])?;
+    assert_eq!(both.param_groups()[0].betas, Some((0.5, 0.9)));
+    let mut sc = Adam::new(vec![c2.clone()], oc)?;
+    let mut sd = Adam::new(vec![d2.clone()], od)?;
+    for _ in 0..STEPS {
+        for (opt, ts) in [
+            (&mut both as &mut dyn Optimizer, vec![&c, &d]),
+            (&mut sc, vec![&c2]),
+            (&mut sd, vec![&d2]),
+        ] {
+            opt.zero_grad()?;
+            for t in ts {
+                loss(t)?.backward()?;
+            }
+            opt.step()?;
+        }
+    }
+    assert_close(&c.to_vec::<f64>()?, &c2.to_vec::<f64>()?);
+    assert_close(&d.to_vec::<f64>()?, &d2.to_vec::<f64>()?);
+    Ok(())
+}
+
+/// A bad value put into a group fails the next step, naming the group, before any parameter
+/// changes.
+#[test]
+fn bad_group_values_fail_the_step_naming_the_group() -> tp::Result<()> {
+    let (a, b) = (w(&W0), w(&W0));
+    let mut opt = AdamW::with_groups(vec![
+        (vec![a.clone()], AdamWOptions::default()),
+        (vec![b.clone()], AdamWOptions::default()),
+    ])?;
+    loss(&a)?.backward()?;
+    loss(&b)?.backward()?;
+    for (i, bad) in [(1, "lr"), (1, "betas"), (0, "weight_decay")] {
+        let keep = opt.param_groups()[i].clone();
+        match bad {
+            "lr" => opt.param_groups_mut()[i].lr = f64::NAN,
+            "betas" => opt.param_groups_mut()[i].betas = Some((1.0, 0.9)),
+            _ => opt.param_groups_mut()[i].weight_decay = -1.0,
+        }
+        let e = opt.step().unwrap_err().to_string();
+        assert!(
+            e.contains(bad) && e.contains(&format!("param_groups[{i}]")),
+            "{e}"
+        );
+        assert_eq!(a.to_vec::<f64>()?, W0.to_vec(), "{bad}");
+        assert_eq!(b.to_vec::<f64>()?, W0.to_vec(), "{bad}");
+        opt.param_groups_mut()[i] = keep;
+    }
+    assert!(SGD::with_groups(vec![]).is_err());
+    Ok(())
+}
+
+/// Every scheduler's chained rates equal its closed form for 60 epochs on two groups with
+/// different base rates, and the optimizer's groups carry them.
+#[test]
+fn schedulers_follow_their_closed_forms() -> tp::Result<()> {
+    use tensorplay_core::optim::lr_scheduler::{
+        CosineAnnealingLR, ExponentialLR, LambdaLR, LinearLR, LrScheduler, MultiStepLR, StepLR,
+    };
+    fn opt() -> SGD {
+        SGD::with_groups(vec![
+            (
+                vec![w(&[1.0])],
+                SgdOptions {
+                    lr: 0.1,
+                    ..Default::default()
+                },
+            ),
+            (
+                vec![w(&[1.0])],
+                SgdOptions {
+                    lr: 0.03,
+                    ..Default::default()
+                },
+            ),
+        ])
+        .expect("sgd")
+    }
+    fn check<S: LrScheduler>(
+        name: &str,
+        opt: &mut SGD,
+        s: &mut S,
+        closed: impl Fn(&S, usize) -> Vec<f64>,
+    ) {
+        for epoch in 0..60 {
+            let want = closed(s, epoch);
+            let got: Vec<f64> = opt.param_groups().iter().map(|g| g.lr).collect();
+            assert_eq!(s.last_epoch(), epoch);
+            assert_eq!(s.get_last_lr(), &got[..], "{name} epoch {epoch}");
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-12 * w.abs().max(1e-3),
+                    "{name} epoch {epoch}: {got:?} vs closed form {want:?}"
+                );
+            }
+            s.step(opt).expect("step");
+        }
+    }
+    let mut o = opt();
+    let mut s = StepLR::new(&mut o, 7, 0.5)?;
+    check("StepLR", &mut o, &mut s, |s, e| s.closed_form_lr(e));
+    let mut o = opt();
+    let mut s = MultiStepLR::new(&mut o, vec![30, 5, 12, 12], 0.3)?;
+    check("MultiStepLR", &mut o, &mut s, |s, e| s.closed_form_lr(e));
+    let mut o = opt();
+    let mut s = ExponentialLR::new(&mut o, 0.95)?;
+    check("ExponentialLR", &mut o, &mut s, |s, e| s.closed_form_lr(e));
+    let mut o = opt();
+    let mut s = CosineAnnealingLR::new(&mut o, 10, 0.001)?;
+    check("CosineAnnealingLR", &mut o, &mut s, |s, e| {
+        s.closed_form_lr(e)
+    });
+    let mut o = opt();
+    let mut s = LinearLR::new(&mut o, 1.0 / 3.0, 1.0, 5)?;
+    check("LinearLR", &mut o, &mut s, |s, e| s.closed_form_lr(e));
+    let mut o = opt();
+    let mut s = LambdaLR::new(&mut o, |e| 1.0 / (1.0 + e as f64))?;
+    check("LambdaLR", &mut o, &mut s, |s, e| s.closed_form_lr(e));
+    // the closed forms themselves, at a few points
+    let mut o = opt();
+    let s = CosineAnnealingLR::new(&mut o, 10, 0.0)?;
+    assert!((s.closed_form_lr(5)[0] - 0.05).abs() < 1e-15 && s.closed_form_lr(10)[0].abs() < 1e-15);
+    let mut o = opt();
+    let s = MultiStepLR::new(&mut o, vec![2, 2], 0.5)?;
+    assert!((s.closed_form_lr(2)[0] - 0.025).abs() < 1e-15);
+    // bad arguments, and a factor that makes a rate negative
+    let mut o = opt();
+    assert!(StepLR::new(&mut o, 0, 0.5).is_err());
+    assert!(ExponentialLR::new(&mut o, f64::NAN).is_err());
+    assert!(LinearLR::new(&mut o, 0.0, 1.0, 5).is_err());
+    assert!(CosineAnnealingLR::new(&mut o, 0, 0.0).is_err());
+    let mut s = LambdaLR::new(&mut o, |e| 1.0 - e as f64)?;
+    let e = s
+        .step(&mut o)
+        .map(|_| ())
+        .and_then(|_| s.step(&mut o))
+        .unwrap_err();
+    assert!(e.to_string().contains("lr"), "{e}");
+    Ok(())
+}

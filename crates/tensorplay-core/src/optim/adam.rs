@@ -1,5 +1,6 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`).
 
+use super::group::{ParamGroup, check_groups, ranges, set_all_lr};
 use super::{
     Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, state, update_param,
 };
@@ -70,64 +71,112 @@ struct AdamState {
     max_exp_avg_sq: Option<Buf>,
 }
 
-/// The shared implementation: `decoupled` selects AdamW's weight decay.
-#[derive(Debug)]
-struct AdamCore {
-    params: Vec<Tensor>,
+/// The options of one group of the shared implementation.
+#[derive(Debug, Clone, Copy)]
+struct Hyper {
     lr: f64,
     betas: (f64, f64),
     eps: f64,
     weight_decay: f64,
     amsgrad: bool,
+}
+
+fn check_hyper(op: &'static str, h: &Hyper) -> Result<()> {
+    check_lr(op, h.lr)?;
+    check_nonneg(op, "eps", h.eps)?;
+    check_nonneg(op, "weight_decay", h.weight_decay)?;
+    for (i, b) in [h.betas.0, h.betas.1].into_iter().enumerate() {
+        if !(0.0..1.0).contains(&b) {
+            return Err(Error::invalid(
+                op,
+                "betas",
+                "betas in [0, 1)",
+                format!("beta{} = {b}", i + 1),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The shared implementation: `decoupled` selects AdamW's weight decay.
+#[derive(Debug)]
+struct AdamCore {
+    params: Vec<Tensor>,
+    groups: Vec<ParamGroup>,
+    /// Per group: `eps` and `amsgrad`, fixed at construction.
+    fixed: Vec<(f64, bool)>,
+    /// Per parameter: its group.
+    group_of: Vec<usize>,
     decoupled: bool,
     states: Vec<AdamState>,
 }
 
 impl AdamCore {
-    #[allow(clippy::too_many_arguments)]
     fn new(
         op: &'static str,
-        params: Vec<Tensor>,
-        lr: f64,
-        betas: (f64, f64),
-        eps: f64,
-        weight_decay: f64,
-        amsgrad: bool,
+        groups: Vec<(Vec<Tensor>, Hyper)>,
         decoupled: bool,
     ) -> Result<AdamCore> {
-        check_lr(op, lr)?;
-        check_nonneg(op, "eps", eps)?;
-        check_nonneg(op, "weight_decay", weight_decay)?;
-        for (i, b) in [betas.0, betas.1].into_iter().enumerate() {
-            if !(0.0..1.0).contains(&b) {
-                return Err(Error::invalid(
-                    op,
-                    "betas",
-                    "betas in [0, 1)",
-                    format!("beta{} = {b}", i + 1),
-                ));
-            }
+        if groups.is_empty() {
+            return Err(Error::invalid(
+                op,
+                "groups",
+                "at least one parameter group",
+                "none",
+            ));
+        }
+        for (_, h) in &groups {
+            check_hyper(op, h)?;
+        }
+        let spans = ranges(groups.iter().map(|(p, _)| p.len()));
+        let (mut params, mut pgs, mut fixed, mut group_of) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, ((ps, h), r)) in groups.into_iter().zip(spans).enumerate() {
+            group_of.extend(std::iter::repeat_n(i, ps.len()));
+            params.extend(ps);
+            pgs.push(ParamGroup::new(
+                h.lr,
+                h.weight_decay,
+                None,
+                Some(h.betas),
+                r,
+            ));
+            fixed.push((h.eps, h.amsgrad));
         }
         check_params(op, &params)?;
         let n = params.len();
         Ok(AdamCore {
             params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
+            groups: pgs,
+            fixed,
+            group_of,
             decoupled,
             states: vec![AdamState::default(); n],
         })
     }
 
+    /// Group `i`'s options as they apply now.
+    fn hyper(&self, i: usize) -> Hyper {
+        let g = &self.groups[i];
+        let (eps, amsgrad) = self.fixed[i];
+        Hyper {
+            lr: g.lr,
+            betas: g.betas.unwrap_or((0.9, 0.999)),
+            eps,
+            weight_decay: g.weight_decay,
+            amsgrad,
+        }
+    }
+
     fn step_with_grads(&mut self, op: &'static str, grads: &[Option<Tensor>]) -> Result<()> {
         check_grads(op, &self.params, grads)?;
+        check_groups(op, &self.groups)?;
+        let hypers: Vec<Hyper> = (0..self.groups.len()).map(|i| self.hyper(i)).collect();
         for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else { continue };
             let p = self.params[i].clone();
-            float_dispatch!(p.dtype(), op, T => self.update::<T>(op, i, &p, g)?);
+            let h = hypers[self.group_of[i]];
+            float_dispatch!(p.dtype(), op, T => self.update::<T>(op, i, &p, g, &h)?);
         }
         Ok(())
     }
@@ -138,21 +187,22 @@ impl AdamCore {
         i: usize,
         p: &Tensor,
         g: &Tensor,
+        h: &Hyper,
     ) -> Result<()> {
         let n = p.numel();
         let st = &mut self.states[i];
         st.step += 1;
-        let (b1, b2) = self.betas;
+        let (b1, b2) = h.betas;
         let bias_c1 = 1.0 - b1.powi(st.step.min(i32::MAX as u64) as i32);
         let bias_c2 = 1.0 - b2.powi(st.step.min(i32::MAX as u64) as i32);
-        let step_size = T::c(self.lr / bias_c1);
+        let step_size = T::c(h.lr / bias_c1);
         let bias_c2_sqrt = T::c(bias_c2.sqrt());
         let (tb1, tb2) = (T::c(b1), T::c(b2));
         let (one_b1, one_b2) = (T::c(1.0 - b1), T::c(1.0 - b2));
-        let eps = T::c(self.eps);
-        let wd = T::c(self.weight_decay);
-        let use_wd = self.weight_decay != 0.0;
-        let decay = T::c(1.0 - self.lr * self.weight_decay);
+        let eps = T::c(h.eps);
+        let wd = T::c(h.weight_decay);
+        let use_wd = h.weight_decay != 0.0;
+        let decay = T::c(1.0 - h.lr * h.weight_decay);
         let decoupled = self.decoupled;
         let m = std::mem::take(&mut st.exp_avg);
         let v = std::mem::take(&mut st.exp_avg_sq);
@@ -161,7 +211,7 @@ impl AdamCore {
         {
             let mv = state::<T>(&mut m, n, || vec![T::default(); n])?;
             let vv = state::<T>(&mut v, n, || vec![T::default(); n])?;
-            let mut vmax_v = if self.amsgrad {
+            let mut vmax_v = if h.amsgrad {
                 Some(state::<T>(&mut vmax, n, || vec![T::default(); n])?)
             } else {
                 None
@@ -220,16 +270,26 @@ impl Adam {
     /// non-finite `lr`, `eps` or `weight_decay`, betas outside `[0, 1)`, and non-float
     /// parameters; [`Error::NotSupported`] for parameters on CUDA.
     pub fn new(params: Vec<Tensor>, o: AdamOptions) -> Result<Adam> {
-        Ok(Adam(AdamCore::new(
-            "Adam",
-            params,
-            o.lr,
-            o.betas,
-            o.eps,
-            o.weight_decay,
-            o.amsgrad,
-            false,
-        )?))
+        Adam::with_groups(vec![(params, o)])
+    }
+
+    /// An optimizer over several parameter groups, each with its own options; errors as
+    /// [`Adam::new`], and for no groups.
+    pub fn with_groups(groups: Vec<(Vec<Tensor>, AdamOptions)>) -> Result<Adam> {
+        let groups = groups
+            .into_iter()
+            .map(|(p, o)| {
+                let h = Hyper {
+                    lr: o.lr,
+                    betas: o.betas,
+                    eps: o.eps,
+                    weight_decay: o.weight_decay,
+                    amsgrad: o.amsgrad,
+                };
+                (p, h)
+            })
+            .collect();
+        Ok(Adam(AdamCore::new("Adam", groups, false)?))
     }
 }
 
@@ -240,13 +300,14 @@ impl Optimizer for Adam {
     fn params(&self) -> &[Tensor] {
         &self.0.params
     }
-    fn lr(&self) -> f64 {
-        self.0.lr
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.0.groups
+    }
+    fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
+        &mut self.0.groups
     }
     fn set_lr(&mut self, lr: f64) -> Result<()> {
-        check_lr("Adam.set_lr", lr)?;
-        self.0.lr = lr;
-        Ok(())
+        set_all_lr("Adam.set_lr", &mut self.0.groups, lr)
     }
 }
 
@@ -258,16 +319,26 @@ pub struct AdamW(AdamCore);
 impl AdamW {
     /// An optimizer over `params`; errors as [`Adam::new`].
     pub fn new(params: Vec<Tensor>, o: AdamWOptions) -> Result<AdamW> {
-        Ok(AdamW(AdamCore::new(
-            "AdamW",
-            params,
-            o.lr,
-            o.betas,
-            o.eps,
-            o.weight_decay,
-            o.amsgrad,
-            true,
-        )?))
+        AdamW::with_groups(vec![(params, o)])
+    }
+
+    /// An optimizer over several parameter groups, each with its own options; errors as
+    /// [`Adam::new`], and for no groups.
+    pub fn with_groups(groups: Vec<(Vec<Tensor>, AdamWOptions)>) -> Result<AdamW> {
+        let groups = groups
+            .into_iter()
+            .map(|(p, o)| {
+                let h = Hyper {
+                    lr: o.lr,
+                    betas: o.betas,
+                    eps: o.eps,
+                    weight_decay: o.weight_decay,
+                    amsgrad: o.amsgrad,
+                };
+                (p, h)
+            })
+            .collect();
+        Ok(AdamW(AdamCore::new("AdamW", groups, true)?))
     }
 }
 
@@ -278,12 +349,13 @@ impl Optimizer for AdamW {
     fn params(&self) -> &[Tensor] {
         &self.0.params
     }
-    fn lr(&self) -> f64 {
-        self.0.lr
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.0.groups
+    }
+    fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
+        &mut self.0.groups
     }
     fn set_lr(&mut self, lr: f64) -> Result<()> {
-        check_lr("AdamW.set_lr", lr)?;
-        self.0.lr = lr;
-        Ok(())
+        set_all_lr("AdamW.set_lr", &mut self.0.groups, lr)
     }
 }

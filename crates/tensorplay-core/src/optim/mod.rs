@@ -15,9 +15,12 @@
 //! ```
 
 mod adam;
+mod group;
+pub mod lr_scheduler;
 mod sgd;
 
 pub use adam::{Adam, AdamOptions, AdamW, AdamWOptions};
+pub use group::ParamGroup;
 pub use sgd::{SGD, SgdOptions};
 
 use crate::storage::StorageElement;
@@ -52,10 +55,21 @@ pub trait Optimizer: Send {
     /// The parameters, in the order given at construction.
     fn params(&self) -> &[Tensor];
 
-    /// The learning rate.
-    fn lr(&self) -> f64;
+    /// The parameter groups, in order (`param_groups`): one unless the optimizer was built
+    /// with `with_groups`.
+    fn param_groups(&self) -> &[ParamGroup];
 
-    /// Sets the learning rate (for schedules); errors when it is negative or not finite.
+    /// The parameter groups, to change their hyperparameters between steps (checked at the
+    /// next step); learning-rate schedulers ([`lr_scheduler`]) change `lr` through this.
+    fn param_groups_mut(&mut self) -> &mut [ParamGroup];
+
+    /// The learning rate of the first parameter group.
+    fn lr(&self) -> f64 {
+        self.param_groups().first().map_or(0.0, |g| g.lr)
+    }
+
+    /// Sets the learning rate of every parameter group; errors when it is negative or not
+    /// finite.
     fn set_lr(&mut self, lr: f64) -> Result<()>;
 }
 

@@ -1,5 +1,6 @@
 //! Stochastic gradient descent (`torch.optim.SGD`).
 
+use super::group::{ParamGroup, check_groups, in_group, ranges, set_all_lr};
 use super::{
     Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, state, update_param,
 };
@@ -45,11 +46,37 @@ impl Default for SgdOptions {
 ///     d = d + momentum * buf if nesterov else buf
 /// p = p - lr * d
 /// ```
+///
+/// Each parameter group ([`SGD::with_groups`], [`Optimizer::param_groups`]) has its own
+/// options; `lr`, `weight_decay` and `momentum` may change between steps.
 #[derive(Debug)]
 pub struct SGD {
     params: Vec<Tensor>,
-    options: SgdOptions,
+    groups: Vec<ParamGroup>,
+    /// Per group: the options given (dampening and Nesterov are read from here).
+    fixed: Vec<SgdOptions>,
+    /// Per parameter: its group.
+    group_of: Vec<usize>,
     momentum_buffers: Vec<Option<Buf>>,
+}
+
+fn check_options(op: &'static str, options: &SgdOptions) -> Result<()> {
+    check_lr(op, options.lr)?;
+    check_nonneg(op, "momentum", options.momentum)?;
+    check_nonneg(op, "dampening", options.dampening)?;
+    check_nonneg(op, "weight_decay", options.weight_decay)?;
+    if options.nesterov && (options.momentum <= 0.0 || options.dampening != 0.0) {
+        return Err(Error::invalid(
+            op,
+            "nesterov",
+            "momentum > 0 and dampening == 0 for Nesterov momentum",
+            format!(
+                "momentum={}, dampening={}",
+                options.momentum, options.dampening
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl SGD {
@@ -58,34 +85,62 @@ impl SGD {
     /// `momentum > 0` and `dampening == 0`, and on non-float parameters;
     /// [`Error::NotSupported`] for parameters on CUDA.
     pub fn new(params: Vec<Tensor>, options: SgdOptions) -> Result<SGD> {
+        SGD::with_groups(vec![(params, options)])
+    }
+
+    /// An optimizer over several parameter groups, each with its own options (PyTorch's
+    /// `SGD([{"params": ..., "lr": ...}, ...])`). Errors as [`SGD::new`], and for no groups.
+    pub fn with_groups(groups: Vec<(Vec<Tensor>, SgdOptions)>) -> Result<SGD> {
         const OP: &str = "SGD";
-        check_lr(OP, options.lr)?;
-        check_nonneg(OP, "momentum", options.momentum)?;
-        check_nonneg(OP, "dampening", options.dampening)?;
-        check_nonneg(OP, "weight_decay", options.weight_decay)?;
-        if options.nesterov && (options.momentum <= 0.0 || options.dampening != 0.0) {
+        if groups.is_empty() {
             return Err(Error::invalid(
                 OP,
-                "nesterov",
-                "momentum > 0 and dampening == 0 for Nesterov momentum",
-                format!(
-                    "momentum={}, dampening={}",
-                    options.momentum, options.dampening
-                ),
+                "groups",
+                "at least one parameter group",
+                "none",
             ));
+        }
+        for (_, o) in &groups {
+            check_options(OP, o)?;
+        }
+        let spans = ranges(groups.iter().map(|(p, _)| p.len()));
+        let mut params = Vec::new();
+        let mut fixed = Vec::new();
+        let mut group_of = Vec::new();
+        let mut pgs = Vec::new();
+        for (i, ((ps, o), r)) in groups.into_iter().zip(spans).enumerate() {
+            group_of.extend(std::iter::repeat_n(i, ps.len()));
+            params.extend(ps);
+            pgs.push(ParamGroup::new(
+                o.lr,
+                o.weight_decay,
+                Some(o.momentum),
+                None,
+                r,
+            ));
+            fixed.push(o);
         }
         check_params(OP, &params)?;
         let n = params.len();
         Ok(SGD {
             params,
-            options,
+            groups: pgs,
+            fixed,
+            group_of,
             momentum_buffers: vec![None; n],
         })
     }
 
-    /// The hyperparameters.
-    pub fn options(&self) -> &SgdOptions {
-        &self.options
+    /// The options of group `i` as they apply now (with the group's current `lr`,
+    /// `weight_decay` and `momentum`); `None` past the last group.
+    pub fn options(&self, i: usize) -> Option<SgdOptions> {
+        let g = self.groups.get(i)?;
+        Some(SgdOptions {
+            lr: g.lr,
+            weight_decay: g.weight_decay,
+            momentum: g.momentum.unwrap_or(0.0),
+            ..self.fixed[i]
+        })
     }
 }
 
@@ -134,24 +189,34 @@ fn sgd_update<T: OptElem>(
 
 impl Optimizer for SGD {
     fn step_with_grads(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
-        check_grads("SGD.step", &self.params, grads)?;
+        const OP: &str = "SGD.step";
+        check_grads(OP, &self.params, grads)?;
+        check_groups(OP, &self.groups)?;
+        let options: Vec<SgdOptions> = (0..self.groups.len())
+            .filter_map(|i| self.options(i))
+            .collect();
+        for (i, o) in options.iter().enumerate() {
+            check_options(OP, o).map_err(|e| in_group(e, i))?;
+        }
         for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else { continue };
             let p = &self.params[i];
+            let o = &options[self.group_of[i]];
             let slot = &mut self.momentum_buffers[i];
-            float_dispatch!(p.dtype(), "SGD.step", T => sgd_update::<T>(p, g, &self.options, slot)?);
+            float_dispatch!(p.dtype(), OP, T => sgd_update::<T>(p, g, o, slot)?);
         }
         Ok(())
     }
     fn params(&self) -> &[Tensor] {
         &self.params
     }
-    fn lr(&self) -> f64 {
-        self.options.lr
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.groups
+    }
+    fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
+        &mut self.groups
     }
     fn set_lr(&mut self, lr: f64) -> Result<()> {
-        check_lr("SGD.set_lr", lr)?;
-        self.options.lr = lr;
-        Ok(())
+        set_all_lr("SGD.set_lr", &mut self.groups, lr)
     }
 }
