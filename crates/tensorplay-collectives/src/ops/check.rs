@@ -58,7 +58,11 @@ impl Call<'_> {
                 } => Error::PeerFailed {
                     rank,
                     peer,
-                    op: format!("{} (while checking arguments across ranks)", self.op),
+                    op: format!(
+                        "{}{} (while checking arguments across ranks)",
+                        self.op,
+                        phase_words()
+                    ),
                     detail: format!("{} (did rank {peer} exit or fail?)", plain(&detail)),
                 },
                 Error::Timeout {
@@ -67,7 +71,11 @@ impl Call<'_> {
                     detail,
                     ..
                 } => Error::Timeout {
-                    op: format!("{} (while checking arguments across ranks)", self.op),
+                    op: format!(
+                        "{}{} (while checking arguments across ranks)",
+                        self.op,
+                        phase_words()
+                    ),
                     rank,
                     timeout,
                     detail: format!(
@@ -267,6 +275,15 @@ fn phase_id(phase: Option<&'static str>) -> i64 {
         *d = s;
     }
     i64::from_le_bytes(b)
+}
+
+/// This thread's phase in words, for this rank's own messages.
+fn phase_words() -> String {
+    match current_phase() {
+        None => String::new(),
+        Some("backward") => " (in a backward pass through a differentiable collective)".into(),
+        Some(p) => format!(" (in {p})"),
+    }
 }
 
 fn phase_name(id: i64) -> String {

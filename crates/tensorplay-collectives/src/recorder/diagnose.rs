@@ -35,7 +35,11 @@ pub fn read_dumps(dir: &Path) -> Result<(Vec<Dump>, Vec<String>), String> {
     let (mut dumps, mut notes) = (Vec::new(), Vec::new());
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if !(name.starts_with("rank") && name.ends_with(".json")) {
+        let is_dump = name
+            .strip_prefix("rank")
+            .and_then(|n| n.strip_suffix(".json"))
+            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()));
+        if !is_dump {
             continue;
         }
         match std::fs::read(e.path())
@@ -47,8 +51,13 @@ pub fn read_dumps(dir: &Path) -> Result<(Vec<Dump>, Vec<String>), String> {
         }
     }
     if dumps.is_empty() {
+        let why = if notes.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", notes.join("; "))
+        };
         return Err(format!(
-            "no flight-recorder dumps (rank*.json) in {}",
+            "no flight-recorder dumps (rank<R>.json) in {}{why}",
             dir.display()
         ));
     }
@@ -66,6 +75,16 @@ pub fn read_dumps(dir: &Path) -> Result<(Vec<Dump>, Vec<String>), String> {
         ));
     }
     dumps.sort_by_key(|d| d.rank);
+    dumps.dedup_by(|b, a| {
+        let same = a.rank == b.rank;
+        if same {
+            notes.push(format!(
+                "two dumps claim rank {} (pids {} and {}): the first is read",
+                a.rank, a.pid, b.pid
+            ));
+        }
+        same
+    });
     Ok((dumps, notes))
 }
 
@@ -105,15 +124,25 @@ pub fn diagnose(dumps: &[Dump]) -> Diagnosis {
             "group {name} (ranks {:?}, backend {})",
             first.ranks, first.backend
         );
-        // the earliest operation not finished on some rank
+        // the earliest operation not finished on some rank, leaving out one that failed on
+        // every member (an error every rank got, and went on from)
+        let settled = |k: u64| {
+            first.ranks.iter().all(|r| {
+                by_rank
+                    .get(r)
+                    .and_then(|g| g.entries.iter().find(|e| e.seq == k))
+                    .is_some_and(|e| e.state == State::Failed)
+            })
+        };
         let open: Option<u64> = by_rank
             .values()
-            .filter_map(|g| {
+            .flat_map(|g| {
                 g.entries
                     .iter()
-                    .find(|e| e.state != State::Done)
+                    .filter(|e| e.state != State::Done)
                     .map(|e| e.seq)
             })
+            .filter(|&k| !settled(k))
             .min();
         let Some(k) = open else {
             out.lines.push(format!(
@@ -274,6 +303,35 @@ mod tests {
         assert!(
             text.contains("#0 all_reduce (float32 [4]) (finished) at train.rs:10:5"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn an_operation_that_failed_everywhere_does_not_hide_a_later_hang() {
+        let failed = |s| entry(s, "broadcast", State::Failed, "t.rs:1:1");
+        let done = |s| entry(s, "all_reduce", State::Done, "t.rs:2:2");
+        let waits = || entry(2, "all_reduce", State::Started, "t.rs:3:3");
+        let dumps = vec![
+            dump(0, vec![failed(0), done(1), waits()]),
+            dump(1, vec![failed(0), done(1), waits()]),
+            dump(2, vec![failed(0), done(1)]),
+        ];
+        let text = diagnose(&dumps).to_string();
+        assert!(
+            text.contains("operation #2 all_reduce (called at t.rs:3:3)"),
+            "{text}"
+        );
+        assert!(text.contains("rank 2 never called #2"), "{text}");
+        // failed on one rank only: that is the news
+        let dumps = vec![
+            dump(0, vec![failed(0)]),
+            dump(1, vec![entry(0, "broadcast", State::Done, "t.rs:1:1")]),
+            dump(2, vec![failed(0)]),
+        ];
+        assert!(
+            diagnose(&dumps)
+                .to_string()
+                .contains("operation #0 broadcast")
         );
     }
 

@@ -54,7 +54,7 @@ pub struct GroupDump {
 /// The dump folder of this process's job: [`FR_DIR_ENV`], else
 /// `<temp>/tensorplay-fr-<MASTER_ADDR>-<MASTER_PORT>`, else `<temp>/tensorplay-fr-<pid>`.
 pub fn dump_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os(FR_DIR_ENV) {
+    if let Some(d) = std::env::var_os(FR_DIR_ENV).filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
     }
     match (std::env::var("MASTER_ADDR"), std::env::var("MASTER_PORT")) {
@@ -110,11 +110,17 @@ fn write(reason: &str) -> Result<PathBuf> {
         |e: std::io::Error| Error::Io(format!("flight recorder dump in {}: {e}", dir.display()));
     std::fs::create_dir_all(&dir).map_err(io)?;
     let path = dir.join(format!("rank{rank}.json"));
-    let tmp = dir.join(format!(".rank{rank}.{}.tmp", std::process::id()));
+    // the main thread (a failure) and the watcher (another rank's request) may write at once
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".rank{rank}.{}.{n}.tmp", std::process::id()));
     let text =
         serde_json::to_vec_pretty(&dump).map_err(|e| Error::Io(format!("flight recorder: {e}")))?;
-    std::fs::write(&tmp, text).map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)?;
+    let written = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(io)?;
     Ok(path)
 }
 
@@ -142,6 +148,21 @@ fn request_all(reason: &str) {
     }
 }
 
+/// [`request_all`] on a thread of its own, waited for at most two seconds: a store whose
+/// host is frozen (stopped, not dead) must not hold the error back for the store's timeout.
+fn request_all_bounded(reason: String) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("tensorplay-fr-ask".into())
+        .spawn(move || {
+            request_all(&reason);
+            let _ = tx.send(());
+        });
+    if spawned.is_ok() {
+        let _ = rx.recv_timeout(Duration::from_secs(2));
+    }
+}
+
 /// Writes this process's flight recorder and asks the other processes of the job to write
 /// theirs (`dist.dump_flight_recorder`, PyTorch's `_dump_nccl_trace`); returns the folder.
 /// `tensorplay-fr <folder>` then explains the dumps.
@@ -155,7 +176,7 @@ pub fn dump_flight_recorder() -> Result<PathBuf> {
         });
     }
     write("on demand (dump_flight_recorder)")?;
-    request_all("another rank called dump_flight_recorder");
+    request_all_bounded("another rank called dump_flight_recorder".into());
     Ok(dump_dir())
 }
 
@@ -171,7 +192,7 @@ pub(crate) fn on_failure(e: Error) -> Error {
     let first = e.to_string();
     let first = first.lines().next().unwrap_or("");
     let Ok(path) = write(first) else { return e };
-    request_all(&format!("rank {} failed: {first}", my_rank()));
+    request_all_bounded(format!("rank {} failed: {first}", my_rank()));
     let note = format!(
         "; flight recorder written to {} (run `tensorplay-fr {}` for a diagnosis)",
         path.display(),

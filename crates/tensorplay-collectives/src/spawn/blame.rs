@@ -156,6 +156,7 @@ pub fn is_consequence(message: &str) -> bool {
         "store: connection",
         "store: the store server",
         "(did rank",
+        "rejected their own arguments",
     ];
     SIGNS.iter().any(|s| message.contains(s))
 }
@@ -305,6 +306,9 @@ mod tests {
         ));
         assert!(is_consequence(
             "all_reduce timed out after 5s on rank 1: waiting for rank 2"
+        ));
+        assert!(is_consequence(
+            "broadcast: ranks disagree: rank(s) [1] rejected their own arguments: rank 1: src"
         ));
         assert!(!is_consequence("panicked: boom"));
         assert!(!is_consequence(

@@ -210,7 +210,8 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
         }
         text
     };
-    if timed_out {
+    // a rank that failed during the grace period is reported, not the job's timeout
+    if timed_out && !exits.iter().any(|e| !e.how.success()) {
         let rank = stopped.first().copied().unwrap_or(0);
         let (output, _) = collect_output(&mut procs[rank]);
         return Err(Error::Spawn {

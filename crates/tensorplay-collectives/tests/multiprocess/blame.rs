@@ -166,3 +166,61 @@ fn a_rank_that_exits_early_with_success_is_named() -> TestResult {
     assert!(!reason.contains("rank -1"), "{reason}");
     Ok(())
 }
+
+/// One rank's bad argument fails the call on every rank; the job's error names that rank,
+/// not a rank that only reports it (10 runs).
+#[test]
+fn a_rank_with_a_bad_argument_is_blamed_not_the_ranks_that_report_it() -> TestResult {
+    for run in 0..10 {
+        let opts = SpawnOptions {
+            timeout: Duration::from_secs(60),
+            env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
+            ..SpawnOptions::new(3)
+        };
+        let r = dist::spawn_with(opts, |rank| -> TestResult {
+            init(Duration::from_secs(10))?;
+            let t = Tensor::ones(&[8], DType::F32)?;
+            dist::broadcast(&t, if rank == 1 { 99 } else { 0 }, None)?;
+            Ok(())
+        });
+        let Err(dist::Error::Spawn { rank, reason, .. }) = r else {
+            return Err(format!("run {run}: expected the job to fail, got {r:?}").into());
+        };
+        assert_eq!(rank, 1, "run {run}: {reason}");
+        assert!(reason.contains("src"), "run {run}: {reason}");
+    }
+    Ok(())
+}
+
+/// The store's host (rank 0) frozen by SIGSTOP while the others wait for it in a collective:
+/// asking for flight-recorder dumps through its store must not hold their timeouts back, and
+/// the job names rank 0 (still running, not answering).
+#[test]
+fn a_frozen_store_host_does_not_stretch_the_timeout() -> TestResult {
+    let opts = SpawnOptions {
+        timeout: Duration::from_secs(60),
+        env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
+        ..SpawnOptions::new(3)
+    };
+    let start = std::time::Instant::now();
+    let r = dist::spawn_with(opts, |rank| -> TestResult {
+        init(Duration::from_secs(5))?;
+        dist::barrier(None)?;
+        if rank == 0 {
+            // SAFETY: stops this process; spawn kills it when the job ends
+            unsafe { libc::raise(libc::SIGSTOP) };
+        }
+        let t = Tensor::ones(&[8], DType::F32)?;
+        dist::all_reduce(&t, ReduceOp::Sum, None)?;
+        Ok(())
+    });
+    let took = start.elapsed();
+    let Err(dist::Error::Spawn { rank, reason, .. }) = r else {
+        return Err(format!("expected the job to fail, got {r:?}").into());
+    };
+    assert_eq!(rank, 0, "{reason}");
+    // the 5 s timeout, at most 2 s of asking for dumps, spawn's 1.5 s grace: about 8.5 s
+    // (measured); asking without a bound added two store timeouts on top (about 16.5 s)
+    assert!(took < Duration::from_secs(13), "took {took:?}: {reason}");
+    Ok(())
+}

@@ -287,7 +287,12 @@ fn run(args: Args) -> Result<(), String> {
         let t = tails[e.rank - base]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        e.message = t.iter().cloned().collect::<Vec<_>>().join("\n");
+        // the spawn marker is spawn's own protocol, not a word of the report
+        e.message = t
+            .iter()
+            .map(|l| l.replace("tensorplay-spawn-error: ", ""))
+            .collect::<Vec<_>>()
+            .join("\n");
     }
     if let Some(i) = interrupt {
         return Err(i);
