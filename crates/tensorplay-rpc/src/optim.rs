@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
+use tensorplay_core::optim::lr_scheduler::LrGroups;
 use tensorplay_core::optim::{Adam, AdamOptions, AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
 use tensorplay_core::{Tensor, TensorId};
 
@@ -16,6 +17,7 @@ use crate::{Error, RRef, Result};
 const CREATE: &str = "tensorplay::dist_optim::create";
 const STEP: &str = "tensorplay::dist_optim::step";
 const DROP: &str = "tensorplay::dist_optim::drop";
+const SET_LR: &str = "tensorplay::dist_optim::set_lr";
 
 /// Which local optimizer each owner runs, with its hyperparameters (the `optimizer_class`
 /// and arguments of PyTorch's constructor).
@@ -30,6 +32,15 @@ pub enum OptimizerKind {
 }
 
 impl OptimizerKind {
+    /// The learning rate these options start with.
+    fn lr(&self) -> f64 {
+        match self {
+            OptimizerKind::Sgd(o) => o.lr,
+            OptimizerKind::Adam(o) => o.lr,
+            OptimizerKind::AdamW(o) => o.lr,
+        }
+    }
+
     fn build(self, params: Vec<Tensor>) -> tensorplay_core::Result<Box<dyn Optimizer>> {
         Ok(match self {
             OptimizerKind::Sgd(o) => Box::new(SGD::new(params, o)?),
@@ -183,6 +194,17 @@ pub(crate) fn register_builtins() {
         |(kind, params): (OptimizerKind, Vec<RRef<Tensor>>)| create(kind, params),
     );
     crate::register(STEP, |(id, ctx): (u64, ContextId)| step(id, ctx));
+    crate::register(SET_LR, |(id, lr): (u64, f64)| {
+        let local = lock(&LOCALS).get(&id).cloned().ok_or_else(|| {
+            Error::invalid(
+                "DistributedOptimizer::set_lr",
+                "optimizer",
+                "a live optimizer",
+                format!("local optimizer {id}, which was dropped"),
+            )
+        })?;
+        lock(&local).optimizer.set_lr(lr)
+    });
     crate::register(DROP, |id: u64| {
         lock(&LOCALS).remove(&id);
         Ok(())
@@ -219,6 +241,9 @@ pub(crate) fn register_builtins() {
 pub struct DistributedOptimizer {
     /// (owner rank, local optimizer id) per owner.
     parts: Vec<(usize, u64)>,
+    /// The learning rate every owner's optimizer has (this handle is the only one that sets
+    /// it).
+    lr: Mutex<f64>,
 }
 
 impl DistributedOptimizer {
@@ -259,7 +284,10 @@ impl DistributedOptimizer {
                 }
             }
         }
-        let opt = DistributedOptimizer { parts };
+        let opt = DistributedOptimizer {
+            parts,
+            lr: Mutex::new(kind.lr()),
+        };
         match first_err {
             Some(e) => Err(e),
             None => Ok(opt),
@@ -294,6 +322,71 @@ impl DistributedOptimizer {
             }
         }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl DistributedOptimizer {
+    /// The learning rate of every owner's optimizer (`param_groups[0]["lr"]`).
+    pub fn lr(&self) -> f64 {
+        *lock(&self.lr)
+    }
+
+    /// Sets the learning rate of every owner's optimizer, one RPC per owner, all at once
+    /// (what a learning-rate scheduler does through [`LrGroups`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a rate that is negative or not finite (nothing is sent);
+    /// the first error of any owner, after every owner answered (the rate kept here is then
+    /// unchanged, though the owners that answered have the new one).
+    pub fn set_lr(&self, lr: f64) -> Result<()> {
+        if !(lr >= 0.0 && lr.is_finite()) {
+            return Err(Error::invalid(
+                "DistributedOptimizer::set_lr",
+                "lr",
+                "a finite learning rate >= 0",
+                lr,
+            ));
+        }
+        let futures = self
+            .parts
+            .iter()
+            .map(|&(owner, id)| crate::rpc_async::<_, ()>(owner, SET_LR, (id, lr), None))
+            .collect::<Result<Vec<_>>>()?;
+        let mut first_err = None;
+        for f in futures {
+            if let Err(e) = f.wait() {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => {
+                *lock(&self.lr) = lr;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A distributed optimizer has one parameter group (every owner's optimizer has the same
+/// options), so a scheduler of `tensorplay::optim::lr_scheduler` drives it as it drives a
+/// local optimizer.
+impl LrGroups for DistributedOptimizer {
+    fn group_lrs(&self) -> Vec<f64> {
+        vec![self.lr()]
+    }
+
+    fn set_group_lrs(&mut self, lrs: &[f64]) -> tensorplay_core::Result<()> {
+        let [lr] = lrs else {
+            return Err(Error::invalid(
+                "DistributedOptimizer::set_group_lrs",
+                "lrs",
+                "1 rate (a distributed optimizer has one parameter group)",
+                lrs.len(),
+            )
+            .into());
+        };
+        self.set_lr(*lr).map_err(tensorplay_core::Error::from)
     }
 }
 

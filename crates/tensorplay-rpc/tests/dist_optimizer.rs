@@ -168,3 +168,79 @@ fn two_worker_training_equals_single_process() -> TestResult {
     })?;
     Ok(())
 }
+
+/// A learning-rate scheduler drives a distributed optimizer as it drives a local one: the
+/// rate it sets reaches all 3 owners, seen in each parameter's update (SGD on sum(p^2):
+/// p <- p * (1 - 2 lr)), epoch by epoch.
+#[test]
+fn a_scheduler_drives_a_distributed_optimizer_on_three_owners() -> TestResult {
+    use tensorplay_core::optim::lr_scheduler::{LrScheduler, StepLR};
+    spawn(4, |rank| -> TestResult {
+        register_common();
+        rpc::register("make_leaf", |v: Vec<f64>| {
+            let n = v.len();
+            Ok(Tensor::from_vec(v, &[n])?.requires_grad_(true))
+        });
+        rpc::register("sq_sum", |r: RRef<Tensor>| {
+            let p = r.local_value()?;
+            p.mul(&p)?.sum()
+        });
+        rpc::register("value_of", |w: RRef<Tensor>| Ok(w.local_value()?.detach()));
+        init(rank, 4)?;
+        if rank == 0 {
+            let params = (1..4usize)
+                .map(|o| rpc::remote(o, "make_leaf", vec![o as f64, -2.0 * o as f64], None))
+                .collect::<rpc::Result<Vec<RRef<Tensor>>>>()?;
+            let mut opt = DistributedOptimizer::new(
+                OptimizerKind::Sgd(SgdOptions {
+                    lr: 0.2,
+                    ..Default::default()
+                }),
+                &params,
+            )?;
+            let mut sched = StepLR::new(&mut opt, 1, 0.5)?;
+            let value = |p: &RRef<Tensor>| -> rpc::Result<Vec<f64>> {
+                Ok(
+                    rpc::rpc_sync::<_, Tensor>(p.owner().id, "value_of", p.clone(), None)?
+                        .to_vec::<f64>()?,
+                )
+            };
+            for epoch in 0..3 {
+                let lr = 0.2 * 0.5f64.powi(epoch);
+                assert!((opt.lr() - lr).abs() < 1e-15, "epoch {epoch}: {}", opt.lr());
+                let before = params.iter().map(value).collect::<rpc::Result<Vec<_>>>()?;
+                {
+                    let ctx = autograd::context()?;
+                    let mut loss: Option<Tensor> = None;
+                    for p in &params {
+                        let l: Tensor = rpc::rpc_sync(p.owner().id, "sq_sum", p.clone(), None)?;
+                        loss = Some(match loss {
+                            Some(s) => s.add(&l)?,
+                            None => l,
+                        });
+                    }
+                    let loss = loss.ok_or("no loss")?;
+                    autograd::backward(ctx.id(), &[loss], false)?;
+                    opt.step(ctx.id())?;
+                }
+                for (i, p) in params.iter().enumerate() {
+                    let after = value(p)?;
+                    let want: Vec<f64> = before[i].iter().map(|x| x * (1.0 - 2.0 * lr)).collect();
+                    close(
+                        &format!("epoch {epoch} owner {}", p.owner().id),
+                        &after,
+                        &want,
+                    )?;
+                }
+                sched.step(&mut opt)?;
+            }
+            assert_eq!(sched.get_last_lr(), &[0.2 * 0.125]);
+            let e = opt.set_lr(-1.0).unwrap_err();
+            assert!(e.to_string().contains("lr"), "{e}");
+        }
+        barrier("scheduled")?;
+        rpc::shutdown(true)?;
+        Ok(())
+    })?;
+    Ok(())
+}
