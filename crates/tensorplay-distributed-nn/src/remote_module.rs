@@ -22,7 +22,8 @@ use std::marker::PhantomData;
 use std::sync::{Arc, LazyLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tensorplay_core::nn::{
-    Embedding, ForwardHook, Linear, Module, ModuleCore, ReLU, Sequential, Tanh,
+    Dropout, Embedding, ForwardHook, GELU, Linear, Module, ModuleCore, ReLU, Sequential, Sigmoid,
+    Tanh,
 };
 use tensorplay_core::{Device, Error, Result, Tensor};
 use tensorplay_rpc::{self as rpc, Decoder, Encoder, RRef, RpcFuture, Wire};
@@ -769,6 +770,13 @@ pub enum LayerSpec {
     Tanh,
     /// `Embedding(num, dim)`.
     Embedding(usize, usize),
+    /// `Sigmoid`.
+    Sigmoid,
+    /// `GELU` (the exact, erf form).
+    GELU,
+    /// `Dropout(p)`: zeroes each element with probability `p` in training mode, scaling the
+    /// rest by `1 / (1 - p)`; `p` in `[0, 1)`, checked on the owner.
+    Dropout(f64),
 }
 
 impl Wire for LayerSpec {
@@ -784,6 +792,12 @@ impl Wire for LayerSpec {
                 3u8.encode(e)?;
                 (n, d).encode(e)
             }
+            LayerSpec::Sigmoid => 4u8.encode(e),
+            LayerSpec::GELU => 5u8.encode(e),
+            LayerSpec::Dropout(p) => {
+                6u8.encode(e)?;
+                p.encode(e)
+            }
         }
     }
     fn decode(d: &mut Decoder) -> rpc::Result<Self> {
@@ -795,9 +809,12 @@ impl Wire for LayerSpec {
                 let (n, dim) = Wire::decode(d)?;
                 LayerSpec::Embedding(n, dim)
             }
+            4 => LayerSpec::Sigmoid,
+            5 => LayerSpec::GELU,
+            6 => LayerSpec::Dropout(f64::decode(d)?),
             k => {
                 return Err(rpc::Error::Serialization(format!(
-                    "unknown layer kind {k} (expected 0 Linear, 1 ReLU, 2 Tanh, 3 Embedding)"
+                    "unknown layer kind {k} (expected 0 Linear, 1 ReLU, 2 Tanh, 3 Embedding, 4 Sigmoid, 5 GELU, 6 Dropout)"
                 )));
             }
         })
@@ -816,6 +833,9 @@ impl RemoteConstructible for Sequential {
                 LayerSpec::ReLU => Box::new(ReLU::new()),
                 LayerSpec::Tanh => Box::new(Tanh::new()),
                 LayerSpec::Embedding(n, d) => Box::new(Embedding::new(n, d)?),
+                LayerSpec::Sigmoid => Box::new(Sigmoid::new()),
+                LayerSpec::GELU => Box::new(GELU::new()),
+                LayerSpec::Dropout(p) => Box::new(Dropout::new(p)?),
             });
         }
         Ok(s)

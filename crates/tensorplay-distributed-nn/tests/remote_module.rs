@@ -287,16 +287,24 @@ fn scenarios() -> TestResult {
                 bias: true,
             }),
             LayerSpec::Tanh,
+            LayerSpec::GELU,
+            LayerSpec::Dropout(0.0),
             LayerSpec::Linear(LinearArgs {
                 in_features: 8,
                 out_features: 2,
                 bias: false,
             }),
+            LayerSpec::Sigmoid,
+            LayerSpec::ReLU,
         ],
     )?;
     assert_eq!(seq.remote_parameters(true)?.len(), 3);
     let scopy = seq.get_module_rref().to_here(None)?;
     assert_eq!(vals(&seq.forward(&xf)?), vals(&scopy.read().forward(&xf)?));
+    // a layer the owner cannot build: its error
+    let e =
+        RemoteModule::<Sequential>::new("worker2/cpu", vec![LayerSpec::Dropout(1.5)]).unwrap_err();
+    assert!(e.to_string().contains('p'), "{e}");
     let emb = RemoteModule::<tensorplay_core::nn::Embedding>::new("worker1", (10, 3))?;
     let idx = Tensor::from_vec(vec![1i64, 7, 7], &[3])?;
     let ecopy = emb.get_module_rref().to_here(None)?;
