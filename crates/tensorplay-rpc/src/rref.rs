@@ -22,7 +22,7 @@
 //! every deletion was acknowledged, and then every owner table is empty ([`debug_info`]).
 
 use std::any::Any;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock, Weak};
@@ -36,24 +36,8 @@ use crate::frame::{Envelope, kind};
 use crate::wire::{Decoder, Encoder, Wire, decode_args, decode_value, encode_value};
 use crate::{Error, Result, RpcFuture, To, WorkerInfo};
 
-/// A globally unique id: the worker that created it and a per-process counter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct GloballyUniqueId {
-    /// The creating worker's id.
-    pub created_on: usize,
-    /// The creating process's counter value.
-    pub local_id: u64,
-}
-
-impl std::fmt::Display for GloballyUniqueId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "GloballyUniqueId(created_on={}, local_id={})",
-            self.created_on, self.local_id
-        )
-    }
-}
+pub use crate::proto::owner::GloballyUniqueId;
+use crate::proto::owner::OwnerTable;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
@@ -88,43 +72,21 @@ impl Stored {
     }
 }
 
-/// An owner's entry for one RRef.
-struct OwnerEntry {
-    /// The value, or the creation's error, once known.
-    value: watch::Sender<Option<std::result::Result<Stored, Error>>>,
-    /// Registered user forks.
-    forks: HashSet<GloballyUniqueId>,
-    /// Live local (owner) handles.
-    local: usize,
-    /// Owner handles in a message from this worker to itself (a self-call's argument or
-    /// result), not decoded yet: the value must outlive the sender's handle until then.
-    in_transit: usize,
-}
-
-impl OwnerEntry {
-    fn new() -> OwnerEntry {
-        OwnerEntry {
-            value: watch::channel(None).0,
-            forks: HashSet::new(),
-            local: 0,
-            in_transit: 0,
-        }
-    }
-}
+/// The shell's slot for one owned value: the value, or the creation's error, once known;
+/// fetches wait on it.
+type Slot = watch::Sender<Option<std::result::Result<Stored, Error>>>;
 
 /// Per-agent RRef state.
 #[derive(Default)]
 pub(crate) struct RRefContext {
-    owners: Mutex<HashMap<GloballyUniqueId, OwnerEntry>>,
+    /// The owned values and what keeps them alive (the protocol core).
+    owners: Mutex<OwnerTable<Slot>>,
     /// Parents kept alive until their child fork is accepted.
     pending_children: Mutex<HashMap<GloballyUniqueId, Arc<Inner>>>,
     /// Live user RRefs (deleted at graceful shutdown).
     users: Mutex<Vec<Weak<Inner>>>,
     /// Deletions and requests in flight.
     outstanding: Arc<std::sync::atomic::AtomicUsize>,
-    /// Forks deleted before their registration arrived (messages are not ordered: the
-    /// creator of a timed-out `remote` may delete it first); the registration then skips them.
-    early_deletes: Mutex<HashSet<(GloballyUniqueId, GloballyUniqueId)>>,
 }
 
 /// Counts of the RRef tables (`_rref_context_get_debug_info`).
@@ -151,11 +113,11 @@ pub fn debug_info() -> Result<RRefDebugInfo> {
 
 impl RRefContext {
     fn info(&self) -> RRefDebugInfo {
-        let owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        let (num_owner_rrefs, num_forks) = self.table().counts();
         let users = self.users.lock().unwrap_or_else(|e| e.into_inner());
         RRefDebugInfo {
-            num_owner_rrefs: owners.len(),
-            num_forks: owners.values().map(|e| e.forks.len()).sum(),
+            num_owner_rrefs,
+            num_forks,
             num_pending_users: users
                 .iter()
                 .filter_map(Weak::upgrade)
@@ -169,62 +131,18 @@ impl RRefContext {
         }
     }
 
-    fn with_entry<R>(&self, id: GloballyUniqueId, f: impl FnOnce(&mut OwnerEntry) -> R) -> R {
-        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
-        let e = owners.entry(id).or_insert_with(OwnerEntry::new);
-        f(e)
-    }
-
-    /// Drops the entry when nothing refers to it any more.
-    /// Registers `fork` of `id`, unless its deletion arrived first.
-    fn add_fork(&self, id: GloballyUniqueId, fork: GloballyUniqueId) {
-        let early = self
-            .early_deletes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(id, fork));
-        if !early {
-            self.with_entry(id, |e| e.forks.insert(fork));
-        }
-    }
-
-    /// Removes `fork` of `id` (remembering it when it is not registered yet) and the entry
-    /// when nothing refers to it any more.
-    fn remove_fork(&self, id: GloballyUniqueId, fork: GloballyUniqueId) {
-        let known = self
-            .owners
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(&id)
-            .is_some_and(|e| e.forks.remove(&fork));
-        if !known {
-            self.early_deletes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert((id, fork));
-        }
-        self.maybe_remove(id);
-    }
-
-    fn maybe_remove(&self, id: GloballyUniqueId) {
-        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
-        if owners
-            .get(&id)
-            .is_some_and(|e| e.forks.is_empty() && e.local == 0 && e.in_transit == 0)
-        {
-            owners.remove(&id);
-        }
+    /// The owner table, locked.
+    pub(crate) fn table(&self) -> std::sync::MutexGuard<'_, OwnerTable<Slot>> {
+        self.owners.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn set_value(&self, id: GloballyUniqueId, v: std::result::Result<Stored, Error>) {
-        self.with_entry(id, |e| {
-            e.value.send_replace(Some(v));
-        });
+        self.table().slot(id).send_replace(Some(v));
     }
 
     /// Waits for the value of `id` (its creation may not have arrived yet).
     async fn value(&self, id: GloballyUniqueId, timeout: Option<Duration>) -> Result<Stored> {
-        let mut rx = self.with_entry(id, |e| e.value.subscribe());
+        let mut rx = self.table().slot(id).subscribe();
         let wait = async {
             loop {
                 if let Some(v) = rx.borrow_and_update().clone() {
@@ -250,7 +168,7 @@ impl RRefContext {
             None => wait.await,
         };
         // an entry made by this wait alone (an RRef deleted or never created) is not kept
-        self.maybe_remove(id);
+        self.table().release_if_unused(id);
         r
     }
 
@@ -292,10 +210,7 @@ impl RRefContext {
 
     /// Forgets everything (after shutdown).
     pub(crate) fn clear(&self) {
-        self.owners
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.table().clear();
         self.pending_children
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -384,10 +299,7 @@ impl Drop for Inner {
             return;
         };
         if self.is_owner {
-            agent
-                .rrefs
-                .with_entry(self.rref_id, |e| e.local = e.local.saturating_sub(1));
-            agent.rrefs.maybe_remove(self.rref_id);
+            agent.rrefs.table().drop_local(self.rref_id);
             return;
         }
         self.delete_now(&agent);
@@ -504,7 +416,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
 
 impl<T> RRef<T> {
     fn owner_handle(a: &Arc<Agent>, id: GloballyUniqueId) -> RRef<T> {
-        a.rrefs.with_entry(id, |e| e.local += 1);
+        a.rrefs.table().add_local(id);
         RRef {
             inner: Arc::new(Inner {
                 owner: a.me.clone(),
@@ -823,7 +735,7 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
             };
             a2.rrefs.set_value(rref_id, r.map_err(|e| named(&a2, e)));
             // every handle may have been dropped meanwhile
-            a2.rrefs.maybe_remove(rref_id);
+            a2.rrefs.table().release_if_unused(rref_id);
             Ok(())
         });
         return Ok(rref);
@@ -990,14 +902,10 @@ pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: boo
     for f in forks {
         match f.kind {
             ForkKind::Early => {
-                a.rrefs.with_entry(f.rref_id, |e| e.forks.remove(&f.child));
-                a.rrefs.maybe_remove(f.rref_id);
+                a.rrefs.table().undo_fork(f.rref_id, f.child);
             }
             ForkKind::InTransit => {
-                a.rrefs.with_entry(f.rref_id, |e| {
-                    e.in_transit = e.in_transit.saturating_sub(1);
-                });
-                a.rrefs.maybe_remove(f.rref_id);
+                a.rrefs.table().arrived_from_self(f.rref_id);
             }
             ForkKind::KeptParent => {
                 a.rrefs
@@ -1038,8 +946,7 @@ impl<T: Send + 'static> Wire for RRef<T> {
         if dest != owner {
             if self.inner.is_owner {
                 // early fork registration by the owner
-                a.rrefs
-                    .with_entry(self.inner.rref_id, |en| en.forks.insert(child));
+                a.rrefs.table().add_fork(self.inner.rref_id, child);
                 e.forks.push(PendingFork {
                     child,
                     rref_id: self.inner.rref_id,
@@ -1057,8 +964,7 @@ impl<T: Send + 'static> Wire for RRef<T> {
             // from the owner to itself: counted in transit until decoded, so that the value
             // outlives this handle (a function returning `RRef::new(v)` to a self-call drops
             // its handle before the caller decodes the result)
-            a.rrefs
-                .with_entry(self.inner.rref_id, |en| en.in_transit += 1);
+            a.rrefs.table().sent_to_self(self.inner.rref_id);
             e.forks.push(PendingFork {
                 child,
                 rref_id: self.inner.rref_id,
@@ -1118,9 +1024,7 @@ impl<T: Send + 'static> Wire for RRef<T> {
             let r = RRef::owner_handle(&a, rref_id);
             if parent_is_owner && parent == a.me.id {
                 // sent by this worker to itself: the handle in transit arrived
-                a.rrefs.with_entry(rref_id, |e| {
-                    e.in_transit = e.in_transit.saturating_sub(1);
-                });
+                a.rrefs.table().arrived_from_self(rref_id);
             }
             if !parent_is_owner && parent != a.me.id {
                 send_control(
@@ -1256,7 +1160,7 @@ pub(crate) async fn dispatch(
             // The fork is registered whatever happens: a failed creation keeps its error as
             // the value, for the fetches that may already be on their way (messages are not
             // ordered), until the creator deletes its RRef like any other.
-            a.rrefs.add_fork(rref_id, fork_id);
+            a.rrefs.table().add_fork(rref_id, fork_id);
             let r = match crate::agent::lookup(&env.func, &env.sig) {
                 Ok(reg) => {
                     let payload = env.payload;
@@ -1278,13 +1182,13 @@ pub(crate) async fn dispatch(
                 Ok(v) => {
                     a.rrefs.set_value(rref_id, Ok(v));
                     // the creator may have deleted it meanwhile (a timed-out `remote`)
-                    a.rrefs.maybe_remove(rref_id);
+                    a.rrefs.table().release_if_unused(rref_id);
                     Ok(Encoder::default())
                 }
                 Err(e) => {
                     let e = named(a, e);
                     a.rrefs.set_value(rref_id, Err(e.clone()));
-                    a.rrefs.maybe_remove(rref_id);
+                    a.rrefs.table().release_if_unused(rref_id);
                     Err(e)
                 }
             }
@@ -1297,11 +1201,11 @@ pub(crate) async fn dispatch(
             Ok(enc)
         }
         kind::USER_DELETE => {
-            a.rrefs.remove_fork(rref_id, fork_id);
+            a.rrefs.table().remove_fork(rref_id, fork_id);
             Ok(Encoder::default())
         }
         kind::FORK_REQUEST => {
-            a.rrefs.add_fork(rref_id, fork_id);
+            a.rrefs.table().add_fork(rref_id, fork_id);
             Ok(Encoder::default())
         }
         kind::CHILD_ACCEPT => Ok(Encoder::default()),

@@ -4,6 +4,9 @@
 //! the tests drive several tables in memory, delivering messages in any order.
 
 pub(crate) mod context;
+pub(crate) mod owner;
 
 #[cfg(test)]
 mod sim;
+#[cfg(test)]
+mod sim_rref;
