@@ -1,0 +1,275 @@
+//! Passing RRefs in messages: the forks an encoding makes, settled once the message was
+//! delivered, and the fork requests and acceptances a receiving user sends.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::*;
+use crate::agent::{Agent, agent};
+use crate::frame::{Envelope, kind};
+use crate::wire::{Decoder, Encoder, Wire};
+use crate::{Error, Result};
+
+/// A fork made while encoding a message, settled once the message was delivered.
+pub(crate) struct PendingFork {
+    child: GloballyUniqueId,
+    rref_id: GloballyUniqueId,
+    kind: ForkKind,
+}
+
+/// What encoding an RRef into a message did, to undo when the message does not arrive.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ForkKind {
+    /// An owner sender registered the child fork early.
+    Early,
+    /// A user sender keeps its RRef alive until the child is accepted.
+    KeptParent,
+    /// An owner sent its own handle to itself (counted in transit).
+    InTransit,
+}
+
+/// After a message carrying RRefs was sent: when it did not arrive, undo what encoding did
+/// (the parents kept alive for their children, the forks registered early).
+pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: bool) {
+    if delivered {
+        return;
+    }
+    for f in forks {
+        match f.kind {
+            ForkKind::Early => {
+                a.rrefs.table().undo_fork(f.rref_id, f.child);
+            }
+            ForkKind::InTransit => {
+                a.rrefs.table().arrived_from_self(f.rref_id);
+            }
+            ForkKind::KeptParent => {
+                a.rrefs
+                    .pending_children
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&f.child);
+            }
+        }
+    }
+}
+
+/// Keeps a user parent alive until its child is accepted (registered before the message
+/// leaves: the acceptance may arrive before the call's response).
+fn keep_parent(a: &Agent, child: GloballyUniqueId, parent: &Arc<Inner>) {
+    a.rrefs
+        .pending_children
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(child, parent.clone());
+}
+
+impl<T: Send + 'static> Wire for RRef<T> {
+    fn encode(&self, e: &mut Encoder) -> Result<()> {
+        let a = self.agent("sending an RRef")?;
+        if self.inner.deleted.load(Ordering::SeqCst) && !self.inner.is_owner {
+            return Err(Error::invalid(
+                "rpc",
+                "rref",
+                "a live RRef",
+                format!("{self:?}, which has been deleted"),
+            ));
+        }
+        self.check_created()?;
+        let dest = e.dest.unwrap_or(a.me.id);
+        let owner = self.inner.owner.id;
+        let child = new_id(a.me.id);
+        if dest != owner {
+            if self.inner.is_owner {
+                // early fork registration by the owner
+                a.rrefs.table().add_fork(self.inner.rref_id, child);
+                e.forks.push(PendingFork {
+                    child,
+                    rref_id: self.inner.rref_id,
+                    kind: ForkKind::Early,
+                });
+            } else {
+                keep_parent(&a, child, &self.inner);
+                e.forks.push(PendingFork {
+                    child,
+                    rref_id: self.inner.rref_id,
+                    kind: ForkKind::KeptParent,
+                });
+            }
+        } else if self.inner.is_owner {
+            // from the owner to itself: counted in transit until decoded, so that the value
+            // outlives this handle (a function returning `RRef::new(v)` to a self-call drops
+            // its handle before the caller decodes the result)
+            a.rrefs.table().sent_to_self(self.inner.rref_id);
+            e.forks.push(PendingFork {
+                child,
+                rref_id: self.inner.rref_id,
+                kind: ForkKind::InTransit,
+            });
+        } else {
+            // to the owner: it resolves to its own value and accepts the child at once
+            keep_parent(&a, child, &self.inner);
+            e.forks.push(PendingFork {
+                child,
+                rref_id: self.inner.rref_id,
+                kind: ForkKind::KeptParent,
+            });
+        }
+        (owner as u64).encode(e)?;
+        (self.inner.rref_id.created_on as u64).encode(e)?;
+        self.inner.rref_id.local_id.encode(e)?;
+        (child.created_on as u64).encode(e)?;
+        child.local_id.encode(e)?;
+        (a.me.id as u64).encode(e)?;
+        u8::from(self.inner.is_owner).encode(e)?;
+        self.inner.type_name.to_string().encode(e)
+    }
+
+    fn decode(d: &mut Decoder) -> Result<Self> {
+        let a = agent("receiving an RRef")?;
+        let n = a.workers.len() as u64;
+        let rank = |v: u64| -> Result<usize> {
+            if v < n {
+                Ok(v as usize)
+            } else {
+                Err(Error::Serialization(format!(
+                    "RRef names worker {v} of {n}"
+                )))
+            }
+        };
+        let owner = rank(u64::decode(d)?)?;
+        let rref_id = GloballyUniqueId {
+            created_on: rank(u64::decode(d)?)?,
+            local_id: u64::decode(d)?,
+        };
+        let child = GloballyUniqueId {
+            created_on: rank(u64::decode(d)?)?,
+            local_id: u64::decode(d)?,
+        };
+        let parent = rank(u64::decode(d)?)?;
+        let parent_is_owner = bool::decode(d)?;
+        let type_name = String::decode(d)?;
+        if type_name != std::any::type_name::<T>() {
+            return Err(Error::Serialization(format!(
+                "an RRef of {type_name} where an RRef of {} was expected",
+                std::any::type_name::<T>()
+            )));
+        }
+        if owner == a.me.id {
+            // we own it: a local handle; a user parent is told its child was accepted
+            let r = RRef::owner_handle(&a, rref_id);
+            if parent_is_owner && parent == a.me.id {
+                // sent by this worker to itself: the handle in transit arrived
+                a.rrefs.table().arrived_from_self(rref_id);
+            }
+            if !parent_is_owner && parent != a.me.id {
+                send_control(
+                    &a,
+                    parent,
+                    kind::CHILD_ACCEPT,
+                    ids(owner, rref_id, child, parent),
+                );
+            } else if !parent_is_owner {
+                a.rrefs
+                    .pending_children
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&child);
+            }
+            return Ok(r);
+        }
+        if parent_is_owner {
+            // registered early by the owner
+            return Ok(RRef::user_handle(&a, owner, rref_id, child, true));
+        }
+        // from another user: ask the owner to register our fork, then accept with the parent
+        let r = RRef::user_handle(&a, owner, rref_id, child, false);
+        let inner = r.inner.clone();
+        d.unconfirmed.push(inner.clone());
+        let a2 = a.clone();
+        let outstanding = a.rrefs.outstanding.clone();
+        outstanding.fetch_add(1, Ordering::SeqCst);
+        a.handle.spawn(async move {
+            let env = Envelope {
+                kind: kind::FORK_REQUEST,
+                ids: ids(owner, rref_id, child, parent),
+                ..Envelope::default()
+            };
+            let ok = a2
+                .clone()
+                .request(
+                    owner,
+                    env,
+                    vec![],
+                    Some(Duration::from_secs(60)),
+                    "rref fork".into(),
+                )
+                .await
+                .is_ok();
+            if ok {
+                inner.confirmed.send_replace(true);
+            } else {
+                *inner
+                    .creation_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(Error::Remote {
+                    worker: a2.workers[owner].name.clone(),
+                    kind: "RRef".into(),
+                    message: "the owner did not register this RRef's fork".into(),
+                });
+                inner.deleted.store(true, Ordering::SeqCst);
+                inner.confirmed.send_replace(true);
+            }
+            let env = Envelope {
+                kind: kind::CHILD_ACCEPT,
+                ids: ids(owner, rref_id, child, parent),
+                ..Envelope::default()
+            };
+            if parent == a2.me.id {
+                a2.rrefs
+                    .pending_children
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&child);
+            } else {
+                let _ = a2
+                    .clone()
+                    .request(
+                        parent,
+                        env,
+                        vec![],
+                        Some(Duration::from_secs(60)),
+                        "rref accept".into(),
+                    )
+                    .await;
+            }
+            outstanding.fetch_sub(1, Ordering::SeqCst);
+        });
+        Ok(r)
+    }
+}
+
+/// Sends a control message in the background (counted until acknowledged).
+fn send_control(a: &Arc<Agent>, to: usize, k: u8, ids: Vec<u64>) {
+    let a2 = a.clone();
+    let outstanding = a.rrefs.outstanding.clone();
+    outstanding.fetch_add(1, Ordering::SeqCst);
+    a.handle.spawn(async move {
+        let env = Envelope {
+            kind: k,
+            ids,
+            ..Envelope::default()
+        };
+        let _ = a2
+            .clone()
+            .request(
+                to,
+                env,
+                vec![],
+                Some(Duration::from_secs(60)),
+                "rref control".into(),
+            )
+            .await;
+        outstanding.fetch_sub(1, Ordering::SeqCst);
+    });
+}
