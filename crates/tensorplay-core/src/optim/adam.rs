@@ -81,6 +81,24 @@ struct Hyper {
     amsgrad: bool,
 }
 
+macro_rules! hyper_from {
+    ($o:ty) => {
+        impl From<$o> for Hyper {
+            fn from(o: $o) -> Hyper {
+                Hyper {
+                    lr: o.lr,
+                    betas: o.betas,
+                    eps: o.eps,
+                    weight_decay: o.weight_decay,
+                    amsgrad: o.amsgrad,
+                }
+            }
+        }
+    };
+}
+hyper_from!(AdamOptions);
+hyper_from!(AdamWOptions);
+
 fn check_hyper(op: &'static str, h: &Hyper) -> Result<()> {
     check_lr(op, h.lr)?;
     check_nonneg(op, "eps", h.eps)?;
@@ -276,19 +294,7 @@ impl Adam {
     /// An optimizer over several parameter groups, each with its own options; errors as
     /// [`Adam::new`], and for no groups.
     pub fn with_groups(groups: Vec<(Vec<Tensor>, AdamOptions)>) -> Result<Adam> {
-        let groups = groups
-            .into_iter()
-            .map(|(p, o)| {
-                let h = Hyper {
-                    lr: o.lr,
-                    betas: o.betas,
-                    eps: o.eps,
-                    weight_decay: o.weight_decay,
-                    amsgrad: o.amsgrad,
-                };
-                (p, h)
-            })
-            .collect();
+        let groups = groups.into_iter().map(|(p, o)| (p, o.into())).collect();
         Ok(Adam(AdamCore::new("Adam", groups, false)?))
     }
 }
@@ -325,19 +331,7 @@ impl AdamW {
     /// An optimizer over several parameter groups, each with its own options; errors as
     /// [`Adam::new`], and for no groups.
     pub fn with_groups(groups: Vec<(Vec<Tensor>, AdamWOptions)>) -> Result<AdamW> {
-        let groups = groups
-            .into_iter()
-            .map(|(p, o)| {
-                let h = Hyper {
-                    lr: o.lr,
-                    betas: o.betas,
-                    eps: o.eps,
-                    weight_decay: o.weight_decay,
-                    amsgrad: o.amsgrad,
-                };
-                (p, h)
-            })
-            .collect();
+        let groups = groups.into_iter().map(|(p, o)| (p, o.into())).collect();
         Ok(AdamW(AdamCore::new("AdamW", groups, true)?))
     }
 }

@@ -93,6 +93,16 @@ struct Schedule {
 }
 
 impl Schedule {
+    /// The state before [`Schedule::start`] (a constructor needs the rule, a method of the
+    /// scheduler being built, to start).
+    fn pending() -> Schedule {
+        Schedule {
+            base_lrs: Vec::new(),
+            last_epoch: 0,
+            last_lr: Vec::new(),
+        }
+    }
+
     /// Records `opt`'s rates as the base rates and sets epoch 0's.
     fn start(opt: &mut dyn LrGroups, rule: impl Fn(usize, f64, f64) -> f64) -> Result<Schedule> {
         let base_lrs = opt.group_lrs();
@@ -189,11 +199,7 @@ impl StepLR {
         let mut me = StepLR {
             step_size,
             gamma,
-            s: Schedule {
-                base_lrs: vec![],
-                last_epoch: 0,
-                last_lr: vec![],
-            },
+            s: Schedule::pending(),
         };
         me.s = Schedule::start(opt, me.rule())?;
         Ok(me)
@@ -234,11 +240,7 @@ impl MultiStepLR {
         let mut me = MultiStepLR {
             milestones,
             gamma,
-            s: Schedule {
-                base_lrs: vec![],
-                last_epoch: 0,
-                last_lr: vec![],
-            },
+            s: Schedule::pending(),
         };
         me.s = Schedule::start(opt, me.rule())?;
         Ok(me)
@@ -273,11 +275,7 @@ impl ExponentialLR {
         positive("ExponentialLR", "gamma", gamma)?;
         let mut me = ExponentialLR {
             gamma,
-            s: Schedule {
-                base_lrs: vec![],
-                last_epoch: 0,
-                last_lr: vec![],
-            },
+            s: Schedule::pending(),
         };
         me.s = Schedule::start(opt, me.rule())?;
         Ok(me)
@@ -314,11 +312,7 @@ impl CosineAnnealingLR {
         let mut me = CosineAnnealingLR {
             t_max,
             eta_min,
-            s: Schedule {
-                base_lrs: vec![],
-                last_epoch: 0,
-                last_lr: vec![],
-            },
+            s: Schedule::pending(),
         };
         me.s = Schedule::start(opt, me.rule())?;
         Ok(me)
@@ -391,11 +385,7 @@ impl LinearLR {
             start_factor,
             end_factor,
             total_iters,
-            s: Schedule {
-                base_lrs: vec![],
-                last_epoch: 0,
-                last_lr: vec![],
-            },
+            s: Schedule::pending(),
         };
         me.s = Schedule::start(opt, me.rule())?;
         Ok(me)
@@ -452,11 +442,7 @@ impl LambdaLR {
     ) -> Result<LambdaLR> {
         let mut me = LambdaLR {
             lambda: std::sync::Arc::new(lambda),
-            s: Schedule {
-                base_lrs: vec![],
-                last_epoch: 0,
-                last_lr: vec![],
-            },
+            s: Schedule::pending(),
         };
         me.s = Schedule::start(opt, me.rule())?;
         Ok(me)

@@ -72,9 +72,18 @@ impl<C: Clone + Default> ContextTable<C> {
 
     /// Opens a new context created by this worker.
     pub(crate) fn create(&mut self) -> (ContextId, C) {
-        let id =
-            ((self.me as u64) << COUNTER_BITS) | (self.next_context & ((1 << COUNTER_BITS) - 1));
+        let id = self.stamp(self.next_context);
         self.next_context += 1;
+        (id, self.open_new(id))
+    }
+
+    /// An id of this worker: its rank in the top bits, `counter` below.
+    fn stamp(&self, counter: u64) -> u64 {
+        ((self.me as u64) << COUNTER_BITS) | (counter & ((1 << COUNTER_BITS) - 1))
+    }
+
+    /// Opens context `id` here with fresh data.
+    fn open_new(&mut self, id: ContextId) -> C {
         let data = C::default();
         self.open.insert(
             id,
@@ -83,13 +92,12 @@ impl<C: Clone + Default> ContextTable<C> {
                 data: data.clone(),
             },
         );
-        (id, data)
+        data
     }
 
     /// A new message id of this worker (the key of a send function).
     pub(crate) fn message_id(&mut self) -> u64 {
-        let id =
-            ((self.me as u64) << COUNTER_BITS) | (self.next_message & ((1 << COUNTER_BITS) - 1));
+        let id = self.stamp(self.next_message);
         self.next_message += 1;
         id
     }
@@ -121,15 +129,7 @@ impl<C: Clone + Default> ContextTable<C> {
         if !request || self.created_here(id) || self.released.contains(&id) {
             return None;
         }
-        let data = C::default();
-        self.open.insert(
-            id,
-            Open {
-                known: BTreeSet::new(),
-                data: data.clone(),
-            },
-        );
-        Some(data)
+        Some(self.open_new(id))
     }
 
     /// Releases context `id` here (its guard was dropped, or a cleanup for it arrived):
