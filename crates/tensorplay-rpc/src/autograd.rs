@@ -46,6 +46,7 @@ use tensorplay_core::{DType, Tensor, TensorId};
 use crate::agent::agent;
 pub use crate::proto::context::ContextId;
 use crate::proto::context::ContextTable;
+use crate::proto::message::AutogradHeader;
 use crate::{Error, RRef, Result};
 
 /// The registered name of the gradient message.
@@ -286,64 +287,47 @@ pub fn get_gradients(id: ContextId) -> Result<Gradients> {
 // recording
 
 /// The autograd header of a request from this thread to `to` (its current context, if any).
-pub(crate) fn request_header(tensors: &[Tensor], me: usize, to: usize) -> Vec<u64> {
+pub(crate) fn request_header(tensors: &[Tensor], me: usize, to: usize) -> Option<AutogradHeader> {
     outgoing(current_context(), tensors, me, to)
 }
 
-/// Runs a handler within `ctx` (the callee side of a request) and gives its response the
-/// autograd header back to `peer`.
-pub(crate) fn respond(
-    ctx: Option<ContextId>,
-    me: usize,
-    peer: usize,
-    handler: impl FnOnce() -> Result<crate::wire::Encoder>,
-) -> Result<crate::wire::Encoder> {
-    with_context(ctx, || {
-        let mut enc = handler()?;
-        enc.autograd = outgoing(ctx, &enc.tensors, me, peer);
-        Ok(enc)
-    })
-}
-
-/// The autograd header of a message to `to` carrying `tensors` within `ctx`: `[context,
-/// message, indices of the tensors that require grad…]`, empty outside a context. Records the
-/// send function and the known worker.
+/// The autograd header of a message to `to` carrying `tensors` within `ctx` (`None` outside a
+/// context): the context, a new message id, and the indices of the tensors that require
+/// grad. Records the send function and the known worker.
 pub(crate) fn outgoing(
     ctx: Option<ContextId>,
     tensors: &[Tensor],
     _me: usize,
     to: usize,
-) -> Vec<u64> {
+) -> Option<AutogradHeader> {
     // a context released meanwhile records nothing and is not sent on: recreating it here
     // would leave it on this worker (and on `to`) for good
-    let Some(id) = ctx else {
-        return Vec::new();
-    };
-    let Ok(a) = agent("dist_autograd") else {
-        return Vec::new();
-    };
+    let id = ctx?;
+    let a = agent("dist_autograd").ok()?;
     let (c, msg) = {
         let mut table = lock(&a.contexts);
-        let Some(c) = table.sent(id, to) else {
-            return Vec::new();
-        };
+        let c = table.sent(id, to)?;
         (c, table.message_id())
     };
-    let mut header = vec![id, msg];
     let grad = tensorplay_core::autograd::is_grad_enabled();
+    let mut requires_grad = Vec::new();
     let sent: Vec<Tensor> = tensors
         .iter()
         .enumerate()
         .filter(|(_, t)| grad && t.requires_grad())
         .map(|(i, t)| {
-            header.push(i as u64);
+            requires_grad.push(i as u32);
             t.clone()
         })
         .collect();
     if !sent.is_empty() {
         lock(&c).sends.insert(msg, sent);
     }
-    header
+    Some(AutogradHeader {
+        context: id,
+        message: msg,
+        requires_grad,
+    })
 }
 
 /// The receiving side of [`outgoing`]: opens the context (a `request` for a context another
@@ -354,22 +338,27 @@ pub(crate) fn outgoing(
 /// context's cleanup (see [`crate::proto::context`]) finds the context closed: its tensors
 /// are not recorded and the context is not reopened (nothing would ever release it again).
 pub(crate) fn incoming(
-    header: &[u64],
+    header: Option<&AutogradHeader>,
     from: usize,
     mut tensors: Vec<Tensor>,
     request: bool,
 ) -> Result<(Option<ContextId>, Vec<Tensor>)> {
-    let [id, msg, idx @ ..] = header else {
+    let Some(&AutogradHeader {
+        context: id,
+        message: msg,
+        requires_grad: ref idx,
+    }) = header
+    else {
         return Ok((None, tensors));
     };
     let opened = agent("dist_autograd")
         .ok()
-        .and_then(|a| lock(&a.contexts).received(*id, request, std::time::Instant::now()));
+        .and_then(|a| lock(&a.contexts).received(id, request, std::time::Instant::now()));
     let Some(c) = opened else {
         return Ok((None, tensors));
     };
     if idx.is_empty() {
-        return Ok((Some(*id), tensors));
+        return Ok((Some(id), tensors));
     }
     let picked: Vec<usize> = idx.iter().map(|&i| i as usize).collect();
     if picked.iter().any(|&i| i >= tensors.len()) {
@@ -379,8 +368,8 @@ pub(crate) fn incoming(
         )));
     }
     let recv = RecvRpcBackward {
-        ctx: *id,
-        msg: *msg,
+        ctx: id,
+        msg,
         from,
         tensors: Mutex::new(Some(picked.iter().map(|&i| tensors[i].clone()).collect())),
     };
@@ -394,7 +383,7 @@ pub(crate) fn incoming(
         tensors[i] = t;
     }
     lock(&c).recvs += 1;
-    Ok((Some(*id), tensors))
+    Ok((Some(id), tensors))
 }
 
 /// The node that makes received tensors part of the graph: its backward sends their

@@ -1,7 +1,7 @@
 //! The wire format of one message (one QUIC stream direction carries exactly one):
 //!
 //! ```text
-//! [magic "TPR2": u32 LE][header length: u32 LE][body length: u64 LE]
+//! [magic "TPR3": u32 LE][header length: u32 LE][body length: u64 LE]
 //! [header: the rkyv archive of an Envelope]
 //! [body: the inline tensors' bytes, row-major, little-endian, one after another]
 //! ```
@@ -11,7 +11,9 @@
 //! allocated, so malformed or hostile bytes give an error, never a panic or a huge allocation.
 //! Tensor bytes never pass through rkyv: they are read straight into the new tensor's storage.
 //!
-//! Format 2 (`TPR2`) adds shared-memory tensors: a tensor whose [`TensorDesc::shm`] is set is
+//! The header's [`Message`] is the protocol core's typed message (`crate::proto::message`):
+//! an unknown variant fails validation like a bad length. Format 2 (`TPR2`) added
+//! shared-memory tensors: a tensor whose [`TensorDesc::shm`] is set is
 //! not in the body but in a segment of the sender's shared-memory directory
 //! ([`crate::shm`]); only a receiver that confirmed that directory at `init_rpc` accepts
 //! such a reference, and it builds the file name from the two numbers itself.
@@ -25,12 +27,14 @@ use rkyv::{Archive, Deserialize, Serialize};
 use tensorplay_core::{DType, StorageElement, Tensor};
 use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 
+use crate::proto::message::{AutogradHeader, Message};
 use crate::shm::{self, Claim, ShmDir};
 use crate::wire::{dtype_code, dtype_from};
 use crate::{Error, Result};
 
-/// `"TPR2"`: tensorplay RPC, format version 2 (version 1 had no shared-memory tensors).
-pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TPR2");
+/// `"TPR3"`: tensorplay RPC, format version 3 (version 1 had no shared-memory tensors, version
+/// 2 an untyped `kind` byte and positional RRef ids instead of [`Message`]).
+pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TPR3");
 /// Largest header accepted (the payload of scalars and containers lives there).
 pub(crate) const MAX_HEADER: usize = 256 << 20;
 /// Largest body accepted (the sum of the tensors' bytes).
@@ -40,26 +44,6 @@ const CHUNK: usize = 1 << 20;
 /// Copies of at least this many bytes leave the runtime's thread free while they run (a
 /// hand-off costs a thread wake-up, about what copying a few MiB costs).
 const OFFLOAD_BYTES: usize = 4 << 20;
-
-/// Message kinds.
-pub(crate) mod kind {
-    /// Call a registered function; the response carries its result.
-    pub(crate) const CALL: u8 = 1;
-    /// Call a function and keep the result on the callee as an RRef's value.
-    pub(crate) const REMOTE: u8 = 2;
-    /// Fetch an RRef's value (`to_here`).
-    pub(crate) const FETCH: u8 = 3;
-    /// A user RRef was dropped.
-    pub(crate) const USER_DELETE: u8 = 4;
-    /// A user that received an RRef from another user asks the owner to register its fork.
-    pub(crate) const FORK_REQUEST: u8 = 5;
-    /// The child of a fork tells its parent it was confirmed.
-    pub(crate) const CHILD_ACCEPT: u8 = 6;
-    /// Run a registered method on an RRef's value on its owner.
-    pub(crate) const METHOD: u8 = 7;
-    /// A response.
-    pub(crate) const RESPONSE: u8 = 100;
-}
 
 /// Where a tensor's bytes are when they are not in the body: a segment of the sender's
 /// shared-memory directory, owned by one transfer.
@@ -78,36 +62,33 @@ pub(crate) struct TensorDesc {
     pub(crate) shm: Option<ShmRef>,
 }
 
-/// An error travelling back to the caller.
+/// The header of every message: what it is ([`Message`], from the protocol core), who sent
+/// it, and what rides with it.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub(crate) struct RemoteErr {
-    pub(crate) worker: String,
-    pub(crate) kind: String,
-    pub(crate) message: String,
-}
-
-/// The header of every message.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
 pub(crate) struct Envelope {
-    /// One of [`kind`].
-    pub(crate) kind: u8,
-    /// The sender's rank.
+    /// What the message is.
+    pub(crate) message: Message,
+    /// The sender's rank (checked against the connection's certificate).
     pub(crate) sender: u32,
-    /// The function or method name.
-    pub(crate) func: String,
-    /// The argument and result types, checked by the callee.
-    pub(crate) sig: String,
-    /// RRef ids: `[owner, rref created_on, rref local_id, fork created_on, fork local_id,
-    /// parent]` where the message concerns an RRef.
-    pub(crate) ids: Vec<u64>,
     /// The encoded arguments or result ([`crate::Wire`]).
     pub(crate) payload: Vec<u8>,
     /// The tensors of the message.
     pub(crate) tensors: Vec<TensorDesc>,
-    /// Set on a response when the call failed.
-    pub(crate) error: Option<RemoteErr>,
-    /// Distributed-autograd context and message ids (0 when none).
-    pub(crate) autograd: Vec<u64>,
+    /// The distributed-autograd header of a message sent within a context.
+    pub(crate) autograd: Option<AutogradHeader>,
+}
+
+impl Envelope {
+    /// An envelope for `message` with nothing riding with it yet.
+    pub(crate) fn new(message: Message) -> Envelope {
+        Envelope {
+            message,
+            sender: 0,
+            payload: Vec::new(),
+            tensors: Vec::new(),
+            autograd: None,
+        }
+    }
 }
 
 fn elem_size(d: DType) -> usize {
@@ -486,6 +467,7 @@ async fn read_vec<T: Copy, R: AsyncRead + Unpin>(r: &mut R, n: usize) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::message::Target;
 
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
@@ -500,13 +482,17 @@ mod tests {
         let b = Tensor::from_vec(vec![7i64, 8], &[2]).unwrap();
         let c = Tensor::from_vec(vec![true, false], &[2]).unwrap();
         let at = a.t().unwrap(); // a transposed view travels as its logical values
-        let mut env = Envelope {
-            kind: kind::CALL,
-            sender: 3,
+        let mut env = Envelope::new(Message::Call(Target {
             func: "f".into(),
-            payload: vec![1, 2, 3],
-            ..Envelope::default()
-        };
+            sig: "(f32) -> ()".into(),
+        }));
+        env.sender = 3;
+        env.payload = vec![1, 2, 3];
+        env.autograd = Some(AutogradHeader {
+            context: 7,
+            message: 9,
+            requires_grad: vec![0, 2],
+        });
         let mut buf = Vec::new();
         rt.block_on(write_frame(&mut buf, &mut env, &[at.clone(), b, c], None))
             .unwrap();
@@ -531,7 +517,7 @@ mod tests {
         )
         .unwrap();
         let small = Tensor::from_vec(vec![1i64, 2, 3], &[3]).unwrap();
-        let mut env = Envelope::default();
+        let mut env = Envelope::new(Message::Response(None));
         let mut buf = Vec::new();
         let sent = rt
             .block_on(write_frame(
@@ -558,7 +544,7 @@ mod tests {
         // the segment was given back: a second read of the same frame finds no transfer
         assert!(rt.block_on(read_frame(&mut &buf[..], Some(&peer))).is_err());
         // a truncated frame gives its segments back too
-        let mut env = Envelope::default();
+        let mut env = Envelope::new(Message::Response(None));
         let mut buf = Vec::new();
         rt.block_on(write_frame(
             &mut buf,
@@ -581,7 +567,7 @@ mod tests {
     #[test]
     fn malformed_frames_are_errors() {
         let rt = rt();
-        let mut env = Envelope::default();
+        let mut env = Envelope::new(Message::Response(None));
         let mut buf = Vec::new();
         let t = Tensor::from_vec(vec![1.0f64; 4], &[4]).unwrap();
         rt.block_on(write_frame(&mut buf, &mut env, &[t], None))

@@ -97,14 +97,14 @@ pub mod fuzz {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .map_err(|e| crate::Error::Transport(e.to_string()))?;
-        let mut env = crate::frame::Envelope {
-            kind: crate::frame::kind::CALL,
-            sender,
-            func: func.to_string(),
-            sig: sig.to_string(),
-            payload: payload.to_vec(),
-            ..Default::default()
-        };
+        let mut env = crate::frame::Envelope::new(crate::proto::message::Message::Call(
+            crate::proto::message::Target {
+                func: func.to_string(),
+                sig: sig.to_string(),
+            },
+        ));
+        env.sender = sender;
+        env.payload = payload.to_vec();
         let mut out = Vec::new();
         rt.block_on(crate::frame::write_frame(&mut out, &mut env, tensors, None))?;
         Ok(out)
@@ -120,18 +120,20 @@ pub mod fuzz {
         body_len: u64,
         body: &[u8],
     ) -> crate::Result<Vec<u8>> {
-        let env = crate::frame::Envelope {
-            kind: crate::frame::kind::CALL,
-            tensors: tensors
-                .iter()
-                .map(|(dtype, shape)| crate::frame::TensorDesc {
-                    dtype: *dtype,
-                    shape: shape.clone(),
-                    shm: None,
-                })
-                .collect(),
-            ..Default::default()
-        };
+        let mut env = crate::frame::Envelope::new(crate::proto::message::Message::Call(
+            crate::proto::message::Target {
+                func: String::new(),
+                sig: String::new(),
+            },
+        ));
+        env.tensors = tensors
+            .iter()
+            .map(|(dtype, shape)| crate::frame::TensorDesc {
+                dtype: *dtype,
+                shape: shape.clone(),
+                shm: None,
+            })
+            .collect();
         let header = rkyv::to_bytes::<rkyv::rancor::Error>(&env)
             .map_err(|e| crate::Error::Serialization(e.to_string()))?;
         let mut out = Vec::with_capacity(16 + header.len() + body.len());

@@ -56,7 +56,7 @@ pub struct Encoder {
     /// RRef forks made while encoding (registered once the message is sent).
     pub(crate) forks: Vec<crate::rref::PendingFork>,
     /// The distributed-autograd header of a response carrying these tensors.
-    pub(crate) autograd: Vec<u64>,
+    pub(crate) autograd: Option<crate::proto::message::AutogradHeader>,
 }
 
 impl Encoder {

@@ -14,11 +14,12 @@ use super::options::RpcBackendOptions;
 use super::options::{To, WorkerInfo};
 use super::registry::signature;
 use super::{Agent, agent};
-use crate::frame::{Envelope, kind, read_frame, write_frame};
+use crate::frame::{Envelope, read_frame, write_frame};
 use crate::future::{Promise, RpcFuture};
+use crate::proto::message::{Message, Target};
 use crate::shm::ShmDir;
 use crate::tls;
-use crate::wire::{Wire, decode_value, encode_value};
+use crate::wire::{Encoder, Wire, decode_value, encode_value};
 use crate::{Error, Result};
 
 impl Agent {
@@ -194,15 +195,58 @@ impl Agent {
             Err(e) => return Err(e),
         };
         span.record("latency_us", t0.elapsed().as_micros() as u64);
-        span.in_scope(|| tracing::debug!(ok = resp.error.is_none(), "rpc done"));
-        if let Some(e) = resp.error {
-            return Err(Error::Remote {
+        span.in_scope(|| {
+            tracing::debug!(
+                ok = matches!(resp.message, Message::Response(None)),
+                "rpc done"
+            )
+        });
+        match resp.message {
+            Message::Response(None) => Ok((resp, tensors)),
+            Message::Response(Some(e)) => Err(Error::Remote {
                 worker: e.worker,
                 kind: e.kind,
                 message: e.message,
-            });
+            }),
+            other => Err(Error::Serialization(format!(
+                "{} answered a request with a {} message instead of a response",
+                self.workers[to].name,
+                other.name()
+            ))),
         }
-        Ok((resp, tensors))
+    }
+
+    /// Starts a request to `to`, the one way every request leaves this worker: attaches this
+    /// thread's distributed-autograd header when the message runs code in a context (a call,
+    /// `remote`, a method, a fetch), sends it with the encoded value `enc`, undoes the RRef
+    /// forks the encoding made when it was not delivered, and receives the response's tensors
+    /// into the context. The future yields the response's payload and tensors.
+    ///
+    /// The header is taken here, on the calling thread (the current context is per thread),
+    /// before the future first runs.
+    pub(crate) fn send_request(
+        self: &Arc<Self>,
+        to: usize,
+        message: Message,
+        enc: Encoder,
+        timeout: Option<Duration>,
+        op: String,
+    ) -> impl Future<Output = Result<(Vec<u8>, Vec<Tensor>)>> + Send + 'static {
+        let mut env = Envelope::new(message);
+        if env.message.runs_in_context() {
+            env.autograd = crate::autograd::request_header(&enc.tensors, self.me.id, to);
+        }
+        env.payload = enc.bytes;
+        let (tensors, forks) = (enc.tensors, enc.forks);
+        let this = self.clone();
+        async move {
+            let r = this.clone().request(to, env, tensors, timeout, op).await;
+            crate::rref::after_send(&this, forks, r.is_ok());
+            let (resp, tensors) = r?;
+            let (_, tensors) =
+                crate::autograd::incoming(resp.autograd.as_ref(), to, tensors, false)?;
+            Ok((resp.payload, tensors))
+        }
     }
 
     /// Runs `fut` on the runtime, completing a future with its result; counts it in flight.
@@ -268,25 +312,16 @@ pub fn rpc_async<A: Wire, R: Wire>(
     let a = agent("rpc_async")?;
     let to = a.resolve(&to.into())?;
     let enc = encode_value(&args, to)?;
-    let env = Envelope {
-        kind: kind::CALL,
+    let call = Target {
         func: func.to_string(),
         sig: signature::<A, R>(),
-        autograd: crate::autograd::request_header(&enc.tensors, a.me.id, to),
-        payload: enc.bytes,
-        ..Envelope::default()
     };
     let timeout = a.timeout_or_default(timeout);
-    let op = format!("rpc {func}");
     let what = format!("result of {func}");
-    let a2 = a.clone();
-    let forks = enc.forks;
+    let reply = a.send_request(to, Message::Call(call), enc, timeout, format!("rpc {func}"));
     Ok(a.spawn_call(async move {
-        let r = a2.clone().request(to, env, enc.tensors, timeout, op).await;
-        crate::rref::after_send(&a2, forks, r.is_ok());
-        let (resp, tensors) = r?;
-        let (_, tensors) = crate::autograd::incoming(&resp.autograd, to, tensors, false)?;
-        decode_value::<R>(&resp.payload, tensors, to, &what)
+        let (payload, tensors) = reply.await?;
+        decode_value::<R>(&payload, tensors, to, &what)
     }))
 }
 

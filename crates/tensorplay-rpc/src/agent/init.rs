@@ -308,7 +308,7 @@ pub fn init_rpc(
         store: store.clone(),
         inflight: AtomicUsize::new(0),
         serving: AtomicUsize::new(0),
-        rrefs: RRefContext::default(),
+        rrefs: RRefContext::new(rank),
         contexts: Mutex::new(crate::proto::context::ContextTable::new(
             rank,
             crate::autograd::released_horizon(options.rpc_timeout),

@@ -8,7 +8,8 @@ use tensorplay_core::Tensor;
 
 use super::Agent;
 use super::registry::{CallCtx, lookup};
-use crate::frame::{Envelope, RemoteErr, kind, read_frame, write_frame};
+use crate::frame::{Envelope, read_frame, write_frame};
+use crate::proto::message::{Message, RemoteErr, Target};
 use crate::tls;
 use crate::wire::Encoder;
 use crate::{Error, Result};
@@ -65,7 +66,6 @@ async fn serve_stream(
         // malformed input: answer with the error if the stream still works, never panic
         Err(e) => (error_env(&agent, &e), vec![]),
     };
-    resp.kind = kind::RESPONSE;
     resp.sender = agent.me.id as u32;
     let written = write_frame(&mut send, &mut resp, &tensors, agent.shm_to(peer)).await;
     if let Ok(n) = &written {
@@ -101,15 +101,11 @@ pub(crate) fn error_env(agent: &Agent, e: &Error) -> Envelope {
         Error::Core(c) => (me(), crate::error::core_kind(c), c.to_string()),
         other => (me(), other.kind(), other.to_string()),
     };
-    Envelope {
-        kind: kind::RESPONSE,
-        error: Some(RemoteErr {
-            worker,
-            kind,
-            message,
-        }),
-        ..Envelope::default()
-    }
+    Envelope::new(Message::Response(Some(RemoteErr {
+        worker,
+        kind,
+        message,
+    })))
 }
 
 /// Runs a user function (which may block, sleep or make RPCs itself), catching panics.
@@ -157,42 +153,61 @@ thread_local! {
     pub(super) static IN_FUNCTION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// The server pipeline of one request: opens its distributed-autograd context (receiving its
+/// tensors into it), serves the message, and attaches the response's autograd header, in one
+/// place for every kind of request.
 async fn dispatch(
     agent: &Arc<Agent>,
     peer: usize,
     env: Envelope,
     tensors: Vec<Tensor>,
 ) -> (Envelope, Vec<Tensor>) {
-    let r = match env.kind {
-        kind::CALL => call_function(agent, peer, &env, tensors).await,
-        kind::CHILD_ACCEPT => crate::rref::child_accepted(agent, &env).map(|_| Encoder::default()),
-        _ => crate::rref::dispatch(agent, peer, env, tensors).await,
+    let Envelope {
+        message,
+        payload,
+        autograd,
+        ..
+    } = env;
+    let r = async {
+        let (ctx, tensors) = crate::autograd::incoming(autograd.as_ref(), peer, tensors, true)?;
+        let mut enc = match message {
+            Message::Call(call) => call_function(peer, call, payload, tensors, ctx).await?,
+            Message::ChildAccept { child } => {
+                crate::rref::child_accepted(agent, child.into());
+                Encoder::default()
+            }
+            Message::Response(_) => {
+                return Err(Error::Serialization(
+                    "a response arrived where a request was expected".into(),
+                ));
+            }
+            other => crate::rref::serve(agent, peer, other, payload, tensors, ctx).await?,
+        };
+        enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, agent.me.id, peer);
+        Ok(enc)
     };
-    match r {
-        Ok(enc) => (
-            Envelope {
-                payload: enc.bytes,
-                autograd: enc.autograd,
-                ..Envelope::default()
-            },
-            enc.tensors,
-        ),
+    match r.await {
+        Ok(enc) => {
+            let mut env = Envelope::new(Message::Response(None));
+            env.payload = enc.bytes;
+            env.autograd = enc.autograd;
+            (env, enc.tensors)
+        }
         Err(e) => (error_env(agent, &e), vec![]),
     }
 }
 
+/// Runs the registered function `call` within the request's context `ctx`.
 async fn call_function(
-    agent: &Arc<Agent>,
     peer: usize,
-    env: &Envelope,
+    call: Target,
+    payload: Vec<u8>,
     tensors: Vec<Tensor>,
+    ctx: Option<crate::autograd::ContextId>,
 ) -> Result<Encoder> {
-    let reg = lookup(&env.func, &env.sig)?;
-    let payload = env.payload.clone();
-    let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors, true)?;
-    let me = agent.me.id;
+    let reg = lookup(&call.func, &call.sig)?;
     run_blocking(move || {
-        crate::autograd::respond(ctx, me, peer, || {
+        crate::autograd::with_context(ctx, || {
             (reg.handler)(&CallCtx { caller: peer }, &payload, tensors)
         })
     })

@@ -4,7 +4,9 @@
 //! the tests drive several tables in memory, delivering messages in any order.
 
 pub(crate) mod context;
+pub(crate) mod message;
 pub(crate) mod owner;
+pub(crate) mod user;
 
 #[cfg(test)]
 mod sim;

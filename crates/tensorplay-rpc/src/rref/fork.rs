@@ -1,13 +1,14 @@
-//! Passing RRefs in messages: the forks an encoding makes, settled once the message was
-//! delivered, and the fork requests and acceptances a receiving user sends.
+//! Passing RRefs in messages: the forks an encoding makes, undone when the message was not
+//! delivered, and what a receiving worker does (an owner resolves to its own value, a user
+//! asks the owner to register its fork).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
-use super::*;
+use super::user::{child_accepted, send_all};
+use super::{GloballyUniqueId, RRef, new_id};
 use crate::agent::{Agent, agent};
-use crate::frame::{Envelope, kind};
+use crate::proto::message::{Message, Outgoing};
 use crate::wire::{Decoder, Encoder, Wire};
 use crate::{Error, Result};
 
@@ -43,25 +44,9 @@ pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: boo
             ForkKind::InTransit => {
                 a.rrefs.table().arrived_from_self(f.rref_id);
             }
-            ForkKind::KeptParent => {
-                a.rrefs
-                    .pending_children
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&f.child);
-            }
+            ForkKind::KeptParent => child_accepted(a, f.child),
         }
     }
-}
-
-/// Keeps a user parent alive until its child is accepted (registered before the message
-/// leaves: the acceptance may arrive before the call's response).
-fn keep_parent(a: &Agent, child: GloballyUniqueId, parent: &Arc<Inner>) {
-    a.rrefs
-        .pending_children
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(child, parent.clone());
 }
 
 impl<T: Send + 'static> Wire for RRef<T> {
@@ -89,7 +74,7 @@ impl<T: Send + 'static> Wire for RRef<T> {
                     kind: ForkKind::Early,
                 });
             } else {
-                keep_parent(&a, child, &self.inner);
+                a.rrefs.users().forked(self.inner.fork_id, child);
                 e.forks.push(PendingFork {
                     child,
                     rref_id: self.inner.rref_id,
@@ -108,7 +93,7 @@ impl<T: Send + 'static> Wire for RRef<T> {
             });
         } else {
             // to the owner: it resolves to its own value and accepts the child at once
-            keep_parent(&a, child, &self.inner);
+            a.rrefs.users().forked(self.inner.fork_id, child);
             e.forks.push(PendingFork {
                 child,
                 rref_id: self.inner.rref_id,
@@ -163,113 +148,31 @@ impl<T: Send + 'static> Wire for RRef<T> {
                 a.rrefs.table().arrived_from_self(rref_id);
             }
             if !parent_is_owner && parent != a.me.id {
-                send_control(
+                send_all(
                     &a,
-                    parent,
-                    kind::CHILD_ACCEPT,
-                    ids(owner, rref_id, child, parent),
+                    vec![Outgoing {
+                        to: parent,
+                        message: Message::ChildAccept {
+                            child: child.into(),
+                        },
+                    }],
                 );
             } else if !parent_is_owner {
-                a.rrefs
-                    .pending_children
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&child);
+                child_accepted(&a, child);
             }
             return Ok(r);
         }
-        if parent_is_owner {
-            // registered early by the owner
-            return Ok(RRef::user_handle(&a, owner, rref_id, child, true));
+        // a user: registered early when the owner sent it, else the owner is asked to
+        // register the fork (the function it is an argument of waits for that)
+        let r = RRef::user_handle(&a, owner, rref_id, child, parent_is_owner);
+        if !parent_is_owner {
+            d.unconfirmed.push(r.inner.clone());
         }
-        // from another user: ask the owner to register our fork, then accept with the parent
-        let r = RRef::user_handle(&a, owner, rref_id, child, false);
-        let inner = r.inner.clone();
-        d.unconfirmed.push(inner.clone());
-        let a2 = a.clone();
-        let outstanding = a.rrefs.outstanding.clone();
-        outstanding.fetch_add(1, Ordering::SeqCst);
-        a.handle.spawn(async move {
-            let env = Envelope {
-                kind: kind::FORK_REQUEST,
-                ids: ids(owner, rref_id, child, parent),
-                ..Envelope::default()
-            };
-            let ok = a2
-                .clone()
-                .request(
-                    owner,
-                    env,
-                    vec![],
-                    Some(Duration::from_secs(60)),
-                    "rref fork".into(),
-                )
-                .await
-                .is_ok();
-            if ok {
-                inner.confirmed.send_replace(true);
-            } else {
-                *inner
-                    .creation_error
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some(Error::Remote {
-                    worker: a2.workers[owner].name.clone(),
-                    kind: "RRef".into(),
-                    message: "the owner did not register this RRef's fork".into(),
-                });
-                inner.deleted.store(true, Ordering::SeqCst);
-                inner.confirmed.send_replace(true);
-            }
-            let env = Envelope {
-                kind: kind::CHILD_ACCEPT,
-                ids: ids(owner, rref_id, child, parent),
-                ..Envelope::default()
-            };
-            if parent == a2.me.id {
-                a2.rrefs
-                    .pending_children
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&child);
-            } else {
-                let _ = a2
-                    .clone()
-                    .request(
-                        parent,
-                        env,
-                        vec![],
-                        Some(Duration::from_secs(60)),
-                        "rref accept".into(),
-                    )
-                    .await;
-            }
-            outstanding.fetch_sub(1, Ordering::SeqCst);
-        });
+        let out = a
+            .rrefs
+            .users()
+            .received(owner, rref_id, child, parent, parent_is_owner);
+        send_all(&a, out);
         Ok(r)
     }
-}
-
-/// Sends a control message in the background (counted until acknowledged).
-fn send_control(a: &Arc<Agent>, to: usize, k: u8, ids: Vec<u64>) {
-    let a2 = a.clone();
-    let outstanding = a.rrefs.outstanding.clone();
-    outstanding.fetch_add(1, Ordering::SeqCst);
-    a.handle.spawn(async move {
-        let env = Envelope {
-            kind: k,
-            ids,
-            ..Envelope::default()
-        };
-        let _ = a2
-            .clone()
-            .request(
-                to,
-                env,
-                vec![],
-                Some(Duration::from_secs(60)),
-                "rref control".into(),
-            )
-            .await;
-        outstanding.fetch_sub(1, Ordering::SeqCst);
-    });
 }

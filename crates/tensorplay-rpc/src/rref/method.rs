@@ -10,7 +10,7 @@ use crate::agent::from_core;
 use crate::wire::{Encoder, Wire, decode_args, encode_value};
 use crate::{Error, Result};
 
-type MethodHandler = Arc<
+pub(super) type MethodHandler = Arc<
     dyn Fn(&(dyn Any + Send + Sync), &[u8], Vec<Tensor>, usize) -> Result<Encoder> + Send + Sync,
 >;
 

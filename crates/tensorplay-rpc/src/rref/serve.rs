@@ -1,135 +1,117 @@
 //! Serving the RRef messages on the owner: creations, fetches, deletions, fork requests,
-//! methods.
+//! methods. The request's distributed-autograd context was opened by the server pipeline
+//! (`crate::agent`), which also attaches the response's header.
 
 use std::sync::Arc;
 
 use tensorplay_core::Tensor;
 
 use super::method::METHODS;
-use super::*;
+use super::remote::named;
 use crate::agent::{Agent, CallCtx, run_blocking};
-use crate::frame::{Envelope, kind};
+use crate::autograd::{ContextId, with_context};
+use crate::proto::message::{ForkRef, Message, Target};
 use crate::wire::Encoder;
 use crate::{Error, Result};
 
-pub(crate) async fn dispatch(
+/// Serves one RRef request on this worker, the owner, within the request's context `ctx`.
+pub(crate) async fn serve(
     a: &Arc<Agent>,
     peer: usize,
-    env: Envelope,
+    message: Message,
+    payload: Vec<u8>,
     tensors: Vec<Tensor>,
+    ctx: Option<ContextId>,
 ) -> Result<Encoder> {
-    let (owner, rref_id, fork_id, _parent) = parse_ids(&env.ids)?;
-    if owner != a.me.id {
-        return Err(Error::Serialization(format!(
-            "RRef message for owner {owner} delivered to worker {}",
-            a.me.id
-        )));
-    }
+    let check = |r: &ForkRef| {
+        if r.owner as usize == a.me.id {
+            Ok((r.rref_id(), r.fork_id()))
+        } else {
+            Err(Error::Serialization(format!(
+                "RRef message for owner {} delivered to worker {}",
+                r.owner, a.me.id
+            )))
+        }
+    };
     let timeout = crate::get_rpc_timeout().ok().filter(|t| !t.is_zero());
-    match env.kind {
-        kind::REMOTE => {
+    match message {
+        Message::Remote { call, rref } => {
+            let (rref_id, fork_id) = check(&rref)?;
             // The fork is registered whatever happens: a failed creation keeps its error as
             // the value, for the fetches that may already be on their way (messages are not
             // ordered), until the creator deletes its RRef like any other.
             a.rrefs.table().add_fork(rref_id, fork_id);
-            let r = match crate::agent::lookup(&env.func, &env.sig) {
+            let r = match crate::agent::lookup(&call.func, &call.sig) {
                 Ok(reg) => {
-                    let payload = env.payload;
-                    match crate::autograd::incoming(&env.autograd, peer, tensors, true) {
-                        Ok((ctx, tensors)) => {
-                            run_blocking(move || {
-                                crate::autograd::with_context(ctx, || {
-                                    (reg.remote)(&CallCtx { caller: peer }, &payload, tensors)
-                                })
-                            })
-                            .await
-                        }
-                        Err(e) => Err(e),
-                    }
+                    run_blocking(move || {
+                        with_context(ctx, || {
+                            (reg.remote)(&CallCtx { caller: peer }, &payload, tensors)
+                        })
+                    })
+                    .await
                 }
                 Err(e) => Err(e),
             };
-            match r {
-                Ok(v) => {
-                    a.rrefs.set_value(rref_id, Ok(v));
-                    // the creator may have deleted it meanwhile (a timed-out `remote`)
-                    a.rrefs.table().release_if_unused(rref_id);
-                    Ok(Encoder::default())
-                }
-                Err(e) => {
-                    let e = named(a, e);
-                    a.rrefs.set_value(rref_id, Err(e.clone()));
-                    a.rrefs.table().release_if_unused(rref_id);
-                    Err(e)
-                }
-            }
+            let r = r.map_err(|e| named(a, e));
+            a.rrefs.set_value(rref_id, r.clone());
+            // the creator may have deleted it meanwhile (a timed-out `remote`)
+            a.rrefs.table().release_if_unused(rref_id);
+            r.map(|_| Encoder::default())
         }
-        kind::FETCH => {
-            let (ctx, _) = crate::autograd::incoming(&env.autograd, peer, vec![], true)?;
+        Message::Fetch(rref) => {
+            let (rref_id, _) = check(&rref)?;
             let v = a.rrefs.value(rref_id, timeout).await?;
-            let mut enc = (v.encode)(&*v.value, peer)?;
-            enc.autograd = crate::autograd::outgoing(ctx, &enc.tensors, a.me.id, peer);
-            Ok(enc)
+            (v.encode)(&*v.value, peer)
         }
-        kind::USER_DELETE => {
+        Message::UserDelete(rref) => {
+            let (rref_id, fork_id) = check(&rref)?;
             a.rrefs.table().remove_fork(rref_id, fork_id);
             Ok(Encoder::default())
         }
-        kind::FORK_REQUEST => {
+        Message::ForkRequest { rref, .. } => {
+            let (rref_id, fork_id) = check(&rref)?;
             a.rrefs.table().add_fork(rref_id, fork_id);
             Ok(Encoder::default())
         }
-        kind::CHILD_ACCEPT => Ok(Encoder::default()),
-        kind::METHOD => {
-            let h = {
-                let methods = METHODS.read().unwrap_or_else(|e| e.into_inner());
-                let by_type = methods.get(&env.func).ok_or_else(|| Error::Remote {
-                    worker: a.me.name.clone(),
-                    kind: "UnknownMethod".into(),
-                    message: format!(
-                        "no method named {:?} is registered on this worker",
-                        env.func
-                    ),
-                })?;
-                match by_type.values().find(|(sig, _)| *sig == env.sig) {
-                    Some((_, h)) => h.clone(),
-                    None => {
-                        let mut sigs: Vec<&str> =
-                            by_type.values().map(|(sig, _)| sig.as_str()).collect();
-                        sigs.sort_unstable();
-                        return Err(Error::Remote {
-                            worker: a.me.name.clone(),
-                            kind: "Signature".into(),
-                            message: format!(
-                                "method {:?} is registered as {} but was called as {}",
-                                env.func,
-                                sigs.join(" and as "),
-                                env.sig
-                            ),
-                        });
-                    }
-                }
-            };
+        Message::Method { call, rref } => {
+            let (rref_id, _) = check(&rref)?;
+            let h = method(a, &call)?;
             let v = a.rrefs.value(rref_id, timeout).await?;
-            let payload = env.payload;
-            let (ctx, tensors) = crate::autograd::incoming(&env.autograd, peer, tensors, true)?;
-            let me = a.me.id;
-            run_blocking(move || {
-                crate::autograd::respond(ctx, me, peer, || h(&*v.value, &payload, tensors, peer))
-            })
-            .await
+            run_blocking(move || with_context(ctx, || h(&*v.value, &payload, tensors, peer))).await
         }
-        k => Err(Error::Serialization(format!("unknown message kind {k}"))),
+        other => Err(Error::Serialization(format!(
+            "a {} message is not an RRef request",
+            other.name()
+        ))),
     }
 }
 
-/// Handles a child's acceptance on the parent (outside the owner check of [`dispatch`]).
-pub(crate) fn child_accepted(a: &Agent, env: &Envelope) -> Result<()> {
-    let (_, _, child, _) = parse_ids(&env.ids)?;
-    a.rrefs
-        .pending_children
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&child);
-    Ok(())
+/// The registered method `call.func` for the caller's signature.
+fn method(a: &Agent, call: &Target) -> Result<super::method::MethodHandler> {
+    let methods = METHODS.read().unwrap_or_else(|e| e.into_inner());
+    let by_type = methods.get(&call.func).ok_or_else(|| Error::Remote {
+        worker: a.me.name.clone(),
+        kind: "UnknownMethod".into(),
+        message: format!(
+            "no method named {:?} is registered on this worker",
+            call.func
+        ),
+    })?;
+    match by_type.values().find(|(sig, _)| *sig == call.sig) {
+        Some((_, h)) => Ok(h.clone()),
+        None => {
+            let mut sigs: Vec<&str> = by_type.values().map(|(sig, _)| sig.as_str()).collect();
+            sigs.sort_unstable();
+            Err(Error::Remote {
+                worker: a.me.name.clone(),
+                kind: "Signature".into(),
+                message: format!(
+                    "method {:?} is registered as {} but was called as {}",
+                    call.func,
+                    sigs.join(" and as "),
+                    call.sig
+                ),
+            })
+        }
+    }
 }
