@@ -351,6 +351,18 @@ pub(crate) fn incoming(
     else {
         return Ok((None, tensors));
     };
+    // a malformed header is an error whether or not its context is open here
+    if let Some(&i) = idx.iter().find(|&&i| i as usize >= tensors.len()) {
+        return Err(Error::Serialization(format!(
+            "autograd header names tensor index {i} of a message with {} tensors",
+            tensors.len()
+        )));
+    }
+    if idx.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::Serialization(format!(
+            "autograd header names tensor indices {idx:?}, not in ascending order"
+        )));
+    }
     let opened = agent("dist_autograd")
         .ok()
         .and_then(|a| lock(&a.contexts).received(id, request, std::time::Instant::now()));
@@ -361,12 +373,6 @@ pub(crate) fn incoming(
         return Ok((Some(id), tensors));
     }
     let picked: Vec<usize> = idx.iter().map(|&i| i as usize).collect();
-    if picked.iter().any(|&i| i >= tensors.len()) {
-        return Err(Error::Serialization(format!(
-            "autograd header names tensor indices {picked:?} of a message with {} tensors",
-            tensors.len()
-        )));
-    }
     let recv = RecvRpcBackward {
         ctx: id,
         msg,

@@ -311,9 +311,7 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
             "message lengths out of range (header {hlen} bytes, body {blen} bytes)"
         )));
     }
-    let mut header = rkyv::util::AlignedVec::<16>::with_capacity(hlen);
-    header.resize(hlen, 0);
-    r.read_exact(&mut header).await.map_err(io)?;
+    let header = read_header(r, hlen).await?;
     let env = rkyv::from_bytes::<Envelope, rkyv::rancor::Error>(&header)
         .map_err(|e| Error::Serialization(format!("malformed message header: {e}")))?;
     let mut pending = PendingRefs {
@@ -396,6 +394,28 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
         .map(|t| t.ok_or_else(|| Error::Serialization("a tensor of the message is missing".into())))
         .collect::<Result<Vec<_>>>()?;
     Ok((env, tensors))
+}
+
+/// Reads a header of `hlen` bytes into aligned memory that grows only as the bytes arrive: a
+/// prefix that claims a large header costs nothing until the peer actually sends it.
+async fn read_header<R: AsyncRead + Unpin>(
+    r: &mut R,
+    hlen: usize,
+) -> Result<rkyv::util::AlignedVec<16>> {
+    const PIECE: usize = 64 << 10;
+    let mut header = rkyv::util::AlignedVec::<16>::with_capacity(hlen.min(PIECE));
+    let mut piece = vec![0u8; hlen.min(PIECE)];
+    while header.len() < hlen {
+        let want = (hlen - header.len()).min(PIECE);
+        let n = r.read(&mut piece[..want]).await.map_err(io)?;
+        if n == 0 {
+            return Err(Error::Transport(
+                "the message ended before its header did".into(),
+            ));
+        }
+        header.extend_from_slice(&piece[..n]);
+    }
+    Ok(header)
 }
 
 /// Reads a tensor's bytes from the stream straight into new (uninitialised) storage.
@@ -587,5 +607,63 @@ mod tests {
         let mut bad = buf.clone();
         bad[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(rt.block_on(read_frame(&mut &bad[..], None)).is_err());
+    }
+
+    /// A reader that yields `data` and then never anything more (a peer that stopped sending).
+    struct Stalled(Vec<u8>);
+
+    impl AsyncRead for Stalled {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            if self.0.is_empty() {
+                return std::task::Poll::Pending;
+            }
+            let n = self.0.len().min(buf.remaining());
+            buf.put_slice(&self.0[..n]);
+            self.0.drain(..n);
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    fn resident_bytes() -> usize {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+        let pages: usize = statm
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        pages * 4096
+    }
+
+    /// Found by the hostile trial of issue 18: a prefix claiming a 255 MiB header made the
+    /// reader allocate (and zero) all of it before a byte of the header arrived; 8 such
+    /// streams held 2 GiB. Now memory grows only with the bytes received.
+    #[test]
+    fn a_claimed_header_length_allocates_nothing_before_the_bytes_arrive() {
+        let mut prefix = Vec::new();
+        prefix.extend_from_slice(&MAGIC.to_le_bytes());
+        prefix.extend_from_slice(&(255u32 << 20).to_le_bytes());
+        prefix.extend_from_slice(&0u64.to_le_bytes());
+        prefix.extend_from_slice(&[7u8; 100]);
+        let before = resident_bytes();
+        let mut readers: Vec<Stalled> = (0..8).map(|_| Stalled(prefix.clone())).collect();
+        let mut futs: Vec<_> = readers
+            .iter_mut()
+            .map(|r| Box::pin(read_frame(r, None)))
+            .collect();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for f in &mut futs {
+            assert!(f.as_mut().poll(&mut cx).is_pending());
+        }
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(
+            grown < 64 << 20,
+            "8 stalled headers made the process grow by {} MiB",
+            grown >> 20
+        );
+        drop(futs);
     }
 }

@@ -14,6 +14,9 @@ use tensorplay_collectives::spawn::spawn;
 use tensorplay_core::Tensor;
 use tensorplay_rpc::{self as rpc, Decoder, Encoder, RRef, Wire};
 
+/// An RRef a function keeps after its call.
+static STASH: std::sync::Mutex<Option<RRef<f64>>> = std::sync::Mutex::new(None);
+
 /// A value whose encoding always fails (like a CUDA tensor or a deleted RRef would).
 struct Unsendable;
 
@@ -49,6 +52,39 @@ fn register_all() {
         let r: u64 = rpc::rpc_sync(next, "pingpong", (depth - 1, world), None)?;
         Ok(r + 1)
     });
+    rpc::register(
+        "stash_and_fail",
+        |r: RRef<f64>| -> tensorplay_core::Result<()> {
+            *STASH.lock().unwrap() = Some(r);
+            Err(tensorplay_core::Error::InvalidArgument {
+                op: "stash_and_fail",
+                arg: "r",
+                expected: "nothing".into(),
+                got: "an RRef, kept".into(),
+            })
+        },
+    );
+    rpc::register("stashed_value", |(): ()| {
+        let r = STASH.lock().unwrap().clone();
+        match r {
+            Some(r) => Ok(r.to_here(Some(Duration::from_secs(5)))?),
+            None => Ok(-1.0),
+        }
+    });
+    rpc::register("clear_stash", |(): ()| {
+        STASH.lock().unwrap().take();
+        Ok(())
+    });
+    rpc::register("slow_new_rref", |ms: u64| {
+        let r = RRef::new(1.5f64)?;
+        std::thread::sleep(Duration::from_millis(ms));
+        Ok(r)
+    });
+    rpc::register("set_default_timeout_ms", |ms: u64| {
+        rpc::set_rpc_timeout(Duration::from_millis(ms))?;
+        Ok(())
+    });
+    rpc::register("new_rref", |v: f64| Ok(RRef::new(v)?));
     rpc::register_method("len", |v: &Vec<f64>, (): ()| Ok(v.len() as u64));
     rpc::register_method("len", |t: &Tensor, (): ()| Ok(t.numel() as u64));
 }
@@ -451,6 +487,116 @@ fn world3_many_rrefs_dropped_at_once() -> TestResult {
         barrier("done")?;
         rpc::shutdown(true)?;
         assert!(!rpc::is_initialized());
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Found by the hostile trial of issue 18, each failing before its fix: an owner's RRef kept by
+/// a function that then fails stays usable by the callee (the owner undid its fork on any
+/// error, so the value went with the owner's last handle and the callee's `to_here` timed
+/// out); an RRef returned to a caller that already timed out does not stay on its owner (its
+/// fork was never undone); the owner waits for a value as long as the fetching caller does,
+/// not only its own default timeout.
+#[test]
+fn world2_rrefs_in_failed_and_timed_out_calls() -> TestResult {
+    spawn(2, |rank| -> TestResult {
+        register_all();
+        rpc::init_rpc(&format!("worker{rank}"), rank, 2, opts(20, 2))?;
+        if rank == 0 {
+            let zeros = (0, 0, 0, 0);
+            // kept by a function that fails
+            let own = RRef::new(7.0f64)?;
+            let e =
+                rpc::rpc_sync::<_, ()>(1usize, "stash_and_fail", own.clone(), None).unwrap_err();
+            assert!(matches!(e, rpc::Error::Remote { .. }), "{e:?}");
+            drop(own);
+            let v: f64 = rpc::rpc_sync(1usize, "stashed_value", (), None)?;
+            assert_eq!(v, 7.0, "the stashed RRef lost its value");
+            rpc::rpc_sync::<_, ()>(1usize, "clear_stash", (), None)?;
+            eventually(Duration::from_secs(5), || {
+                Ok(debug_counts(0)? == zeros && debug_counts(1)? == zeros)
+            })
+            .map_err(|e| format!("after the stash: {e}: {:?}", debug_counts(0)))?;
+            // returned to a caller that timed out
+            let e = rpc::rpc_sync::<u64, RRef<f64>>(
+                1usize,
+                "slow_new_rref",
+                1500,
+                Some(Duration::from_millis(300)),
+            )
+            .map(|_| ())
+            .unwrap_err();
+            assert!(matches!(e, rpc::Error::Timeout { .. }), "{e:?}");
+            std::thread::sleep(Duration::from_millis(1500));
+            eventually(Duration::from_secs(10), || Ok(debug_counts(1)? == zeros))
+                .map_err(|e| format!("after the timed-out call: {e}: {:?}", debug_counts(1)))?;
+            // the owner waits as long as the caller of to_here, beyond its own default
+            rpc::rpc_sync::<u64, ()>(1usize, "set_default_timeout_ms", 300, None)?;
+            let r: RRef<u64> =
+                rpc::remote(1usize, "sleep_ms", 1200u64, Some(Duration::from_secs(10)))?;
+            assert_eq!(r.to_here(Some(Duration::from_secs(10)))?, 1200);
+            rpc::rpc_sync::<u64, ()>(1usize, "set_default_timeout_ms", 20_000, None)?;
+            drop(r);
+            eventually(Duration::from_secs(5), || {
+                Ok(debug_counts(0)? == zeros && debug_counts(1)? == zeros)
+            })?;
+        }
+        barrier("done")?;
+        rpc::shutdown(true)?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Runs `f` on a thread and fails (instead of hanging the test) when it does not end within
+/// `limit`.
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .map_err(|_| format!("{what} did not end within {limit:?} (deadlock)"))
+}
+
+/// Found by the new-user trial of issue 18 (failing before its fix): an RRef whose value holds
+/// RRefs owned by the same worker deadlocked that worker when the last handle went, because the
+/// owner table dropped the value while locked and the inner handles' drop locked it again. On
+/// one worker (`RRef<RRef<f64>>`, `RRef<Vec<RRef<f64>>>`), and across workers (the value made
+/// by `remote`, the transport thread of its owner stuck).
+#[test]
+fn world2_rrefs_holding_rrefs_drop_without_deadlock() -> TestResult {
+    spawn(2, |rank| -> TestResult {
+        register_all();
+        rpc::init_rpc(&format!("worker{rank}"), rank, 2, opts(20, 2))?;
+        if rank == 0 {
+            let zeros = (0, 0, 0, 0);
+            within(
+                Duration::from_secs(5),
+                "dropping RRef<RRef<f64>>",
+                || -> rpc::Result<()> {
+                    let outer = RRef::new(RRef::new(1.0f64)?)?;
+                    drop(outer);
+                    let list = RRef::new(vec![RRef::new(2.0f64)?, RRef::new(3.0f64)?])?;
+                    drop(list);
+                    Ok(())
+                },
+            )??;
+            assert_eq!(debug_counts(0)?, zeros);
+            let rr: RRef<RRef<f64>> = rpc::remote(1usize, "new_rref", 4.0, None)?;
+            assert_eq!(rr.to_here(None)?.to_here(None)?, 4.0);
+            drop(rr);
+            eventually(Duration::from_secs(5), || Ok(debug_counts(1)? == zeros))?;
+            let v: f64 = rpc::rpc_sync(1usize, "ident", 5.0, Some(Duration::from_secs(5)))?;
+            assert_eq!(v, 5.0);
+        }
+        barrier("done")?;
+        rpc::shutdown(true)?;
         Ok(())
     })?;
     Ok(())

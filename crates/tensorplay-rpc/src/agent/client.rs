@@ -241,7 +241,7 @@ impl Agent {
         let this = self.clone();
         async move {
             let r = this.clone().request(to, env, tensors, timeout, op).await;
-            crate::rref::after_send(&this, forks, r.is_ok());
+            crate::rref::after_send(&this, forks, crate::rref::maybe_delivered(&r));
             let (resp, tensors) = r?;
             let (_, tensors) =
                 crate::autograd::incoming(resp.autograd.as_ref(), to, tensors, false)?;

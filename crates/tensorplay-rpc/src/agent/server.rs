@@ -10,6 +10,7 @@ use super::Agent;
 use super::registry::{CallCtx, lookup};
 use crate::frame::{Envelope, read_frame, write_frame};
 use crate::proto::message::{Message, RemoteErr, Target};
+use crate::rref::PendingFork;
 use crate::tls;
 use crate::wire::Encoder;
 use crate::{Error, Result};
@@ -51,7 +52,7 @@ async fn serve_stream(
     mut recv: quinn::RecvStream,
 ) {
     agent.serving.fetch_add(1, Ordering::SeqCst);
-    let (mut resp, tensors) = match read_frame(&mut recv, agent.shm_from(peer)).await {
+    let (mut resp, tensors, forks) = match read_frame(&mut recv, agent.shm_from(peer)).await {
         Ok((env, ts)) if env.sender as usize == peer => dispatch(&agent, peer, env, ts).await,
         Ok((env, _)) => (
             error_env(
@@ -62,12 +63,16 @@ async fn serve_stream(
                 )),
             ),
             vec![],
+            vec![],
         ),
         // malformed input: answer with the error if the stream still works, never panic
-        Err(e) => (error_env(&agent, &e), vec![]),
+        Err(e) => (error_env(&agent, &e), vec![], vec![]),
     };
     resp.sender = agent.me.id as u32;
     let written = write_frame(&mut send, &mut resp, &tensors, agent.shm_to(peer)).await;
+    // RRefs in a response that could not be written (the caller timed out and stopped
+    // reading, or left) never reach it: undo their forks
+    crate::rref::after_send(&agent, forks, written.is_ok());
     if let Ok(n) = &written {
         agent.bytes.fetch_add(*n, Ordering::Relaxed);
     }
@@ -155,13 +160,14 @@ thread_local! {
 
 /// The server pipeline of one request: opens its distributed-autograd context (receiving its
 /// tensors into it), serves the message, and attaches the response's autograd header, in one
-/// place for every kind of request.
+/// place for every kind of request. Returns the response, its tensors and the RRef forks its
+/// encoding made (settled once it was written).
 async fn dispatch(
     agent: &Arc<Agent>,
     peer: usize,
     env: Envelope,
     tensors: Vec<Tensor>,
-) -> (Envelope, Vec<Tensor>) {
+) -> (Envelope, Vec<Tensor>, Vec<PendingFork>) {
     let Envelope {
         message,
         payload,
@@ -191,9 +197,9 @@ async fn dispatch(
             let mut env = Envelope::new(Message::Response(None));
             env.payload = enc.bytes;
             env.autograd = enc.autograd;
-            (env, enc.tensors)
+            (env, enc.tensors, enc.forks)
         }
-        Err(e) => (error_env(agent, &e), vec![]),
+        Err(e) => (error_env(agent, &e), vec![], vec![]),
     }
 }
 

@@ -81,6 +81,28 @@ pub(crate) struct RemoteErr {
     pub(crate) message: String,
 }
 
+/// How long an owner may wait for a value on the caller's behalf: the caller's timeout in
+/// milliseconds (at least 1), 0 for none.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WaitLimit {
+    pub(crate) millis: u64,
+}
+
+impl WaitLimit {
+    pub(crate) fn new(t: Option<std::time::Duration>) -> WaitLimit {
+        WaitLimit {
+            millis: t.map_or(0, |t| {
+                u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1)
+            }),
+        }
+    }
+
+    /// The limit, `None` for none.
+    pub(crate) fn get(self) -> Option<std::time::Duration> {
+        (self.millis > 0).then(|| std::time::Duration::from_millis(self.millis))
+    }
+}
+
 /// What one message is.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Message {
@@ -89,10 +111,15 @@ pub(crate) enum Message {
     /// Call a function and keep its result on the callee as the value of `rref.rref`, whose
     /// first user fork `rref.fork` is the sender's (`rpc.remote`).
     Remote { call: Target, rref: ForkRef },
-    /// Run a registered method on the value of `rref` on its owner.
-    Method { call: Target, rref: ForkRef },
-    /// Fetch the value of `rref` (`to_here`).
-    Fetch(ForkRef),
+    /// Run a registered method on the value of `rref` on its owner, waiting for the value (its
+    /// creation may not have arrived yet) at most the caller's timeout.
+    Method {
+        call: Target,
+        rref: ForkRef,
+        timeout: WaitLimit,
+    },
+    /// Fetch the value of `rref` (`to_here`), waiting for it at most the caller's timeout.
+    Fetch { rref: ForkRef, timeout: WaitLimit },
     /// User fork `rref.fork` was dropped: the owner forgets it.
     UserDelete(ForkRef),
     /// A user that received an RRef from another user (`parent`) asks the owner to register
@@ -112,7 +139,10 @@ impl Message {
     pub(crate) fn runs_in_context(&self) -> bool {
         matches!(
             self,
-            Message::Call(_) | Message::Remote { .. } | Message::Method { .. } | Message::Fetch(_)
+            Message::Call(_)
+                | Message::Remote { .. }
+                | Message::Method { .. }
+                | Message::Fetch { .. }
         )
     }
 
@@ -122,7 +152,7 @@ impl Message {
             Message::Call(_) => "call",
             Message::Remote { .. } => "remote",
             Message::Method { .. } => "method",
-            Message::Fetch(_) => "fetch",
+            Message::Fetch { .. } => "fetch",
             Message::UserDelete(_) => "user delete",
             Message::ForkRequest { .. } => "fork request",
             Message::ChildAccept { .. } => "child accept",
@@ -171,8 +201,15 @@ mod tests {
                 call: t.clone(),
                 rref: r,
             },
-            Message::Method { call: t, rref: r },
-            Message::Fetch(r),
+            Message::Method {
+                call: t,
+                rref: r,
+                timeout: WaitLimit::new(Some(std::time::Duration::from_micros(10))),
+            },
+            Message::Fetch {
+                rref: r,
+                timeout: WaitLimit::new(None),
+            },
             Message::UserDelete(r),
             Message::ForkRequest { rref: r, parent: 4 },
             Message::ChildAccept {

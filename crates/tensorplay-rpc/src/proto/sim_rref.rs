@@ -24,6 +24,8 @@ enum Net {
     },
     /// The owner's answer to a `Remote` or `ForkRequest`: fork `fork` on `to` is registered.
     Ack { to: usize, fork: Gid },
+    /// The owner refused a `ForkRequest` (it does not own the value).
+    Refused { to: usize, fork: Gid },
     /// An RRef in a call's argument or result, sent by `parent` to `to` as fork `child`.
     Carry {
         to: usize,
@@ -150,7 +152,9 @@ impl RRefSim {
             return;
         };
         match h {
-            Handle::Owner { w, id } => self.owners[w].drop_local(id),
+            Handle::Owner { w, id } => {
+                let _ = self.owners[w].drop_local(id);
+            }
             Handle::User { w, fork, .. } => {
                 let out = self.users[w].dropped(fork);
                 self.send(w, out);
@@ -210,7 +214,7 @@ impl RRefSim {
                     self.owners[to].add_local(id);
                     self.handles.push(Some(Handle::Owner { w: to, id }));
                     if parent_is_owner {
-                        self.owners[to].arrived_from_self(id);
+                        let _ = self.owners[to].arrived_from_self(id);
                     } else if parent == to {
                         let out = self.users[to].child_accepted(child);
                         self.send(to, out);
@@ -238,12 +242,16 @@ impl RRefSim {
                 let out = self.users[to].confirmed(fork, true);
                 self.send(to, out);
             }
+            Net::Refused { to, fork } => {
+                let out = self.users[to].confirmed(fork, false);
+                self.send(to, out);
+            }
             Net::Msg { from, to, msg } => match msg {
                 Message::Remote { rref, .. } => {
                     let (id, fork) = (rref.rref_id(), rref.fork_id());
                     self.owners[to].add_fork(id, fork);
                     self.set_value(to, id);
-                    self.owners[to].release_if_unused(id);
+                    let _ = self.owners[to].release_if_unused(id);
                     self.net.push(Net::Ack { to: from, fork });
                 }
                 Message::ForkRequest { rref, .. } => {
@@ -253,11 +261,14 @@ impl RRefSim {
                             "worker {to} was asked to register fork {fork} of {id}, whose value it already dropped"
                         ));
                     }
-                    self.owners[to].add_fork(id, fork);
-                    self.net.push(Net::Ack { to: from, fork });
+                    if self.owners[to].request_fork(id, fork, to) {
+                        self.net.push(Net::Ack { to: from, fork });
+                    } else {
+                        self.net.push(Net::Refused { to: from, fork });
+                    }
                 }
                 Message::UserDelete(rref) => {
-                    self.owners[to].remove_fork(rref.rref_id(), rref.fork_id());
+                    let _ = self.owners[to].remove_fork(rref.rref_id(), rref.fork_id());
                 }
                 Message::ChildAccept { child } => {
                     let out = self.users[to].child_accepted(child.into());
@@ -344,7 +355,7 @@ impl RRefSim {
         self.users[w].is_empty()
             && !self.net.iter().any(|m| match *m {
                 Net::Msg { from, .. } => from == w,
-                Net::Ack { to, .. } => to == w,
+                Net::Ack { to, .. } | Net::Refused { to, .. } => to == w,
                 Net::Carry { parent, .. } => parent == w,
             })
     }

@@ -30,8 +30,27 @@ enum ForkKind {
     InTransit,
 }
 
-/// After a message carrying RRefs was sent: when it did not arrive, undo what encoding did
-/// (the parents kept alive for their children, the forks registered early).
+/// Whether a request that carried RRefs may have been decoded by its receiver, from how it
+/// ended: it did unless the receiver refused it before decoding its arguments (an unknown
+/// function or method, or another signature) or the worker was lost. A timed-out request
+/// may have been decoded (the receiver may hold the RRefs and use them later), so its forks
+/// are kept: undoing them could free a value the receiver still reads; keeping them leaks
+/// the fork when the receiver never decoded it, until shutdown.
+pub(crate) fn maybe_delivered<T>(r: &Result<T>) -> bool {
+    match r {
+        Ok(_) => true,
+        Err(Error::Remote { kind, .. }) => !matches!(
+            kind.as_str(),
+            "UnknownFunction" | "UnknownMethod" | "Signature"
+        ),
+        Err(Error::WorkerUnreachable { .. }) => false,
+        Err(_) => true,
+    }
+}
+
+/// After a message carrying RRefs was sent: when it did not arrive (see [`maybe_delivered`]),
+/// undo what encoding did (the parents kept alive for their children, the forks registered
+/// early).
 pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: bool) {
     if delivered {
         return;
@@ -39,10 +58,12 @@ pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: boo
     for f in forks {
         match f.kind {
             ForkKind::Early => {
-                a.rrefs.table().undo_fork(f.rref_id, f.child);
+                let released = a.rrefs.table().undo_fork(f.rref_id, f.child);
+                drop(released);
             }
             ForkKind::InTransit => {
-                a.rrefs.table().arrived_from_self(f.rref_id);
+                let released = a.rrefs.table().arrived_from_self(f.rref_id);
+                drop(released);
             }
             ForkKind::KeptParent => child_accepted(a, f.child),
         }
@@ -145,7 +166,8 @@ impl<T: Send + 'static> Wire for RRef<T> {
             let r = RRef::owner_handle(&a, rref_id);
             if parent_is_owner && parent == a.me.id {
                 // sent by this worker to itself: the handle in transit arrived
-                a.rrefs.table().arrived_from_self(rref_id);
+                let released = a.rrefs.table().arrived_from_self(rref_id);
+                drop(released);
             }
             if !parent_is_owner && parent != a.me.id {
                 send_all(

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use super::method::method_signature;
 use super::{GloballyUniqueId, Stored, new_id};
 use crate::agent::{Agent, agent};
-use crate::proto::message::{ForkRef, Message, Target};
+use crate::proto::message::{ForkRef, Message, Target, WaitLimit};
 use crate::wire::{Encoder, Wire, decode_value, encode_value};
 use crate::{Error, Result, RpcFuture, WorkerInfo};
 
@@ -40,7 +40,10 @@ impl Drop for Inner {
             return;
         };
         if self.is_owner {
-            agent.rrefs.table().drop_local(self.rref_id);
+            // the value goes after the table is unlocked: it may hold RRefs owned here, whose
+            // drop locks the table again
+            let released = agent.rrefs.table().drop_local(self.rref_id);
+            drop(released);
         } else {
             super::user::dropped(&agent, self.fork_id);
         }
@@ -304,7 +307,10 @@ impl<T: Wire + Clone + Sync> RRef<T> {
         let owner = self.inner.owner.id;
         let fetch = a.send_request(
             owner,
-            Message::Fetch(self.fork_ref()),
+            Message::Fetch {
+                rref: self.fork_ref(),
+                timeout: WaitLimit::new(t),
+            },
             Encoder::default(),
             t,
             "to_here".into(),
@@ -380,6 +386,7 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             Message::Method {
                 call,
                 rref: self.fork_ref(),
+                timeout: WaitLimit::new(t),
             },
             enc,
             t,

@@ -44,7 +44,7 @@ mod remote;
 mod serve;
 mod user;
 
-pub(crate) use fork::{PendingFork, after_send};
+pub(crate) use fork::{PendingFork, after_send, maybe_delivered};
 pub use handle::RRef;
 pub(crate) use handle::{Inner, wait_confirmed};
 pub use method::register_method;

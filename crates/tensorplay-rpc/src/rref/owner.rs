@@ -41,7 +41,9 @@ pub(crate) type Slot = watch::Sender<Option<std::result::Result<Stored, Error>>>
 
 impl RRefContext {
     pub(super) fn set_value(&self, id: GloballyUniqueId, v: std::result::Result<Stored, Error>) {
-        self.table().slot(id).send_replace(Some(v));
+        // an earlier value is dropped after unlocking (it may hold RRefs owned here)
+        let old = self.table().slot(id).send_replace(Some(v));
+        drop(old);
     }
 
     /// Waits for the value of `id` (its creation may not have arrived yet).
@@ -76,7 +78,8 @@ impl RRefContext {
             None => wait.await,
         };
         // an entry made by this wait alone (an RRef deleted or never created) is not kept
-        self.table().release_if_unused(id);
+        let released = self.table().release_if_unused(id);
+        drop(released);
         r
     }
 }

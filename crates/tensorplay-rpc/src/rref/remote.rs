@@ -50,7 +50,8 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
             };
             a2.rrefs.set_value(rref_id, r.map_err(|e| named(&a2, e)));
             // every handle may have been dropped meanwhile
-            a2.rrefs.table().release_if_unused(rref_id);
+            let released = a2.rrefs.table().release_if_unused(rref_id);
+            drop(released);
             Ok(())
         });
         return Ok(rref);

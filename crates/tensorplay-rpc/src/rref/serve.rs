@@ -3,11 +3,13 @@
 //! (`crate::agent`), which also attaches the response's header.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tensorplay_core::Tensor;
 
 use super::method::METHODS;
 use super::remote::named;
+use super::{GloballyUniqueId, Stored};
 use crate::agent::{Agent, CallCtx, run_blocking};
 use crate::autograd::{ContextId, with_context};
 use crate::proto::message::{ForkRef, Message, Target};
@@ -33,7 +35,6 @@ pub(crate) async fn serve(
             )))
         }
     };
-    let timeout = crate::get_rpc_timeout().ok().filter(|t| !t.is_zero());
     match message {
         Message::Remote { call, rref } => {
             let (rref_id, fork_id) = check(&rref)?;
@@ -55,28 +56,42 @@ pub(crate) async fn serve(
             let r = r.map_err(|e| named(a, e));
             a.rrefs.set_value(rref_id, r.clone());
             // the creator may have deleted it meanwhile (a timed-out `remote`)
-            a.rrefs.table().release_if_unused(rref_id);
+            let released = a.rrefs.table().release_if_unused(rref_id);
+            drop(released);
             r.map(|_| Encoder::default())
         }
-        Message::Fetch(rref) => {
+        Message::Fetch { rref, timeout } => {
             let (rref_id, _) = check(&rref)?;
-            let v = a.rrefs.value(rref_id, timeout).await?;
+            let v = value(a, rref_id, timeout.get()).await?;
             (v.encode)(&*v.value, peer)
         }
         Message::UserDelete(rref) => {
             let (rref_id, fork_id) = check(&rref)?;
-            a.rrefs.table().remove_fork(rref_id, fork_id);
+            let released = a.rrefs.table().remove_fork(rref_id, fork_id);
+            drop(released);
             Ok(Encoder::default())
         }
         Message::ForkRequest { rref, .. } => {
             let (rref_id, fork_id) = check(&rref)?;
-            a.rrefs.table().add_fork(rref_id, fork_id);
+            if !a.rrefs.table().request_fork(rref_id, fork_id, a.me.id) {
+                return Err(Error::Remote {
+                    worker: a.me.name.clone(),
+                    kind: "RRef".into(),
+                    message: format!(
+                        "a fork of RRef {rref_id} was requested, but this worker does not own it (it was deleted, or never existed)"
+                    ),
+                });
+            }
             Ok(Encoder::default())
         }
-        Message::Method { call, rref } => {
+        Message::Method {
+            call,
+            rref,
+            timeout,
+        } => {
             let (rref_id, _) = check(&rref)?;
             let h = method(a, &call)?;
-            let v = a.rrefs.value(rref_id, timeout).await?;
+            let v = value(a, rref_id, timeout.get()).await?;
             run_blocking(move || with_context(ctx, || h(&*v.value, &payload, tensors, peer))).await
         }
         other => Err(Error::Serialization(format!(
@@ -84,6 +99,22 @@ pub(crate) async fn serve(
             other.name()
         ))),
     }
+}
+
+/// The value of `id` for a caller that waits at most `timeout`; a timeout names this worker.
+async fn value(a: &Agent, id: GloballyUniqueId, timeout: Option<Duration>) -> Result<Stored> {
+    a.rrefs.value(id, timeout).await.map_err(|e| match e {
+        Error::Timeout {
+            op,
+            worker,
+            timeout,
+        } if worker.is_empty() => Error::Timeout {
+            op,
+            worker: a.me.name.clone(),
+            timeout,
+        },
+        other => other,
+    })
 }
 
 /// The registered method `call.func` for the caller's signature.

@@ -165,7 +165,8 @@ impl RRefContext {
 
     /// Forgets everything (after shutdown).
     pub(crate) fn clear(&self) {
-        self.table().clear();
+        let released = self.table().clear();
+        drop(released);
         self.users().clear();
         let live: Vec<Weak<Inner>> = lock(&self.handles).drain().map(|(_, h)| h).collect();
         for h in live.iter().filter_map(Weak::upgrade) {
