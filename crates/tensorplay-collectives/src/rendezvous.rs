@@ -302,12 +302,12 @@ fn connect_store(
         } else {
             Ipv6Addr::UNSPECIFIED.into()
         };
-        TcpStore::new_server_or_client(&bind_ip.to_string(), port, true, timeout).map_err(|e| {
-            match e {
+        TcpStore::new_server_or_client(&bind_ip.to_string(), port, true, timeout)
+            .map_err(|e| match e {
                 Error::Store(m) => Error::Store(format!("rendezvous on rank 0: {m}")),
                 other => other,
-            }
-        })?
+            })?
+            .reaching(master)
     } else {
         TcpStore::connect(master, timeout).map_err(|e| with_rank(e, r))?
     };

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::cpu::CpuBackend;
+use super::cpu::{CpuBackend, CpuOptions};
 use super::{Backend, HostBackend, HostTensors};
 use crate::store::{PrefixStore, Store};
 use crate::{Error, Result};
@@ -108,8 +108,19 @@ pub(crate) fn make_backend(
             .map(|(_, f)| f.clone());
         Some(f.ok_or_else(|| unknown(name))?)
     };
-    let control: Arc<dyn HostBackend> =
-        Arc::new(CpuBackend::new(store.clone(), rank, size, timeout)?);
+    // listen where the other ranks reach this host: its address toward the store's server
+    // (loopback, as before, when the job is on one host)
+    let bind_host = store
+        .local_ip()
+        .filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+        .map_or_else(|| "127.0.0.1".to_string(), |ip| ip.to_string());
+    let control: Arc<dyn HostBackend> = Arc::new(CpuBackend::with_options(
+        store.clone(),
+        rank,
+        size,
+        timeout,
+        CpuOptions::default().with_bind_host(bind_host),
+    )?);
     let backend: Box<dyn Backend> = match factory {
         None => Box::new(HostTensors::new("cpu", control.clone())),
         Some(f) => f(&BackendContext {

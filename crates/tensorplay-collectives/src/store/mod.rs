@@ -47,4 +47,27 @@ pub trait Store: Send + Sync {
     fn timeout(&self) -> Duration;
     /// Changes the timeout of `get`.
     fn set_timeout(&self, timeout: Duration);
+    /// This host's address on the network that reaches the store's server, which is where the
+    /// other ranks can reach this process too (loopback when the server is on loopback);
+    /// `None` when unknown (an in-memory store). The cpu backend listens there.
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        None
+    }
+}
+
+/// This host's address on the way to `to`: `to` itself when it is loopback, else the source
+/// address the kernel picks for a datagram to it (no packet is sent); `None` when there is no
+/// route.
+pub fn ip_toward(to: std::net::SocketAddr) -> Option<std::net::IpAddr> {
+    if to.ip().is_loopback() {
+        return Some(to.ip());
+    }
+    let any: std::net::IpAddr = if to.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    };
+    let s = std::net::UdpSocket::bind((any, 0)).ok()?;
+    s.connect(to).ok()?;
+    s.local_addr().ok().map(|a| a.ip())
 }

@@ -75,4 +75,7 @@ impl Store for PrefixStore {
     fn set_timeout(&self, timeout: Duration) {
         self.inner.set_timeout(timeout)
     }
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.inner.local_ip()
+    }
 }

@@ -35,6 +35,8 @@ struct Inner {
     /// The server this store started (see [`TcpStore::new_server_or_client`]); kept alive as
     /// long as any clone of the store.
     server: Option<Arc<TcpStoreServer>>,
+    /// This host's address toward the server (see [`Store::local_ip`]).
+    local_ip: Option<std::net::IpAddr>,
 }
 
 /// A client of a [`TcpStoreServer`] (PyTorch's `TCPStore`), implementing [`Store`].
@@ -83,8 +85,19 @@ impl TcpStore {
                 conn: Mutex::new(Some(conn)),
                 timeout: Mutex::new(timeout),
                 server: None,
+                local_ip: crate::store::ip_toward(addr),
             }),
         })
+    }
+
+    /// This store, telling [`Store::local_ip`] the address this host uses toward `master` (the
+    /// address other hosts reach the server at; a server bound to the unspecified address
+    /// cannot tell by itself).
+    pub(crate) fn reaching(mut self, master: SocketAddr) -> TcpStore {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.local_ip = crate::store::ip_toward(master);
+        }
+        self
     }
 
     /// PyTorch's `TCPStore(host, port, is_master=...)`: when `is_server`, starts a
@@ -114,6 +127,7 @@ impl TcpStore {
                 conn: Mutex::new(Some(conn)),
                 timeout: Mutex::new(timeout),
                 server: Some(server),
+                local_ip: crate::store::ip_toward(addr),
             }),
         })
     }
@@ -442,5 +456,8 @@ impl Store for TcpStore {
 
     fn set_timeout(&self, timeout: Duration) {
         *self.inner.timeout.lock().unwrap_or_else(|e| e.into_inner()) = timeout;
+    }
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.inner.local_ip
     }
 }
