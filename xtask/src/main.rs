@@ -4,6 +4,8 @@
 //!   every GPU count up to the number of GPUs when there are GPUs, and with the `cpu` backend at
 //!   world sizes 2 to 4 always; then the differentiable collectives' test suites and the
 //!   conformance vectors (cpu, and nccl with GPUs). Ends with `N passed, M failed`.
+//! - `test-multihost [--filter TEXT]`: K simulated hosts in network namespaces (see
+//!   `multihost.rs`), the multi-process tests and the main job spread over them. Needs root.
 //! - `gpu-check [--bundle DIR]`: the GPU check as a bundle of prebuilt binaries and `run.sh`
 //!   for a GPU machine without a toolchain, or built and run here (see `gpu_check.rs`).
 //! - `conformance --vectors FILE [--backend nccl]`: runs a conformance vectors file against the
@@ -28,6 +30,7 @@ use clap::{Parser, Subcommand};
 
 mod check_docs;
 mod gpu_check;
+mod multihost;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "tensorplay project automation")]
@@ -98,6 +101,15 @@ impl Anchor {
 enum Cmd {
     /// Multi-rank test scenarios (real processes over 127.0.0.1; NCCL where GPUs exist).
     TestMultigpu,
+    /// Multi-host scenarios: K simulated hosts on this machine (network, mount and UTS
+    /// namespaces, veth pairs to a bridge, private addresses inside the namespaces only), the
+    /// project's multi-process tests and the main job started by `tensorplay-run --nnodes K` on
+    /// each; ends with `N passed, M failed`. Needs root.
+    TestMultihost {
+        /// Only the scenarios whose name contains this.
+        #[arg(long)]
+        filter: Option<String>,
+    },
     /// Collective bandwidth (2 ranks, 4 KiB to 64 MiB) next to PyTorch gloo's.
     BenchCollectives {
         #[command(flatten)]
@@ -1066,6 +1078,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
         Cmd::TestMultigpu => test_multigpu(),
+        Cmd::TestMultihost { filter } => multihost::test_multihost(filter.as_deref()),
         Cmd::BenchCollectives {
             world, fr_rounds, ..
         } if fr_rounds > 0 => bench_flight_recorder(world, fr_rounds),

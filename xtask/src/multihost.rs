@@ -1,0 +1,532 @@
+//! `cargo xtask test-multihost`: K simulated hosts on this machine, each a network namespace
+//! with its own `/dev/shm` (a tmpfs mounted in its own mount namespace) and hostname (its own
+//! UTS namespace), connected by veth pairs to a bridge that lives in a namespace of its own,
+//! with addresses from a private range that exist only inside those namespaces. Nothing runs in
+//! the root namespace's network and nothing is added to it: every job talks only over the
+//! harness's own links.
+//!
+//! Each scenario starts `tensorplay-run --nnodes K --node-rank h` on every host `h` (the
+//! launcher's ranks join the job through `spawn`, so the project's own multi-process tests run
+//! unchanged with their ranks spread over the hosts), waits for all of them within a deadline,
+//! and counts the scenario passed when every launcher exited 0. Everything is removed at the
+//! end, also after a failure (the hosts are dropped on every path, and the job's processes are
+//! stopped first); namespaces left by a run that was killed outright carry the name prefix and
+//! are removed at the next start. Needs root (`ip netns`); without it the command says so and
+//! fails.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The prefix of every namespace this harness makes.
+const PREFIX: &str = "tpmh-";
+/// The switch's namespace (the bridge).
+const SWITCH: &str = "tpmh-switch";
+/// The test subnet: host `h` is `10.0.0.{h+1}/24`, inside its namespace only (host 0 is the
+/// README's `--master-addr 10.0.0.1`).
+const SUBNET: &str = "10.0.0";
+/// The store's port on host 0.
+const MASTER_PORT: u16 = 29500;
+/// The launchers running now, stopped on Ctrl-C before the hosts are removed.
+static RUNNING: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// The least a host of a job must send over its link (ARP and IPv6 chatter stay below).
+const MIN_CROSS_BYTES: u64 = 4096;
+
+/// Runs `ip` with `args`; an error with its output when it fails.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("could not run ip: {e} (install iproute2)"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// The namespaces with this harness's prefix.
+fn ours() -> Vec<String> {
+    let out = Command::new("ip").args(["netns", "list"]).output();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    text.lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(PREFIX))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Removes every namespace with this harness's prefix (their veths and bridge go with them).
+fn remove_all() {
+    for ns in ours() {
+        let _ = ip(&["netns", "del", &ns]);
+    }
+}
+
+/// Whether this process runs as root.
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// K simulated hosts; dropping them removes every namespace.
+pub(crate) struct Hosts {
+    k: usize,
+}
+
+impl Hosts {
+    /// Makes `k` hosts connected to one bridge (stale namespaces of an earlier run first
+    /// removed).
+    pub(crate) fn create(k: usize) -> Result<Hosts, String> {
+        remove_all();
+        let hosts = Hosts { k };
+        ip(&["netns", "add", SWITCH])?;
+        ip(&["-n", SWITCH, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", SWITCH, "link", "set", "br0", "up"])?;
+        for h in 0..k {
+            let ns = hosts.name(h);
+            ip(&["netns", "add", &ns])?;
+            let port = format!("port{h}");
+            ip(&[
+                "link", "add", &port, "netns", SWITCH, "type", "veth", "peer", "name", "eth0",
+                "netns", &ns,
+            ])?;
+            ip(&["-n", SWITCH, "link", "set", &port, "master", "br0", "up"])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{}/24", hosts.addr(h)),
+                "dev",
+                "eth0",
+            ])?;
+            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+
+    /// Host `h`'s namespace (also its hostname).
+    pub(crate) fn name(&self, h: usize) -> String {
+        format!("{PREFIX}host{h}")
+    }
+
+    /// Host `h`'s address.
+    pub(crate) fn addr(&self, h: usize) -> String {
+        format!("{SUBNET}.{}", h + 1)
+    }
+
+    /// The bytes host `h` sent over its link (received by its port on the bridge).
+    pub(crate) fn bytes_from(&self, h: usize) -> u64 {
+        Command::new("ip")
+            .args(["netns", "exec", SWITCH, "cat"])
+            .arg(format!("/sys/class/net/port{h}/statistics/rx_bytes"))
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// `cmd` to run on host `h`: in its network namespace, with its own `/dev/shm` and
+    /// hostname. The processes `cmd` starts share them (they are one host).
+    pub(crate) fn command(&self, h: usize, cmd: &[String]) -> Command {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            &self.name(h),
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(format!(
+            "mount -t tmpfs -o size=2g tmpfs /dev/shm && hostname {} && exec \"$@\"",
+            self.name(h)
+        ))
+        .arg("sh")
+        .args(cmd);
+        c
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = self.k;
+        remove_all();
+    }
+}
+
+/// One job: a program started by `tensorplay-run` on every host.
+pub(crate) struct Scenario {
+    pub(crate) name: String,
+    pub(crate) hosts: usize,
+    pub(crate) per_host: usize,
+    pub(crate) program: Vec<String>,
+    pub(crate) deadline: Duration,
+    /// The program is one libtest test (each rank must report running it).
+    pub(crate) is_libtest: bool,
+}
+
+/// A started launcher and its output.
+struct Launched {
+    child: Child,
+    out: std::thread::JoinHandle<String>,
+}
+
+fn collect(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = r.read_to_string(&mut s);
+        s
+    })
+}
+
+fn signal(child: &Child, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status();
+}
+
+/// Runs `s` on `hosts`: `Ok` with the bytes each host sent over its link when every launcher
+/// exits 0 within the deadline (and, for a test, every rank ran it), else the launchers'
+/// output.
+fn run_scenario(hosts: &Hosts, launcher: &Path, s: &Scenario) -> Result<Vec<u64>, String> {
+    let mut launched = Vec::new();
+    for h in 0..s.hosts {
+        let mut cmd: Vec<String> = vec![
+            launcher.display().to_string(),
+            "--nnodes".into(),
+            s.hosts.to_string(),
+            "--node-rank".into(),
+            h.to_string(),
+            "--nproc-per-node".into(),
+            s.per_host.to_string(),
+            "--master-addr".into(),
+            hosts.addr(0),
+            "--master-port".into(),
+            MASTER_PORT.to_string(),
+            "--".into(),
+        ];
+        cmd.extend(s.program.iter().cloned());
+        let mut c = hosts.command(h, &cmd);
+        c.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env("TENSORPLAY_SPAWN_VERBOSE", "0");
+        let mut child = c
+            .spawn()
+            .map_err(|e| format!("could not start host {h}: {e}"))?;
+        RUNNING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(child.id());
+        let (o, e) = (child.stdout.take(), child.stderr.take());
+        let out = collect(o.map_or_else(
+            || Box::new(std::io::empty()) as Box<dyn Read + Send>,
+            |o| {
+                Box::new(o.chain(e.map_or_else(
+                    || Box::new(std::io::empty()) as Box<dyn Read + Send>,
+                    |e| Box::new(e) as Box<dyn Read + Send>,
+                ))) as Box<dyn Read + Send>
+            },
+        ));
+        launched.push(Launched { child, out });
+    }
+    let start = Instant::now();
+    let mut codes: Vec<Option<i32>> = vec![None; launched.len()];
+    let mut timed_out = false;
+    while codes.iter().any(Option::is_none) {
+        for (l, code) in launched.iter_mut().zip(codes.iter_mut()) {
+            if code.is_none()
+                && let Ok(Some(st)) = l.child.try_wait()
+            {
+                *code = Some(st.code().unwrap_or(-1));
+            }
+        }
+        if start.elapsed() > s.deadline && !timed_out {
+            timed_out = true;
+            for l in &launched {
+                signal(&l.child, "-TERM");
+            }
+            std::thread::sleep(Duration::from_secs(8));
+            for l in &launched {
+                signal(&l.child, "-KILL");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outs: Vec<String> = launched
+        .into_iter()
+        .map(|l| l.out.join().unwrap_or_default())
+        .collect();
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    let sent: Vec<u64> = (0..s.hosts).map(|h| hosts.bytes_from(h)).collect();
+    let mut report = String::new();
+    if !timed_out && codes.iter().all(|c| *c == Some(0)) {
+        // a test filter that matched nothing would also exit 0: every rank must have run
+        let ran: usize = outs
+            .iter()
+            .map(|o| o.matches("running 1 test").count())
+            .sum();
+        if s.is_libtest && ran != s.hosts * s.per_host {
+            report.push_str(&format!(
+                "{ran} of {} ranks ran the test (a filter that matched nothing?)\n",
+                s.hosts * s.per_host
+            ));
+        } else if let Some(h) = sent.iter().position(|&b| b < MIN_CROSS_BYTES) {
+            // every host's ranks must have talked across the link, not over a loopback
+            report.push_str(&format!(
+                "host {h} sent only {} bytes over its link (at least {MIN_CROSS_BYTES} expected): the job did not cross hosts\n",
+                sent[h]
+            ));
+        } else {
+            return Ok(sent);
+        }
+    }
+    if timed_out {
+        report.push_str(&format!("timed out after {:?}\n", s.deadline));
+    }
+    for (h, (code, out)) in codes.iter().zip(&outs).enumerate() {
+        let tail: Vec<&str> = out.lines().rev().take(40).collect();
+        report.push_str(&format!(
+            "--- host {h} ({}): exit {code:?}, last lines:\n",
+            hosts.addr(h)
+        ));
+        for l in tail.iter().rev() {
+            report.push_str(l);
+            report.push('\n');
+        }
+    }
+    Err(report)
+}
+
+/// Builds `cargo` targets and returns the executables of those whose name is in `names`.
+fn executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
+    let out = Command::new("cargo")
+        .args(args)
+        .args(["--message-format=json", "-q"])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("could not run cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cargo {} failed", args.join(" ")));
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(exe) = field(line, "\"executable\":\"") else {
+            continue;
+        };
+        let Some(name) = field(line, "\"name\":\"") else {
+            continue;
+        };
+        if names.contains(&name.as_str()) {
+            found.push((name, PathBuf::from(exe)));
+        }
+    }
+    Ok(found)
+}
+
+/// The string value after `key` in a JSON line (no escapes in the values read here).
+fn field(line: &str, key: &str) -> Option<String> {
+    let i = line.find(key)? + key.len();
+    let j = line[i..].find('"')?;
+    Some(line[i..i + j].to_string())
+}
+
+/// A libtest test run as one rank: the named test alone, its output shown.
+fn libtest(bin: &Path, test: &str) -> Vec<String> {
+    vec![
+        bin.display().to_string(),
+        test.into(),
+        "--exact".into(),
+        "--nocapture".into(),
+        "--test-threads=1".into(),
+        "-q".into(),
+    ]
+}
+
+/// The scenarios: the project's multi-process tests with their ranks spread over the hosts.
+fn scenarios(multiprocess: &Path, rpc: &[(String, PathBuf)], wine: &Path) -> Vec<Scenario> {
+    let minutes = |m: u64| Duration::from_secs(60 * m);
+    let mut v = vec![
+        Scenario {
+            name: "collectives, 2 hosts x 1 rank (world_size_2)".into(),
+            hosts: 2,
+            per_host: 1,
+            program: libtest(multiprocess, "world_size_2"),
+            deadline: minutes(3),
+            is_libtest: true,
+        },
+        Scenario {
+            name: "collectives, 3 hosts x 1 rank (world_size_3)".into(),
+            hosts: 3,
+            per_host: 1,
+            program: libtest(multiprocess, "world_size_3"),
+            deadline: minutes(3),
+            is_libtest: true,
+        },
+        Scenario {
+            name: "collectives, 2 hosts x 2 ranks (world_size_4_with_subgroups)".into(),
+            hosts: 2,
+            per_host: 2,
+            program: libtest(multiprocess, "world_size_4_with_subgroups"),
+            deadline: minutes(3),
+            is_libtest: true,
+        },
+    ];
+    for (file, bin) in rpc {
+        for (test, world) in list_tests(bin) {
+            v.push(Scenario {
+                name: format!("rpc {file}::{test}, {world} hosts x 1 worker"),
+                hosts: world,
+                per_host: 1,
+                program: libtest(bin, &test),
+                deadline: minutes(3),
+                is_libtest: true,
+            });
+        }
+    }
+    v.push(Scenario {
+        name: "wine_distributed, 2 hosts x 1 rank".into(),
+        hosts: 2,
+        per_host: 1,
+        program: vec![wine.display().to_string()],
+        deadline: minutes(10),
+        is_libtest: false,
+    });
+    v
+}
+
+/// The tests of a libtest binary named `world<N>_...` with N of 2 or 3 (one spawn each).
+fn list_tests(bin: &Path) -> Vec<(String, usize)> {
+    let out = Command::new(bin).args(["--list", "-q"]).output();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    text.lines()
+        .filter_map(|l| l.strip_suffix(": test"))
+        .filter_map(|t| {
+            let n = t.strip_prefix("world")?.split('_').next()?.parse().ok()?;
+            (n == 2 || n == 3).then(|| (t.to_string(), n))
+        })
+        .collect()
+}
+
+/// `cargo xtask test-multihost`.
+pub(crate) fn test_multihost(filter: Option<&str>) -> Result<(), String> {
+    if !is_root() {
+        return Err(
+            "test-multihost needs root: it creates network, mount and UTS namespaces (run it as root, as CI does)"
+                .into(),
+        );
+    }
+    // Ctrl-C, SIGTERM or SIGHUP: the jobs' launchers get the signal too (they stop their
+    // ranks); the hosts go with them
+    let _ = ctrlc::set_handler(|| {
+        let pids: Vec<u32> = RUNNING.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let kill = |sig: &str| {
+            for p in &pids {
+                let _ = Command::new("kill").args([sig, &p.to_string()]).status();
+            }
+        };
+        // the launchers pass it on to their ranks and wait for them
+        kill("-TERM");
+        std::thread::sleep(Duration::from_secs(3));
+        kill("-KILL");
+        remove_all();
+        eprintln!("test-multihost: interrupted; the simulated hosts were removed");
+        std::process::exit(130);
+    });
+    let launcher = executables(
+        &["build", "-p", "tensorplay", "--bin", "tensorplay-run"],
+        &["tensorplay-run"],
+    )?;
+    let multiprocess = executables(
+        &[
+            "test",
+            "-p",
+            "tensorplay-collectives",
+            "--test",
+            "multiprocess",
+            "--no-run",
+        ],
+        &["multiprocess"],
+    )?;
+    let rpc = executables(
+        &[
+            "test",
+            "-p",
+            "tensorplay-rpc",
+            "--test",
+            "rpc",
+            "--test",
+            "rref",
+            "--test",
+            "dist_autograd",
+            "--no-run",
+        ],
+        &["rpc", "rref", "dist_autograd"],
+    )?;
+    let wine = executables(
+        &["build", "-p", "tensorplay", "--example", "wine_distributed"],
+        &["wine_distributed"],
+    )?;
+    let (Some((_, launcher)), Some((_, multiprocess)), Some((_, wine))) =
+        (launcher.first(), multiprocess.first(), wine.first())
+    else {
+        return Err("cargo did not report the harness's binaries".into());
+    };
+    let mut all = scenarios(multiprocess, &rpc, wine);
+    if let Some(f) = filter {
+        all.retain(|s| s.name.contains(f));
+    }
+    let (mut passed, mut failed) = (0, 0);
+    for s in &all {
+        let t0 = Instant::now();
+        let r = Hosts::create(s.hosts).and_then(|hosts| run_scenario(&hosts, launcher, s));
+        match r {
+            Ok(sent) => {
+                passed += 1;
+                let kib: Vec<String> = sent.iter().map(|b| format!("{}", b / 1024)).collect();
+                println!(
+                    "ok     {} ({:.1} s; KiB sent across by each host: {})",
+                    s.name,
+                    t0.elapsed().as_secs_f64(),
+                    kib.join(", ")
+                );
+            }
+            Err(e) => {
+                failed += 1;
+                println!(
+                    "FAILED {} ({:.1} s)\n{e}",
+                    s.name,
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+    remove_all();
+    let left = ours();
+    if !left.is_empty() {
+        println!("error: namespaces left behind: {left:?}");
+        failed += 1;
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 {
+        return Err(format!("{failed} multi-host scenario(s) failed"));
+    }
+    Ok(())
+}
