@@ -82,6 +82,8 @@ fn is_root() -> bool {
 /// K simulated hosts; dropping them removes every namespace.
 pub(crate) struct Hosts {
     k: usize,
+    /// The hosts file every host sees as `/etc/hosts` (its hostnames resolve to its address).
+    etc_hosts: PathBuf,
 }
 
 impl Hosts {
@@ -89,7 +91,13 @@ impl Hosts {
     /// removed).
     pub(crate) fn create(k: usize) -> Result<Hosts, String> {
         remove_all();
-        let hosts = Hosts { k };
+        let etc_hosts = std::env::temp_dir().join(format!("tpmh-hosts-{}", std::process::id()));
+        let mut text = String::from("127.0.0.1 localhost\n");
+        for h in 0..k {
+            text.push_str(&format!("{SUBNET}.{} {PREFIX}host{h}\n", h + 1));
+        }
+        std::fs::write(&etc_hosts, text).map_err(|e| format!("writing {etc_hosts:?}: {e}"))?;
+        let hosts = Hosts { k, etc_hosts };
         ip(&["netns", "add", SWITCH])?;
         ip(&["-n", SWITCH, "link", "add", "br0", "type", "bridge"])?;
         ip(&["-n", SWITCH, "link", "set", "br0", "up"])?;
@@ -153,7 +161,8 @@ impl Hosts {
             "-c",
         ])
         .arg(format!(
-            "mount -t tmpfs -o size=2g tmpfs /dev/shm && hostname {} && exec \"$@\"",
+            "mount -t tmpfs -o size=2g tmpfs /dev/shm && mount --bind {} /etc/hosts && hostname {} && exec \"$@\"",
+            self.etc_hosts.display(),
             self.name(h)
         ))
         .arg("sh")
@@ -166,6 +175,7 @@ impl Drop for Hosts {
     fn drop(&mut self) {
         let _ = self.k;
         remove_all();
+        let _ = std::fs::remove_file(&self.etc_hosts);
     }
 }
 
@@ -178,6 +188,9 @@ pub(crate) struct Scenario {
     pub(crate) deadline: Duration,
     /// The program is one libtest test (each rank must report running it).
     pub(crate) is_libtest: bool,
+    /// Instead of `tensorplay-run`: the program started directly on every host (one process
+    /// each) with these variables, as `srun` or `mpirun` would start it.
+    pub(crate) direct_env: Option<Vec<Vec<(String, String)>>>,
 }
 
 /// A started launcher and its output.
@@ -200,12 +213,55 @@ fn signal(child: &Child, sig: &str) {
         .status();
 }
 
+/// Starts `c` (on host `h`), collecting its output.
+fn start(mut c: Command, h: usize) -> Result<Launched, String> {
+    let mut child = c
+        .spawn()
+        .map_err(|e| format!("could not start host {h}: {e}"))?;
+    RUNNING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(child.id());
+    let (o, e) = (child.stdout.take(), child.stderr.take());
+    let out = collect(o.map_or_else(
+        || Box::new(std::io::empty()) as Box<dyn Read + Send>,
+        |o| {
+            Box::new(o.chain(e.map_or_else(
+                || Box::new(std::io::empty()) as Box<dyn Read + Send>,
+                |e| Box::new(e) as Box<dyn Read + Send>,
+            ))) as Box<dyn Read + Send>
+        },
+    ));
+    Ok(Launched { child, out })
+}
+
 /// Runs `s` on `hosts`: `Ok` with the bytes each host sent over its link when every launcher
 /// exits 0 within the deadline (and, for a test, every rank ran it), else the launchers'
 /// output.
 fn run_scenario(hosts: &Hosts, launcher: &Path, s: &Scenario) -> Result<Vec<u64>, String> {
     let mut launched = Vec::new();
     for h in 0..s.hosts {
+        if let Some(envs) = &s.direct_env {
+            let mut c = hosts.command(h, &s.program);
+            c.stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .envs(envs[h].iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            for v in [
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "MASTER_PORT",
+                "TENSORPLAY_RUN",
+            ] {
+                c.env_remove(v);
+            }
+            if !envs[h].iter().any(|(k, _)| k == "MASTER_ADDR") {
+                c.env_remove("MASTER_ADDR");
+            }
+            launched.push(start(c, h)?);
+            continue;
+        }
         let mut cmd: Vec<String> = vec![
             launcher.display().to_string(),
             "--nnodes".into(),
@@ -226,24 +282,7 @@ fn run_scenario(hosts: &Hosts, launcher: &Path, s: &Scenario) -> Result<Vec<u64>
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .env("TENSORPLAY_SPAWN_VERBOSE", "0");
-        let mut child = c
-            .spawn()
-            .map_err(|e| format!("could not start host {h}: {e}"))?;
-        RUNNING
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(child.id());
-        let (o, e) = (child.stdout.take(), child.stderr.take());
-        let out = collect(o.map_or_else(
-            || Box::new(std::io::empty()) as Box<dyn Read + Send>,
-            |o| {
-                Box::new(o.chain(e.map_or_else(
-                    || Box::new(std::io::empty()) as Box<dyn Read + Send>,
-                    |e| Box::new(e) as Box<dyn Read + Send>,
-                ))) as Box<dyn Read + Send>
-            },
-        ));
-        launched.push(Launched { child, out });
+        launched.push(start(c, h)?);
     }
     let start = Instant::now();
     let mut codes: Vec<Option<i32>> = vec![None; launched.len()];
@@ -369,6 +408,7 @@ fn scenarios(multiprocess: &Path, rpc: &[(String, PathBuf)], wine: &Path) -> Vec
             program: libtest(multiprocess, "world_size_2"),
             deadline: minutes(3),
             is_libtest: true,
+            direct_env: None,
         },
         Scenario {
             name: "collectives, 3 hosts x 1 rank (world_size_3)".into(),
@@ -377,6 +417,7 @@ fn scenarios(multiprocess: &Path, rpc: &[(String, PathBuf)], wine: &Path) -> Vec
             program: libtest(multiprocess, "world_size_3"),
             deadline: minutes(3),
             is_libtest: true,
+            direct_env: None,
         },
         Scenario {
             name: "collectives, 2 hosts x 2 ranks (world_size_4_with_subgroups)".into(),
@@ -385,6 +426,7 @@ fn scenarios(multiprocess: &Path, rpc: &[(String, PathBuf)], wine: &Path) -> Vec
             program: libtest(multiprocess, "world_size_4_with_subgroups"),
             deadline: minutes(3),
             is_libtest: true,
+            direct_env: None,
         },
     ];
     for (file, bin) in rpc {
@@ -396,6 +438,7 @@ fn scenarios(multiprocess: &Path, rpc: &[(String, PathBuf)], wine: &Path) -> Vec
                 program: libtest(bin, &test),
                 deadline: minutes(3),
                 is_libtest: true,
+                direct_env: None,
             });
         }
     }
@@ -406,6 +449,52 @@ fn scenarios(multiprocess: &Path, rpc: &[(String, PathBuf)], wine: &Path) -> Vec
         program: vec![wine.display().to_string()],
         deadline: minutes(10),
         is_libtest: false,
+        direct_env: None,
+    });
+    // as `srun ./wine_distributed` starts it: Slurm's variables only, MASTER_ADDR from the
+    // node list (a hostname), MASTER_PORT from the job id
+    let slurm = (0..2)
+        .map(|h| {
+            vec![
+                ("SLURM_PROCID".to_string(), h.to_string()),
+                ("SLURM_NTASKS".into(), "2".into()),
+                ("SLURM_LOCALID".into(), "0".into()),
+                ("SLURM_NNODES".into(), "2".into()),
+                ("SLURM_NODEID".into(), h.to_string()),
+                ("SLURM_JOB_NODELIST".into(), format!("{PREFIX}host[0-1]")),
+                ("SLURM_JOB_ID".into(), "4242".into()),
+            ]
+        })
+        .collect();
+    v.push(Scenario {
+        name: "wine_distributed under Slurm's variables (srun), 2 hosts x 1 rank".into(),
+        hosts: 2,
+        per_host: 1,
+        program: vec![wine.display().to_string()],
+        deadline: minutes(10),
+        is_libtest: false,
+        direct_env: Some(slurm),
+    });
+    // as `mpirun -x MASTER_ADDR ./wine_distributed` starts it
+    let ompi = (0..2)
+        .map(|h| {
+            vec![
+                ("OMPI_COMM_WORLD_RANK".to_string(), h.to_string()),
+                ("OMPI_COMM_WORLD_SIZE".into(), "2".into()),
+                ("OMPI_COMM_WORLD_LOCAL_RANK".into(), "0".into()),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE".into(), "1".into()),
+                ("MASTER_ADDR".into(), format!("{SUBNET}.1")),
+            ]
+        })
+        .collect();
+    v.push(Scenario {
+        name: "wine_distributed under Open MPI's variables (mpirun), 2 hosts x 1 rank".into(),
+        hosts: 2,
+        per_host: 1,
+        program: vec![wine.display().to_string()],
+        deadline: minutes(10),
+        is_libtest: false,
+        direct_env: Some(ompi),
     });
     v
 }

@@ -7,6 +7,7 @@
 pub mod backend;
 mod error;
 mod group;
+pub mod launch_env;
 mod object;
 mod ops;
 pub mod recorder;

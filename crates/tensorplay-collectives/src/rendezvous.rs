@@ -101,23 +101,27 @@ impl std::fmt::Debug for RendezvousInfo {
     }
 }
 
+/// `var` (one of torchrun's variables) as a number, or the Slurm or Open MPI variable standing
+/// for it (see [`crate::launch_env`]); an error names the variable actually read.
 fn env_usize(var: &str, rank: i64) -> Result<Option<usize>> {
-    match std::env::var(var) {
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(v)) => Err(Error::invalid(
+    if let Some(std::env::VarError::NotUnicode(v)) = std::env::var(var).err() {
+        return Err(Error::invalid(
             "rendezvous",
             rank,
             var,
             "a non-negative integer",
             format!("{v:?}"),
-        )),
-        Ok(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
+        ));
+    }
+    match crate::launch_env::lookup_env(var) {
+        None => Ok(None),
+        Some(f) => f.value.trim().parse::<usize>().map(Some).map_err(|_| {
             Error::invalid(
                 "rendezvous",
                 rank,
-                var,
+                &f.from,
                 "a non-negative integer",
-                format!("{v:?}"),
+                format!("{:?}", f.value),
             )
         }),
     }
@@ -219,15 +223,17 @@ pub fn rendezvous_scoped(
     let (host, port) = match init {
         InitMethod::Tcp { host, port } => (host.clone(), *port),
         InitMethod::Env => {
-            let host = std::env::var("MASTER_ADDR").map_err(|_| {
-                Error::invalid(
-                    "rendezvous",
-                    r,
-                    "MASTER_ADDR",
-                    "the environment variable MASTER_ADDR to be set (env://)",
-                    "not set",
-                )
-            })?;
+            let host = crate::launch_env::lookup_env("MASTER_ADDR")
+                .map(|f| f.value)
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "rendezvous",
+                        r,
+                        "MASTER_ADDR",
+                        "the environment variable MASTER_ADDR to be set (env://)",
+                        "not set",
+                    )
+                })?;
             let port = required(env_usize("MASTER_PORT", r)?, "MASTER_PORT", r)?;
             let port = u16::try_from(port).map_err(|_| {
                 Error::invalid("rendezvous", r, "MASTER_PORT", "a port in 0..=65535", port)

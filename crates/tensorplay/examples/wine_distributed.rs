@@ -150,7 +150,9 @@ fn check_plot_path(p: &std::path::Path) -> Result<(), String> {
 
 /// How this process joins the job: `(rank, init method)`.
 fn launch() -> Res<(usize, String, Option<std::process::Child>)> {
-    match (std::env::var("RANK"), std::env::var("WORLD_SIZE")) {
+    // torchrun's variables (tensorplay-run, spawn), else Slurm's (srun) or Open MPI's (mpirun)
+    let var = |n: &str| tp::distributed::launch_env::lookup_env(n).map(|f| f.value);
+    match (var("RANK").ok_or(()), var("WORLD_SIZE").ok_or(())) {
         (Ok(r), Ok(w)) => {
             let rank: usize = r.parse().map_err(|e| format!("bad RANK {r:?}: {e}"))?;
             let world: usize = w

@@ -129,7 +129,7 @@ pub mod distributed {
         all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async, backend, barrier,
         broadcast, broadcast_async, broadcast_object_list, default_group, destroy_process_group,
         dump_flight_recorder, gather, get_backend, get_rank, get_world_size, irecv, is_initialized,
-        isend, recorder, recv, reduce, reduce_scatter, reduce_scatter_tensor,
+        isend, launch_env, recorder, recv, reduce, reduce_scatter, reduce_scatter_tensor,
         reduce_scatter_tensor_async, register_backend, registered_backends, rendezvous, scatter,
         send, spawn, store, world_store,
     };

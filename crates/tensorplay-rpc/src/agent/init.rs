@@ -62,10 +62,14 @@ fn master_addr(init: &InitMethod) -> Option<SocketAddr> {
     use std::net::ToSocketAddrs;
     let (h, p) = match init {
         InitMethod::Tcp { host, port } => (host.clone(), *port),
-        InitMethod::Env => (
-            std::env::var("MASTER_ADDR").ok()?,
-            std::env::var("MASTER_PORT").ok()?.parse().ok()?,
-        ),
+        InitMethod::Env => {
+            // torchrun's variables, else Slurm's or Open MPI's (as the rendezvous reads them)
+            let var = |n: &str| tensorplay_collectives::launch_env::lookup_env(n).map(|f| f.value);
+            (
+                var("MASTER_ADDR")?,
+                var("MASTER_PORT")?.trim().parse().ok()?,
+            )
+        }
     };
     (h.as_str(), p).to_socket_addrs().ok()?.next()
 }
