@@ -520,3 +520,36 @@ pub(crate) fn waiting_note(msg: &str) {
         eprintln!("{msg}");
     }
 }
+
+/// A port for a job's store that is free now and unlikely to be taken before rank 0 binds it:
+/// chosen at random below the kernel's ephemeral range (`ip_local_port_range`, from 32768 by
+/// default), where outgoing connections never take a port, and checked free on every address.
+/// A port from the ephemeral range (what binding port 0 gives) can be taken between the check
+/// and rank 0's bind by any connection the machine opens, which made busy test runs fail with
+/// "Address already in use". Falls back to an ephemeral port when none below is free.
+///
+/// # Errors
+/// When not even an ephemeral port can be bound.
+pub fn free_port() -> std::io::Result<u16> {
+    use std::hash::{BuildHasher, Hasher};
+    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let (from, to) = (10000u16, low.max(10001));
+    let free = |p: u16| {
+        std::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, p)).is_ok()
+            && std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok()
+    };
+    for _ in 0..64 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let p = from + (h.finish() % u64::from(to - from)) as u16;
+        if free(p) {
+            return Ok(p);
+        }
+    }
+    std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+}

@@ -63,10 +63,8 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
         ],
         _ => std::env::args().skip(1).collect(),
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| spawn_err(format!("could not start: cannot find a free port: {e}")))?
-        .port();
+    let port = crate::rendezvous::free_port()
+        .map_err(|e| spawn_err(format!("could not start: cannot find a free port: {e}")))?;
     // like torch.multiprocessing.spawn, children's output reaches the terminal by default
     let verbose = std::env::var(SPAWN_VERBOSE_ENV).map_or(true, |v| v != "0");
     let n = opts.nprocs;

@@ -18,7 +18,6 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -145,9 +144,8 @@ fn run(args: Args) -> Result<(), String> {
     }
     let port = match args.master_port {
         Some(p) => p,
-        None if args.nnodes == 1 => TcpListener::bind((args.master_addr.as_str(), 0))
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
+        // below the ephemeral range, so no connection takes it before rank 0 binds it
+        None if args.nnodes == 1 => tensorplay_collectives::rendezvous::free_port()
             .map_err(|e| format!("finding a free port on {}: {e}", args.master_addr))?,
         None => return Err("--master-port is required with several nodes".into()),
     };
