@@ -470,7 +470,12 @@ fn executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, PathBuf)>, 
         .output()
         .map_err(|e| format!("could not run cargo: {e}"))?;
     if !out.status.success() {
-        return Err(format!("cargo {} failed", args.join(" ")));
+        // the JSON messages hid the compiler's errors: show them
+        let _ = Command::new("cargo").args(args).status();
+        return Err(format!(
+            "cargo {} failed (its errors are above)",
+            args.join(" ")
+        ));
     }
     let mut found = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
