@@ -565,16 +565,18 @@ fn scenarios(
             });
         }
     }
-    v.push(Scenario {
-        name: "wine_distributed, 2 hosts x 1 rank".into(),
+    // the main job on 2 hosts, under the launcher or started directly with `env`
+    let wine_job = |name: &str, env: Option<Vec<Vec<(String, String)>>>| Scenario {
+        name: name.into(),
         hosts: 2,
         per_host: 1,
         program: vec![wine.display().to_string()],
         deadline: minutes(10),
         is_libtest: false,
-        direct_env: None,
+        direct_env: env,
         fault: None,
-    });
+    };
+    v.push(wine_job("wine_distributed, 2 hosts x 1 rank", None));
     // as `srun ./wine_distributed` starts it: Slurm's variables only, MASTER_ADDR from the
     // node list (a hostname), MASTER_PORT from the job id
     let slurm = (0..2)
@@ -590,16 +592,10 @@ fn scenarios(
             ]
         })
         .collect();
-    v.push(Scenario {
-        name: "wine_distributed under Slurm's variables (srun), 2 hosts x 1 rank".into(),
-        hosts: 2,
-        per_host: 1,
-        program: vec![wine.display().to_string()],
-        deadline: minutes(10),
-        is_libtest: false,
-        direct_env: Some(slurm),
-        fault: None,
-    });
+    v.push(wine_job(
+        "wine_distributed under Slurm's variables (srun), 2 hosts x 1 rank",
+        Some(slurm),
+    ));
     // as `mpirun -x MASTER_ADDR ./wine_distributed` starts it
     let ompi = (0..2)
         .map(|h| {
@@ -612,16 +608,10 @@ fn scenarios(
             ]
         })
         .collect();
-    v.push(Scenario {
-        name: "wine_distributed under Open MPI's variables (mpirun), 2 hosts x 1 rank".into(),
-        hosts: 2,
-        per_host: 1,
-        program: vec![wine.display().to_string()],
-        deadline: minutes(10),
-        is_libtest: false,
-        direct_env: Some(ompi),
-        fault: None,
-    });
+    v.push(wine_job(
+        "wine_distributed under Open MPI's variables (mpirun), 2 hosts x 1 rank",
+        Some(ompi),
+    ));
     let faulty = |name: &str, hosts: usize, fault: Fault| Scenario {
         name: name.into(),
         hosts,
