@@ -13,6 +13,7 @@
 
 mod all_to_all;
 mod check;
+mod failure_report;
 mod gather;
 mod p2p;
 mod reduce;
@@ -236,7 +237,8 @@ fn call<'a>(g: &'a ProcessGroup, op: &'static str) -> Result<Call<'a>> {
 
 /// Runs the blocking operation `f` of group `g` in the group's issue order: recorded in the
 /// flight recorder (called at `site` on `t`) inside a tracing span; a timeout or a peer
-/// failure dumps the recorder (`recorder::on_failure`).
+/// failure names the members lost (`failure_report`) and dumps the recorder
+/// (`recorder::on_failure`).
 fn blocking<R>(
     g: &ProcessGroup,
     op: &'static str,
@@ -259,7 +261,7 @@ fn blocking<R>(
         ok = r.is_ok(),
         "collective finished"
     );
-    r.map_err(crate::recorder::on_failure)
+    r.map_err(|e| crate::recorder::on_failure(failure_report::attribute(g, e)))
 }
 
 /// [`blocking`] for an `_async` operation: queued on the group's worker thread under the
@@ -274,6 +276,7 @@ fn queued(
     let rec = g.inner.recorder.clone();
     let id = rec.issued(op, site, t);
     let span = span(g, op, t);
+    let group = g.clone();
     g.inner.seq.submit(
         g.timeout(),
         op,
@@ -288,7 +291,7 @@ fn queued(
                 ok = r.is_ok(),
                 "collective finished"
             );
-            r.map_err(crate::recorder::on_failure)
+            r.map_err(|e| crate::recorder::on_failure(failure_report::attribute(&group, e)))
         }),
     )
 }

@@ -28,8 +28,9 @@ struct Captured {
     marker: Option<String>,
 }
 
-/// How long the other ranks may take to end on their own after the first failure.
-const FAIL_GRACE: Duration = Duration::from_millis(1500);
+/// How long the other ranks may take to end on their own after the first failure: up to 1 s
+/// comparing failure reports (`ops/failure_report.rs`), up to 2 s writing flight recorders.
+const FAIL_GRACE: Duration = Duration::from_secs(3);
 
 /// How much of a failure message is quoted in a reason (4 KiB).
 const MAX_MARKER: usize = 4096;

@@ -293,6 +293,11 @@ fn a_registered_backend_gets_the_checks_translation_and_timeouts() -> TestResult
                 matches!(e, dist::Error::Timeout { .. }) && e.to_string().contains('1'),
                 "rank {rank}: {e}"
             );
+            // the failure reports of the group: ranks 0 and 2 reported, rank 1 did not
+            assert!(
+                e.to_string().contains("lost: rank 1 (no failure report"),
+                "rank {rank}: {e}"
+            );
         }
         Ok(())
     })?;

@@ -11,8 +11,8 @@
 //! `TENSORPLAY_RUN=1`. Every line a child prints is prefixed with `[rank N] `. Ctrl-C, SIGTERM
 //! and SIGHUP (a scheduler, `timeout`, `docker stop`, a closed terminal) are forwarded to the
 //! children as SIGINT, and the launcher waits for them. When a child fails
-//! (non-zero exit or a signal), the others get 1.5 s to end on their own (and write their
-//! flight recorders), are then sent SIGTERM (then SIGKILL after `--kill-grace` seconds), and
+//! (non-zero exit or a signal), the others get 3 s to end on their own (to compare failure reports
+//! and write their flight recorders), are then sent SIGTERM (then SIGKILL after `--kill-grace` seconds), and
 //! the launcher exits non-zero, naming the rank that failed first (not a survivor that reported
 //! it), its last lines, the consequences, and the flight recorder's diagnosis.
 
@@ -67,7 +67,7 @@ const MAX_LINE: u64 = 64 * 1024;
 
 /// How long the other ranks may take to end on their own after the first failure, before the
 /// launcher stops them.
-const FAIL_GRACE: Duration = Duration::from_millis(1500);
+const FAIL_GRACE: Duration = Duration::from_secs(3);
 
 /// How many of a child's last lines are kept for the failure report.
 const KEEP_LINES: usize = 8;

@@ -1,0 +1,82 @@
+//! A job for RPC fault scenarios (`cargo xtask test-multihost`): every worker (`worker<rank>`)
+//! calls every other worker in turn with `rpc_sync`, echoing a 64 KiB tensor and checking it,
+//! prints `rpc_fault_loop: running` after its first full round, and goes on until `--seconds`
+//! pass or a call fails. A failure is printed as `rpc_fault_loop: failed: <error>` and the
+//! process exits 1, so the harness can check that every worker failed in time and named the
+//! workers it lost.
+//!
+//! Usage (one process per worker, under `tensorplay-run` or with `RANK`, `WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT` set): `rpc_fault_loop [--seconds N] [--timeout-secs N]`
+
+use std::time::{Duration, Instant};
+
+use tensorplay_core::{DType, Tensor};
+use tensorplay_rpc as rpc;
+
+fn arg(name: &str, default: u64) -> Result<u64, String> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == name) {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("{name} takes a whole number")),
+        None => Ok(default),
+    }
+}
+
+fn env(name: &str) -> Result<usize, String> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("{name} must be set to a whole number (start under tensorplay-run)"))
+}
+
+fn run() -> Result<(), String> {
+    let seconds = arg("--seconds", 60)?;
+    let timeout = Duration::from_secs(arg("--timeout-secs", 10)?);
+    let (rank, world) = (env("RANK")?, env("WORLD_SIZE")?);
+    rpc::register("echo", |t: Tensor| Ok(t));
+    rpc::init_rpc(
+        &format!("worker{rank}"),
+        rank,
+        world,
+        rpc::RpcBackendOptions {
+            rpc_timeout: timeout,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let x = Tensor::full(&[16 << 10], rank as f64 + 0.5, DType::F32).map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    let mut rounds = 0u64;
+    while start.elapsed() < Duration::from_secs(seconds) {
+        for peer in (0..world).filter(|&p| p != rank) {
+            let y: Tensor =
+                rpc::rpc_sync(peer, "echo", x.clone(), None).map_err(|e| e.to_string())?;
+            let v = y.to_vec::<f32>().map_err(|e| e.to_string())?;
+            if v.len() != 16 << 10 || v.iter().any(|&e| e != rank as f32 + 0.5) {
+                return Err(format!(
+                    "round {rounds}: worker{peer} echoed a wrong tensor"
+                ));
+            }
+        }
+        if rounds == 0 {
+            println!("rpc_fault_loop: running");
+        }
+        rounds += 1;
+    }
+    println!("rpc_fault_loop: {rounds} rounds, no fault");
+    rpc::shutdown(true).map_err(|e| e.to_string())
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            println!("rpc_fault_loop: failed: {e}");
+            // the others are failing too: do not wait for them
+            let _ = rpc::shutdown(false);
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
