@@ -230,12 +230,29 @@ pub(crate) struct Scenario {
     pub(crate) deadline: Duration,
     /// The program is one libtest test (each rank must report running it).
     pub(crate) is_libtest: bool,
-    /// Instead of `tensorplay-run`: the program started directly on every host (one process
-    /// each) with these variables, as `srun` or `mpirun` would start it.
-    pub(crate) direct_env: Option<Vec<Vec<(String, String)>>>,
+    /// How each host starts its part of the job.
+    pub(crate) start: Start,
     /// A fault to inject; with a lost host, the scenario passes when every launcher fails in
     /// time and the other hosts name the lost rank.
     pub(crate) fault: Option<Fault>,
+}
+
+/// Variables per host (index: host).
+type HostEnv = Vec<Vec<(String, String)>>;
+
+/// How each host starts its part of a scenario.
+pub(crate) enum Start {
+    /// `tensorplay-run --nnodes K --node-rank h --master-addr 10.0.0.1 --master-port 29500`.
+    Flags,
+    /// `tensorplay-run --nnodes K --node-rank h --rdzv-endpoint 10.0.0.1:29500`.
+    Endpoint,
+    /// `tensorplay-run` without placement flags, under a scheduler's variables, as
+    /// `srun --ntasks-per-node=1 tensorplay-run` or `mpirun --npernode 1 tensorplay-run`
+    /// start it.
+    LauncherUnder(HostEnv),
+    /// The program itself, one process per host, under a scheduler's variables, as
+    /// `srun ./train` or `mpirun ./train` start it.
+    Direct(HostEnv),
 }
 
 /// A started launcher and its output.
@@ -322,7 +339,7 @@ fn run_scenario(
 ) -> Result<(Vec<u64>, Vec<String>), String> {
     let mut launched = Vec::new();
     for h in 0..s.hosts {
-        if let Some(envs) = &s.direct_env {
+        if let Start::Direct(envs) = &s.start {
             let mut c = hosts.command(h, &s.program);
             c.stdin(Stdio::null())
                 .stdout(Stdio::piped())
@@ -350,24 +367,38 @@ fn run_scenario(
         }
         let mut cmd: Vec<String> = vec![
             launcher.display().to_string(),
-            "--nnodes".into(),
+            "--nproc-per-node".into(),
+            s.per_host.to_string(),
+        ];
+        let place = [
+            "--nnodes".to_string(),
             s.hosts.to_string(),
             "--node-rank".into(),
             h.to_string(),
-            "--nproc-per-node".into(),
-            s.per_host.to_string(),
-            "--master-addr".into(),
-            hosts.addr(0),
-            "--master-port".into(),
-            MASTER_PORT.to_string(),
-            "--".into(),
         ];
+        match &s.start {
+            Start::Flags => {
+                cmd.extend(place);
+                cmd.extend(["--master-addr".into(), hosts.addr(0)]);
+                cmd.extend(["--master-port".into(), MASTER_PORT.to_string()]);
+            }
+            Start::Endpoint => {
+                cmd.extend(place);
+                let ep = format!("{}:{MASTER_PORT}", hosts.addr(0));
+                cmd.extend(["--rdzv-endpoint".into(), ep]);
+            }
+            Start::LauncherUnder(_) | Start::Direct(_) => {}
+        }
+        cmd.push("--".into());
         cmd.extend(s.program.iter().cloned());
         let mut c = hosts.command(h, &cmd);
         c.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .env("TENSORPLAY_SPAWN_VERBOSE", "0");
+        if let Start::LauncherUnder(envs) = &s.start {
+            c.envs(envs[h].iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        }
         launched.push(start(c, h)?);
     }
     let start = Instant::now();
@@ -465,6 +496,15 @@ fn run_scenario(
                 "{ran} of {} ranks ran the test (a filter that matched nothing?)\n",
                 s.hosts * s.per_host
             ));
+        } else if let (Start::LauncherUnder(_), Some(h)) = (
+            &s.start,
+            outs.iter()
+                .position(|o| !o.contains("tensorplay-run: under ")),
+        ) {
+            // the launcher must say it placed itself from the scheduler's variables
+            report.push_str(&format!(
+                "host {h}'s launcher did not say it read the scheduler's variables\n"
+            ));
         } else if let Some(h) = sent.iter().position(|&b| b < MIN_CROSS_BYTES) {
             // every host's ranks must have talked across the link, not over a loopback
             report.push_str(&format!(
@@ -559,17 +599,18 @@ fn scenarios(
             program: libtest(multiprocess, "world_size_2"),
             deadline: minutes(3),
             is_libtest: true,
-            direct_env: None,
+            start: Start::Flags,
             fault: None,
         },
         Scenario {
-            name: "collectives, 3 hosts x 1 rank (world_size_3)".into(),
+            name: "collectives, 3 hosts x 1 rank (world_size_3), tensorplay-run --rdzv-endpoint"
+                .into(),
             hosts: 3,
             per_host: 1,
             program: libtest(multiprocess, "world_size_3"),
             deadline: minutes(3),
             is_libtest: true,
-            direct_env: None,
+            start: Start::Endpoint,
             fault: None,
         },
         Scenario {
@@ -579,7 +620,7 @@ fn scenarios(
             program: libtest(multiprocess, "world_size_4_with_subgroups"),
             deadline: minutes(3),
             is_libtest: true,
-            direct_env: None,
+            start: Start::Flags,
             fault: None,
         },
     ];
@@ -592,26 +633,26 @@ fn scenarios(
                 program: libtest(bin, &test),
                 deadline: minutes(3),
                 is_libtest: true,
-                direct_env: None,
+                start: Start::Flags,
                 fault: None,
             });
         }
     }
     // the main job on 2 hosts, under the launcher or started directly with `env`
-    let wine_job = |name: &str, env: Option<Vec<Vec<(String, String)>>>| Scenario {
+    let wine_job = |name: &str, start: Start| Scenario {
         name: name.into(),
         hosts: 2,
         per_host: 1,
         program: vec![wine.display().to_string()],
         deadline: minutes(10),
         is_libtest: false,
-        direct_env: env,
+        start,
         fault: None,
     };
-    v.push(wine_job("wine_distributed, 2 hosts x 1 rank", None));
+    v.push(wine_job("wine_distributed, 2 hosts x 1 rank", Start::Flags));
     // as `srun ./wine_distributed` starts it: Slurm's variables only, MASTER_ADDR from the
     // node list (a hostname), MASTER_PORT from the job id
-    let slurm = (0..2)
+    let slurm: HostEnv = (0..2)
         .map(|h| {
             vec![
                 ("SLURM_PROCID".to_string(), h.to_string()),
@@ -626,10 +667,22 @@ fn scenarios(
         .collect();
     v.push(wine_job(
         "wine_distributed under Slurm's variables (srun), 2 hosts x 1 rank",
-        Some(slurm),
+        Start::Direct(slurm.clone()),
     ));
+    // `srun --ntasks-per-node=1 tensorplay-run --nproc-per-node 2 ...`: the launcher takes
+    // the node count, its node rank and the master from the same variables
+    v.push(Scenario {
+        name: "collectives, 2 hosts x 2 ranks (world_size_4_with_subgroups), srun --ntasks-per-node=1 tensorplay-run (Slurm's variables)".into(),
+        hosts: 2,
+        per_host: 2,
+        program: libtest(multiprocess, "world_size_4_with_subgroups"),
+        deadline: minutes(3),
+        is_libtest: true,
+        start: Start::LauncherUnder(slurm),
+        fault: None,
+    });
     // as `mpirun -x MASTER_ADDR ./wine_distributed` starts it
-    let ompi = (0..2)
+    let ompi: HostEnv = (0..2)
         .map(|h| {
             vec![
                 ("OMPI_COMM_WORLD_RANK".to_string(), h.to_string()),
@@ -642,8 +695,18 @@ fn scenarios(
         .collect();
     v.push(wine_job(
         "wine_distributed under Open MPI's variables (mpirun), 2 hosts x 1 rank",
-        Some(ompi),
+        Start::Direct(ompi.clone()),
     ));
+    v.push(Scenario {
+        name: "collectives, 2 hosts x 1 rank (world_size_2), mpirun --npernode 1 -x MASTER_ADDR tensorplay-run (Open MPI's variables)".into(),
+        hosts: 2,
+        per_host: 1,
+        program: libtest(multiprocess, "world_size_2"),
+        deadline: minutes(3),
+        is_libtest: true,
+        start: Start::LauncherUnder(ompi),
+        fault: None,
+    });
     let faulty = |name: &str, job: &Path, hosts: usize, fault: Fault| Scenario {
         name: name.into(),
         hosts,
@@ -657,7 +720,7 @@ fn scenarios(
         ],
         deadline: minutes(2),
         is_libtest: false,
-        direct_env: None,
+        start: Start::Flags,
         fault: Some(fault),
     };
     // the ring's timeouts cascade: the ranks beside the cut-off one give up first; the
@@ -694,7 +757,7 @@ fn scenarios(
         program: libtest(multiprocess, "world_size_3"),
         deadline: minutes(3),
         is_libtest: true,
-        direct_env: None,
+        start: Start::Flags,
         fault: Some(Fault::Cap(100)),
     });
     v

@@ -4,7 +4,12 @@
 //! tensorplay-run --nproc-per-node 2 target/release/examples/wine_distributed
 //! tensorplay-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \
 //!     --nproc-per-node 4 ./train -- --epochs 10
+//! tensorplay-run --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29500 --nproc-per-node 4 ./train
+//! srun --ntasks-per-node=1 tensorplay-run --nproc-per-node 4 ./train   # Slurm places the node
 //! ```
+//!
+//! Under `srun` or `mpirun` (one launcher per node) the number of nodes, this node's rank and
+//! the master come from the scheduler's variables when the flags are absent (see `node.rs`).
 //!
 //! Each child gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //! `MASTER_PORT` (the `env://` rendezvous of process groups and RPC) and
@@ -23,6 +28,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod node;
+
 use clap::Parser;
 use tensorplay::distributed::recorder;
 use tensorplay::distributed::spawn::blame::{self, Ended, Exit};
@@ -40,18 +47,28 @@ struct Args {
     /// Processes to start on this node (one per GPU, typically).
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
-    /// This node's index in 0..nnodes.
-    #[arg(long, default_value_t = 0)]
-    node_rank: usize,
-    /// Address of the node that runs rank 0 (it hosts the store).
-    #[arg(long, default_value = "127.0.0.1")]
-    master_addr: String,
-    /// Port of the store on the master node; by default a free port (one node only).
+    /// Nodes in the job (default: `SLURM_NNODES` or `OMPI_COMM_WORLD_SIZE` under `srun` or
+    /// `mpirun` with one launcher per node, else 1).
+    #[arg(long)]
+    nnodes: Option<usize>,
+    /// This node's index in 0..nnodes (default: `SLURM_NODEID` or `OMPI_COMM_WORLD_RANK`,
+    /// else 0).
+    #[arg(long)]
+    node_rank: Option<usize>,
+    /// Address of the node that runs rank 0 (it hosts the store). Default: `127.0.0.1`; under
+    /// Slurm `MASTER_ADDR` or the first host of `SLURM_JOB_NODELIST`; under Open MPI
+    /// `MASTER_ADDR`.
+    #[arg(long)]
+    master_addr: Option<String>,
+    /// Port of the store on the master node. Default: a free port (one node only); under
+    /// Slurm `MASTER_PORT` or 20000 + `SLURM_JOB_ID` % 20000; under Open MPI `MASTER_PORT` or
+    /// 29500.
     #[arg(long)]
     master_port: Option<u16>,
+    /// The master's `HOST[:PORT]` in one flag, as torchrun spells it (port 29400 when absent;
+    /// IPv6 in brackets). Instead of --master-addr and --master-port.
+    #[arg(long)]
+    rdzv_endpoint: Option<String>,
     /// Seconds between SIGTERM and SIGKILL when the other children are stopped.
     #[arg(long, default_value_t = 5)]
     kill_grace: u64,
@@ -133,29 +150,48 @@ fn signal(child: &Child, sig: libc::c_int) {
 }
 
 fn run(args: Args) -> Result<(), String> {
-    if args.nproc_per_node == 0 || args.nnodes == 0 {
+    let flags = node::Flags {
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr.clone(),
+        master_port: args.master_port,
+        rdzv_endpoint: args.rdzv_endpoint.clone(),
+    };
+    let node = node::resolve(&flags, &|v| std::env::var(v).ok())?;
+    if args.nproc_per_node == 0 || node.nnodes == 0 {
         return Err("--nproc-per-node and --nnodes must be at least 1".into());
     }
-    if args.node_rank >= args.nnodes {
+    if node.node_rank >= node.nnodes {
         return Err(format!(
             "--node-rank {} is outside 0..{} (--nnodes)",
-            args.node_rank, args.nnodes
+            node.node_rank, node.nnodes
         ));
     }
-    let port = match args.master_port {
+    let port = match node.master_port {
         Some(p) => p,
         // below the ephemeral range, so no connection takes it before rank 0 binds it
-        None if args.nnodes == 1 => tensorplay_collectives::rendezvous::free_port()
-            .map_err(|e| format!("finding a free port on {}: {e}", args.master_addr))?,
-        None => return Err("--master-port is required with several nodes".into()),
+        None if node.nnodes == 1 => tensorplay_collectives::rendezvous::free_port()
+            .map_err(|e| format!("finding a free port on {}: {e}", node.master_addr))?,
+        None => {
+            return Err(
+                "--master-port (or --rdzv-endpoint HOST:PORT) is required with several nodes"
+                    .into(),
+            );
+        }
     };
-    let world = args.nnodes * args.nproc_per_node;
+    if let Some(s) = &node.scheduler {
+        eprintln!(
+            "tensorplay-run: under {s}: node {} of {}, master {}:{port}",
+            node.node_rank, node.nnodes, node.master_addr
+        );
+    }
+    let world = node.nnodes * args.nproc_per_node;
     // where the ranks write their flight recorders (the default folder is this job's: a stale
     // one from an earlier job on the same port goes)
     let fr_dir = match std::env::var_os(recorder::FR_DIR_ENV) {
         Some(d) => std::path::PathBuf::from(d),
         None => {
-            let d = recorder::job_dump_dir(&args.master_addr, &port.to_string());
+            let d = recorder::job_dump_dir(&node.master_addr, &port.to_string());
             let _ = std::fs::remove_dir_all(&d);
             d
         }
@@ -171,15 +207,15 @@ fn run(args: Args) -> Result<(), String> {
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let mut streams = 0usize;
     for (local, tail) in tails.iter().enumerate() {
-        let rank = args.node_rank * args.nproc_per_node + local;
+        let rank = node.node_rank * args.nproc_per_node + local;
         let mut cmd = Command::new(&args.command[0]);
         cmd.args(&args.command[1..])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
-            .env("GROUP_RANK", args.node_rank.to_string())
-            .env("MASTER_ADDR", &args.master_addr)
+            .env("GROUP_RANK", node.node_rank.to_string())
+            .env("MASTER_ADDR", &node.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("TENSORPLAY_RUN", "1")
             .stdin(Stdio::null())
@@ -280,7 +316,7 @@ fn run(args: Args) -> Result<(), String> {
             break;
         }
     }
-    let base = args.node_rank * args.nproc_per_node;
+    let base = node.node_rank * args.nproc_per_node;
     for e in &mut exits {
         let t = tails[e.rank - base]
             .lock()
