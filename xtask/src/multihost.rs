@@ -585,6 +585,7 @@ fn libtest(bin: &Path, test: &str) -> Vec<String> {
 /// The scenarios: the project's multi-process tests with their ranks spread over the hosts.
 fn scenarios(
     multiprocess: &Path,
+    conformance: &Path,
     rpc: &[(String, PathBuf)],
     wine: &Path,
     fault_loop: &Path,
@@ -624,6 +625,24 @@ fn scenarios(
             fault: None,
         },
     ];
+    // the functional collectives' conformance vectors (each rank judges its own records)
+    for (test, hosts, per_host) in [
+        ("functional_world_2", 2, 1),
+        ("functional_subgroup_world_3", 3, 1),
+        ("generated_world_3", 3, 1),
+        ("generated_world_4", 2, 2),
+    ] {
+        v.push(Scenario {
+            name: format!("conformance vectors {test}, {hosts} hosts x {per_host} rank(s)"),
+            hosts,
+            per_host,
+            program: libtest(conformance, test),
+            deadline: minutes(5),
+            is_libtest: true,
+            start: Start::Flags,
+            fault: None,
+        });
+    }
     for (file, bin) in rpc {
         for (test, world) in list_tests(bin) {
             v.push(Scenario {
@@ -803,72 +822,71 @@ pub(crate) fn test_multihost(filter: Option<&str>) -> Result<(), String> {
         eprintln!("test-multihost: interrupted; the simulated hosts were removed");
         std::process::exit(130);
     });
-    let launcher = executables(
-        &["build", "-p", "tensorplay", "--bin", "tensorplay-run"],
-        &["tensorplay-run"],
-    )?;
-    let multiprocess = executables(
+    // `--workspace`, as `cargo test --workspace` builds them: the same features, so nothing
+    // is compiled twice in CI
+    let tests = executables(
         &[
             "test",
-            "-p",
-            "tensorplay-collectives",
+            "--workspace",
+            "--no-run",
             "--test",
             "multiprocess",
-            "--no-run",
-        ],
-        &["multiprocess"],
-    )?;
-    let rpc = executables(
-        &[
-            "test",
-            "-p",
-            "tensorplay-rpc",
             "--test",
             "rpc",
             "--test",
             "rref",
             "--test",
             "dist_autograd",
-            "--no-run",
+            "--test",
+            "vectors",
         ],
-        &["rpc", "rref", "dist_autograd"],
+        &["multiprocess", "rpc", "rref", "dist_autograd", "vectors"],
     )?;
-    let wine = executables(
-        &["build", "-p", "tensorplay", "--example", "wine_distributed"],
-        &["wine_distributed"],
-    )?;
-    let jobs = executables(
+    let bins = executables(
         &[
             "build",
-            "-p",
-            "tensorplay-collectives",
-            "-p",
-            "tensorplay-rpc",
+            "--workspace",
+            "--bin",
+            "tensorplay-run",
+            "--example",
+            "wine_distributed",
             "--example",
             "fault_loop",
             "--example",
             "rpc_fault_loop",
         ],
-        &["fault_loop", "rpc_fault_loop"],
+        &[
+            "tensorplay-run",
+            "wine_distributed",
+            "fault_loop",
+            "rpc_fault_loop",
+        ],
     )?;
-    let job = |name: &str| jobs.iter().find(|(n, _)| n == name).map(|(_, p)| p);
-    let (
-        Some((_, launcher)),
-        Some((_, multiprocess)),
-        Some((_, wine)),
-        Some(fault_loop),
-        Some(rpc_fault_loop),
-    ) = (
-        launcher.first(),
-        multiprocess.first(),
-        wine.first(),
-        job("fault_loop"),
-        job("rpc_fault_loop"),
-    )
-    else {
-        return Err("cargo did not report the harness's binaries".into());
+    let find = |list: &[(String, PathBuf)], name: &str| {
+        list.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, p)| p.clone())
+            .ok_or_else(|| format!("cargo did not report the harness's executable {name}"))
     };
-    let mut all = scenarios(multiprocess, &rpc, wine, fault_loop, rpc_fault_loop);
+    let launcher = &find(&bins, "tensorplay-run")?;
+    let multiprocess = &find(&tests, "multiprocess")?;
+    let conformance = &find(&tests, "vectors")?;
+    let wine = &find(&bins, "wine_distributed")?;
+    let fault_loop = &find(&bins, "fault_loop")?;
+    let rpc_fault_loop = &find(&bins, "rpc_fault_loop")?;
+    let rpc: Vec<(String, PathBuf)> = tests
+        .iter()
+        .filter(|(n, _)| ["rpc", "rref", "dist_autograd"].contains(&n.as_str()))
+        .cloned()
+        .collect();
+    let mut all = scenarios(
+        multiprocess,
+        conformance,
+        &rpc,
+        wine,
+        fault_loop,
+        rpc_fault_loop,
+    );
     if let Some(f) = filter {
         all.retain(|s| s.name.contains(f));
     }

@@ -475,9 +475,21 @@ fn run_world(cases: &[Case], w: usize, opts: &RunOptions, dir: &Path) -> dist::R
 }
 
 /// One rank of world `w`: every case of the world, in order.
+///
+/// Started by [`run_file`]'s `spawn`, it writes its outcomes to the results folder for the
+/// parent to summarize. Under `tensorplay-run` (`spawn` joined the launcher's job, possibly
+/// across hosts, and there is no parent and no shared folder) it judges its own records
+/// instead: it prints `conformance: rank R: N passed, M failed` and every failing record, and
+/// fails (so its launcher exits non-zero) when any record failed.
 fn worker(rank: usize, w: usize, cases: &[&Case], opts: &RunOptions) -> dist::Result<()> {
-    let dir = PathBuf::from(std::env::var(OUT_ENV).unwrap_or_default());
-    let mut out = fs::File::create(dir.join(format!("world{w}-rank{rank}.jsonl")))?;
+    let mut out: Box<dyn Write> = match std::env::var_os(OUT_ENV) {
+        Some(dir) => Box::new(fs::File::create(
+            PathBuf::from(dir).join(format!("world{w}-rank{rank}.jsonl")),
+        )?),
+        None => Box::new(std::io::sink()),
+    };
+    let joined = std::env::var_os(OUT_ENV).is_none();
+    let (mut passed, mut failures) = (0usize, Vec::new());
     tensorplay_nccl::register();
     dist::init_process_group(
         &opts.backend,
@@ -510,10 +522,37 @@ fn worker(rank: usize, w: usize, cases: &[&Case], opts: &RunOptions) -> dist::Re
         };
         writeln!(out, "{}", result_line(&c.label, rank, &outcome))?;
         out.flush()?;
+        match &outcome {
+            Outcome::Pass => passed += 1,
+            Outcome::Differs(d) => failures.push(format!("FAIL {} rank {rank} {d}", c.label)),
+            Outcome::Error(e) => failures.push(format!("FAIL {} rank {rank}: error: {e}", c.label)),
+        }
     }
     // rank 0 hosts the store: nobody leaves while others may still need it
     dist::barrier(None)?;
-    dist::destroy_process_group()
+    dist::destroy_process_group()?;
+    if joined {
+        println!(
+            "conformance: rank {rank}: {passed} passed, {} failed",
+            failures.len()
+        );
+        for f in &failures {
+            println!("{f}");
+        }
+        // a rank outside every case's group has no records (rank 0 of a file about the
+        // subgroup {1, 2}); one with records must have judged them all
+        let records = cases
+            .iter()
+            .filter(|c| c.records.iter().any(|r| r.rank == rank))
+            .count();
+        if !failures.is_empty() || passed != records {
+            return Err(dist::Error::Io(format!(
+                "conformance: rank {rank}: {} of {records} records failed",
+                records - passed
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn result_line(case: &str, rank: usize, o: &Outcome) -> String {
