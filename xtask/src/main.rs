@@ -10,7 +10,8 @@
 //!   for a GPU machine without a toolchain, or built and run here (see `gpu_check.rs`).
 //! - `conformance --vectors FILE [--backend nccl]`: runs a conformance vectors file against the
 //!   differentiable collectives (`crates/tensorplay-conformance`).
-//! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's.
+//! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's
+//!   (`--hosts K`: across K simulated hosts, next to one host's).
 //! - `bench-ddp`: one `DistributedDataParallel` training step (our `bench_ddp` example, cpu
 //!   backend) and PyTorch's `torch_ddp_step.py` (DDP over gloo) in the same run, alternately for
 //!   `--rounds` rounds; prints both sides' local step, DDP step and overhead with the median
@@ -120,6 +121,14 @@ enum Cmd {
         /// Largest size in MiB.
         #[arg(long, default_value_t = 64)]
         max_mib: usize,
+        /// Instead: the table with its ranks spread over this many simulated hosts (network
+        /// namespaces, TCP over veth between them; needs root), next to one host's with the
+        /// same number of ranks. 0: one host, next to PyTorch gloo.
+        #[arg(long, default_value_t = 0)]
+        hosts: usize,
+        /// Ranks per simulated host (with --hosts).
+        #[arg(long, default_value_t = 1)]
+        per_host: usize,
         /// Instead: the flight recorder's cost, this many rounds alternating
         /// `TENSORPLAY_FR_BUFFER_SIZE=0` and the default (4 KiB collectives, 20000 calls each, best round each).
         #[arg(long, default_value_t = 0)]
@@ -1082,6 +1091,12 @@ fn main() -> ExitCode {
         Cmd::BenchCollectives {
             world, fr_rounds, ..
         } if fr_rounds > 0 => bench_flight_recorder(world, fr_rounds),
+        Cmd::BenchCollectives {
+            hosts,
+            per_host,
+            max_mib,
+            ..
+        } if hosts > 0 => multihost::bench_hosts(hosts, per_host, max_mib),
         Cmd::BenchCollectives {
             anchor,
             world,

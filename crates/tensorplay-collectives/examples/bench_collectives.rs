@@ -3,6 +3,8 @@
 //! compared line by line (`cargo xtask bench-collectives` runs both).
 //!
 //! Usage: `cargo run --release -p tensorplay-collectives --example bench_collectives [world] [max_mib]`
+//! (or one process per rank under `tensorplay-run`, which `cargo xtask bench-collectives
+//! --hosts 2` does on simulated hosts).
 //!
 //! The size is the per-rank tensor for all_reduce and broadcast, and the whole gathered output
 //! (world x per-rank chunk) for all_gather and the whole input for reduce_scatter;
@@ -68,12 +70,18 @@ fn run(rank: usize, world: usize, max_mib: usize) -> R {
                 _ => (world - 1) as f64 / world as f64,
             };
             if rank == 0 {
-                // the children's output is captured by spawn: rank 0 reports through a file
+                // the children's output is captured by spawn: rank 0 reports through a file;
+                // under tensorplay-run (several hosts: `cargo xtask bench-collectives
+                // --hosts 2`) it prints the line, which the launcher forwards
                 let line = format!(
                     "tensorplay-cpu {name:15} {nbytes:>10} B  {:10.2} us  algbw {algbw:7.3} GB/s  busbw {:7.3} GB/s\n",
                     dt * 1e6,
                     algbw * f
                 );
+                if std::env::var_os("TENSORPLAY_RUN").is_some_and(|v| v == "1") {
+                    print!("{line}");
+                    continue;
+                }
                 use std::io::Write;
                 std::fs::OpenOptions::new()
                     .create(true)
