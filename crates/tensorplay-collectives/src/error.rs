@@ -134,6 +134,39 @@ impl Error {
     }
 }
 
+impl Error {
+    /// This error with `note` appended to the detail of a [`Error::Timeout`] or an
+    /// [`Error::PeerFailed`] (what a failure report or a flight-recorder dump adds); other
+    /// errors unchanged.
+    pub(crate) fn with_note(self, note: &str) -> Self {
+        match self {
+            Error::Timeout {
+                op,
+                rank,
+                timeout,
+                detail,
+            } => Error::Timeout {
+                op,
+                rank,
+                timeout,
+                detail: detail + note,
+            },
+            Error::PeerFailed {
+                rank,
+                peer,
+                op,
+                detail,
+            } => Error::PeerFailed {
+                rank,
+                peer,
+                op,
+                detail: detail + note,
+            },
+            other => other,
+        }
+    }
+}
+
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::Io(e.to_string())

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::hosts::{Hosts, is_root};
-use super::run::{MASTER_PORT, RUNNING, signal, start};
+use super::run::{MASTER_PORT, outputs, signal, start};
 
 /// One line of `bench_collectives`: (collective, bytes) -> (us, busbw GB/s).
 type Row = ((String, u64), (f64, f64));
@@ -135,14 +135,7 @@ pub(crate) fn bench_hosts(hosts: usize, per_host: usize, max_mib: usize) -> Resu
                 }
             }
         }
-        RUNNING.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        let outs: Vec<String> = launched
-            .into_iter()
-            .map(|l| {
-                let _ = l.out.join();
-                std::mem::take(&mut *l.seen.lock().unwrap_or_else(|e| e.into_inner()))
-            })
-            .collect();
+        let outs = outputs(launched);
         if !ok {
             return Err(format!(
                 "bench_collectives across hosts failed:\n{}",

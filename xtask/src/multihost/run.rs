@@ -87,6 +87,18 @@ pub(crate) fn signal(child: &Child, sig: &str) {
         .status();
 }
 
+/// The whole output of each ended launcher (no longer running).
+pub(crate) fn outputs(launched: Vec<Launched>) -> Vec<String> {
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    launched
+        .into_iter()
+        .map(|l| {
+            let _ = l.out.join();
+            std::mem::take(&mut *l.seen.lock().unwrap_or_else(|e| e.into_inner()))
+        })
+        .collect()
+}
+
 /// Starts `c` (on host `h`), collecting its output.
 pub(crate) fn start(mut c: Command, h: usize) -> Result<Launched, String> {
     let mut child = c
@@ -223,14 +235,7 @@ pub(crate) fn run_scenario(
         std::thread::sleep(Duration::from_millis(50));
     }
     let ended = injected.map(|t| t.elapsed());
-    let outs: Vec<String> = launched
-        .into_iter()
-        .map(|l| {
-            let _ = l.out.join();
-            std::mem::take(&mut *l.seen.lock().unwrap_or_else(|e| e.into_inner()))
-        })
-        .collect();
-    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    let outs = outputs(launched);
     let sent: Vec<u64> = (0..s.hosts).map(|h| hosts.bytes_from(h)).collect();
     let mut report = String::new();
     if let Some(Fault::LinkDown(lost) | Fault::KillHost(lost) | Fault::Blackhole(lost)) = s.fault {

@@ -41,7 +41,7 @@ pub(crate) fn attribute(g: &ProcessGroup, e: Error) -> Error {
     let grace = grace(g.timeout());
     let reports = exchange(g.store().clone(), me, line, g.size(), grace);
     let note = conclude(g.ranks(), me, reports.as_deref(), grace);
-    append(e, &note)
+    e.with_note(&note)
 }
 
 /// Posts this member's report and collects every report posted within `grace` (stopping
@@ -135,34 +135,6 @@ pub(crate) fn conclude(
         "; lost: {} (no failure report within {grace:?}: dead, cut off, or not in this collective){first}",
         names.join(", ")
     )
-}
-
-fn append(e: Error, note: &str) -> Error {
-    match e {
-        Error::Timeout {
-            op,
-            rank,
-            timeout,
-            detail,
-        } => Error::Timeout {
-            op,
-            rank,
-            timeout,
-            detail: detail + note,
-        },
-        Error::PeerFailed {
-            rank,
-            peer,
-            op,
-            detail,
-        } => Error::PeerFailed {
-            rank,
-            peer,
-            op,
-            detail: detail + note,
-        },
-        other => other,
-    }
 }
 
 #[cfg(test)]

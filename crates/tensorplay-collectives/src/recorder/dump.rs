@@ -198,31 +198,7 @@ pub(crate) fn on_failure(e: Error) -> Error {
         path.display(),
         dump_dir().display()
     );
-    match e {
-        Error::Timeout {
-            op,
-            rank,
-            timeout,
-            detail,
-        } => Error::Timeout {
-            op,
-            rank,
-            timeout,
-            detail: detail + &note,
-        },
-        Error::PeerFailed {
-            rank,
-            peer,
-            op,
-            detail,
-        } => Error::PeerFailed {
-            rank,
-            peer,
-            op,
-            detail: detail + &note,
-        },
-        other => other,
-    }
+    e.with_note(&note)
 }
 
 /// The id of this process's job, agreed at `init_process_group` (see [`agree_job_id`]).
