@@ -12,7 +12,14 @@ fn launcher() -> Command {
 fn every_rank_gets_its_environment_and_a_prefix() {
     let out = launcher()
         .args(["--nproc-per-node", "3", "--node-rank", "1", "--nnodes", "2"])
-        .args(["--master-port", "29999", "sh", "-c"])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29999",
+            "sh",
+            "-c",
+        ])
         .arg("echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT")
         .output()
         .expect("runs");

@@ -161,12 +161,6 @@ fn run(args: Args) -> Result<(), String> {
     if args.nproc_per_node == 0 || node.nnodes == 0 {
         return Err("--nproc-per-node and --nnodes must be at least 1".into());
     }
-    if node.node_rank >= node.nnodes {
-        return Err(format!(
-            "--node-rank {} is outside 0..{} (--nnodes)",
-            node.node_rank, node.nnodes
-        ));
-    }
     let port = match node.master_port {
         Some(p) => p,
         // below the ephemeral range, so no connection takes it before rank 0 binds it
@@ -179,6 +173,9 @@ fn run(args: Args) -> Result<(), String> {
             );
         }
     };
+    if let Some(n) = &node.note {
+        eprintln!("tensorplay-run: {n}");
+    }
     if let Some(s) = &node.scheduler {
         eprintln!(
             "tensorplay-run: under {s}: node {} of {}, master {}:{port}",

@@ -37,6 +37,8 @@ pub(crate) struct Node {
     /// Which scheduler the values came from, for the launcher's first line (`None`: flags
     /// and defaults only).
     pub(crate) scheduler: Option<String>,
+    /// A remark for the launcher's first line (an `salloc` shell taken for one node).
+    pub(crate) note: Option<String>,
 }
 
 /// `HOST[:PORT]` as torchrun's `--rdzv-endpoint` takes it (IPv6 in brackets:
@@ -156,12 +158,33 @@ pub(crate) fn resolve(flags: &Flags, get: &dyn Fn(&str) -> Option<String>) -> Re
             ));
         }
     }
+    if node_rank >= nnodes {
+        return Err(format!(
+            "--node-rank {node_rank} is outside 0..{nnodes} (--nnodes){}",
+            scheduler.map_or(String::new(), |s| format!(
+                " (node rank and count from {s})"
+            ))
+        ));
+    }
+    if master_addr.is_none() && nnodes > 1 {
+        return Err(
+            "several nodes need the master's address: pass --master-addr HOST (with --master-port) or --rdzv-endpoint HOST:PORT; 127.0.0.1 would reach only this node"
+                .into(),
+        );
+    }
+    let note = (scheduler.is_none()
+        && flags.nnodes.is_none()
+        && get("SLURM_NNODES").is_some_and(|n| n.trim() != "1"))
+    .then(|| {
+        "SLURM_NNODES is set but this is not a task of srun (no SLURM_PROCID): a one-node job; for several nodes run `srun --ntasks-per-node=1 tensorplay-run ...`".to_string()
+    });
     Ok(Node {
         nnodes,
         node_rank,
         master_addr: master_addr.unwrap_or_else(|| "127.0.0.1".into()),
         master_port,
         scheduler: scheduler.map(str::to_string),
+        note,
     })
 }
 
@@ -254,6 +277,7 @@ mod tests {
                 master_addr: "gpu07".into(),
                 master_port: Some(23456), // 20000 + 123456 % 20000
                 scheduler: Some("Slurm".into()),
+                note: None,
             }
         );
         // MASTER_ADDR/MASTER_PORT exported in the batch script win over the derived ones
@@ -290,6 +314,27 @@ mod tests {
         let n = resolve(&Flags::default(), &vars).unwrap();
         assert_eq!((n.nnodes, n.master_addr.as_str()), (1, "127.0.0.1"));
         assert_eq!(n.scheduler, None);
+        assert!(n.note.is_some_and(|t| t.contains("not a task of srun")));
+    }
+
+    #[test]
+    fn several_nodes_without_a_master_address_are_refused() {
+        let flags = Flags {
+            nnodes: Some(2),
+            node_rank: Some(1),
+            master_port: Some(29500),
+            ..Flags::default()
+        };
+        let e = resolve(&flags, &env(&[])).unwrap_err();
+        assert!(
+            e.contains("--master-addr") && e.contains("--rdzv-endpoint"),
+            "{e}"
+        );
+        let flags = Flags {
+            master_addr: Some("10.0.0.1".into()),
+            ..flags
+        };
+        assert_eq!(resolve(&flags, &env(&[])).unwrap().master_addr, "10.0.0.1");
     }
 
     #[test]
