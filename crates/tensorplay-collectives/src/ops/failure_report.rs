@@ -8,8 +8,9 @@
 //! cascade from the first failure reaches every connected rank within milliseconds) for the
 //! others' reports. The members that did not report in that time are the ones lost (dead,
 //! cut off, or stuck outside the collective); the error names them, with the first report.
-//! A member that cannot reach the store within the grace says so: it is likely the one cut
-//! off. Groups of two need none of this: the only peer is already named.
+//! A member whose store (served by rank 0) does not answer says so: it is cut off from rank
+//! 0, or rank 0 is stopped or lost. Rank 0 stays until every reporter has read the reports,
+//! so that its exit does not take them away. Groups of two need none of this: the only peer is already named.
 //!
 //! Store keys (under the group's prefix): `fail/n` counts the reports, `fail/<k>` holds the
 //! k-th as `<global rank>|<first line of its error>`.
@@ -40,13 +41,18 @@ pub(crate) fn attribute(g: &ProcessGroup, e: Error) -> Error {
     let line = line.lines().next().unwrap_or("").to_string();
     let grace = grace(g.timeout());
     let reports = exchange(g.store().clone(), me, line, g.size(), grace);
-    let note = conclude(g.ranks(), me, reports.as_deref(), grace);
+    let note = conclude(
+        g.ranks(),
+        me,
+        reports.as_deref().map_err(String::as_str),
+        grace,
+    );
     e.with_note(&note)
 }
 
 /// Posts this member's report and collects every report posted within `grace` (stopping
-/// early once all `size` members reported), on a thread of its own: `None` when the store
-/// could not be reached in time (a cut-off host's store calls hang until the store's own
+/// early once all `size` members reported), on a thread of its own: `Err` when the store
+/// failed or did not answer in time (a cut-off host's store calls hang until the store's own
 /// timeout).
 fn exchange(
     store: Arc<dyn Store>,
@@ -54,67 +60,77 @@ fn exchange(
     line: String,
     size: usize,
     grace: Duration,
-) -> Option<Vec<(usize, String)>> {
+) -> Result<Vec<(usize, String)>, String> {
     let deadline = Instant::now() + grace;
     let (tx, rx) = std::sync::mpsc::channel();
-    let spawned = std::thread::Builder::new()
+    std::thread::Builder::new()
         .name("tensorplay-failure-report".into())
         .spawn(move || {
-            let _ = tx.send(post_and_collect(&*store, me, &line, size, deadline));
-        });
-    spawned.ok()?;
+            let r = post_and_collect(&*store, me, &line, size, deadline).map_err(|e| e.to_string());
+            let _ = tx.send(r);
+        })
+        .map_err(|e| format!("could not start the report thread: {e}"))?;
     // the store's answers may lag the deadline a little
     rx.recv_timeout(grace + Duration::from_millis(500))
-        .ok()
-        .flatten()
+        .map_err(|_| format!("did not answer within {grace:?}"))?
 }
 
+/// Posts this member's report, waits until `deadline` (or every member reported), reads the
+/// reports. Global rank 0 serves the store: it then stays until every reporter has read them
+/// (or a little past the deadline), so that its exit does not take the reports away.
 fn post_and_collect(
     store: &dyn Store,
     me: usize,
     line: &str,
     size: usize,
     deadline: Instant,
-) -> Option<Vec<(usize, String)>> {
-    let k = store.add("fail/n", 1).ok()?;
-    store
-        .set(&format!("fail/{k}"), format!("{me}|{line}").as_bytes())
-        .ok()?;
+) -> crate::Result<Vec<(usize, String)>> {
+    let k = store.add("fail/n", 1)?;
+    store.set(&format!("fail/{k}"), format!("{me}|{line}").as_bytes())?;
     let mut n = k;
     while n < size as i64 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
-        n = store.add("fail/n", 0).ok()?;
+        n = store.add("fail/n", 0)?;
     }
     let mut reports = Vec::new();
     for i in 1..=n {
         let key = format!("fail/{i}");
         // a report counted but not written yet is left out
-        if !store.check(&[&key]).unwrap_or(false) {
+        if !store.check(&[&key])? {
             continue;
         }
-        let Ok(v) = store.get(&key) else { continue };
-        let v = String::from_utf8_lossy(&v).into_owned();
+        let v = String::from_utf8_lossy(&store.get(&key)?).into_owned();
         if let Some((r, l)) = v.split_once('|')
             && let Ok(r) = r.parse()
         {
             reports.push((r, l.to_string()));
         }
     }
-    Some(reports)
+    store.add("fail/read", 1)?;
+    if me == 0 {
+        let until = deadline + Duration::from_millis(300);
+        while store.add("fail/read", 0)? < store.add("fail/n", 0)? && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    Ok(reports)
 }
 
 /// The sentence added to the error of member `me` of the group of global `ranks`, given the
-/// reports in posting order (`None`: the store was not reached within `grace`).
+/// reports in posting order, or why the store could not give them.
 pub(crate) fn conclude(
     ranks: &[usize],
     me: usize,
-    reports: Option<&[(usize, String)]>,
+    reports: Result<&[(usize, String)], &str>,
     grace: Duration,
 ) -> String {
-    let Some(reports) = reports else {
-        return format!(
-            "; the group's store could not be reached within {grace:?} to compare failure reports: this rank is likely the one cut off"
-        );
+    let reports = match reports {
+        Ok(r) => r,
+        Err(why) => {
+            return format!(
+                "; the group's store (served by rank 0) {why}, so failure reports could not be compared: this rank is cut off from rank 0, or rank 0 is stopped or lost"
+            );
+        }
     };
     let lost: Vec<usize> = ranks
         .iter()
@@ -150,7 +166,7 @@ mod tests {
             (2, "all_reduce timed out waiting for rank 1".to_string()),
             (0, "connection to rank 2 failed".to_string()),
         ];
-        let s = conclude(&[0, 1, 2], 0, Some(&reports), G);
+        let s = conclude(&[0, 1, 2], 0, Ok(&reports), G);
         assert!(s.contains("lost: rank 1 (no failure report"), "{s}");
         assert!(
             s.contains("the first report: rank 2: all_reduce timed out"),
@@ -158,12 +174,12 @@ mod tests {
         );
         // a subgroup: only its members count, by global rank
         let reports = vec![(2, "rank 2: connection to rank 1 failed".to_string())];
-        let s = conclude(&[0, 1, 2], 0, Some(&reports), G);
+        let s = conclude(&[0, 1, 2], 0, Ok(&reports), G);
         assert!(
             s.ends_with("; the first report: rank 2: connection to rank 1 failed"),
             "{s}"
         );
-        let s = conclude(&[3, 5, 7], 5, Some(&[(5, "x".into())]), G);
+        let s = conclude(&[3, 5, 7], 5, Ok(&[(5, "x".into())]), G);
         assert!(s.contains("lost: rank 3, rank 7"), "{s}");
         assert!(!s.contains("first report"), "{s}");
     }
@@ -171,13 +187,16 @@ mod tests {
     #[test]
     fn every_member_reporting_names_nobody_and_an_unreachable_store_says_so() {
         let reports = vec![(1, "a".to_string()), (0, "b".into()), (2, "c".into())];
-        let s = conclude(&[0, 1, 2], 0, Some(&reports), G);
+        let s = conclude(&[0, 1, 2], 0, Ok(&reports), G);
         assert_eq!(
             s,
             "; every member of the group reported a failure; the first report: rank 1: a"
         );
-        let s = conclude(&[0, 1, 2], 1, None, G);
-        assert!(s.contains("likely the one cut off"), "{s}");
+        let s = conclude(&[0, 1, 2], 1, Err("did not answer within 100ms"), G);
+        assert!(
+            s.contains("did not answer") && s.contains("cut off from rank 0"),
+            "{s}"
+        );
     }
 
     #[test]

@@ -118,6 +118,12 @@ pub(crate) fn resolve(flags: &Flags, get: &dyn Fn(&str) -> Option<String>) -> Re
             ));
         }
         let rank = number(get, "SLURM_NODEID")?;
+        if rank.is_none() && flags.node_rank.is_none() && nn > 1 {
+            return Err(
+                "under Slurm with several nodes SLURM_NODEID must be set (or pass --node-rank)"
+                    .into(),
+            );
+        }
         (Some("Slurm"), Some(nn), rank)
     } else if let Some(size) = ompi {
         let local = number(get, "OMPI_COMM_WORLD_LOCAL_SIZE")?;
@@ -127,11 +133,11 @@ pub(crate) fn resolve(flags: &Flags, get: &dyn Fn(&str) -> Option<String>) -> Re
                 local.unwrap_or(0)
             ));
         }
-        (
-            Some("Open MPI"),
-            Some(size),
-            number(get, "OMPI_COMM_WORLD_RANK")?,
-        )
+        let rank = number(get, "OMPI_COMM_WORLD_RANK")?;
+        if rank.is_none() && flags.node_rank.is_none() && size > 1 {
+            return Err("under Open MPI with several launchers OMPI_COMM_WORLD_RANK must be set (or pass --node-rank)".into());
+        }
+        (Some("Open MPI"), Some(size), rank)
     } else {
         (None, None, None)
     };
@@ -157,6 +163,15 @@ pub(crate) fn resolve(flags: &Flags, get: &dyn Fn(&str) -> Option<String>) -> Re
                 scheduler.unwrap_or_default()
             ));
         }
+    }
+    if nnodes == 0 {
+        return Err("--nnodes (or SLURM_NNODES / OMPI_COMM_WORLD_SIZE) must be at least 1".into());
+    }
+    if master_addr.as_deref().is_some_and(|a| a.trim().is_empty()) {
+        return Err(
+            "the master's address is empty (--master-addr, --rdzv-endpoint or MASTER_ADDR): expected a host name or IP address"
+                .into(),
+        );
     }
     if node_rank >= nnodes {
         return Err(format!(
@@ -315,6 +330,34 @@ mod tests {
         assert_eq!((n.nnodes, n.master_addr.as_str()), (1, "127.0.0.1"));
         assert_eq!(n.scheduler, None);
         assert!(n.note.is_some_and(|t| t.contains("not a task of srun")));
+    }
+
+    #[test]
+    fn missing_or_empty_values_are_named() {
+        let vars = env(&[("OMPI_COMM_WORLD_SIZE", "2"), ("MASTER_ADDR", "10.0.0.1")]);
+        let e = resolve(&Flags::default(), &vars).unwrap_err();
+        assert!(e.contains("OMPI_COMM_WORLD_RANK"), "{e}");
+        let vars = env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NNODES", "2"),
+            ("MASTER_ADDR", "x"),
+        ]);
+        let e = resolve(&Flags::default(), &vars).unwrap_err();
+        assert!(e.contains("SLURM_NODEID"), "{e}");
+        let vars = env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_NODEID", "0"),
+            ("MASTER_ADDR", " "),
+        ]);
+        let e = resolve(&Flags::default(), &vars).unwrap_err();
+        assert!(e.contains("MASTER_ADDR"), "{e}");
+        let flags = Flags {
+            nnodes: Some(0),
+            ..Flags::default()
+        };
+        let e = resolve(&flags, &env(&[])).unwrap_err();
+        assert!(e.contains("at least 1"), "{e}");
     }
 
     #[test]
