@@ -157,12 +157,6 @@ pub(crate) fn resolve(flags: &Flags, get: &dyn Fn(&str) -> Option<String>) -> Re
                 })
                 .transpose()?;
         }
-        if master_addr.is_none() && nnodes > 1 {
-            return Err(format!(
-                "under {}, several nodes need the master's address: set MASTER_ADDR (`mpirun -x MASTER_ADDR=...`) or pass --master-addr or --rdzv-endpoint",
-                scheduler.unwrap_or_default()
-            ));
-        }
     }
     if nnodes == 0 {
         return Err("--nnodes (or SLURM_NNODES / OMPI_COMM_WORLD_SIZE) must be at least 1".into());
@@ -182,10 +176,13 @@ pub(crate) fn resolve(flags: &Flags, get: &dyn Fn(&str) -> Option<String>) -> Re
         ));
     }
     if master_addr.is_none() && nnodes > 1 {
-        return Err(
-            "several nodes need the master's address: pass --master-addr HOST (with --master-port) or --rdzv-endpoint HOST:PORT; 127.0.0.1 would reach only this node"
-                .into(),
-        );
+        // under a scheduler, MASTER_ADDR (or Slurm's node list) was looked up already
+        let env = scheduler.map_or(String::new(), |s| {
+            format!(", or set MASTER_ADDR (under {s})")
+        });
+        return Err(format!(
+            "several nodes need the master's address: pass --master-addr HOST (with --master-port) or --rdzv-endpoint HOST:PORT{env}; 127.0.0.1 would reach only this node"
+        ));
     }
     let note = (scheduler.is_none()
         && flags.nnodes.is_none()
