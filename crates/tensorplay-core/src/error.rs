@@ -120,6 +120,15 @@ pub enum Error {
         /// What to do instead.
         hint: String,
     },
+    /// A checkpoint file could not be written or read: an I/O error, a file that is not
+    /// safetensors, a truncated or corrupt one, or one that does not hold what was asked for.
+    #[error("checkpoint {path}: {problem}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What is wrong with it, or the I/O error.
+        problem: String,
+    },
     /// An autograd error: backward through freed graph, a saved tensor modified in place,
     /// gradients of wrong shape, and the like.
     #[error("autograd: {0}")]
@@ -163,6 +172,7 @@ impl Error {
             Error::Cuda { .. } => "Cuda",
             Error::NotSupported { .. } => "NotSupported",
             Error::Unsupported { .. } => "Unsupported",
+            Error::Checkpoint { .. } => "Checkpoint",
             Error::Autograd(_) => "Autograd",
             Error::External(_) => "External",
             Error::Custom { .. } => "Custom",

@@ -1,11 +1,13 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`).
 
 use super::group::{ParamGroup, check_groups, ranges, set_all_lr};
+use super::state::{GroupState, OptimizerState, buf_tensor, check_layout, check_names, saved_buf};
 use super::{
     Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, state, update_param,
 };
 use crate::ops::float_dispatch;
 use crate::{Error, Result, Tensor};
+use std::collections::BTreeMap;
 
 /// Hyperparameters of [`Adam`], defaulting to PyTorch's: `lr = 1e-3`, `betas = (0.9, 0.999)`,
 /// `eps = 1e-8`, `weight_decay = 0`, `amsgrad = false`.
@@ -269,6 +271,102 @@ impl AdamCore {
     }
 }
 
+impl AdamCore {
+    fn state_dict(&self, kind: &str) -> Result<OptimizerState> {
+        let mut state = BTreeMap::new();
+        for (i, st) in self.states.iter().enumerate() {
+            if st.step == 0 {
+                continue;
+            }
+            let p = &self.params[i];
+            let step = i64::try_from(st.step).unwrap_or(i64::MAX);
+            let mut m = BTreeMap::from([("step".to_string(), Tensor::scalar(step))]);
+            for (name, b) in [
+                ("exp_avg", &st.exp_avg),
+                ("exp_avg_sq", &st.exp_avg_sq),
+                ("max_exp_avg_sq", &st.max_exp_avg_sq),
+            ] {
+                if let Some(b) = b {
+                    m.insert(name.to_string(), buf_tensor(b, p)?);
+                }
+            }
+            state.insert(i, m);
+        }
+        let param_groups = (0..self.groups.len())
+            .map(|i| {
+                let h = self.hyper(i);
+                GroupState {
+                    lr: h.lr,
+                    weight_decay: h.weight_decay,
+                    momentum: None,
+                    dampening: None,
+                    nesterov: None,
+                    betas: Some(h.betas),
+                    eps: Some(h.eps),
+                    amsgrad: Some(h.amsgrad),
+                    params: self.groups[i].params().collect(),
+                }
+            })
+            .collect();
+        Ok(OptimizerState {
+            kind: kind.into(),
+            state,
+            param_groups,
+        })
+    }
+
+    fn load_state_dict(&mut self, op: &'static str, kind: &str, s: &OptimizerState) -> Result<()> {
+        let spans: Vec<_> = self.groups.iter().map(ParamGroup::params).collect();
+        check_layout(op, kind, s, &spans, self.params.len())?;
+        check_names(op, s, &["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"])?;
+        let (mut groups, mut fixed) = (self.groups.clone(), self.fixed.clone());
+        for (i, gs) in s.param_groups.iter().enumerate() {
+            let (g, f) = (&mut groups[i], &mut fixed[i]);
+            g.lr = gs.lr;
+            g.weight_decay = gs.weight_decay;
+            g.betas = Some(gs.betas.unwrap_or((0.9, 0.999)));
+            *f = (gs.eps.unwrap_or(f.0), gs.amsgrad.unwrap_or(f.1));
+            let h = Hyper {
+                lr: g.lr,
+                betas: gs.betas.unwrap_or((0.9, 0.999)),
+                eps: f.0,
+                weight_decay: g.weight_decay,
+                amsgrad: f.1,
+            };
+            check_hyper(op, &h).map_err(|e| super::group::in_group(e, i))?;
+        }
+        let mut states = vec![AdamState::default(); self.params.len()];
+        for (i, st) in states.iter_mut().enumerate() {
+            let Some(saved) = s.state.get(&i) else {
+                continue;
+            };
+            let p = &self.params[i];
+            let step = saved.get("step").ok_or_else(|| {
+                Error::invalid(op, "state", format!("state.{i}.step"), "no step count")
+            })?;
+            let step = match (step.dtype(), step.shape()) {
+                (crate::DType::I64, []) => step.to_vec::<i64>()?[0],
+                _ => -1,
+            };
+            st.step = u64::try_from(step).map_err(|_| {
+                Error::invalid(
+                    op,
+                    "state",
+                    format!("state.{i}.step: a 0-d int64 >= 0"),
+                    "another value",
+                )
+            })?;
+            st.exp_avg = saved_buf(op, s, i, "exp_avg", p)?;
+            st.exp_avg_sq = saved_buf(op, s, i, "exp_avg_sq", p)?;
+            st.max_exp_avg_sq = saved_buf(op, s, i, "max_exp_avg_sq", p)?;
+        }
+        self.groups = groups;
+        self.fixed = fixed;
+        self.states = states;
+        Ok(())
+    }
+}
+
 /// Adam (`torch.optim.Adam`) with PyTorch's update, per parameter at step `t`:
 ///
 /// ```text
@@ -315,6 +413,13 @@ impl Optimizer for Adam {
     fn set_lr(&mut self, lr: f64) -> Result<()> {
         set_all_lr("Adam.set_lr", &mut self.0.groups, lr)
     }
+    fn state_dict(&self) -> Result<OptimizerState> {
+        self.0.state_dict("Adam")
+    }
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+        self.0
+            .load_state_dict("Adam.load_state_dict", "Adam", state)
+    }
 }
 
 /// AdamW (`torch.optim.AdamW`): Adam with decoupled weight decay, `p = p * (1 - lr *
@@ -351,5 +456,12 @@ impl Optimizer for AdamW {
     }
     fn set_lr(&mut self, lr: f64) -> Result<()> {
         set_all_lr("AdamW.set_lr", &mut self.0.groups, lr)
+    }
+    fn state_dict(&self) -> Result<OptimizerState> {
+        self.0.state_dict("AdamW")
+    }
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+        self.0
+            .load_state_dict("AdamW.load_state_dict", "AdamW", state)
     }
 }

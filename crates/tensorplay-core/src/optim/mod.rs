@@ -18,10 +18,12 @@ mod adam;
 mod group;
 pub mod lr_scheduler;
 mod sgd;
+mod state;
 
 pub use adam::{Adam, AdamOptions, AdamW, AdamWOptions};
 pub use group::ParamGroup;
 pub use sgd::{SGD, SgdOptions};
+pub use state::{GroupState, OptimizerState};
 
 use crate::storage::StorageElement;
 use crate::{Error, FloatElement, Result, Tensor};
@@ -71,6 +73,25 @@ pub trait Optimizer: Send {
     /// Sets the learning rate of every parameter group; errors when it is negative or not
     /// finite.
     fn set_lr(&mut self, lr: f64) -> Result<()>;
+
+    /// The optimizer's state (`state_dict()`): step counts, running buffers (momentum, Adam's
+    /// moments) and the parameter groups' hyperparameters, copied (later steps do not change
+    /// it). Save it with [`OptimizerState::save`].
+    ///
+    /// Errors: none for the built-in optimizers (the `Result` is for optimizers whose state
+    /// lives elsewhere).
+    fn state_dict(&self) -> Result<OptimizerState>;
+
+    /// Restores a state from [`state_dict`](Optimizer::state_dict) (`load_state_dict`): the
+    /// next steps are bit-identical to those of the optimizer it came from, given the same
+    /// parameters and gradients. The hyperparameters of every group are replaced by the saved
+    /// ones, as in PyTorch.
+    ///
+    /// Errors ([`Error::InvalidArgument`], nothing changed): another optimizer's state; groups
+    /// of other sizes than this optimizer's; a state tensor of another shape or dtype than its
+    /// parameter's (named `state.<index>.<name>`), or with a name this optimizer does not keep;
+    /// hyperparameters that [`step`](Optimizer::step) would refuse.
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()>;
 }
 
 pub(crate) fn check_lr(op: &'static str, lr: f64) -> Result<()> {

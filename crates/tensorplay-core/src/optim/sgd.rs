@@ -1,11 +1,13 @@
 //! Stochastic gradient descent (`torch.optim.SGD`).
 
 use super::group::{ParamGroup, check_groups, in_group, ranges, set_all_lr};
+use super::state::{GroupState, OptimizerState, buf_tensor, check_layout, check_names, saved_buf};
 use super::{
     Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, state, update_param,
 };
 use crate::ops::float_dispatch;
 use crate::{Error, Result, Tensor};
+use std::collections::BTreeMap;
 
 /// Hyperparameters of [`SGD`]; the defaults are PyTorch's except `lr`, which PyTorch requires
 /// and which defaults to `1e-3` here.
@@ -219,4 +221,66 @@ impl Optimizer for SGD {
     fn set_lr(&mut self, lr: f64) -> Result<()> {
         set_all_lr("SGD.set_lr", &mut self.groups, lr)
     }
+    fn state_dict(&self) -> Result<OptimizerState> {
+        let mut state = BTreeMap::new();
+        for (i, b) in self.momentum_buffers.iter().enumerate() {
+            if let Some(b) = b {
+                let t = buf_tensor(b, &self.params[i])?;
+                state.insert(i, BTreeMap::from([(MOMENTUM.to_string(), t)]));
+            }
+        }
+        let param_groups = self
+            .groups
+            .iter()
+            .zip(&self.fixed)
+            .map(|(g, f)| GroupState {
+                lr: g.lr,
+                weight_decay: g.weight_decay,
+                momentum: g.momentum,
+                dampening: Some(f.dampening),
+                nesterov: Some(f.nesterov),
+                betas: None,
+                eps: None,
+                amsgrad: None,
+                params: g.params().collect(),
+            })
+            .collect();
+        Ok(OptimizerState {
+            kind: "SGD".into(),
+            state,
+            param_groups,
+        })
+    }
+    fn load_state_dict(&mut self, s: &OptimizerState) -> Result<()> {
+        const OP: &str = "SGD.load_state_dict";
+        let spans: Vec<_> = self.groups.iter().map(ParamGroup::params).collect();
+        check_layout(OP, "SGD", s, &spans, self.params.len())?;
+        check_names(OP, s, &[MOMENTUM])?;
+        let (mut groups, mut fixed) = (self.groups.clone(), self.fixed.clone());
+        for (i, gs) in s.param_groups.iter().enumerate() {
+            let (g, f) = (&mut groups[i], &mut fixed[i]);
+            g.lr = gs.lr;
+            g.weight_decay = gs.weight_decay;
+            g.momentum = Some(gs.momentum.unwrap_or(0.0));
+            f.dampening = gs.dampening.unwrap_or(f.dampening);
+            f.nesterov = gs.nesterov.unwrap_or(f.nesterov);
+            let o = SgdOptions {
+                lr: g.lr,
+                weight_decay: g.weight_decay,
+                momentum: gs.momentum.unwrap_or(0.0),
+                ..*f
+            };
+            check_options(OP, &o).map_err(|e| in_group(e, i))?;
+        }
+        let bufs = (0..self.params.len())
+            .map(|i| saved_buf(OP, s, i, MOMENTUM, &self.params[i]))
+            .collect::<Result<Vec<_>>>()?;
+        self.groups = groups;
+        self.fixed = fixed;
+        self.momentum_buffers = bufs;
+        Ok(())
+    }
 }
+
+/// The name of SGD's per-parameter state (PyTorch's).
+const MOMENTUM: &str = "momentum_buffer";

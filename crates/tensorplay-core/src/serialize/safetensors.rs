@@ -1,0 +1,260 @@
+//! Named tensors to and from a safetensors file, with a checksum of the data in the header.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, TensorView};
+
+use super::atomic::{problem, write_atomically};
+use crate::{DType, Result, Tensor};
+
+/// The header key of the CRC-32 of every tensor's name, dtype, shape and bytes (in name
+/// order), as 8 hex digits. Written by every save; checked by a load when present (files
+/// written by other programs have none).
+pub const CHECKSUM_KEY: &str = "tensorplay.crc32";
+
+fn to_safetensors(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::F64 => Dtype::F64,
+        DType::I64 => Dtype::I64,
+        DType::Bool => Dtype::BOOL,
+    }
+}
+
+fn from_safetensors(d: Dtype) -> Option<DType> {
+    match d {
+        Dtype::F32 => Some(DType::F32),
+        Dtype::F64 => Some(DType::F64),
+        Dtype::I64 => Some(DType::I64),
+        Dtype::BOOL => Some(DType::Bool),
+        _ => None,
+    }
+}
+
+/// The tensor's elements as little-endian bytes, row-major (CUDA tensors copied to the host).
+fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
+    Ok(match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F64 => t
+            .to_vec::<f64>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::I64 => t
+            .to_vec::<i64>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::Bool => t.to_vec::<bool>()?.iter().map(|&v| u8::from(v)).collect(),
+    })
+}
+
+/// A CPU tensor of `shape` from little-endian `bytes` of `dtype` (whose length the format
+/// has checked); `None` when a bool byte is neither 0 nor 1.
+fn tensor_of(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Option<Tensor>> {
+    fn le<const N: usize, T>(b: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
+        b.chunks_exact(N)
+            .map(|c| {
+                let mut a = [0u8; N];
+                a.copy_from_slice(c);
+                f(a)
+            })
+            .collect()
+    }
+    Ok(Some(match dtype {
+        DType::F32 => Tensor::from_vec(le(bytes, f32::from_le_bytes), shape)?,
+        DType::F64 => Tensor::from_vec(le(bytes, f64::from_le_bytes), shape)?,
+        DType::I64 => Tensor::from_vec(le(bytes, i64::from_le_bytes), shape)?,
+        DType::Bool => {
+            if bytes.iter().any(|&b| b > 1) {
+                return Ok(None);
+            }
+            Tensor::from_vec(bytes.iter().map(|&b| b == 1).collect::<Vec<bool>>(), shape)?
+        }
+    }))
+}
+
+/// The checksum of `(name, dtype, shape, bytes)` entries, in name order.
+fn checksum<'a>(entries: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a [u8])>) -> String {
+    let mut h = crc32fast::Hasher::new();
+    for (name, dtype, shape, bytes) in entries {
+        h.update(&(name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update(format!("{dtype:?}").as_bytes());
+        h.update(&(shape.len() as u64).to_le_bytes());
+        for &d in shape {
+            h.update(&(d as u64).to_le_bytes());
+        }
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    format!("{:08x}", h.finalize())
+}
+
+/// Writes `tensors` to the safetensors file `path` (`safetensors.torch.save_file`), replacing
+/// it atomically: a crash mid-save leaves the previous file whole (see the
+/// [module](super) docs). Every dtype is stored as itself (`F32`, `F64`, `I64`, `BOOL`), in
+/// row-major order, little-endian; CUDA tensors are copied to the host, views are written as
+/// their elements. The header holds a checksum of the data ([`CHECKSUM_KEY`]).
+///
+/// Errors: [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file when it cannot be
+/// written (missing folder, permissions, a full disk).
+pub fn save(tensors: &BTreeMap<String, Tensor>, path: impl AsRef<Path>) -> Result<()> {
+    save_with_metadata(tensors, &BTreeMap::new(), path)
+}
+
+/// [`save`] with string `metadata` in the file's header (`__metadata__`, the format's place
+/// for non-tensor data such as step counts or hyperparameters).
+///
+/// Errors: as [`save`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) when
+/// `metadata` uses the key [`CHECKSUM_KEY`].
+pub fn save_with_metadata(
+    tensors: &BTreeMap<String, Tensor>,
+    metadata: &BTreeMap<String, String>,
+    path: impl AsRef<Path>,
+) -> Result<()> {
+    let path = path.as_ref();
+    if metadata.contains_key(CHECKSUM_KEY) {
+        return Err(crate::Error::invalid(
+            "save_with_metadata",
+            "metadata",
+            format!("no key `{CHECKSUM_KEY}` (the checksum this module writes)"),
+            CHECKSUM_KEY,
+        ));
+    }
+    let mut data: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        data.push((
+            name,
+            to_safetensors(t.dtype()),
+            t.shape().to_vec(),
+            bytes_of(t)?,
+        ));
+    }
+    let sum = checksum(
+        data.iter()
+            .map(|(n, d, s, b)| (*n, *d, s.as_slice(), b.as_slice())),
+    );
+    let mut header: HashMap<String, String> = metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    header.insert(CHECKSUM_KEY.to_string(), sum);
+    let mut views = Vec::with_capacity(data.len());
+    for (name, dtype, shape, bytes) in &data {
+        let v = TensorView::new(*dtype, shape.clone(), bytes)
+            .map_err(|e| problem(path, format!("tensor `{name}`: {e}")))?;
+        views.push((*name, v));
+    }
+    let bytes = safetensors::serialize(views, Some(header))
+        .map_err(|e| problem(path, format!("could not encode it: {e}")))?;
+    write_atomically(path, &bytes)
+}
+
+/// Reads every tensor of the safetensors file `path` (`safetensors.torch.load_file`), onto the
+/// CPU; the counterpart of [`save`], bit-exact.
+///
+/// Errors: [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and what is wrong:
+/// it cannot be read; it is too short or its header is not a safetensors header (another
+/// format); it is truncated or its offsets do not cover the data; its checksum does not match
+/// (corrupt); a tensor has a dtype tensorplay lacks (such as `F16`, named).
+pub fn load(path: impl AsRef<Path>) -> Result<BTreeMap<String, Tensor>> {
+    Ok(load_with_metadata(path)?.0)
+}
+
+/// [`load`], also returning the header's string metadata (without [`CHECKSUM_KEY`]).
+///
+/// Errors: as [`load`].
+pub fn load_with_metadata(
+    path: impl AsRef<Path>,
+) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, String>)> {
+    let path = path.as_ref();
+    let buf = std::fs::read(path).map_err(|e| problem(path, format!("could not read it: {e}")))?;
+    let st = SafeTensors::deserialize(&buf).map_err(|e| problem(path, explain(&buf, e)))?;
+    let (_, header) =
+        SafeTensors::read_metadata(&buf).map_err(|e| problem(path, explain(&buf, e)))?;
+    let mut metadata: BTreeMap<String, String> = header
+        .metadata()
+        .as_ref()
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default();
+    let expected_sum = metadata.remove(CHECKSUM_KEY);
+    let mut views: Vec<(String, TensorView<'_>)> = st.tensors();
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(want) = expected_sum {
+        let got = checksum(
+            views
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.dtype(), v.shape(), v.data())),
+        );
+        if got != want {
+            return Err(problem(
+                path,
+                format!("corrupt: the data's checksum is {got}, the header says {want}"),
+            ));
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (name, v) in views {
+        let dtype = from_safetensors(v.dtype()).ok_or_else(|| {
+            problem(
+                path,
+                format!(
+                    "tensor `{name}` has dtype {:?}; tensorplay reads F32, F64, I64 and BOOL",
+                    v.dtype()
+                ),
+            )
+        })?;
+        let t = tensor_of(dtype, v.shape(), v.data())?.ok_or_else(|| {
+            problem(
+                path,
+                format!("corrupt: bool tensor `{name}` holds a byte other than 0 or 1"),
+            )
+        })?;
+        out.insert(name, t);
+    }
+    Ok((out, metadata))
+}
+
+/// What a format error means for a user holding `buf`.
+fn explain(buf: &[u8], e: safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    let len = buf.len();
+    match e {
+        E::HeaderTooSmall => format!(
+            "not a safetensors file: {len} bytes, shorter than the 8-byte header length it starts with (truncated?)"
+        ),
+        E::HeaderTooLarge | E::InvalidHeaderStart | E::InvalidHeader(_) => format!(
+            "not a safetensors file (its first bytes are not a header length followed by a JSON header{}): {e}",
+            foreign_hint(buf)
+        ),
+        E::InvalidHeaderLength => {
+            format!("truncated: {len} bytes, shorter than its header says ({e})")
+        }
+        E::InvalidHeaderDeserialization(_) => format!(
+            "not a safetensors file, or a corrupt header{}: {e}",
+            foreign_hint(buf)
+        ),
+        E::MetadataIncompleteBuffer => format!(
+            "truncated or padded: its {len} bytes do not match the tensors its header lists"
+        ),
+        other => format!("corrupt header: {other}"),
+    }
+}
+
+/// A hint when `buf` looks like a format people confuse with safetensors.
+fn foreign_hint(buf: &[u8]) -> &'static str {
+    if buf.starts_with(b"PK\x03\x04") {
+        "; it looks like a zip archive, as `torch.save` writes: save with safetensors instead"
+    } else if buf.first() == Some(&0x80) {
+        "; it looks like a Python pickle"
+    } else {
+        ""
+    }
+}

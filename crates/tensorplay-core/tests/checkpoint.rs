@@ -1,0 +1,643 @@
+//! Checkpoints on disk: safetensors round trips (bit-exact, every dtype and shape), optimizer
+//! state round trips (bit-identical next steps), atomic saves under SIGKILL, and refusals of
+//! truncated, corrupt and foreign files.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use tensorplay_core::optim::{
+    Adam, AdamOptions, AdamW, AdamWOptions, Optimizer, OptimizerState, SGD, SgdOptions,
+};
+use tensorplay_core::serialize::{CHECKSUM_KEY, load_with_metadata, save_with_metadata};
+use tensorplay_core::{self as tp, DType, Error, Tensor};
+
+/// A temporary folder of this test, removed when dropped.
+struct TempDir(PathBuf);
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("tp-ckpt-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("temp dir");
+        TempDir(d)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The tensor's elements as bit patterns (NaN payloads and -0.0 compared exactly).
+fn bits(t: &Tensor) -> (DType, Vec<usize>, Vec<u64>) {
+    let v: Vec<u64> = match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| u64::from(x.to_bits()))
+            .collect(),
+        DType::F64 => t
+            .to_vec::<f64>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        DType::I64 => t
+            .to_vec::<i64>()
+            .unwrap()
+            .iter()
+            .map(|&x| x as u64)
+            .collect(),
+        DType::Bool => t
+            .to_vec::<bool>()
+            .unwrap()
+            .iter()
+            .map(|&x| u64::from(x))
+            .collect(),
+    };
+    (t.dtype(), t.shape().to_vec(), v)
+}
+
+fn assert_same(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, t) in a {
+        assert_eq!(
+            bits(t),
+            bits(&b[k]),
+            "tensor {k} differs after the round trip"
+        );
+    }
+}
+
+fn every_kind() -> tp::Result<BTreeMap<String, Tensor>> {
+    tp::manual_seed(7);
+    let specials = vec![
+        0.0f32,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::from_bits(0x7fc0_1234), // a NaN with a payload
+        f32::MIN_POSITIVE / 8.0,     // subnormal
+        f32::MAX,
+        1.0 / 3.0,
+    ];
+    let mut m = BTreeMap::new();
+    m.insert("f32.scalar".into(), Tensor::scalar(2.5f32));
+    m.insert("f64.scalar".into(), Tensor::scalar(-1e-300f64));
+    m.insert("i64.scalar".into(), Tensor::scalar(i64::MIN));
+    m.insert("bool.scalar".into(), Tensor::scalar(true));
+    m.insert(
+        "f32.empty".into(),
+        Tensor::from_vec(Vec::<f32>::new(), &[0])?,
+    );
+    m.insert(
+        "f64.empty3d".into(),
+        Tensor::from_vec(Vec::<f64>::new(), &[2, 0, 3])?,
+    );
+    m.insert(
+        "i64.empty".into(),
+        Tensor::from_vec(Vec::<i64>::new(), &[0, 4])?,
+    );
+    m.insert(
+        "bool.empty".into(),
+        Tensor::from_vec(Vec::<bool>::new(), &[0])?,
+    );
+    m.insert("f32.specials".into(), Tensor::from_vec(specials, &[2, 4])?);
+    m.insert(
+        "f64.specials".into(),
+        Tensor::from_vec(
+            vec![
+                f64::from_bits(0x7ff8_0000_dead_beef),
+                -0.0,
+                f64::MIN_POSITIVE / 3.0,
+            ],
+            &[3],
+        )?,
+    );
+    m.insert(
+        "i64.values".into(),
+        Tensor::from_vec(vec![i64::MAX, -1, 0, 42, i64::MIN, 7], &[3, 2])?,
+    );
+    m.insert(
+        "bool.mask".into(),
+        Tensor::from_vec(vec![true, false, false, true, true], &[5, 1])?,
+    );
+    // a view: transposed, so its elements are not in storage order
+    m.insert("f32.transposed".into(), tp::randn(&[3, 5])?.t()?);
+    // large: 3 Mi elements (12 MiB)
+    m.insert("f32.large".into(), tp::randn(&[1024, 3072])?);
+    m.insert(
+        "f64.4d".into(),
+        tp::randn(&[2, 3, 4, 5])?.to_dtype(DType::F64)?,
+    );
+    Ok(m)
+}
+
+#[test]
+fn every_dtype_and_shape_round_trips_bit_exact() -> tp::Result<()> {
+    let dir = TempDir::new("roundtrip");
+    let tensors = every_kind()?;
+    let path = dir.path("all.safetensors");
+    tp::save(&tensors, &path)?;
+    let back = tp::load(&path)?;
+    assert_same(&tensors, &back);
+    // loaded tensors are on the CPU, without grad
+    assert!(
+        back.values()
+            .all(|t| !t.device().is_cuda() && !t.requires_grad())
+    );
+    // a second save over the first replaces it
+    let mut fewer = tensors.clone();
+    fewer.remove("f32.large");
+    tp::save(&fewer, &path)?;
+    assert_same(&fewer, &tp::load(&path)?);
+    Ok(())
+}
+
+#[test]
+fn metadata_round_trips_and_the_checksum_key_is_reserved() -> tp::Result<()> {
+    let dir = TempDir::new("meta");
+    let path = dir.path("m.safetensors");
+    let t = BTreeMap::from([("w".to_string(), Tensor::scalar(1.0f32))]);
+    let meta = BTreeMap::from([
+        ("step".to_string(), "12".to_string()),
+        ("note".to_string(), "é \"quoted\"".to_string()),
+    ]);
+    save_with_metadata(&t, &meta, &path)?;
+    let (back, meta_back) = load_with_metadata(&path)?;
+    assert_same(&t, &back);
+    assert_eq!(meta, meta_back);
+    let bad = BTreeMap::from([(CHECKSUM_KEY.to_string(), "0".to_string())]);
+    let e = save_with_metadata(&t, &bad, &path).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                arg: "metadata",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_module_state_dict_round_trips_into_another_module() -> tp::Result<()> {
+    use tp::nn::{Linear, Module};
+    let dir = TempDir::new("module");
+    let path = dir.path("model.safetensors");
+    tp::manual_seed(1);
+    let model = Linear::new(4, 3, true)?;
+    tp::save(&model.state_dict()?, &path)?;
+    let mut other = Linear::new(4, 3, true)?;
+    assert_ne!(bits(&other.weight), bits(&model.weight));
+    other.load_state_dict(&tp::load(&path)?, true)?;
+    assert_same(&model.state_dict()?, &other.state_dict()?);
+    Ok(())
+}
+
+/// Parameters of two groups (f32 and f64), and their gradients at step `k`.
+fn params() -> tp::Result<Vec<Tensor>> {
+    tp::manual_seed(3);
+    Ok(vec![
+        tp::randn(&[4, 3])?.requires_grad_(true),
+        tp::randn(&[3])?.requires_grad_(true),
+        tp::randn(&[2, 2])?
+            .to_dtype(DType::F64)?
+            .requires_grad_(true),
+    ])
+}
+
+fn grads(k: usize, ps: &[Tensor]) -> tp::Result<Vec<Option<Tensor>>> {
+    tp::manual_seed(100 + k as u64);
+    ps.iter()
+        .enumerate()
+        // parameter 1 gets no gradient at step 0: its state starts later
+        .map(|(i, p)| {
+            if i == 1 && k == 0 {
+                Ok(None)
+            } else {
+                tp::randn(p.shape())?.to_dtype(p.dtype()).map(Some)
+            }
+        })
+        .collect()
+}
+
+fn deep_copy(ps: &[Tensor]) -> tp::Result<Vec<Tensor>> {
+    ps.iter()
+        .map(|p| Ok(p.detach().deep_clone()?.requires_grad_(true)))
+        .collect()
+}
+
+type Make = fn(Vec<Tensor>) -> tp::Result<Box<dyn Optimizer>>;
+
+fn sgd(ps: Vec<Tensor>) -> tp::Result<Box<dyn Optimizer>> {
+    let (a, b) = (ps[..2].to_vec(), ps[2..].to_vec());
+    let o = SgdOptions {
+        lr: 0.1,
+        momentum: 0.9,
+        nesterov: true,
+        weight_decay: 1e-3,
+        ..Default::default()
+    };
+    Ok(Box::new(SGD::with_groups(vec![
+        (a, o),
+        (
+            b,
+            SgdOptions {
+                dampening: 0.2,
+                momentum: 0.5,
+                ..o.clone_without_nesterov()
+            },
+        ),
+    ])?))
+}
+trait NoNesterov {
+    fn clone_without_nesterov(&self) -> SgdOptions;
+}
+impl NoNesterov for SgdOptions {
+    fn clone_without_nesterov(&self) -> SgdOptions {
+        SgdOptions {
+            nesterov: false,
+            ..*self
+        }
+    }
+}
+fn adam(ps: Vec<Tensor>) -> tp::Result<Box<dyn Optimizer>> {
+    let (a, b) = (ps[..2].to_vec(), ps[2..].to_vec());
+    let o = AdamOptions {
+        lr: 0.01,
+        amsgrad: true,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    Ok(Box::new(Adam::with_groups(vec![
+        (a, o),
+        (
+            b,
+            AdamOptions {
+                betas: (0.8, 0.99),
+                ..Default::default()
+            },
+        ),
+    ])?))
+}
+fn adamw(ps: Vec<Tensor>) -> tp::Result<Box<dyn Optimizer>> {
+    let (a, b) = (ps[..2].to_vec(), ps[2..].to_vec());
+    Ok(Box::new(AdamW::with_groups(vec![
+        (
+            a,
+            AdamWOptions {
+                lr: 0.02,
+                ..Default::default()
+            },
+        ),
+        (
+            b,
+            AdamWOptions {
+                amsgrad: true,
+                eps: 1e-6,
+                ..Default::default()
+            },
+        ),
+    ])?))
+}
+
+#[test]
+fn optimizer_state_round_trip_gives_bit_identical_next_steps() -> tp::Result<()> {
+    let dir = TempDir::new("optim");
+    for (name, make) in [
+        ("SGD", sgd as Make),
+        ("Adam", adam as Make),
+        ("AdamW", adamw as Make),
+    ] {
+        let ps = params()?;
+        let mut opt = make(ps.clone())?;
+        for k in 0..3 {
+            opt.step_with_grads(&grads(k, &ps)?)?;
+        }
+        // a scheduler changed the learning rate: the saved groups carry it
+        opt.param_groups_mut()[1].lr *= 0.5;
+        let path = dir.path(&format!("{name}.safetensors"));
+        opt.state_dict()?.save(&path)?;
+
+        // a fresh optimizer over copies of the parameters, restored from the file
+        let copies = deep_copy(&ps)?;
+        let mut restored = make(copies.clone())?;
+        restored.load_state_dict(&OptimizerState::load(&path)?)?;
+        assert_eq!(
+            restored.param_groups()[1].lr,
+            opt.param_groups()[1].lr,
+            "{name}: lr"
+        );
+        for k in 3..7 {
+            opt.step_with_grads(&grads(k, &ps)?)?;
+            restored.step_with_grads(&grads(k, &copies)?)?;
+            for (i, (a, b)) in ps.iter().zip(&copies).enumerate() {
+                assert_eq!(
+                    bits(a),
+                    bits(b),
+                    "{name}: parameter {i} differs at step {k}"
+                );
+            }
+        }
+        // and the states themselves are equal
+        let (a, b) = (opt.state_dict()?, restored.state_dict()?);
+        assert_eq!(a.param_groups, b.param_groups, "{name}: groups");
+        let (ta, _) = a.to_tensors();
+        let (tb, _) = b.to_tensors();
+        assert_same(&ta, &tb);
+    }
+    Ok(())
+}
+
+#[test]
+fn optimizer_state_of_another_layout_is_refused_unchanged() -> tp::Result<()> {
+    let dir = TempDir::new("optim-bad");
+    let ps = params()?;
+    let mut a = adam(ps.clone())?;
+    a.step_with_grads(&grads(1, &ps)?)?;
+    let state = a.state_dict()?;
+    // another optimizer's state
+    let mut s = sgd(deep_copy(&ps)?)?;
+    let e = s.load_state_dict(&state).unwrap_err().to_string();
+    assert!(
+        e.contains("the state of SGD") && e.contains("the state of Adam"),
+        "{e}"
+    );
+    // other groups
+    let mut one_group = Adam::new(deep_copy(&ps)?, AdamOptions::default())?;
+    let e = one_group.load_state_dict(&state).unwrap_err().to_string();
+    assert!(e.contains("parameter groups of [3]"), "{e}");
+    // a moment of the wrong shape, named
+    let mut wrong = state.clone();
+    wrong
+        .state
+        .get_mut(&0)
+        .unwrap()
+        .insert("exp_avg".into(), tp::zeros(&[3, 4])?);
+    let mut b = adam(deep_copy(&ps)?)?;
+    let before = b.state_dict()?;
+    let e = b.load_state_dict(&wrong).unwrap_err().to_string();
+    assert!(e.contains("state.0.exp_avg of shape [4, 3]"), "{e}");
+    assert!(
+        b.state_dict()?.state.len() == before.state.len(),
+        "nothing changed"
+    );
+    // a model's weights given as an optimizer's state
+    let path = dir.path("weights.safetensors");
+    tp::save(
+        &BTreeMap::from([("w".to_string(), tp::zeros(&[2])?)]),
+        &path,
+    )?;
+    let e = OptimizerState::load(&path).unwrap_err().to_string();
+    assert!(
+        e.contains("weights.safetensors") && e.contains("not an optimizer's state"),
+        "{e}"
+    );
+    Ok(())
+}
+
+fn checkpoint_problem(path: &Path) -> String {
+    match tp::load(path) {
+        Err(Error::Checkpoint { path: p, problem }) => {
+            assert_eq!(p, path.display().to_string(), "the error names the file");
+            problem
+        }
+        other => panic!(
+            "{}: expected a checkpoint error, got {other:?}",
+            path.display()
+        ),
+    }
+}
+
+#[test]
+fn truncated_corrupt_and_foreign_files_are_refused() -> tp::Result<()> {
+    let dir = TempDir::new("bad");
+    let good = dir.path("good.safetensors");
+    let mut m = BTreeMap::new();
+    m.insert("a".to_string(), tp::randn(&[64])?);
+    m.insert("b".to_string(), Tensor::from_vec(vec![true, false], &[2])?);
+    tp::save(&m, &good)?;
+    let bytes = std::fs::read(&good).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let write = |name: &str, b: &[u8]| {
+        let p = dir.path(name);
+        std::fs::write(&p, b).unwrap();
+        p
+    };
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", vec![], "shorter than the 8-byte header length"),
+        (
+            "four-bytes",
+            bytes[..4].to_vec(),
+            "shorter than the 8-byte header length",
+        ),
+        ("half-header", bytes[..8 + header / 2].to_vec(), "truncated"),
+        (
+            "one-byte-short",
+            bytes[..bytes.len() - 1].to_vec(),
+            "truncated",
+        ),
+        (
+            "one-byte-long",
+            [bytes.as_slice(), &[0]].concat(),
+            "truncated or padded",
+        ),
+        (
+            "zip",
+            b"PK\x03\x04\x14\x00\x00\x00\x08\x00archive/data.pkl".to_vec(),
+            "zip archive",
+        ),
+        (
+            "text",
+            b"hello, this is not a checkpoint at all".to_vec(),
+            "not a safetensors file",
+        ),
+    ];
+    for (name, b, want) in cases {
+        let p = write(&format!("{name}.safetensors"), &b);
+        let problem = checkpoint_problem(&p);
+        assert!(problem.contains(want), "{name}: {problem:?} lacks {want:?}");
+    }
+    // one flipped bit in the data: the checksum catches it
+    let mut flipped = bytes.clone();
+    let last = flipped.len() - 20;
+    flipped[last] ^= 0x01;
+    let p = write("flipped.safetensors", &flipped);
+    assert!(checkpoint_problem(&p).contains("corrupt: the data's checksum"));
+    // a bool byte that is neither 0 nor 1 (in a file without a checksum, as other programs write)
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::BOOL, vec![2], &[1, 7]).unwrap();
+    let p = write(
+        "bad-bool.safetensors",
+        &safetensors::serialize([("m", view)], None).unwrap(),
+    );
+    assert!(checkpoint_problem(&p).contains("bool tensor `m`"));
+    // a dtype tensorplay lacks, named
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![2], &[0, 60, 0, 60])
+            .unwrap();
+    let p = write(
+        "f16.safetensors",
+        &safetensors::serialize([("half", view)], None).unwrap(),
+    );
+    let problem = checkpoint_problem(&p);
+    assert!(problem.contains("`half` has dtype F16"), "{problem}");
+    // a missing file
+    assert!(checkpoint_problem(&dir.path("missing.safetensors")).contains("could not read it"));
+    // a file another program wrote (no checksum) loads
+    let view = safetensors::tensor::TensorView::new(
+        safetensors::Dtype::I64,
+        vec![1],
+        &[5, 0, 0, 0, 0, 0, 0, 0],
+    )
+    .unwrap();
+    let p = write(
+        "foreign-ok.safetensors",
+        &safetensors::serialize([("n", view)], None).unwrap(),
+    );
+    assert_eq!(tp::load(&p)?["n"].to_vec::<i64>()?, vec![5]);
+    // a save into a missing folder names the file
+    let e = tp::save(&m, dir.path("no/such/dir/x.safetensors")).unwrap_err();
+    assert!(
+        matches!(&e, Error::Checkpoint { path, .. } if path.ends_with("x.safetensors")),
+        "{e}"
+    );
+    Ok(())
+}
+
+const CHILD_ENV: &str = "TP_CKPT_ATOMIC_CHILD";
+
+/// Run as a child by `a_save_killed_midway_leaves_the_previous_checkpoint`: saves two
+/// alternating versions of a 16 MiB checkpoint forever.
+#[test]
+fn atomic_save_child() -> tp::Result<()> {
+    let Some(dir) = std::env::var_os(CHILD_ENV) else {
+        return Ok(());
+    };
+    let dir = PathBuf::from(dir);
+    let versions = [tp::full(&[4 << 20], 1.0)?, tp::full(&[4 << 20], 2.0)?];
+    for k in 0.. {
+        let m = BTreeMap::from([("w".to_string(), versions[k % 2].clone())]);
+        tp::save(&m, dir.join("ckpt.safetensors"))?;
+        if k == 0 {
+            std::fs::write(dir.join("ready"), b"1").unwrap();
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_save_killed_midway_leaves_the_previous_checkpoint() {
+    let dir = TempDir::new("atomic");
+    let exe = std::env::current_exe().unwrap();
+    for round in 0..6u64 {
+        let _ = std::fs::remove_file(dir.path("ready"));
+        let mut child = std::process::Command::new(&exe)
+            .args(["atomic_save_child", "--exact", "--test-threads=1"])
+            .env(CHILD_ENV, &dir.0)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        while !dir.path("ready").exists() {
+            assert!(t0.elapsed().as_secs() < 60, "the child never saved");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // kill it at some point of a later save (writes of 16 MiB take milliseconds)
+        std::thread::sleep(std::time::Duration::from_millis(13 * round + 7));
+        // SAFETY: kill(2) on our child, which has not been reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        let _ = child.wait();
+        let m =
+            tp::load(dir.path("ckpt.safetensors")).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let v = m["w"].to_vec::<f32>().unwrap();
+        assert!(
+            v.len() == 4 << 20 && (v.iter().all(|&x| x == 1.0) || v.iter().all(|&x| x == 2.0)),
+            "round {round}: a mixed checkpoint"
+        );
+    }
+}
+
+/// The CRC-32 of the tensor's elements as little-endian bytes, row-major.
+fn crc_of(t: &Tensor) -> u32 {
+    let b: Vec<u8> = match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::F64 => t
+            .to_vec::<f64>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::I64 => t
+            .to_vec::<i64>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::Bool => t
+            .to_vec::<bool>()
+            .unwrap()
+            .iter()
+            .map(|&x| u8::from(x))
+            .collect(),
+    };
+    crc32fast::hash(&b)
+}
+
+/// PyTorch reads what tensorplay writes, with the same names and values. Needs a Python with
+/// torch and safetensors: `ANCHOR_PYTHON=/path/to/python cargo test -p tensorplay-core --test
+/// checkpoint -- --ignored` (the anchors' venv: `bash ../shared/anchors/setup.sh`, then `pip
+/// install safetensors` into it).
+#[test]
+#[ignore = "needs PyTorch with safetensors: set ANCHOR_PYTHON"]
+fn pytorch_loads_what_tensorplay_saves() -> tp::Result<()> {
+    let python =
+        std::env::var("ANCHOR_PYTHON").expect("ANCHOR_PYTHON: a Python with torch and safetensors");
+    let dir = TempDir::new("torch");
+    let path = dir.path("all.safetensors");
+    let tensors = every_kind()?;
+    tp::save(&tensors, &path)?;
+    // PyTorch prints each tensor's name, dtype, shape and the CRC-32 of its elements' bytes
+    let script = r#"
+import sys, zlib, torch
+from safetensors.torch import load_file
+for name, t in sorted(load_file(sys.argv[1]).items()):
+    b = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b''
+    print(name, str(t.dtype).replace('torch.', ''), list(t.shape), '%08x' % zlib.crc32(b))
+"#;
+    let out = std::process::Command::new(python)
+        .args(["-c", script])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = got.lines().collect();
+    assert_eq!(lines.len(), tensors.len(), "{got}");
+    for ((name, t), line) in tensors.iter().zip(&lines) {
+        let torch_dtype = match t.dtype() {
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::I64 => "int64",
+            DType::Bool => "bool",
+        };
+        let want = format!("{name} {torch_dtype} {:?} {:08x}", t.shape(), crc_of(t));
+        assert_eq!(*line, want, "PyTorch's view of {name}");
+    }
+    Ok(())
+}
