@@ -12,6 +12,7 @@
 //!
 //! The facade re-exports this crate as `tensorplay::distributed::nn`.
 
+pub mod checkpoint;
 pub mod data;
 pub mod functional;
 pub mod parallel;

@@ -293,6 +293,13 @@ pub fn register_module<M: RemoteConstructible>() {
             y.to_device(Device::Cpu)
         },
     );
+    rpc::register_method(&method_name::<M>("save"), |h: &Hosted<M>, path: String| {
+        tensorplay_core::save(&h.read().state_dict()?, &path)
+    });
+    rpc::register_method(&method_name::<M>("load"), |h: &Hosted<M>, path: String| {
+        let state = tensorplay_core::load(&path)?;
+        h.write().load_state_dict(&state, true)
+    });
     rpc::register_method(&method_name::<M>("train"), |h: &Hosted<M>, mode: bool| {
         h.write().train(mode)?;
         Ok(h.read().is_training())
@@ -546,6 +553,33 @@ impl<M: RemoteConstructible> RemoteModule<M> {
         Ok(self
             .rref
             .rpc_sync(&method_name::<M>("parameters"), recurse, None)?)
+    }
+
+    /// Asks the owner to save the module's `state_dict` (parameters and buffers) to the
+    /// safetensors file `path` on its own file system ([`tensorplay_core::save`]: atomic).
+    ///
+    /// # Errors
+    /// The owner's [`Error::Checkpoint`](tensorplay_core::Error::Checkpoint) naming the file
+    /// (a folder it cannot write), or the RPC's error.
+    pub fn save_on_owner(&self, path: &str) -> Result<()> {
+        Ok(self
+            .rref
+            .rpc_sync(&method_name::<M>("save"), path.to_string(), None)?)
+    }
+
+    /// Asks the owner to load the module's parameters and buffers from the safetensors file
+    /// `path` on its own file system (written by [`save_on_owner`](Self::save_on_owner)), in
+    /// place (`load_state_dict(strict=true)`): RRefs to the parameters, and optimizers over
+    /// them, see the loaded values.
+    ///
+    /// # Errors
+    /// The owner's [`Error::Checkpoint`](tensorplay_core::Error::Checkpoint) (a missing,
+    /// truncated or corrupt file, named), its `load_state_dict` error (missing or unexpected
+    /// keys, other shapes), or the RPC's error.
+    pub fn load_on_owner(&self, path: &str) -> Result<()> {
+        Ok(self
+            .rref
+            .rpc_sync(&method_name::<M>("load"), path.to_string(), None)?)
     }
 
     /// The RRef holding the module on its owner (`get_module_rref`); `to_here()` on it returns

@@ -36,15 +36,21 @@
 // built as a test harness too (its plot test): `main` and the training code then go unused
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
+#[path = "common/resume.rs"]
+mod resume;
 #[path = "common/wine.rs"]
 mod wine;
 
-use std::path::PathBuf;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use resume::{Checkpoints, Progress};
 use tensorplay as tp;
+use tp::distributed::checkpoint;
 use tp::distributed::nn::{self as dnn, LayerSpec, LinearArgs, RemoteModule, functional};
 use tp::distributed::optim::{DistributedOptimizer, OptimizerKind};
 use tp::distributed::{self as dist, ReduceOp, autograd as dist_autograd, rpc};
@@ -69,15 +75,22 @@ struct Opts {
     seed: u64,
     epochs: usize,
     plot: Option<PathBuf>,
+    checkpoint: Option<Checkpoints>,
 }
 
+/// Steps between checkpoints when `--checkpoint-dir` is given without `--checkpoint-every`.
+const DEFAULT_CHECKPOINT_EVERY: usize = 100;
+
 fn parse_args() -> Result<Opts, String> {
-    let usage = "usage: wine_distributed [--seed N] [--epochs N] [--plot PATH.svg]";
+    let usage = "usage: wine_distributed [--seed N] [--epochs N] [--plot PATH.svg] \
+                 [--checkpoint-dir DIR [--checkpoint-every STEPS]]";
     let mut o = Opts {
         seed: 0,
         epochs: 200,
         plot: None,
+        checkpoint: None,
     };
+    let mut every: Option<usize> = None;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -111,6 +124,26 @@ fn parse_args() -> Result<Opts, String> {
                 check_plot_path(&p)?;
                 o.plot = Some(p);
             }
+            "--checkpoint-dir" => {
+                let d = PathBuf::from(value(&mut i)?);
+                if d.as_os_str().is_empty() {
+                    return Err("--checkpoint-dir needs a folder".into());
+                }
+                o.checkpoint = Some(Checkpoints {
+                    dir: d,
+                    every: DEFAULT_CHECKPOINT_EVERY,
+                });
+            }
+            "--checkpoint-every" => {
+                let v = value(&mut i)?;
+                let k: usize = v
+                    .parse()
+                    .map_err(|e| format!("bad --checkpoint-every {v:?}: {e}"))?;
+                if k == 0 {
+                    return Err("--checkpoint-every must be at least 1 (steps)".into());
+                }
+                every = Some(k);
+            }
             "-h" | "--help" => {
                 println!("{usage}");
                 std::process::exit(0);
@@ -119,12 +152,29 @@ fn parse_args() -> Result<Opts, String> {
         }
         i += 1;
     }
+    match (&mut o.checkpoint, every) {
+        (Some(c), Some(k)) => c.every = k,
+        (None, Some(_)) => {
+            return Err(format!(
+                "--checkpoint-every needs --checkpoint-dir DIR ({usage})"
+            ));
+        }
+        _ => {}
+    }
+    if let Some(c) = &o.checkpoint {
+        std::fs::create_dir_all(&c.dir).map_err(|e| {
+            format!(
+                "--checkpoint-dir {}: cannot create it: {e}",
+                c.dir.display()
+            )
+        })?;
+    }
     Ok(o)
 }
 
 /// Refuses a plot path that cannot be written before hours of training, not after: empty, a
 /// directory, or in a folder that does not exist.
-fn check_plot_path(p: &std::path::Path) -> Result<(), String> {
+fn check_plot_path(p: &Path) -> Result<(), String> {
     if p.as_os_str().is_empty() {
         return Err("--plot needs a file name, e.g. --plot loss.svg".into());
     }
@@ -136,7 +186,7 @@ fn check_plot_path(p: &std::path::Path) -> Result<(), String> {
     }
     let dir = match p.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
-        _ => std::path::Path::new("."),
+        _ => Path::new("."),
     };
     if !dir.is_dir() {
         return Err(format!(
@@ -258,6 +308,112 @@ struct Report {
     rpc_bytes: u64,
 }
 
+impl Report {
+    /// The report of a rank that only served (or whose run rank 0 reports).
+    fn empty() -> Report {
+        Report {
+            accuracy: 0.0,
+            losses: vec![],
+            reference: vec![],
+            epoch_losses: vec![],
+            wall: Duration::ZERO,
+            collective_bytes: 0,
+            rpc_bytes: 0,
+        }
+    }
+}
+
+/// The report of `run` when a checkpoint says it finished (rank 0 reads it; the other ranks
+/// only skip the run).
+fn finished(o: &Opts, run: &str, rank: usize) -> Res<Option<Report>> {
+    let Some(c) = &o.checkpoint else {
+        return Ok(None);
+    };
+    if !resume::done_path(&c.dir, run).is_file() {
+        return Ok(None);
+    }
+    if rank != 0 {
+        return Ok(Some(Report::empty()));
+    }
+    let d = resume::load_done(&c.dir, run)?;
+    Ok(Some(Report {
+        accuracy: d.accuracy,
+        losses: d.losses,
+        reference: d.reference,
+        epoch_losses: d.epoch_losses,
+        wall: Duration::from_secs_f64(d.wall),
+        collective_bytes: d.collective_bytes,
+        rpc_bytes: d.rpc_bytes,
+    }))
+}
+
+/// Records that `run` finished with `r` (rank 0, with checkpoints on).
+fn record_done(o: &Opts, run: &str, rank: usize, r: &Report) -> Res<()> {
+    let (Some(c), 0) = (&o.checkpoint, rank) else {
+        return Ok(());
+    };
+    resume::save_done(
+        &c.dir,
+        run,
+        &resume::Done {
+            accuracy: r.accuracy,
+            losses: r.losses.clone(),
+            reference: r.reference.clone(),
+            epoch_losses: r.epoch_losses.clone(),
+            wall: r.wall.as_secs_f64(),
+            collective_bytes: r.collective_bytes,
+            rpc_bytes: r.rpc_bytes,
+        },
+    )
+}
+
+/// The training loop every run shares, from `p` (a fresh start or a checkpoint) to the last
+/// epoch: `step(x, y)` takes one optimizer step on a minibatch and returns its mean loss;
+/// `save(p)` writes a checkpoint, every `--checkpoint-every` steps.
+fn train(
+    o: &Opts,
+    run: &str,
+    rank: usize,
+    batches: &[(Tensor, Tensor)],
+    rows: usize,
+    mut p: Progress,
+    mut step: impl FnMut(&Tensor, &Tensor) -> Res<f64>,
+    mut save: impl FnMut(&Progress) -> Res<()>,
+) -> Res<Progress> {
+    let bar = progress(o.epochs, run, rank);
+    bar.set_position(p.epoch_losses.len() as u64);
+    let start = Instant::now();
+    let wall_before = p.wall;
+    let steps = o.epochs * batches.len();
+    while p.step < steps {
+        let (x, y) = &batches[p.step % batches.len()];
+        let loss = step(x, y)?;
+        if p.losses.len() < COMPARE_STEPS {
+            p.losses.push(loss);
+        }
+        p.total += loss * y.numel() as f64;
+        p.step += 1;
+        if p.step % batches.len() == 0 {
+            let mean = p.total / rows as f64;
+            p.epoch_losses.push(mean);
+            p.total = 0.0;
+            bar.set_message(format!("loss {mean:.4}"));
+            bar.inc(1);
+        }
+        if let Some(c) = &o.checkpoint
+            && p.step % c.every == 0
+            && p.step < steps
+        {
+            p.wall = wall_before + start.elapsed().as_secs_f64();
+            save(&p)?;
+        }
+        resume::maybe_kill(run, p.step, rank);
+    }
+    bar.finish_and_clear();
+    p.wall = wall_before + start.elapsed().as_secs_f64();
+    Ok(p)
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. tensor parallel
 
@@ -277,6 +433,23 @@ impl TpModel {
         p.extend(self.b2.clone());
         p.extend(self.head.parameters());
         p
+    }
+
+    /// This rank's parameters by name (a shard of the checkpoint).
+    fn named(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![
+            ("w1".to_string(), self.w1.clone()),
+            ("b1".to_string(), self.b1.clone()),
+            ("w2".to_string(), self.w2.clone()),
+        ];
+        v.extend(self.b2.clone().map(|b| ("b2".to_string(), b)));
+        v.extend(
+            self.head
+                .named_parameters()
+                .into_iter()
+                .map(|(k, p)| (format!("head.{k}"), p)),
+        );
+        v
     }
 
     fn forward(&self, x: &Tensor) -> tp::Result<Tensor> {
@@ -346,26 +519,47 @@ fn collective_bytes() -> Res<u64> {
 }
 
 fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
-    let (train, test, f) = wine::load()?;
-    let batches = wine::batches(&train, f, BATCH)?;
+    const RUN: &str = "tensor-parallel";
+    if let Some(r) = finished(o, RUN, rank)? {
+        return Ok(r);
+    }
+    let (train_set, test, f) = wine::load()?;
+    let batches = wine::batches(&train_set, f, BATCH)?;
     init_group(rank, init)?;
-    let start = Instant::now();
     let (model, full) = tp_models(o.seed, f, rank)?;
     let loss_fn = nn::CrossEntropyLoss::new();
-    let mut opt = Adam::new(model.params(), adam())?;
+    let opt = RefCell::new(Adam::new(model.params(), adam())?);
     let head_params = model.head.parameters();
-    let bar = progress(o.epochs, "tensor-parallel", rank);
-    let mut losses = Vec::new();
-    let mut epoch_losses = Vec::with_capacity(o.epochs);
-    for _ in 0..o.epochs {
-        let mut total = 0.0;
-        for (x, y) in &batches {
+    let mut start = Progress::default();
+    if let Some(c) = &o.checkpoint
+        && checkpoint::sharded_exists(&c.dir, RUN)
+    {
+        // every rank restores its own shard (and optimizer state) of the same step
+        let shard = checkpoint::load_sharded(&c.dir, RUN, None)?;
+        let u = resume::unpack(shard.tensors, &shard.metadata)?;
+        let named = model.named();
+        let values = named
+            .iter()
+            .map(|(k, _)| u.model.get(k).ok_or_else(|| format!("shard lacks {k}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let params: Vec<Tensor> = named.into_iter().map(|(_, p)| p).collect();
+        resume::restore(&params, &values)?;
+        opt.borrow_mut()
+            .load_state_dict(&u.opt.ok_or("shard lacks the optimizer state")?)?;
+        start = u.progress;
+    }
+    let p = train(
+        o,
+        RUN,
+        rank,
+        &batches,
+        train_set.rows(),
+        start,
+        |x, y| {
+            let mut opt = opt.borrow_mut();
             opt.zero_grad()?;
             let loss = loss_fn.forward(&model.forward(x)?, y)?;
-            if losses.len() < COMPARE_STEPS {
-                losses.push(loss.item_f64()?);
-            }
-            total += loss.item_f64()? * y.numel() as f64;
+            let value = loss.item_f64()?;
             // every rank computes the same loss; the all_reduce's backward sums the ranks'
             // gradients, so each rank backpropagates its 1/WORLD share
             loss.mul_scalar(1.0 / WORLD as f64)?.backward()?;
@@ -376,34 +570,41 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
                 }
             }
             opt.step()?;
-        }
-        epoch_losses.push(total / train.rows() as f64);
-        bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+            Ok(value)
+        },
+        |p| {
+            let Some(c) = &o.checkpoint else {
+                return Ok(());
+            };
+            let state: BTreeMap<String, Tensor> = model.named().into_iter().collect();
+            let (t, m) = resume::pack(&state, Some(&opt.borrow().state_dict()?), p);
+            checkpoint::save_sharded(&c.dir, RUN, p.step as u64, &t, &m, None)?;
+            Ok(())
+        },
+    )?;
     let accuracy = {
         let _g = no_grad();
         let logits = model.forward(&Tensor::from_slice(&test.x, &[test.rows(), f])?)?;
         wine::accuracy(&logits, &test.y)?
     };
-    let wall = start.elapsed();
     let collective_bytes = collective_bytes()?;
     dist::destroy_process_group()?;
     let reference = if rank == 0 {
-        reference(&full, &batches, losses.len())?
+        reference(&full, &batches, p.losses.len())?
     } else {
         Vec::new()
     };
-    Ok(Report {
+    let r = Report {
         accuracy,
-        losses,
+        losses: p.losses,
         reference,
-        epoch_losses,
-        wall,
+        epoch_losses: p.epoch_losses,
+        wall: Duration::from_secs_f64(p.wall),
         collective_bytes,
         rpc_bytes: 0,
-    })
+    };
+    record_done(o, RUN, rank, &r)?;
+    Ok(r)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -425,7 +626,22 @@ fn hidden_spec(f: usize) -> Vec<LayerSpec> {
     ]
 }
 
+/// The commit file of the parameter-server run's checkpoint: `{"step": S}` names the files of
+/// step S (the ps's layers and optimizer state, saved by the ps itself; the trainer's head,
+/// optimizer state and progress).
+fn ps_index(dir: &Path) -> PathBuf {
+    dir.join("parameter-server.json")
+}
+
+fn ps_tag(step: usize) -> String {
+    format!("parameter-server.step{step}")
+}
+
 fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
+    const RUN: &str = "parameter-server";
+    if let Some(r) = finished(o, RUN, rank)? {
+        return Ok(r);
+    }
     dnn::register_module::<nn::Sequential>();
     rpc::register("bytes_sent", |(): ()| Ok(rpc::bytes_sent()?));
     // the ps builds the hidden layers from its own generator
@@ -444,22 +660,13 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     if rank != 0 {
         // the ps serves until the trainer is done
         rpc::shutdown(true)?;
-        return Ok(Report {
-            accuracy: 0.0,
-            losses: vec![],
-            reference: vec![],
-            epoch_losses: vec![],
-            wall: Duration::ZERO,
-            collective_bytes: 0,
-            rpc_bytes: 0,
-        });
+        return Ok(Report::empty());
     }
-    let (train, test, f) = wine::load()?;
-    let batches = wine::batches(&train, f, BATCH)?;
-    let start = Instant::now();
+    let (train_set, test, f) = wine::load()?;
+    let batches = wine::batches(&train_set, f, BATCH)?;
     let hidden = RemoteModule::<nn::Sequential>::new("ps/cpu", hidden_spec(f))?;
     tp::manual_seed(o.seed);
-    let head = nn::Linear::new(HIDDEN, CLASSES, true)?;
+    let mut head = nn::Linear::new(HIDDEN, CLASSES, true)?;
     // the reference: a copy of the remote layers' state and of the head
     let full = {
         let copy = hidden.get_module_rref().to_here(None)?;
@@ -481,49 +688,91 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         params.push(rpc::RRef::new(p)?);
     }
     let opt = DistributedOptimizer::new(OptimizerKind::Adam(adam()), &params)?;
+    let mut start = Progress::default();
+    if let Some(c) = &o.checkpoint
+        && ps_index(&c.dir).is_file()
+    {
+        let index: serde_json::Value = serde_json::from_slice(&std::fs::read(ps_index(&c.dir))?)?;
+        let step = index["step"]
+            .as_u64()
+            .ok_or("parameter-server.json lacks step")? as usize;
+        let tag = ps_tag(step);
+        let dir = c.dir.display().to_string();
+        // each owner loads its own part
+        hidden.load_on_owner(&format!("{dir}/{tag}.ps-layers.safetensors"))?;
+        opt.load_on_owners(&dir, &format!("{tag}.optim"))?;
+        let (t, m) =
+            tp::serialize::load_with_metadata(c.dir.join(format!("{tag}.trainer.safetensors")))?;
+        let u = resume::unpack(t, &m)?;
+        head.load_state_dict(&u.model, true)?;
+        start = u.progress;
+    }
     let loss_fn = nn::CrossEntropyLoss::new();
-    let bar = progress(o.epochs, "parameter-server", rank);
-    let mut losses = Vec::new();
-    let mut epoch_losses = Vec::with_capacity(o.epochs);
-    for _ in 0..o.epochs {
-        let mut total = 0.0;
-        for (x, y) in &batches {
+    let p = train(
+        o,
+        RUN,
+        rank,
+        &batches,
+        train_set.rows(),
+        start,
+        |x, y| {
             let ctx = dist_autograd::context()?;
             let h = hidden.forward(x)?;
             let loss = loss_fn.forward(&head.call(&h)?, y)?;
-            if losses.len() < COMPARE_STEPS {
-                losses.push(loss.item_f64()?);
-            }
-            total += loss.item_f64()? * y.numel() as f64;
+            let value = loss.item_f64()?;
             dist_autograd::backward(ctx.id(), &[loss], false)?;
             opt.step(ctx.id())?;
-        }
-        epoch_losses.push(total / train.rows() as f64);
-        bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+            Ok(value)
+        },
+        |p| {
+            let Some(c) = &o.checkpoint else {
+                return Ok(());
+            };
+            let tag = ps_tag(p.step);
+            let dir = c.dir.display().to_string();
+            // the owners save their own parameters and optimizer states, asked by RPC
+            hidden.save_on_owner(&format!("{dir}/{tag}.ps-layers.safetensors"))?;
+            opt.save_on_owners(&dir, &format!("{tag}.optim"))?;
+            let (t, m) = resume::pack(&head.state_dict()?, None, p);
+            tp::serialize::save_with_metadata(
+                &t,
+                &m,
+                c.dir.join(format!("{tag}.trainer.safetensors")),
+            )?;
+            // the commit point, then the files of earlier steps go
+            let index = serde_json::json!({ "step": p.step }).to_string();
+            tp::serialize::write_atomically(ps_index(&c.dir), index.as_bytes())?;
+            for e in std::fs::read_dir(&c.dir)?.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with("parameter-server.step") && !n.starts_with(&format!("{tag}.")) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+            Ok(())
+        },
+    )?;
     let accuracy = {
         let _g = no_grad();
         let h = hidden.forward(&Tensor::from_slice(&test.x, &[test.rows(), f])?)?;
         wine::accuracy(&head.call(&h)?, &test.y)?
     };
-    let wall = start.elapsed();
     let ps_bytes: u64 = rpc::rpc_sync("ps", "bytes_sent", (), None)?;
     let rpc_bytes = rpc::bytes_sent()? + ps_bytes;
     drop(opt);
     drop(hidden);
     rpc::shutdown(true)?;
-    let reference = reference(&full, &batches, losses.len())?;
-    Ok(Report {
+    let reference = reference(&full, &batches, p.losses.len())?;
+    let r = Report {
         accuracy,
-        losses,
+        losses: p.losses,
         reference,
-        epoch_losses,
-        wall,
+        epoch_losses: p.epoch_losses,
+        wall: Duration::from_secs_f64(p.wall),
         collective_bytes: 0,
         rpc_bytes,
-    })
+    };
+    record_done(o, RUN, rank, &r)?;
+    Ok(r)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -561,21 +810,49 @@ fn dp_shard(b: usize, rank: usize) -> (usize, usize) {
 
 fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     use tp::nn::parallel::DistributedDataParallel as Ddp;
-    let (train, test, f) = wine::load()?;
-    let batches = wine::batches(&train, f, BATCH)?;
+    const RUN: &str = "data-parallel";
+    if let Some(r) = finished(o, RUN, rank)? {
+        return Ok(r);
+    }
+    let (train_set, test, f) = wine::load()?;
+    let batches = wine::batches(&train_set, f, BATCH)?;
+    let path = o
+        .checkpoint
+        .as_ref()
+        .map(|c| c.dir.join(format!("{RUN}.safetensors")));
+    // rank 0 wrote it; every rank reads it (before any rank can write a newer one: the next
+    // save needs every rank's steps)
+    let resumed = match &path {
+        Some(p) if p.is_file() => {
+            let (t, m) = tp::serialize::load_with_metadata(p)?;
+            Some(resume::unpack(t, &m)?)
+        }
+        _ => None,
+    };
     init_group(rank, init)?;
-    let start = Instant::now();
-    let (model, full) = mlp(o.seed, f)?;
-    // broadcasts rank 0's parameters (the same ones: every rank built them from the seed)
+    let (mut model, full) = mlp(o.seed, f)?;
+    if let Some(u) = &resumed {
+        model.load_state_dict(&u.model, true)?;
+    }
+    // broadcasts rank 0's parameters (the same ones: every rank built or loaded them)
     let ddp = Ddp::new(model)?;
     let loss_fn = nn::CrossEntropyLoss::new();
-    let mut opt = Adam::new(ddp.parameters(), adam())?;
-    let bar = progress(o.epochs, "data-parallel", rank);
-    let mut losses = Vec::new();
-    let mut epoch_losses = Vec::with_capacity(o.epochs);
-    for _ in 0..o.epochs {
-        let mut total = 0.0;
-        for (x, y) in &batches {
+    let opt = RefCell::new(Adam::new(ddp.parameters(), adam())?);
+    let mut start = Progress::default();
+    if let Some(u) = resumed {
+        opt.borrow_mut()
+            .load_state_dict(&u.opt.ok_or("checkpoint lacks the optimizer state")?)?;
+        start = u.progress;
+    }
+    let p = train(
+        o,
+        RUN,
+        rank,
+        &batches,
+        train_set.rows(),
+        start,
+        |x, y| {
+            let mut opt = opt.borrow_mut();
             let b = y.numel();
             let (first, len) = dp_shard(b, rank);
             let share = len as f64 / b as f64;
@@ -589,22 +866,22 @@ fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
             local.mul_scalar(WORLD as f64 * share)?.backward()?;
             opt.step()?;
             // the whole minibatch's mean loss: the ranks' shares of it, summed
-            let loss = {
-                let _g = no_grad();
-                let t = Tensor::from_vec(vec![local.item_f64()? * share], &[1])?;
-                dist::all_reduce(&t, ReduceOp::Sum, None)?;
-                t.item::<f64>()?
+            let _g = no_grad();
+            let t = Tensor::from_vec(vec![local.item_f64()? * share], &[1])?;
+            dist::all_reduce(&t, ReduceOp::Sum, None)?;
+            Ok(t.item::<f64>()?)
+        },
+        |p| {
+            let Some(path) = &path else {
+                return Ok(());
             };
-            if losses.len() < COMPARE_STEPS {
-                losses.push(loss);
-            }
-            total += loss * b as f64;
-        }
-        epoch_losses.push(total / train.rows() as f64);
-        bar.set_message(format!("loss {:.4}", total / train.rows() as f64));
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+            // replicated: rank 0 writes, the others wait for it
+            let state = ddp.module().state_dict()?;
+            let (t, m) = resume::pack(&state, Some(&opt.borrow().state_dict()?), p);
+            checkpoint::save_replicated(&t, &m, path, None)?;
+            Ok(())
+        },
+    )?;
     let accuracy = if rank == 0 {
         let _g = no_grad();
         let logits = ddp
@@ -614,25 +891,26 @@ fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     } else {
         0.0
     };
-    let wall = start.elapsed();
     let collective_bytes = collective_bytes()?;
     drop(opt);
     drop(ddp);
     dist::destroy_process_group()?;
     let reference = if rank == 0 {
-        reference(&full, &batches, losses.len())?
+        reference(&full, &batches, p.losses.len())?
     } else {
         Vec::new()
     };
-    Ok(Report {
+    let r = Report {
         accuracy,
-        losses,
+        losses: p.losses,
         reference,
-        epoch_losses,
-        wall,
+        epoch_losses: p.epoch_losses,
+        wall: Duration::from_secs_f64(p.wall),
         collective_bytes,
         rpc_bytes: 0,
-    })
+    };
+    record_done(o, RUN, rank, &r)?;
+    Ok(r)
 }
 
 // ---------------------------------------------------------------------------------------------

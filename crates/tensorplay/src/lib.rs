@@ -133,6 +133,8 @@ pub mod distributed {
         reduce_scatter_tensor_async, register_backend, registered_backends, rendezvous, scatter,
         send, spawn, store, world_store,
     };
+    #[doc(inline)]
+    pub use tensorplay_distributed_nn::checkpoint;
 
     /// Registers the backends this build has beyond `"cpu"` (`"nccl"` with the `nccl`
     /// feature), once.

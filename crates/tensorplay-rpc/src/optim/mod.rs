@@ -19,6 +19,8 @@ const STEP: &str = "tensorplay::dist_optim::step";
 const DROP: &str = "tensorplay::dist_optim::drop";
 const SET_LR: &str = "tensorplay::dist_optim::set_lr";
 
+mod state;
+
 /// Which local optimizer each owner runs, with its hyperparameters (the `optimizer_class`
 /// and arguments of PyTorch's constructor).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -167,15 +169,21 @@ fn create(kind: OptimizerKind, params: Vec<RRef<Tensor>>) -> tensorplay_core::Re
     Ok(id)
 }
 
-fn step(id: u64, context_id: ContextId) -> tensorplay_core::Result<()> {
-    let local = lock(&LOCALS).get(&id).cloned().ok_or_else(|| {
+/// The local optimizer `id` of this worker; `op` names the caller in the error when it was
+/// dropped.
+fn local(op: &'static str, id: u64) -> Result<Arc<Mutex<Local>>> {
+    lock(&LOCALS).get(&id).cloned().ok_or_else(|| {
         Error::invalid(
-            "DistributedOptimizer::step",
+            op,
             "optimizer",
             "a live optimizer",
             format!("local optimizer {id}, which was dropped"),
         )
-    })?;
+    })
+}
+
+fn step(id: u64, context_id: ContextId) -> tensorplay_core::Result<()> {
+    let local = local("DistributedOptimizer::step", id)?;
     // an owner the context never reached has no gradients: nothing to apply
     if !is_valid_context(context_id) {
         return Ok(());
@@ -195,16 +203,10 @@ pub(crate) fn register_builtins() {
     );
     crate::register(STEP, |(id, ctx): (u64, ContextId)| step(id, ctx));
     crate::register(SET_LR, |(id, lr): (u64, f64)| {
-        let local = lock(&LOCALS).get(&id).cloned().ok_or_else(|| {
-            Error::invalid(
-                "DistributedOptimizer::set_lr",
-                "optimizer",
-                "a live optimizer",
-                format!("local optimizer {id}, which was dropped"),
-            )
-        })?;
+        let local = local("DistributedOptimizer::set_lr", id)?;
         lock(&local).optimizer.set_lr(lr)
     });
+    state::register_builtins();
     crate::register(DROP, |id: u64| {
         lock(&LOCALS).remove(&id);
         Ok(())

@@ -1,0 +1,232 @@
+//! Checkpoints of a process group's training (`torch.distributed.checkpoint`, simplified):
+//! replicated state written once by rank 0, and sharded state written by every rank with one
+//! metadata file that commits the set.
+//!
+//! - **Replicated** (DDP, or any parameters equal on every rank): [`save_replicated`] writes
+//!   the file on rank 0 only; every rank then loads it with [`tensorplay_core::load`].
+//! - **Sharded** (tensor parallelism: each rank holds a different part): [`save_sharded`]
+//!   writes `<name>.step<S>.rank<r>.safetensors` on every rank, then rank 0 writes
+//!   `<name>.json` naming the step, the world size and the shards. The `.json` is the commit
+//!   point: a job killed while saving still has the previous `.json` and the shards it names
+//!   (older shards are removed only after the new `.json` is on disk). [`load_sharded`]
+//!   restores every rank's shard at the same world size; loading at another world size
+//!   (resharding) is refused.
+//!
+//! Every call is collective over the group (every rank calls it, in the same order), and every
+//! rank returns the same outcome: when one rank cannot write or read its file, all of them
+//! fail, naming it. Ranks on several hosts need a folder all of them see (a shared file
+//! system) for [`load_sharded`] to find the `.json`, as with PyTorch's distributed checkpoints.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp};
+use tensorplay_core::serialize::{load_with_metadata, save_with_metadata, write_atomically};
+use tensorplay_core::{Error, Result, Tensor};
+
+/// Every rank's flag (1 ok, 0 failed) of the group, known to every rank.
+fn flags(ok: bool, group: Option<&ProcessGroup>) -> Result<Vec<bool>> {
+    let (rank, world) = (dist::get_rank(group)?, dist::get_world_size(group)?);
+    let mut v = vec![0i64; world];
+    v[rank] = i64::from(ok);
+    let t = Tensor::from_vec(v, &[world])?;
+    dist::all_reduce(&t, ReduceOp::Sum, group)?;
+    Ok(t.to_vec::<i64>()?.into_iter().map(|f| f == 1).collect())
+}
+
+/// `Ok` when every rank succeeded, else the error: this rank's own, or one naming the ranks
+/// that failed.
+fn agree(mine: Result<()>, what: &str, group: Option<&ProcessGroup>) -> Result<()> {
+    let all = flags(mine.is_ok(), group)?;
+    mine?;
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| !all[r]).collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Checkpoint {
+        path: what.to_string(),
+        problem: format!("rank(s) {failed:?} failed (their errors name the file and the cause)"),
+    })
+}
+
+/// Writes `tensors` and `metadata` to `path` on rank 0 of `group` (the default group when
+/// `None`); the other ranks wait for it. Collective. Rank 0's values are the ones written:
+/// with DDP every rank holds the same, as the model's `state_dict` and an optimizer's state.
+///
+/// Errors: [`Error::Checkpoint`] on every rank when rank 0 could not write the file (rank 0's
+/// error names the cause); the group's errors.
+pub fn save_replicated(
+    tensors: &BTreeMap<String, Tensor>,
+    metadata: &BTreeMap<String, String>,
+    path: impl AsRef<Path>,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let mine = if dist::get_rank(group)? == 0 {
+        save_with_metadata(tensors, metadata, path)
+    } else {
+        Ok(())
+    };
+    agree(mine, &path.display().to_string(), group)
+}
+
+/// The `.json` of a sharded checkpoint.
+fn index_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.json"))
+}
+
+fn shard_name(name: &str, step: u64, rank: usize) -> String {
+    format!("{name}.step{step}.rank{rank}.safetensors")
+}
+
+/// Writes this rank's shard of the sharded checkpoint `name` at `step` in `dir`, then (rank 0)
+/// the `.json` that commits it, then removes this rank's shards of earlier saves. Collective
+/// over `group` (the default group when `None`). `tensors` and `metadata` are this rank's own
+/// (its parameters' shards, its optimizer's state).
+///
+/// Errors: [`Error::Checkpoint`] on every rank when any rank could not write its shard or rank
+/// 0 the `.json` (the failing rank's error names the file and cause; the others name the
+/// ranks); the group's errors. After an error the previous checkpoint is still whole.
+pub fn save_sharded(
+    dir: impl AsRef<Path>,
+    name: &str,
+    step: u64,
+    tensors: &BTreeMap<String, Tensor>,
+    metadata: &BTreeMap<String, String>,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
+    let dir = dir.as_ref();
+    let (rank, world) = (dist::get_rank(group)?, dist::get_world_size(group)?);
+    let mine = save_with_metadata(tensors, metadata, dir.join(shard_name(name, step, rank)));
+    agree(
+        mine,
+        &dir.join(shard_name(name, step, rank)).display().to_string(),
+        group,
+    )?;
+    let index = index_path(dir, name);
+    let committed = if rank == 0 {
+        let shards: Vec<String> = (0..world).map(|r| shard_name(name, step, r)).collect();
+        let json = serde_json::json!({
+            "format": "tensorplay.sharded",
+            "name": name,
+            "step": step,
+            "world_size": world,
+            "shards": shards,
+        });
+        write_atomically(&index, json.to_string().as_bytes())
+    } else {
+        Ok(())
+    };
+    agree(committed, &index.display().to_string(), group)?;
+    // this rank's older shards are no longer named by any .json
+    let keep = shard_name(name, step, rank);
+    let suffix = format!(".rank{rank}.safetensors");
+    let prefix = format!("{name}.step");
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let f = e.file_name().to_string_lossy().into_owned();
+            if f != keep
+                && f.strip_prefix(&prefix)
+                    .and_then(|r| r.strip_suffix(&suffix))
+                    .is_some_and(|s| s.parse::<u64>().is_ok())
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What [`load_sharded`] returns: the step saved, and this rank's tensors and metadata.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    /// The `step` given to [`save_sharded`].
+    pub step: u64,
+    /// This rank's tensors.
+    pub tensors: BTreeMap<String, Tensor>,
+    /// This rank's metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Whether `dir` holds a committed sharded checkpoint `name` (its `.json`). Not collective.
+pub fn sharded_exists(dir: impl AsRef<Path>, name: &str) -> bool {
+    index_path(dir.as_ref(), name).is_file()
+}
+
+fn read_index(index: &Path, world: usize, rank: usize) -> Result<(u64, PathBuf)> {
+    let bad = |what: String| Error::Checkpoint {
+        path: index.display().to_string(),
+        problem: what,
+    };
+    let text =
+        std::fs::read_to_string(index).map_err(|e| bad(format!("could not read it: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON (corrupt?): {e}")))?;
+    if v.get("format").and_then(|f| f.as_str()) != Some("tensorplay.sharded") {
+        return Err(bad(
+            "not the index of a sharded checkpoint (no \"format\": \"tensorplay.sharded\")".into(),
+        ));
+    }
+    let step = v
+        .get("step")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| bad("no \"step\"".into()))?;
+    let saved_world = v
+        .get("world_size")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| bad("no \"world_size\"".into()))?;
+    if saved_world != world as u64 {
+        return Err(bad(format!(
+            "written by {saved_world} ranks, loaded by {world}: resharding to another world size is not supported"
+        )));
+    }
+    let shard = v
+        .get("shards")
+        .and_then(|s| s.as_array())
+        .and_then(|s| s.get(rank))
+        .and_then(|s| s.as_str())
+        .ok_or_else(|| bad(format!("no shard for rank {rank}")))?;
+    if shard.contains('/') || shard.contains('\\') {
+        return Err(bad(format!(
+            "shard name {shard:?} is not a file name in its folder"
+        )));
+    }
+    let dir = index.parent().unwrap_or(Path::new("."));
+    Ok((step, dir.join(shard)))
+}
+
+/// Loads this rank's shard of the sharded checkpoint `name` in `dir`, written by
+/// [`save_sharded`] at the same world size. Collective over `group`.
+///
+/// Errors: [`Error::Checkpoint`] on every rank when any rank could not read its shard (the
+/// failing rank names the file and problem: missing, truncated, corrupt) or the `.json` is
+/// missing, corrupt, or of another world size (resharding is not supported).
+pub fn load_sharded(
+    dir: impl AsRef<Path>,
+    name: &str,
+    group: Option<&ProcessGroup>,
+) -> Result<Shard> {
+    let dir = dir.as_ref();
+    let (rank, world) = (dist::get_rank(group)?, dist::get_world_size(group)?);
+    let index = index_path(dir, name);
+    let mine = read_index(&index, world, rank).and_then(|(step, path)| {
+        let (tensors, metadata) = load_with_metadata(&path)?;
+        Ok(Shard {
+            step,
+            tensors,
+            metadata,
+        })
+    });
+    let all = flags(mine.is_ok(), group)?;
+    let shard = mine?;
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| !all[r]).collect();
+    if !failed.is_empty() {
+        return Err(Error::Checkpoint {
+            path: index.display().to_string(),
+            problem: format!(
+                "rank(s) {failed:?} could not load their shards (their errors name the cause)"
+            ),
+        });
+    }
+    Ok(shard)
+}
