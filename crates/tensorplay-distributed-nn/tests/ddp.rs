@@ -908,3 +908,109 @@ fn protocol_checks_and_pytorch_patterns() {
     })
     .unwrap();
 }
+
+/// The scratch folder of a checkpoint test: the parent's, passed to the ranks in
+/// `TP_CKPT_TEST_DIR`.
+fn ckpt_dir() -> std::path::PathBuf {
+    match std::env::var("TP_CKPT_TEST_DIR") {
+        Ok(d) => d.into(),
+        Err(_) => {
+            let d = std::env::temp_dir().join(format!("tp-dnn-ckpt-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).expect("scratch dir");
+            d
+        }
+    }
+}
+
+/// Replicated and sharded checkpoints at world size 2: rank 0 writes the replicated file and
+/// both read it back; each rank's shard comes back bit-exact at the same world size; a later
+/// save removes the earlier shards; a corrupt shard fails every rank, naming the rank; a
+/// checkpoint of another world size is refused (no resharding).
+#[test]
+fn replicated_and_sharded_checkpoints_world_2() {
+    use std::collections::BTreeMap;
+    use tensorplay_distributed_nn::checkpoint;
+    let dir = ckpt_dir();
+    let mut o = dist::SpawnOptions::new(2);
+    o.timeout = Duration::from_secs(60);
+    o.env = vec![("TP_CKPT_TEST_DIR".into(), dir.display().to_string())];
+    let result = dist::spawn::spawn_with(o, |rank| -> TestResult {
+        let dir = ckpt_dir();
+        init()?;
+        let meta = BTreeMap::from([("rank".to_string(), rank.to_string())]);
+        // replicated: rank 0's values are the file's
+        let mine = BTreeMap::from([(
+            "w".to_string(),
+            Tensor::from_vec(vec![rank as f64; 3], &[3])?,
+        )]);
+        let path = dir.join("model.safetensors");
+        checkpoint::save_replicated(&mine, &meta, &path, None)?;
+        let (back, m) = tp::serialize::load_with_metadata(&path)?;
+        assert_eq!(
+            back["w"].to_vec::<f64>()?,
+            vec![0.0; 3],
+            "rank {rank}: rank 0's values"
+        );
+        assert_eq!(m["rank"], "0");
+        // sharded: each rank's own, twice (the second save replaces the first)
+        for step in [10u64, 20] {
+            let shard = BTreeMap::from([(
+                "part".to_string(),
+                Tensor::from_vec(vec![(rank * 100) as i64 + step as i64; 2], &[2])?,
+            )]);
+            checkpoint::save_sharded(&dir, "tp", step, &shard, &meta, None)?;
+        }
+        let s = checkpoint::load_sharded(&dir, "tp", None)?;
+        assert_eq!(s.step, 20);
+        assert_eq!(
+            s.tensors["part"].to_vec::<i64>()?,
+            vec![(rank * 100) as i64 + 20; 2]
+        );
+        assert_eq!(s.metadata["rank"], rank.to_string());
+        dist::barrier(None)?;
+        let old = dir.join(format!("tp.step10.rank{rank}.safetensors"));
+        assert!(!old.exists(), "rank {rank}: the earlier shard was removed");
+        // rank 1's shard corrupted: both ranks fail, rank 1 naming its file
+        if rank == 1 {
+            let f = dir.join("tp.step20.rank1.safetensors");
+            let mut b = std::fs::read(&f)?;
+            let n = b.len();
+            b[n - 1] ^= 0xff;
+            std::fs::write(&f, b)?;
+        }
+        dist::barrier(None)?;
+        let e = checkpoint::load_sharded(&dir, "tp", None)
+            .unwrap_err()
+            .to_string();
+        if rank == 1 {
+            assert!(
+                e.contains("tp.step20.rank1.safetensors") && e.contains("corrupt"),
+                "{e}"
+            );
+        } else {
+            assert!(e.contains("rank(s) [1] could not load"), "{e}");
+        }
+        dist::barrier(None)?;
+        // another world size: refused on every rank
+        if rank == 0 {
+            let json = std::fs::read_to_string(dir.join("tp.json"))?;
+            std::fs::write(
+                dir.join("tp.json"),
+                json.replace("\"world_size\":2", "\"world_size\":4"),
+            )?;
+        }
+        dist::barrier(None)?;
+        let e = checkpoint::load_sharded(&dir, "tp", None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("written by 4 ranks, loaded by 2"),
+            "rank {rank}: {e}"
+        );
+        dist::destroy_process_group()?;
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    result.unwrap();
+}
