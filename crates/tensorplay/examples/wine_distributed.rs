@@ -168,6 +168,22 @@ fn parse_args() -> Result<Opts, String> {
                 c.dir.display()
             )
         })?;
+        // a folder holds the checkpoints of one configuration
+        let config = format!("--seed {} --epochs {}", o.seed, o.epochs);
+        let f = c.dir.join("config.txt");
+        match std::fs::read_to_string(&f) {
+            Ok(saved) if saved.trim() != config => {
+                return Err(format!(
+                    "--checkpoint-dir {} holds the checkpoints of `{}`, not `{config}`: use another folder",
+                    c.dir.display(),
+                    saved.trim()
+                ));
+            }
+            Ok(_) => {}
+            Err(_) => {
+                tp::serialize::write_atomically(&f, config.as_bytes()).map_err(|e| e.to_string())?
+            }
+        }
     }
     Ok(o)
 }
