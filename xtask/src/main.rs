@@ -32,6 +32,7 @@ use clap::{Parser, Subcommand};
 mod check_docs;
 mod gpu_check;
 mod multihost;
+mod resume;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "tensorplay project automation")]
@@ -111,6 +112,10 @@ enum Cmd {
         #[arg(long)]
         filter: Option<String>,
     },
+    /// The main job killed and restarted: `tensorplay-run --max-restarts 2` runs
+    /// `wine_distributed` with checkpoints while a rank SIGKILLs itself once, in each run in
+    /// turn; the result lines must equal an uninterrupted job's.
+    TestResume,
     /// Collective bandwidth (2 ranks, 4 KiB to 64 MiB) next to PyTorch gloo's.
     BenchCollectives {
         #[command(flatten)]
@@ -1088,6 +1093,7 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Cmd::TestMultigpu => test_multigpu(),
         Cmd::TestMultihost { filter } => multihost::test_multihost(filter.as_deref()),
+        Cmd::TestResume => resume::test_resume(),
         Cmd::BenchCollectives {
             world, fr_rounds, ..
         } if fr_rounds > 0 => bench_flight_recorder(world, fr_rounds),

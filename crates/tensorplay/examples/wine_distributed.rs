@@ -108,6 +108,8 @@ fn parse_args() -> Result<Opts, String> {
                 .ok_or_else(|| format!("{key} needs a value ({usage})"))
         };
         match key.as_str() {
+            // the end of a launcher's own options (`tensorplay-run ... wine_distributed -- ...`)
+            "--" => {}
             "--seed" => {
                 let v = value(&mut i)?;
                 o.seed = v.parse().map_err(|e| format!("bad --seed {v:?}: {e}"))?;

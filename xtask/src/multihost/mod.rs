@@ -27,7 +27,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 pub(crate) use bench::bench_hosts;
-use catalog::{executables, scenarios};
+pub(crate) use catalog::executables;
+use catalog::scenarios;
 use hosts::{Fault, Hosts, is_root, ours, remove_all};
 use run::{RUNNING, run_scenario};
 
