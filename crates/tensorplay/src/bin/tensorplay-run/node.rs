@@ -41,6 +41,46 @@ pub(crate) struct Node {
     pub(crate) note: Option<String>,
 }
 
+/// `--nnodes` as given: a number of nodes, or an elastic range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Nodes {
+    /// `N`: a fixed number of nodes, each launcher with its node rank.
+    Fixed(usize),
+    /// `MIN:MAX`: rounds of MIN to MAX nodes, numbered by the launchers' rendezvous.
+    Elastic {
+        /// The fewest nodes a round may start with.
+        min: usize,
+        /// The most nodes a round may have.
+        max: usize,
+    },
+}
+
+/// Parses `--nnodes`: `N` or `MIN:MAX` with `1 <= MIN <= MAX` (`N` = 0 is refused later,
+/// with the scheduler's values).
+pub(crate) fn parse_nnodes(s: &str) -> Result<Nodes, String> {
+    let expected = "expected N or MIN:MAX with 1 <= MIN <= MAX (for example 2 or 1:4)";
+    let num = |p: &str| p.trim().parse::<usize>().ok();
+    let Some((lo, hi)) = s.split_once(':') else {
+        return num(s)
+            .map(Nodes::Fixed)
+            .ok_or_else(|| format!("--nnodes {s:?}: {expected}"));
+    };
+    let (Some(min), Some(max)) = (num(lo), num(hi)) else {
+        return Err(format!("--nnodes {s:?}: {expected}"));
+    };
+    if min == 0 {
+        return Err(format!(
+            "--nnodes {s:?}: MIN must be at least 1; {expected}"
+        ));
+    }
+    if min > max {
+        return Err(format!(
+            "--nnodes {s:?}: MIN ({min}) is larger than MAX ({max}); {expected}"
+        ));
+    }
+    Ok(Nodes::Elastic { min, max })
+}
+
 /// `HOST[:PORT]` as torchrun's `--rdzv-endpoint` takes it (IPv6 in brackets:
 /// `[fd00::1]:29500`); the port defaults to 29400.
 pub(crate) fn parse_endpoint(s: &str) -> Result<(String, u16), String> {
@@ -211,6 +251,26 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn nnodes_specs_parse_or_are_refused() {
+        assert_eq!(parse_nnodes("2"), Ok(Nodes::Fixed(2)));
+        assert_eq!(parse_nnodes("1:4"), Ok(Nodes::Elastic { min: 1, max: 4 }));
+        assert_eq!(parse_nnodes("2:2"), Ok(Nodes::Elastic { min: 2, max: 2 }));
+        for (bad, why) in [
+            ("3:2", "larger than MAX"),
+            ("0:2", "at least 1"),
+            ("a:b", "MIN:MAX"),
+            ("1:", "MIN:MAX"),
+            (":2", "MIN:MAX"),
+            ("1:2:3", "MIN:MAX"),
+            ("x", "MIN:MAX"),
+            ("-1", "MIN:MAX"),
+        ] {
+            let e = parse_nnodes(bad).unwrap_err();
+            assert!(e.starts_with("--nnodes") && e.contains(why), "{bad:?}: {e}");
+        }
     }
 
     #[test]
