@@ -191,7 +191,7 @@ fn read_index(index: &Path, world: usize, rank: usize) -> Result<(u64, PathBuf)>
             "shard name {shard:?} is not a file name in its folder"
         )));
     }
-    let dir = index.parent().unwrap_or(Path::new("."));
+    let dir = index.parent().unwrap_or_else(|| Path::new("."));
     Ok((step, dir.join(shard)))
 }
 

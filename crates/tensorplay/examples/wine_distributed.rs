@@ -393,11 +393,11 @@ fn train(
     run: &str,
     rank: usize,
     batches: &[(Tensor, Tensor)],
-    rows: usize,
     mut p: Progress,
     mut step: impl FnMut(&Tensor, &Tensor) -> Res<f64>,
     mut save: impl FnMut(&Progress) -> Res<()>,
 ) -> Res<Progress> {
+    let rows: usize = batches.iter().map(|(_, y)| y.numel()).sum();
     let bar = progress(o.epochs, run, rank);
     bar.set_position(p.epoch_losses.len() as u64);
     let start = Instant::now();
@@ -411,7 +411,7 @@ fn train(
         }
         p.total += loss * y.numel() as f64;
         p.step += 1;
-        if p.step % batches.len() == 0 {
+        if p.step.is_multiple_of(batches.len()) {
             let mean = p.total / rows as f64;
             p.epoch_losses.push(mean);
             p.total = 0.0;
@@ -419,7 +419,7 @@ fn train(
             bar.inc(1);
         }
         if let Some(c) = &o.checkpoint
-            && p.step % c.every == 0
+            && p.step.is_multiple_of(c.every)
             && p.step < steps
         {
             p.wall = wall_before + start.elapsed().as_secs_f64();
@@ -571,7 +571,6 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         RUN,
         rank,
         &batches,
-        train_set.rows(),
         start,
         |x, y| {
             let mut opt = opt.borrow_mut();
@@ -731,7 +730,6 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         RUN,
         rank,
         &batches,
-        train_set.rows(),
         start,
         |x, y| {
             let ctx = dist_autograd::context()?;
@@ -867,7 +865,6 @@ fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
         RUN,
         rank,
         &batches,
-        train_set.rows(),
         start,
         |x, y| {
             let mut opt = opt.borrow_mut();
@@ -1145,7 +1142,7 @@ mod tests {
     #[test]
     fn bad_plot_paths_are_refused_up_front() {
         let dir = std::env::temp_dir();
-        assert!(check_plot_path(std::path::Path::new("")).is_err());
+        assert!(check_plot_path(Path::new("")).is_err());
         assert!(check_plot_path(&dir).unwrap_err().contains("directory"));
         let missing = dir
             .join(format!("tp-no-such-dir-{}", std::process::id()))
@@ -1156,7 +1153,7 @@ mod tests {
                 .contains("does not exist")
         );
         assert!(check_plot_path(&dir.join("loss.svg")).is_ok());
-        assert!(check_plot_path(std::path::Path::new("loss.svg")).is_ok());
+        assert!(check_plot_path(Path::new("loss.svg")).is_ok());
     }
 
     /// The plot shows every epoch of the run (not only the compared steps) and gives each of
