@@ -29,9 +29,18 @@ fn result_lines(stdout: &str) -> Vec<String> {
         .collect()
 }
 
-fn launch(launcher: &Path, args: &[&str], kill_at: Option<&str>) -> Result<Output, String> {
+/// Runs the launcher; the flight recorders of failed rounds go to `fr_dir` (the scratch
+/// folder, removed at the end), not to the temp dir.
+fn launch(
+    launcher: &Path,
+    fr_dir: &Path,
+    args: &[&str],
+    kill_at: Option<&str>,
+) -> Result<Output, String> {
     let mut c = Command::new(launcher);
-    c.args(args).env_remove("TENSORPLAY_WINE_KILL_AT");
+    c.args(args)
+        .env_remove("TENSORPLAY_WINE_KILL_AT")
+        .env("TENSORPLAY_FR_DIR", fr_dir);
     if let Some(k) = kill_at {
         c.env("TENSORPLAY_WINE_KILL_AT", k);
     }
@@ -64,10 +73,11 @@ pub(crate) fn test_resume() -> Result<(), String> {
     let (launcher, wine) = (find("tensorplay-run")?, find("wine_distributed")?);
     let wine = wine.display().to_string();
     let scratch = Scratch(std::env::temp_dir().join(format!("tp-resume-{}", std::process::id())));
-    std::fs::create_dir_all(&scratch.0).map_err(|e| format!("scratch folder: {e}"))?;
+    let fr = scratch.0.join("flight-recorder");
+    std::fs::create_dir_all(&fr).map_err(|e| format!("scratch folder: {e}"))?;
 
     let t0 = Instant::now();
-    let plain = launch(&launcher, &["--nproc-per-node", "2", &wine], None)?;
+    let plain = launch(&launcher, &fr, &["--nproc-per-node", "2", &wine], None)?;
     let expected = result_lines(&text(&plain.stdout));
     if !plain.status.success() || expected.len() != 3 {
         return Err(format!(
@@ -95,6 +105,7 @@ pub(crate) fn test_resume() -> Result<(), String> {
         let dir = dir.display().to_string();
         let o = launch(
             &launcher,
+            &fr,
             &[
                 "--nproc-per-node",
                 "2",
@@ -134,6 +145,7 @@ pub(crate) fn test_resume() -> Result<(), String> {
     let dir = scratch.0.join("no-restarts").display().to_string();
     let o = launch(
         &launcher,
+        &fr,
         &[
             "--nproc-per-node",
             "2",
