@@ -354,6 +354,10 @@ fn finished(o: &Opts, run: &str, rank: usize) -> Res<Option<Report>> {
         return Ok(Some(Report::empty()));
     }
     let d = resume::load_done(&c.dir, run)?;
+    eprintln!(
+        "{run}: finished earlier; its results are read from {}",
+        resume::done_path(&c.dir, run).display()
+    );
     Ok(Some(Report {
         accuracy: d.accuracy,
         losses: d.losses,
