@@ -372,7 +372,10 @@ fn optimizer_state_of_another_layout_is_refused_unchanged() -> tp::Result<()> {
     // other groups
     let mut one_group = Adam::new(deep_copy(&ps)?, AdamOptions::default())?;
     let e = one_group.load_state_dict(&state).unwrap_err().to_string();
-    assert!(e.contains("parameter groups of [3]"), "{e}");
+    assert!(
+        e.contains("parameter groups holding parameters [[0, 1, 2]]"),
+        "{e}"
+    );
     // a moment of the wrong shape, named
     let mut wrong = state.clone();
     wrong
@@ -388,6 +391,30 @@ fn optimizer_state_of_another_layout_is_refused_unchanged() -> tp::Result<()> {
         b.state_dict()?.state.len() == before.state.len(),
         "nothing changed"
     );
+    // a stepped parameter without its second moment, or with a negative one
+    let mut missing = state.clone();
+    missing.state.get_mut(&0).unwrap().remove("exp_avg_sq");
+    let e = b.load_state_dict(&missing).unwrap_err().to_string();
+    assert!(
+        e.contains("state.0.exp_avg_sq") && e.contains("missing"),
+        "{e}"
+    );
+    let mut negative = state.clone();
+    negative
+        .state
+        .get_mut(&0)
+        .unwrap()
+        .insert("exp_avg_sq".into(), tp::full(&[4, 3], -1.0)?);
+    let e = b.load_state_dict(&negative).unwrap_err().to_string();
+    assert!(e.contains("state.0.exp_avg_sq >= 0"), "{e}");
+    // a learning rate that is not finite is not saved
+    let mut nan = state.clone();
+    nan.param_groups[0].lr = f64::NAN;
+    let e = nan
+        .save(dir.path("nan.safetensors"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("param_groups[0]"), "{e}");
     // a model's weights given as an optimizer's state
     let path = dir.path("weights.safetensors");
     tp::save(
@@ -469,7 +496,32 @@ fn truncated_corrupt_and_foreign_files_are_refused() -> tp::Result<()> {
     let last = flipped.len() - 20;
     flipped[last] ^= 0x01;
     let p = write("flipped.safetensors", &flipped);
-    assert!(checkpoint_problem(&p).contains("corrupt: the data's checksum"));
+    assert!(checkpoint_problem(&p).contains("corrupt: the checksum"));
+    // one flipped bit in the metadata (a learning rate), or in the checksum's own key
+    let meta = BTreeMap::from([("lr".to_string(), "0.001".to_string())]);
+    save_with_metadata(&m, &meta, &good)?;
+    let bytes = std::fs::read(&good).unwrap();
+    let find = |needle: &[u8]| {
+        bytes
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .unwrap()
+    };
+    let mut lr = bytes.clone();
+    lr[find(b"0.001") + 4] ^= 0x08; // "0.009"
+    let p = write("lr-flipped.safetensors", &lr);
+    assert!(checkpoint_problem(&p).contains("corrupt: the checksum"));
+    let mut key = bytes.clone();
+    key[find(CHECKSUM_KEY.as_bytes())] ^= 0x20; // "Tensorplay.crc32"
+    let p = write("key-flipped.safetensors", &key);
+    let problem = checkpoint_problem(&p);
+    assert!(
+        problem.contains("one bit away from `tensorplay.crc32`"),
+        "{problem}"
+    );
+    // a pipe is not read (it would block)
+    let e = tp::load("/dev/null").unwrap_err().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
     // a bool byte that is neither 0 nor 1 (in a file without a checksum, as other programs write)
     let view =
         safetensors::tensor::TensorView::new(safetensors::Dtype::BOOL, vec![2], &[1, 7]).unwrap();
@@ -562,6 +614,15 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint() {
             "round {round}: a mixed checkpoint"
         );
     }
+    // the temporary files of the killed saves go at the next save
+    tp::save(&BTreeMap::new(), dir.path("ckpt.safetensors")).unwrap();
+    let left: Vec<String> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(left.is_empty(), "stale temporary files: {left:?}");
 }
 
 /// The CRC-32 of the tensor's elements as little-endian bytes, row-major.

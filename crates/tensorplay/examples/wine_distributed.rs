@@ -558,7 +558,12 @@ fn tensor_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     {
         // every rank restores its own shard (and optimizer state) of the same step
         let shard = checkpoint::load_sharded(&c.dir, RUN, None)?;
-        let u = resume::unpack(shard.tensors, &shard.metadata)?;
+        let file = format!(
+            "{}/{RUN}.step{}.rank{rank}.safetensors",
+            c.dir.display(),
+            shard.step
+        );
+        let u = resume::unpack(shard.tensors, &shard.metadata, &file)?;
         let named = model.named();
         let values = named
             .iter()
@@ -713,18 +718,23 @@ fn parameter_server(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     if let Some(c) = &o.checkpoint
         && ps_index(&c.dir).is_file()
     {
-        let index: serde_json::Value = serde_json::from_slice(&std::fs::read(ps_index(&c.dir))?)?;
-        let step = index["step"]
-            .as_u64()
-            .ok_or("parameter-server.json lacks step")? as usize;
+        let index_path = ps_index(&c.dir);
+        let step = std::fs::read(&index_path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| {
+                serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| e.to_string())
+            })
+            .and_then(|v| v["step"].as_u64().ok_or_else(|| "no \"step\"".to_string()))
+            .map_err(|e| format!("checkpoint {}: {e}", index_path.display()))?
+            as usize;
         let tag = ps_tag(step);
         let dir = c.dir.display().to_string();
         // each owner loads its own part
         hidden.load_on_owner(&format!("{dir}/{tag}.ps-layers.safetensors"))?;
         opt.load_on_owners(&dir, &format!("{tag}.optim"))?;
-        let (t, m) =
-            tp::serialize::load_with_metadata(c.dir.join(format!("{tag}.trainer.safetensors")))?;
-        let u = resume::unpack(t, &m)?;
+        let file = c.dir.join(format!("{tag}.trainer.safetensors"));
+        let (t, m) = tp::serialize::load_with_metadata(&file)?;
+        let u = resume::unpack(t, &m, &file.display().to_string())?;
         head.load_state_dict(&u.model, true)?;
         start = u.progress;
     }
@@ -845,7 +855,7 @@ fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
     let resumed = match &path {
         Some(p) if p.is_file() => {
             let (t, m) = tp::serialize::load_with_metadata(p)?;
-            Some(resume::unpack(t, &m)?)
+            Some(resume::unpack(t, &m, &p.display().to_string())?)
         }
         _ => None,
     };

@@ -356,9 +356,36 @@ impl AdamCore {
                     "another value",
                 )
             })?;
-            st.exp_avg = saved_buf(op, s, i, "exp_avg", p)?;
-            st.exp_avg_sq = saved_buf(op, s, i, "exp_avg_sq", p)?;
-            st.max_exp_avg_sq = saved_buf(op, s, i, "max_exp_avg_sq", p)?;
+            let amsgrad = fixed[self.group_of[i]].1;
+            // a stepped parameter has both moments (and, with AMSGrad, their maximum), as
+            // PyTorch requires; second moments are never negative
+            let need = |name: &str| -> Result<Buf> {
+                let b = saved_buf(op, s, i, name, p)?.ok_or_else(|| {
+                    Error::invalid(op, "state", format!("state.{i}.{name}"), "none (missing)")
+                })?;
+                if name != "exp_avg" {
+                    let negative = match &b {
+                        Buf::F32(v) => v.iter().any(|x| !(*x >= 0.0)),
+                        Buf::F64(v) => v.iter().any(|x| !(*x >= 0.0)),
+                    };
+                    if negative {
+                        return Err(Error::invalid(
+                            op,
+                            "state",
+                            format!("state.{i}.{name} >= 0 everywhere"),
+                            "a negative or NaN element",
+                        ));
+                    }
+                }
+                Ok(b)
+            };
+            st.exp_avg = Some(need("exp_avg")?);
+            st.exp_avg_sq = Some(need("exp_avg_sq")?);
+            st.max_exp_avg_sq = if amsgrad {
+                Some(need("max_exp_avg_sq")?)
+            } else {
+                saved_buf(op, s, i, "max_exp_avg_sq", p)?
+            };
         }
         self.groups = groups;
         self.fixed = fixed;

@@ -68,6 +68,26 @@ impl OptimizerState {
     ///
     /// Errors: [`Error::Checkpoint`] naming the file when it cannot be written.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        for (i, g) in self.param_groups.iter().enumerate() {
+            let values = [
+                Some(g.lr),
+                Some(g.weight_decay),
+                g.momentum,
+                g.dampening,
+                g.eps,
+            ]
+            .into_iter()
+            .flatten()
+            .chain(g.betas.map(|b| [b.0, b.1]).into_iter().flatten());
+            if values.clone().any(|v| !v.is_finite()) {
+                return Err(Error::invalid(
+                    "OptimizerState::save",
+                    "param_groups",
+                    "finite hyperparameters",
+                    format!("a value that is not finite in param_groups[{i}]"),
+                ));
+            }
+        }
         let (tensors, metadata) = self.to_tensors();
         save_with_metadata(&tensors, &metadata, path)
     }
@@ -279,14 +299,8 @@ pub(crate) fn check_layout(
         return Err(Error::invalid(
             op,
             "state",
-            format!(
-                "parameter groups of {:?} parameters (this optimizer's)",
-                own.iter().map(Vec::len).collect::<Vec<_>>()
-            ),
-            format!(
-                "groups of {:?} parameters",
-                saved.iter().map(Vec::len).collect::<Vec<_>>()
-            ),
+            format!("parameter groups holding parameters {own:?} (this optimizer's)"),
+            format!("groups holding {saved:?}"),
         ));
     }
     if let Some((&i, _)) = state.state.iter().next_back().filter(|(i, _)| **i >= n) {

@@ -21,6 +21,39 @@ fn temporary_for(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
 }
 
+/// Removes the temporary files that saves of `path` by processes that no longer run left
+/// behind (a process killed mid-save); a live process's are kept (it may be saving now). Best
+/// effort: where `/proc` is absent nothing is removed.
+fn remove_stale_temporaries(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let prefix = format!(".{}.tmp-", name.to_string_lossy());
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let f = e.file_name().to_string_lossy().into_owned();
+        let pid = f
+            .strip_prefix(&prefix)
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
 /// `path` as an error names it.
 pub(crate) fn shown(path: &Path) -> String {
     path.display().to_string()
@@ -40,6 +73,7 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     if path.file_name().is_none() {
         return Err(problem(path, "not a file name (it ends in `..` or `/`)"));
     }
+    remove_stale_temporaries(path);
     let tmp = temporary_for(path);
     let written = (|| -> std::io::Result<()> {
         let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;

@@ -80,9 +80,20 @@ fn tensor_of(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Option<Tenso
     }))
 }
 
-/// The checksum of `(name, dtype, shape, bytes)` entries, in name order.
-fn checksum<'a>(entries: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a [u8])>) -> String {
+/// The checksum of `(name, dtype, shape, bytes)` entries, in name order, and of the header's
+/// string metadata (every key but [`CHECKSUM_KEY`], in key order): a flipped bit anywhere in
+/// the values or the metadata (an optimizer's learning rate, a run's progress) is caught.
+fn checksum<'a>(
+    entries: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a [u8])>,
+    metadata: &BTreeMap<String, String>,
+) -> String {
     let mut h = crc32fast::Hasher::new();
+    for (k, v) in metadata {
+        for part in [k, v] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+    }
     for (name, dtype, shape, bytes) in entries {
         h.update(&(name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());
@@ -140,6 +151,7 @@ pub fn save_with_metadata(
     let sum = checksum(
         data.iter()
             .map(|(n, d, s, b)| (*n, *d, s.as_slice(), b.as_slice())),
+        metadata,
     );
     let mut header: HashMap<String, String> = metadata
         .iter()
@@ -175,6 +187,17 @@ pub fn load_with_metadata(
     path: impl AsRef<Path>,
 ) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, String>)> {
     let path = path.as_ref();
+    // a FIFO or a device would block or never end: checkpoints are regular files
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            return Err(problem(
+                path,
+                "not a regular file (a folder, a pipe or a device)",
+            ));
+        }
+        Err(e) => return Err(problem(path, format!("could not read it: {e}"))),
+        Ok(_) => {}
+    }
     let buf = std::fs::read(path).map_err(|e| problem(path, format!("could not read it: {e}")))?;
     let st = SafeTensors::deserialize(&buf).map_err(|e| problem(path, explain(&buf, e)))?;
     let (_, header) =
@@ -185,6 +208,16 @@ pub fn load_with_metadata(
         .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
         .unwrap_or_default();
     let expected_sum = metadata.remove(CHECKSUM_KEY);
+    // a flipped bit in the checksum's own key would turn the check off: refuse a key one bit
+    // away from it
+    if expected_sum.is_none()
+        && let Some(k) = metadata.keys().find(|k| one_bit_apart(k, CHECKSUM_KEY))
+    {
+        return Err(problem(
+            path,
+            format!("corrupt header: the key `{k}` is one bit away from `{CHECKSUM_KEY}`"),
+        ));
+    }
     let mut views: Vec<(String, TensorView<'_>)> = st.tensors();
     views.sort_by(|a, b| a.0.cmp(&b.0));
     if let Some(want) = expected_sum {
@@ -192,11 +225,14 @@ pub fn load_with_metadata(
             views
                 .iter()
                 .map(|(n, v)| (n.as_str(), v.dtype(), v.shape(), v.data())),
+            &metadata,
         );
         if got != want {
             return Err(problem(
                 path,
-                format!("corrupt: the data's checksum is {got}, the header says {want}"),
+                format!(
+                    "corrupt: the checksum of its tensors and metadata is {got}, the header says {want}"
+                ),
             ));
         }
     }
@@ -211,15 +247,27 @@ pub fn load_with_metadata(
                 ),
             )
         })?;
-        let t = tensor_of(dtype, v.shape(), v.data())?.ok_or_else(|| {
-            problem(
-                path,
-                format!("corrupt: bool tensor `{name}` holds a byte other than 0 or 1"),
-            )
-        })?;
+        let t = tensor_of(dtype, v.shape(), v.data())
+            .map_err(|e| problem(path, format!("tensor `{name}`: {e}")))?
+            .ok_or_else(|| {
+                problem(
+                    path,
+                    format!("corrupt: bool tensor `{name}` holds a byte other than 0 or 1"),
+                )
+            })?;
         out.insert(name, t);
     }
     Ok((out, metadata))
+}
+
+/// Whether `a` and `b` differ in exactly one bit.
+fn one_bit_apart(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .map(|(x, y)| (x ^ y).count_ones())
+            .sum::<u32>()
+            == 1
 }
 
 /// What a format error means for a user holding `buf`.

@@ -109,7 +109,16 @@ pub(crate) struct Unpacked {
     pub(crate) progress: Progress,
 }
 
-pub(crate) fn unpack(t: BTreeMap<String, Tensor>, m: &BTreeMap<String, String>) -> Res<Unpacked> {
+/// What [`pack`] packed into `file` (named in the errors).
+pub(crate) fn unpack(
+    t: BTreeMap<String, Tensor>,
+    m: &BTreeMap<String, String>,
+    file: &str,
+) -> Res<Unpacked> {
+    unpack_inner(t, m).map_err(|e| format!("checkpoint {file}: {e}").into())
+}
+
+fn unpack_inner(t: BTreeMap<String, Tensor>, m: &BTreeMap<String, String>) -> Res<Unpacked> {
     let mut model = BTreeMap::new();
     let mut ot = BTreeMap::new();
     for (k, v) in t {
