@@ -812,3 +812,38 @@ fn elastic_job_takes_in_a_node_that_arrives() {
     assert!(!err0.contains("failed"), "{err0}");
     assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
 }
+
+/// What a rank started (a wrapper script's program) is stopped with it: a failed round leaves
+/// no process behind, with or without restarts.
+#[test]
+fn a_failed_round_leaves_no_grandchild_behind() {
+    let dir = TempDir::new("grandchildren");
+    let out = launcher()
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--kill-grace",
+            "1",
+        ])
+        .args(["sh", "-c"])
+        .arg(format!(
+            "sleep 60 & echo $! >> {}/pids; if [ $RANK = 1 ]; then exit 3; fi; wait",
+            dir.0.display()
+        ))
+        .output()
+        .expect("runs");
+    assert!(!out.status.success(), "{out:?}");
+    let pids = std::fs::read_to_string(dir.0.join("pids")).expect("the ranks wrote their pids");
+    let pids: Vec<&str> = pids.split_whitespace().collect();
+    assert_eq!(pids.len(), 4, "2 ranks x 2 rounds: {pids:?}");
+    // the kernel reaps the orphans' zombies: give it a moment
+    let t0 = Instant::now();
+    let alive = |p: &str| std::path::Path::new(&format!("/proc/{p}")).exists();
+    while pids.iter().any(|p| alive(p)) && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<&str> = pids.iter().copied().filter(|p| alive(p)).collect();
+    assert!(left.is_empty(), "still running: {left:?}");
+}

@@ -10,6 +10,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -132,12 +133,20 @@ fn forward(
     });
 }
 
+/// Sends `sig` to a child's process group: the child and whatever it started (a wrapper
+/// script's program, its helpers), which would otherwise outlive a stopped round.
 fn signal(child: &Child, sig: libc::c_int) {
     if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-        // SAFETY: kill(2) on a child we started and have not reaped yet.
-        unsafe {
-            libc::kill(pid, sig);
-        }
+        signal_group(pid, sig);
+    }
+}
+
+/// Sends `sig` to process group `pgid` (a child's, made with `process_group(0)`).
+fn signal_group(pgid: libc::pid_t, sig: libc::c_int) {
+    // SAFETY: kill(2) on the process group of a child we started; the group's id is not
+    // reused while any of its processes lives, and the call fails harmlessly once none does.
+    unsafe {
+        libc::kill(-pgid, sig);
     }
 }
 
@@ -155,6 +164,8 @@ pub(crate) fn run<E>(
     let world = spec.nnodes * spec.nproc;
     let base = spec.node_rank * spec.nproc;
     let mut children: Vec<(usize, Child)> = Vec::new();
+    // the children's process groups (each its own, led by the child)
+    let mut groups: Vec<libc::pid_t> = Vec::new();
     let tails: Vec<Tail> = (0..spec.nproc).map(|_| Tail::default()).collect();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let mut streams = 0usize;
@@ -175,7 +186,10 @@ pub(crate) fn run<E>(
             .env("TORCHELASTIC_MAX_RESTARTS", spec.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .stderr(Stdio::piped())
+            // its own process group: stopping a rank stops what it started too (the launcher
+            // forwards Ctrl-C, so the terminal's SIGINT is not needed)
+            .process_group(0);
         if spec.set_fr_dir {
             cmd.env(recorder::FR_DIR_ENV, spec.fr_dir);
         }
@@ -192,6 +206,9 @@ pub(crate) fn run<E>(
                 ));
             }
         };
+        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+            groups.push(pid);
+        }
         if let Some(o) = child.stdout.take() {
             forward(rank, o, false, tail.clone(), done_tx.clone());
             streams += 1;
@@ -276,10 +293,18 @@ pub(crate) fn run<E>(
         {
             killed = true;
             for (_, c) in &mut running {
+                signal(c, libc::SIGKILL);
                 let _ = c.kill();
             }
         }
         std::thread::sleep(Duration::from_millis(5));
+    }
+    // a round that did not succeed leaves nothing behind: what the ranks started (a wrapper
+    // script's program that outlived it) goes with them
+    if interrupt.is_some() || external.is_some() || exits.iter().any(|e| !e.how.success()) {
+        for &pgid in &groups {
+            signal_group(pgid, libc::SIGKILL);
+        }
     }
     // let the forwarding threads print the last lines (a grandchild may keep a stream open:
     // wait a little only)
