@@ -847,3 +847,34 @@ fn a_failed_round_leaves_no_grandchild_behind() {
     let left: Vec<&str> = pids.iter().copied().filter(|p| alive(p)).collect();
     assert!(left.is_empty(), "still running: {left:?}");
 }
+
+/// Launchers of one job with different `--nproc-per-node` are refused (their ranks would
+/// clash or never exist): the second says which flags differ, and no rank runs.
+#[test]
+fn launchers_with_other_flags_are_refused() {
+    let port = free_port().to_string();
+    let node = |rank: &str, nproc: &str| {
+        let mut c = launcher();
+        c.args(["--nnodes", "2", "--node-rank", rank, "--max-restarts", "1"])
+            .args(["--nproc-per-node", nproc, "--rdzv-timeout", "3"])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+            .args(["sh", "-c", "echo ran $RANK of $WORLD_SIZE"]);
+        c
+    };
+    let n0 = Background::start(&mut node("0", "1"));
+    std::thread::sleep(Duration::from_millis(300));
+    let o1 = node("1", "3").output().expect("runs");
+    let o0 = n0.finish(Duration::from_secs(30));
+    let e1 = String::from_utf8_lossy(&o1.stderr);
+    assert!(!o1.status.success(), "{e1}");
+    assert!(
+        e1.contains("--nproc-per-node 3") && e1.contains("--nproc-per-node 1"),
+        "{e1}"
+    );
+    assert!(!o0.status.success(), "node 0 cannot complete the job alone");
+    let out = [o0.stdout, o1.stdout].concat();
+    assert!(
+        !String::from_utf8_lossy(&out).contains("ran "),
+        "no rank may run"
+    );
+}

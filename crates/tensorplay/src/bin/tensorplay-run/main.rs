@@ -202,6 +202,16 @@ fn run(args: Args) -> Result<(), String> {
         last_call,
         timeout,
         max_restarts: args.max_restarts,
+        shape: format!(
+            "--nnodes {} --nproc-per-node {} --max-restarts {}",
+            if elastic.is_some() {
+                format!("{min}:{max}")
+            } else {
+                min.to_string()
+            },
+            args.nproc_per_node,
+            args.max_restarts
+        ),
     };
     let l = elastic::Launchers::connect(&node.master_addr, port, cfg)?;
     rounds::with_launchers(&job, l)

@@ -51,6 +51,15 @@ impl Launchers {
         if let Some(m) = self.job_failed()? {
             return Err(m);
         }
+        // launchers with other flags would give ranks that clash or never exist
+        let shape = self.first("job/shape", &self.cfg.shape)?;
+        if shape != self.cfg.shape {
+            return Err(format!(
+                "this launcher ({}) was started with `{}`, the job's launchers with `{shape}`: \
+                 every node of a job needs the same --nnodes, --nproc-per-node and --max-restarts",
+                self.me, self.cfg.shape
+            ));
+        }
         self.first(&key(0, "open"), &format!("start 0 {}", self.me))?;
         let mut r = 0;
         while self.has(&key(r + 1, "open"))? {

@@ -55,6 +55,9 @@ pub(crate) struct Config {
     pub(crate) timeout: Duration,
     /// `--max-restarts`.
     pub(crate) max_restarts: usize,
+    /// The flags every launcher of the job must share (`--nnodes`, `--nproc-per-node`,
+    /// `--max-restarts`), as text: the first launcher's are the job's.
+    pub(crate) shape: String,
 }
 
 /// This node's part in a round that closed.
