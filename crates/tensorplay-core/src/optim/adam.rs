@@ -365,8 +365,8 @@ impl AdamCore {
                 })?;
                 if name != "exp_avg" {
                     let negative = match &b {
-                        Buf::F32(v) => v.iter().any(|x| !(*x >= 0.0)),
-                        Buf::F64(v) => v.iter().any(|x| !(*x >= 0.0)),
+                        Buf::F32(v) => v.iter().any(|x| x.is_nan() || *x < 0.0),
+                        Buf::F64(v) => v.iter().any(|x| x.is_nan() || *x < 0.0),
                     };
                     if negative {
                         return Err(Error::invalid(
