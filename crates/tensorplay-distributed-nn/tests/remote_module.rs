@@ -522,11 +522,17 @@ fn world2_owners_checkpoint_and_training_resumes_bit_exact() -> TestResult {
         register_all(rank);
         init(rank, 2)?;
         if rank == 0 {
-            let dir = std::env::temp_dir().join(format!("tp-owner-ckpt-{}", std::process::id()));
-            std::fs::create_dir_all(&dir)?;
-            let result = owners_checkpoint(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
-            result?;
+            /// Removed when dropped, also when an assertion fails.
+            struct Scratch(std::path::PathBuf);
+            impl Drop for Scratch {
+                fn drop(&mut self) {
+                    let _ = std::fs::remove_dir_all(&self.0);
+                }
+            }
+            let dir =
+                Scratch(std::env::temp_dir().join(format!("tp-owner-ckpt-{}", std::process::id())));
+            std::fs::create_dir_all(&dir.0)?;
+            owners_checkpoint(&dir.0)?;
         }
         rpc::shutdown(true)?;
         Ok(())
