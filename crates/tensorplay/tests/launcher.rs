@@ -639,6 +639,28 @@ fn bad_nnodes_specs_are_refused() {
         String::from_utf8_lossy(&out.stderr).contains("--rdzv-timeout 0: expected more than 0"),
         "{out:?}"
     );
+    for (flags, want) in [
+        (
+            &["--rdzv-timeout", "inf"][..],
+            "--rdzv-timeout inf: expected at most 86400",
+        ),
+        (
+            &[
+                "--nnodes",
+                "1:2",
+                "--rdzv-timeout",
+                "5",
+                "--rdzv-last-call",
+                "6",
+            ][..],
+            "--rdzv-last-call 6 must be shorter than --rdzv-timeout 5",
+        ),
+    ] {
+        let out = launcher().args(flags).arg("true").output().expect("runs");
+        assert_eq!(out.status.code(), Some(1), "{flags:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
 }
 
 /// `(MASTER_ADDR:MASTER_PORT)` of the lines `[rank R] <tag> ... master M` of `rank` in

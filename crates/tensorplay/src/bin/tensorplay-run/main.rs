@@ -107,6 +107,14 @@ fn seconds(flag: &str, v: f64, zero_ok: bool) -> Result<Duration, String> {
     if !ok {
         return Err(format!("{flag} {v}: expected {expected} seconds"));
     }
+    // a day at most: infinite or astronomically long waits are typing errors, and would
+    // overflow the deadlines computed from them
+    const MAX_SECS: f64 = 86_400.0;
+    if v > MAX_SECS {
+        return Err(format!(
+            "{flag} {v}: expected at most {MAX_SECS} seconds (a day)"
+        ));
+    }
     Duration::try_from_secs_f64(v).map_err(|_| format!("{flag} {v}: expected {expected} seconds"))
 }
 
@@ -124,6 +132,14 @@ fn run(args: Args) -> Result<(), String> {
     }
     let timeout = seconds("--rdzv-timeout", args.rdzv_timeout, false)?;
     let last_call = seconds("--rdzv-last-call", args.rdzv_last_call, true)?;
+    // (only an elastic round of MIN < MAX nodes waits for a last call)
+    if elastic.is_some_and(|(min, max)| min < max) && last_call >= timeout {
+        return Err(format!(
+            "--rdzv-last-call {} must be shorter than --rdzv-timeout {}: a round waits for the last \
+             call within the timeout",
+            args.rdzv_last_call, args.rdzv_timeout
+        ));
+    }
     let flags = node::Flags {
         nnodes: match nodes {
             Some(Nodes::Fixed(n)) => Some(n),
