@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
-use crate::multihost::executables;
+use crate::multihost::{executables, find};
 
 /// A scratch folder, removed when dropped.
 struct Scratch(PathBuf);
@@ -64,13 +64,10 @@ pub(crate) fn test_resume() -> Result<(), String> {
         ],
         &["tensorplay-run", "wine_distributed"],
     )?;
-    let find = |name: &str| {
-        bins.iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, p)| p.clone())
-            .ok_or_else(|| format!("cargo did not report {name}"))
-    };
-    let (launcher, wine) = (find("tensorplay-run")?, find("wine_distributed")?);
+    let (launcher, wine) = (
+        find(&bins, "tensorplay-run")?,
+        find(&bins, "wine_distributed")?,
+    );
     let wine = wine.display().to_string();
     let scratch = Scratch(std::env::temp_dir().join(format!("tp-resume-{}", std::process::id())));
     let fr = scratch.0.join("flight-recorder");

@@ -568,10 +568,9 @@ const CHILD_ENV: &str = "TP_CKPT_ATOMIC_CHILD";
 /// Run as a child by `a_save_killed_midway_leaves_the_previous_checkpoint`: saves two
 /// alternating versions of a 16 MiB checkpoint forever.
 #[test]
+#[ignore = "the child of a_save_killed_midway_leaves_the_previous_checkpoint, not a test"]
 fn atomic_save_child() -> tp::Result<()> {
-    let Some(dir) = std::env::var_os(CHILD_ENV) else {
-        return Ok(());
-    };
+    let dir = std::env::var_os(CHILD_ENV).expect("run by its parent test, which sets the folder");
     let dir = PathBuf::from(dir);
     let versions = [tp::full(&[4 << 20], 1.0)?, tp::full(&[4 << 20], 2.0)?];
     for k in 0.. {
@@ -591,7 +590,12 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint() {
     for round in 0..6u64 {
         let _ = std::fs::remove_file(dir.path("ready"));
         let mut child = std::process::Command::new(&exe)
-            .args(["atomic_save_child", "--exact", "--test-threads=1"])
+            .args([
+                "atomic_save_child",
+                "--exact",
+                "--ignored",
+                "--test-threads=1",
+            ])
             .env(CHILD_ENV, &dir.0)
             .stdout(std::process::Stdio::null())
             .spawn()

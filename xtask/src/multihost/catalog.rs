@@ -38,6 +38,14 @@ pub(crate) fn executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, 
     Ok(found)
 }
 
+/// The path of executable `name` among those [`executables`] found.
+pub(crate) fn find(list: &[(String, PathBuf)], name: &str) -> Result<PathBuf, String> {
+    list.iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, p)| p.clone())
+        .ok_or_else(|| format!("cargo did not report the executable {name}"))
+}
+
 /// The string value after `key` in a JSON line (no escapes in the values read here).
 pub(crate) fn field(line: &str, key: &str) -> Option<String> {
     let i = line.find(key)? + key.len();

@@ -27,8 +27,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 pub(crate) use bench::bench_hosts;
-pub(crate) use catalog::executables;
 use catalog::scenarios;
+pub(crate) use catalog::{executables, find};
 use hosts::{Fault, Hosts, is_root, ours, remove_all};
 use run::{RUNNING, run_scenario};
 
@@ -97,12 +97,6 @@ pub(crate) fn test_multihost(filter: Option<&str>) -> Result<(), String> {
             "rpc_fault_loop",
         ],
     )?;
-    let find = |list: &[(String, PathBuf)], name: &str| {
-        list.iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, p)| p.clone())
-            .ok_or_else(|| format!("cargo did not report the harness's executable {name}"))
-    };
     let launcher = &find(&bins, "tensorplay-run")?;
     let multiprocess = &find(&tests, "multiprocess")?;
     let conformance = &find(&tests, "vectors")?;

@@ -53,19 +53,13 @@ pub(super) fn register_builtins() {
     });
 }
 
-/// Waits for every future; the first error after all finished.
-fn all<R: crate::Wire>(futures: Vec<(String, crate::RpcFuture<R>)>) -> Result<Vec<(String, R)>> {
-    let mut out = Vec::with_capacity(futures.len());
-    let mut first_err = None;
-    for (w, f) in futures {
-        match f.wait() {
-            Ok(r) => out.push((w, r)),
-            Err(e) => {
-                first_err.get_or_insert(e);
-            }
-        }
-    }
-    first_err.map_or(Ok(out), Err)
+/// Waits for every owner's future (all are waited for); the results by owner, or the first
+/// error.
+fn all<R: crate::Wire + Send + 'static>(
+    futures: Vec<(String, crate::RpcFuture<R>)>,
+) -> Result<Vec<(String, R)>> {
+    let (owners, futures): (Vec<String>, Vec<_>) = futures.into_iter().unzip();
+    Ok(owners.into_iter().zip(crate::wait_all(futures)?).collect())
 }
 
 impl DistributedOptimizer {
