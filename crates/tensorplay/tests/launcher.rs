@@ -382,11 +382,11 @@ impl Drop for TempDir {
 }
 
 /// A port free on 127.0.0.1 right now (for the launchers' rendezvous store).
+/// A port for the launchers' store, below the ephemeral range: a port from `bind(0)` can be
+/// taken by any outgoing connection of a parallel test before the first launcher binds it,
+/// which left both launchers waiting as clients of a store nobody hosted.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
+    tensorplay_collectives::rendezvous::free_port().expect("free port")
 }
 
 /// Waits until something listens on 127.0.0.1:`port`.
