@@ -11,6 +11,11 @@
 
 #[cfg(not(feature = "cuda"))]
 mod dummy;
+#[cfg(all(test, feature = "cuda-emulator"))]
+mod emulator;
+#[cfg(any(feature = "cuda", all(test, feature = "cuda-emulator")))]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod plan;
 #[cfg(feature = "cuda")]
 mod real;
 

@@ -1,0 +1,430 @@
+//! Every kernel family through its launch plan, on the host, against the CPU's operations.
+//! Shapes, strides and values come from a fixed seed; each case names itself when it fails.
+//! Tolerances (relative, with an absolute floor of the same size): float64 1e-12, float32
+//! 2e-6 (the C library's and Rust's transcendental functions may differ by an ulp).
+
+use super::run;
+use crate::cuda::plan::{self, BinaryCode, CmpCode, ReduceCode, ReduceShape, UnaryCode};
+use crate::random::Generator;
+use crate::storage::{CpuStorage, Storage, StorageElement};
+use crate::{DType, Layout, Tensor};
+
+/// The host address of `t`'s storage and its layout.
+fn host(t: &Tensor) -> (u64, Layout) {
+    t.with_storage(|s, l| {
+        let Storage::Cpu(c) = s else { panic!("host tensors only") };
+        let p = match c {
+            CpuStorage::F32(v) => v.as_ptr() as u64,
+            CpuStorage::F64(v) => v.as_ptr() as u64,
+            CpuStorage::I64(v) => v.as_ptr() as u64,
+            CpuStorage::Bool(v) => v.as_ptr() as u64,
+        };
+        (p, l.clone())
+    })
+}
+
+/// A contiguous output buffer of `n` elements of `dt` as a tensor of `shape`.
+fn output(dt: DType, shape: &[usize]) -> Tensor {
+    Tensor::zeros(shape, dt).expect("zeros")
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .and_then(|t| t.to_vec::<f64>())
+        .expect("values")
+}
+
+fn close(case: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_eq!(got.shape(), want.shape(), "{case}: shape");
+    let (g, w) = (values(got), values(want));
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        let ok = (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= tol * b.abs().max(1.0);
+        assert!(ok, "{case}: element {i}: kernel {a}, cpu {b}");
+    }
+}
+
+fn tol(dt: DType) -> f64 {
+    if dt == DType::F32 { 2e-6 } else { 1e-12 }
+}
+
+/// A view of `shape` over fresh random values: contiguous, transposed, narrowed or expanded
+/// (`kind` 0..4), so the kernels see non-unit and zero strides and offsets.
+fn view(g: &mut Generator, shape: &[usize], dt: DType, kind: usize) -> Tensor {
+    let make = |g: &mut Generator, s: &[usize]| {
+        let n: usize = s.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| g.normal() * 2.0).collect();
+        Tensor::from_vec(v, s).and_then(|t| t.to_dtype(dt)).expect("tensor")
+    };
+    let nd = shape.len();
+    match kind % 4 {
+        1 if nd >= 2 => {
+            let mut s = shape.to_vec();
+            s.swap(nd - 2, nd - 1);
+            make(g, &s).transpose(-2, -1).expect("transpose")
+        }
+        2 if nd >= 1 => {
+            let mut s = shape.to_vec();
+            s[0] += 2;
+            make(g, &s).narrow(0, 1, shape[0]).expect("narrow")
+        }
+        3 if nd >= 1 => {
+            let mut s = shape.to_vec();
+            s[nd - 1] = 1;
+            make(g, &s).expand(shape).expect("expand")
+        }
+        _ => make(g, shape),
+    }
+}
+
+fn shapes(g: &mut Generator, count: usize) -> Vec<Vec<usize>> {
+    (0..count)
+        .map(|_| {
+            let nd = 1 + g.int_range(0, 4) as usize;
+            (0..nd).map(|_| 1 + g.int_range(0, 5) as usize).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn every_planned_kernel_exists() {
+    let names = super::kernel_names();
+    let mut want = vec!["tp_dropout_mask".to_string()];
+    for s in ["f32", "f64", "i64", "bool"] {
+        want.push(format!("tp_unary_{s}"));
+        want.push(format!("tp_cmp_{s}"));
+        want.push(format!("tp_where_{s}"));
+        want.push(format!("tp_index_select_{s}"));
+        want.push(format!("tp_gather_{s}"));
+        for d in ["f32", "f64", "i64", "bool"] {
+            want.push(format!("tp_copy_{s}_{d}"));
+        }
+    }
+    for s in ["f32", "f64", "i64"] {
+        want.push(format!("tp_binary_{s}"));
+        want.push(format!("tp_reduce_{s}"));
+        want.push(format!("tp_scatter_add_{s}"));
+    }
+    for s in ["f32", "f64"] {
+        want.push(format!("tp_cross_entropy_{s}"));
+        want.push(format!("tp_sgd_{s}"));
+        want.push(format!("tp_adam_{s}"));
+    }
+    for w in &want {
+        assert!(names.contains(w), "{w} is missing from tensorplay.cu");
+    }
+    assert_eq!(names.len(), want.len(), "kernels no plan names: {names:?}");
+}
+
+#[test]
+fn unary_kernels_match_the_cpu() {
+    let mut g = Generator::new(21);
+    type Cpu = fn(&Tensor) -> crate::Result<Tensor>;
+    let cases: Vec<(UnaryCode, f64, Cpu, &str)> = vec![
+        (UnaryCode::Neg, 0.0, |t| t.neg(), "neg"),
+        (UnaryCode::Exp, 0.0, |t| t.exp(), "exp"),
+        (UnaryCode::Log, 0.0, |t| t.log(), "log"),
+        (UnaryCode::Sqrt, 0.0, |t| t.sqrt(), "sqrt"),
+        (UnaryCode::Abs, 0.0, |t| t.abs(), "abs"),
+        (UnaryCode::Relu, 0.0, |t| t.relu(), "relu"),
+        (UnaryCode::Sigmoid, 0.0, |t| t.sigmoid(), "sigmoid"),
+        (UnaryCode::Tanh, 0.0, |t| t.tanh(), "tanh"),
+        (UnaryCode::Gelu, 0.0, |t| t.gelu(), "gelu"),
+        (UnaryCode::Erf, 0.0, |t| t.erf(), "erf"),
+        (UnaryCode::AddScalar, 2.0, |t| t.add_scalar(2.0), "add_scalar"),
+        (UnaryCode::MulScalar, -3.0, |t| t.mul_scalar(-3.0), "mul_scalar"),
+        (UnaryCode::DivScalar, 7.0, |t| t.div_scalar(7.0), "div_scalar"),
+        (UnaryCode::PowScalar, 3.0, |t| t.pow_scalar(3.0), "pow_scalar"),
+        (UnaryCode::Sign, 0.0, |t| t.sign(), "sign"),
+    ];
+    for (si, shape) in shapes(&mut g, 12).iter().enumerate() {
+        for dt in [DType::F32, DType::F64, DType::I64] {
+            let x = view(&mut g, shape, dt, si);
+            for (code, scalar, cpu, name) in &cases {
+                let int_ok = matches!(
+                    code,
+                    UnaryCode::Neg | UnaryCode::Abs | UnaryCode::Relu | UnaryCode::Sign
+                        | UnaryCode::AddScalar | UnaryCode::MulScalar
+                );
+                if dt == DType::I64 && !int_ok {
+                    continue;
+                }
+                let want = cpu(&x).expect("cpu");
+                let out = output(dt, shape);
+                let (o, _) = host(&out);
+                let (xp, lx) = host(&x);
+                run(&plan::unary(dt, o, xp, &lx, *code, *scalar, name).expect("plan"));
+                close(&format!("{name} {dt:?} {shape:?} view {si}"), &out, &want, tol(dt));
+            }
+        }
+    }
+}
+
+#[test]
+fn binary_compare_and_where_kernels_match_the_cpu_with_broadcasting() {
+    let mut g = Generator::new(22);
+    type Cpu = fn(&Tensor, &Tensor) -> crate::Result<Tensor>;
+    let ops: Vec<(BinaryCode, Cpu, &str)> = vec![
+        (BinaryCode::Add, |a, b| a.add(b), "add"),
+        (BinaryCode::Sub, |a, b| a.sub(b), "sub"),
+        (BinaryCode::Mul, |a, b| a.mul(b), "mul"),
+        (BinaryCode::Div, |a, b| a.div(b), "div"),
+        (BinaryCode::Pow, |a, b| a.abs()?.pow(b), "pow"),
+        (BinaryCode::Max, |a, b| a.maximum(b), "maximum"),
+        (BinaryCode::Min, |a, b| a.minimum(b), "minimum"),
+    ];
+    let cmps: Vec<(CmpCode, Cpu, &str)> = vec![
+        (CmpCode::Eq, |a, b| a.eq(b), "eq"),
+        (CmpCode::Ne, |a, b| a.ne(b), "ne"),
+        (CmpCode::Lt, |a, b| a.lt(b), "lt"),
+        (CmpCode::Le, |a, b| a.le(b), "le"),
+        (CmpCode::Gt, |a, b| a.gt(b), "gt"),
+        (CmpCode::Ge, |a, b| a.ge(b), "ge"),
+    ];
+    for (si, shape) in shapes(&mut g, 12).iter().enumerate() {
+        // b broadcasts along its first dim
+        let mut bshape = shape.clone();
+        bshape[0] = 1;
+        for dt in [DType::F32, DType::F64, DType::I64] {
+            let a = view(&mut g, shape, dt, si);
+            let b = view(&mut g, &bshape, dt, si + 1);
+            let (ap, la) = host(&a);
+            let (bp, lb0) = host(&b);
+            let lb = lb0.broadcast_to(shape, "test").expect("broadcast");
+            for (code, cpu, name) in &ops {
+                if dt == DType::I64 && matches!(code, BinaryCode::Div | BinaryCode::Pow) {
+                    continue;
+                }
+                let a2 = if *code == BinaryCode::Pow { a.abs().expect("abs") } else { a.clone() };
+                let (ap2, la2) = host(&a2);
+                let want = cpu(&a, &b).expect("cpu");
+                let out = output(dt, shape);
+                let (o, _) = host(&out);
+                run(&plan::binary(dt, o, (ap2, &la2), (bp, &lb), *code, name).expect("plan"));
+                close(&format!("{name} {dt:?} {shape:?} view {si}"), &out, &want, tol(dt));
+            }
+            for (code, cpu, name) in &cmps {
+                let want = cpu(&a, &b).expect("cpu");
+                let out = output(DType::Bool, shape);
+                let (o, _) = host(&out);
+                run(&plan::compare(dt, o, (ap, &la), Some((bp, &lb)), *code, 0.0, name).expect("plan"));
+                close(&format!("{name} {dt:?} {shape:?}"), &out, &want, 0.0);
+            }
+            let want = a.gt_scalar(0.25).expect("cpu");
+            let out = output(DType::Bool, shape);
+            let (o, _) = host(&out);
+            run(&plan::compare(dt, o, (ap, &la), None, CmpCode::Gt, 0.25, "gt_scalar").expect("plan"));
+            close(&format!("gt_scalar {dt:?} {shape:?}"), &out, &want, 0.0);
+            // where(a > 0, a, b)
+            let cond = a.gt_scalar(0.0).expect("cond");
+            let (cp, lc) = host(&cond);
+            let want = a.where_(&cond, &b).expect("cpu");
+            let out = output(dt, shape);
+            let (o, _) = host(&out);
+            run(&plan::select(dt, o, (cp, &lc), (ap, &la), (bp, &lb)).expect("plan"));
+            close(&format!("where {dt:?} {shape:?}"), &out, &want, 0.0);
+        }
+    }
+}
+
+#[test]
+fn copies_cast_every_dtype_pair_and_write_strided_views() {
+    let mut g = Generator::new(23);
+    let all = [DType::F32, DType::F64, DType::I64, DType::Bool];
+    for (si, shape) in shapes(&mut g, 10).iter().enumerate() {
+        for from in all {
+            let x = view(&mut g, shape, from, si);
+            let (xp, lx) = host(&x);
+            for to in all {
+                let want = x.to_dtype(to).expect("cpu");
+                let out = output(to, shape);
+                let (o, lo) = host(&out);
+                run(&plan::copy((from, xp, &lx), (to, o, &lo), "to_dtype").expect("plan"));
+                close(&format!("{from:?} -> {to:?} {shape:?} view {si}"), &out, &want, 0.0);
+            }
+        }
+        // into a transposed destination view
+        if shape.len() >= 2 {
+            let x = view(&mut g, shape, DType::F64, 0);
+            let mut t = shape.clone();
+            let nd = t.len();
+            t.swap(nd - 2, nd - 1);
+            let dst_base = output(DType::F64, &t);
+            let dst = dst_base.transpose(-2, -1).expect("transpose");
+            let (o, lo) = host(&dst);
+            let (xp, lx) = host(&x);
+            run(&plan::copy((DType::F64, xp, &lx), (DType::F64, o, &lo), "copy_").expect("plan"));
+            close(&format!("strided write {shape:?}"), &dst.contiguous().expect("c"), &x, 0.0);
+        }
+    }
+}
+
+fn reduce_case(x: &Tensor, dims: &[usize], code: ReduceCode, split: Option<(usize, usize)>) -> (Tensor, Tensor) {
+    let dt = x.dtype();
+    let (xp, lx) = host(x);
+    let shape = ReduceShape::new(&lx, dims);
+    let (m, k) = (shape.m(), shape.k());
+    let (parts, chunk) = split.unwrap_or_else(|| plan::reduce_split(m, k));
+    let out = output(dt, &[m]);
+    let idx = output(DType::I64, &[m]);
+    let scratch = output(dt, &[m * parts]);
+    let scratch_idx = output(DType::I64, &[m * parts]);
+    let idx_p = if code == ReduceCode::Sum { 0 } else { host(&idx).0 };
+    let sidx_p = if code == ReduceCode::Sum { 0 } else { host(&scratch_idx).0 };
+    for l in plan::reduce(dt, xp, &shape, code, (host(&out).0, idx_p), (host(&scratch).0, sidx_p), (parts, chunk), "reduce").expect("plan") {
+        run(&l);
+    }
+    (out, idx)
+}
+
+#[test]
+fn reductions_match_the_cpu_in_one_and_two_launches() {
+    let mut g = Generator::new(24);
+    for (si, shape) in shapes(&mut g, 12).iter().enumerate() {
+        for dt in [DType::F32, DType::F64, DType::I64] {
+            let x = view(&mut g, shape, dt, si);
+            let nd = shape.len();
+            let d = si % nd;
+            let kept: Vec<usize> = shape.iter().enumerate().filter(|(i, _)| *i != d).map(|(_, &s)| s).collect();
+            for split in [None, Some((2, shape[d].div_ceil(2)))] {
+                let case = format!("{dt:?} {shape:?} dim {d} split {split:?}");
+                let (s, _) = reduce_case(&x, &[d], ReduceCode::Sum, split);
+                let want = x.sum_dims(&[d as isize], false).expect("sum");
+                close(&format!("sum {case}"), &s.reshape(&kept[..]).expect("r"), &want, tol(dt) * 8.0);
+                for (code, is_max) in [(ReduceCode::Max, true), (ReduceCode::Min, false)] {
+                    let (v, i) = reduce_case(&x, &[d], code, split);
+                    let (wv, wi) = if is_max { x.max_dim(d as isize, false) } else { x.min_dim(d as isize, false) }.expect("cpu");
+                    close(&format!("{code:?} {case}"), &v.reshape(&kept[..]).expect("r"), &wv, 0.0);
+                    close(&format!("arg{code:?} {case}"), &i.reshape(&kept[..]).expect("r"), &wi, 0.0);
+                }
+            }
+            let all: Vec<usize> = (0..nd).collect();
+            let (s, _) = reduce_case(&x, &all, ReduceCode::Sum, None);
+            close(&format!("sum all {dt:?} {shape:?}"), &s.reshape(&[] as &[usize]).expect("r"), &x.sum().expect("sum"), tol(dt) * 8.0);
+        }
+    }
+    // a long reduction takes the two-launch path by itself
+    let x = view(&mut g, &[3, 5000], DType::F64, 0);
+    assert!(plan::reduce_split(3, 5000).0 > 1);
+    let (v, i) = reduce_case(&x, &[1], ReduceCode::Max, None);
+    let (wv, wi) = x.max_dim(1, false).expect("cpu");
+    close("long max", &v, &wv, 0.0);
+    close("long argmax", &i, &wi, 0.0);
+    let (s, _) = reduce_case(&x, &[1], ReduceCode::Sum, None);
+    close("long sum", &s, &x.sum_dims(&[1], false).expect("sum"), 1e-12);
+    // NaN wins, the first extreme wins ties
+    let x = Tensor::from_vec(vec![1.0f64, 3.0, 3.0, f64::NAN, 2.0, f64::NAN], &[1, 6]).expect("t");
+    let (v, i) = reduce_case(&x, &[1], ReduceCode::Max, Some((3, 2)));
+    assert!(values(&v)[0].is_nan());
+    assert_eq!(i.to_vec::<i64>().expect("i"), vec![3]);
+}
+
+#[test]
+fn index_kernels_match_the_cpu() {
+    let mut g = Generator::new(25);
+    for dt in [DType::F32, DType::F64, DType::I64] {
+        let x = view(&mut g, &[4, 6, 3], dt, 0);
+        for d in 0..3 {
+            let size = x.shape()[d];
+            let (outer, inner): (usize, usize) = (x.shape()[..d].iter().product(), x.shape()[d + 1..].iter().product());
+            let idx: Vec<i64> = (0..5).map(|_| g.int_range(0, size as i64)).collect();
+            let it = Tensor::from_vec(idx.clone(), &[5]).expect("idx");
+            let want = x.index_select(d as isize, &it).expect("cpu");
+            let out = output(dt, want.shape());
+            run(&plan::index("index_select", dt, (host(&out).0, host(&x).0, host(&it).0), (outer, size, 5, inner)));
+            close(&format!("index_select {dt:?} dim {d}"), &out, &want, 0.0);
+            // gather/scatter_add with an index of x's shape but 2 along d
+            let mut ishape = x.shape().to_vec();
+            ishape[d] = 2;
+            let n: usize = ishape.iter().product();
+            let gi: Vec<i64> = (0..n).map(|_| g.int_range(0, size as i64)).collect();
+            let gt = Tensor::from_vec(gi, &ishape).expect("gather index");
+            let want = x.gather(d as isize, &gt).expect("cpu");
+            let out = output(dt, &ishape);
+            run(&plan::index("gather", dt, (host(&out).0, host(&x).0, host(&gt).0), (outer, size, 2, inner)));
+            close(&format!("gather {dt:?} dim {d}"), &out, &want, 0.0);
+            let src = view(&mut g, &ishape, dt, 0);
+            let want = x.scatter_add(d as isize, &gt, &src).expect("cpu");
+            let out = x.contiguous().expect("c").deep_clone().expect("clone");
+            run(&plan::index("scatter_add", dt, (host(&out).0, host(&src).0, host(&gt).0), (outer, size, 2, inner)));
+            close(&format!("scatter_add {dt:?} dim {d}"), &out, &want, tol(dt));
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_matches_the_cpu() {
+    let mut g = Generator::new(26);
+    for dt in [DType::F32, DType::F64] {
+        let x = view(&mut g, &[7, 5], dt, 0);
+        let t: Vec<i64> = (0..7).map(|_| g.int_range(0, 5)).collect();
+        let target = Tensor::from_vec(t, &[7]).expect("target");
+        let want = crate::nn::functional::cross_entropy(&x, &target).expect("cpu");
+        let loss = output(dt, &[7]);
+        let probs = output(dt, &[7, 5]);
+        run(&plan::cross_entropy(dt, (host(&loss).0, host(&probs).0, host(&x).0, host(&target).0), 7, 5));
+        close(&format!("cross_entropy {dt:?}"), &loss.mean().expect("mean"), &want, tol(dt) * 4.0);
+        close(&format!("softmax {dt:?}"), &probs, &x.softmax(1).expect("softmax"), tol(dt) * 4.0);
+    }
+}
+
+#[test]
+fn dropout_masks_follow_philox_known_answers_and_the_rate() {
+    // Philox-4x32-10 with key 0 and counter 0 gives 6627e8d5 e169c58d bc57ac4c 9b00dbd8
+    // (Random123's known-answer vectors): uniforms .399 .880 .735 .605
+    let mask = |n: usize, seed: u64, offset: u64, p: f64| {
+        let m = output(DType::Bool, &[n]);
+        run(&plan::dropout_mask(host(&m).0, n, seed, offset, p));
+        m.to_vec::<bool>().expect("mask")
+    };
+    assert_eq!(mask(4, 0, 0, 0.5), vec![false, true, true, true]);
+    assert_eq!(mask(4, 0, 0, 0.7), vec![false, true, true, false]);
+    assert_eq!(mask(4, 0, 0, 0.8), vec![false, true, false, false]);
+    let a = mask(40000, 7, 3, 0.3);
+    assert_eq!(a, mask(40000, 7, 3, 0.3), "same seed and offset, same mask");
+    assert_ne!(a, mask(40000, 8, 3, 0.3), "another seed, another mask");
+    let kept = a.iter().filter(|&&k| k).count() as f64 / 40000.0;
+    assert!((kept - 0.7).abs() < 0.01, "kept fraction {kept}");
+}
+
+/// What `cublas<t>gemmStridedBatched` computes (column-major, alpha 1, beta 0), on the host.
+fn host_gemm<T: StorageElement + num_traits::Float>(g: &plan::Gemm, a: &[T], b: &[T], c: &mut [T]) {
+    for bi in 0..g.batch as usize {
+        for j in 0..g.n as usize {
+            for i in 0..g.m as usize {
+                let mut acc = T::zero();
+                for p in 0..g.k as usize {
+                    let av = if g.transa { a[g.a_offset + bi * g.stride_a as usize + i * g.lda as usize + p] } else { a[g.a_offset + bi * g.stride_a as usize + p * g.lda as usize + i] };
+                    let bv = if g.transb { b[g.b_offset + bi * g.stride_b as usize + p * g.ldb as usize + j] } else { b[g.b_offset + bi * g.stride_b as usize + j * g.ldb as usize + p] };
+                    acc = acc + av * bv;
+                }
+                c[bi * g.stride_c as usize + j * g.ldc as usize + i] = acc;
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_plans_read_transposed_broadcast_and_offset_operands() {
+    let mut g = Generator::new(27);
+    for case in 0..16 {
+        let (batch, m, k, n) = (1 + case % 3, 1 + g.int_range(0, 6) as usize, 1 + g.int_range(0, 6) as usize, 1 + g.int_range(0, 6) as usize);
+        let a = view(&mut g, &[batch, m, k], DType::F64, case);
+        let b = if case % 4 == 3 {
+            view(&mut g, &[1, k, n], DType::F64, case / 4).expand(&[batch, k, n]).expect("expand")
+        } else {
+            view(&mut g, &[batch, k, n], DType::F64, case / 4)
+        };
+        let want = a.matmul(&b).expect("cpu");
+        let Some(plan) = plan::gemm(a.layout(), b.layout(), batch) else {
+            // only views with neither rows nor columns contiguous need a copy
+            assert!(!a.layout().is_contiguous() || !b.layout().is_contiguous(), "case {case}: a contiguous pair was refused");
+            continue;
+        };
+        let mut c = vec![0.0f64; batch * m * n];
+        let av = a.with_cpu_data(|s: &[f64], _| s.to_vec()).expect("a");
+        let bv = b.with_cpu_data(|s: &[f64], _| s.to_vec()).expect("b");
+        host_gemm(&plan, &bv, &av, &mut c);
+        let got = Tensor::from_vec(c, &[batch, m, n]).expect("c");
+        close(&format!("gemm case {case} {:?} {:?}", a.layout(), b.layout()), &got, &want, 1e-12);
+    }
+}

@@ -1,0 +1,747 @@
+//! Launch plans: which kernel of `kernels/tensorplay.cu` runs, with which parameter struct and
+//! how many threads, for each operation on device memory. Pure: no driver, no memory, so the
+//! same plans run on a GPU (`real.rs`) and in the host emulation of the kernels that tests
+//! use without one (`emulator.rs`). The `#[repr(C)]` structs mirror the kernels' structs field
+//! for field.
+
+use crate::{DType, Error, Layout, Result};
+
+/// The most dims a strided operand can have after merging (the kernels' `TP_MAX_DIMS`).
+pub(crate) const MAX_DIMS: usize = 8;
+/// Threads per block of every launch.
+pub(crate) const BLOCK: u32 = 256;
+/// The most blocks of one launch (the grid-stride loops cover the rest).
+const MAX_GRID: usize = 1 << 16;
+
+/// A strided operand (the kernels' `Strided`): element strides, 0 when broadcast.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Strided {
+    ndim: i64,
+    offset: i64,
+    shape: [i64; MAX_DIMS],
+    strides: [i64; MAX_DIMS],
+}
+
+impl Strided {
+    /// `l` with its mergeable dims merged (fewer dims, less index arithmetic per element).
+    ///
+    /// # Errors
+    /// `NotSupported` naming `op` when more than [`MAX_DIMS`] dims remain.
+    pub(crate) fn new(l: &Layout, op: &'static str) -> Result<Strided> {
+        let mut dims: Vec<(usize, usize)> = Vec::with_capacity(l.shape.len());
+        for (&n, &s) in l.shape.iter().zip(&l.strides) {
+            if n == 1 {
+                continue;
+            }
+            match dims.last_mut() {
+                Some((pn, ps)) if *ps == s * n => {
+                    *pn *= n;
+                    *ps = s;
+                }
+                _ => dims.push((n, s)),
+            }
+        }
+        if dims.len() > MAX_DIMS {
+            return Err(Error::NotSupported {
+                op,
+                detail: format!(
+                    "on CUDA tensors with more than {MAX_DIMS} non-mergeable dims (shape {:?}, \
+                     strides {:?}); call .contiguous() first",
+                    l.shape, l.strides
+                ),
+            });
+        }
+        let mut out = Strided {
+            ndim: dims.len() as i64,
+            offset: l.offset as i64,
+            ..Strided::default()
+        };
+        for (d, (n, s)) in dims.into_iter().enumerate() {
+            out.shape[d] = n as i64;
+            out.strides[d] = s as i64;
+        }
+        Ok(out)
+    }
+
+    /// A contiguous operand of `n` elements.
+    pub(crate) fn flat(n: usize) -> Strided {
+        let mut out = Strided {
+            ndim: 1,
+            ..Strided::default()
+        };
+        out.shape[0] = n.max(1) as i64;
+        out.strides[0] = 1;
+        out
+    }
+}
+
+/// The kernels' parameter structs, one per kernel family.
+#[allow(missing_docs)]
+pub(crate) mod params {
+    use super::Strided;
+
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Unary {
+        pub out: u64,
+        pub x: u64,
+        pub lx: Strided,
+        pub n: i64,
+        pub op: i64,
+        pub scalar: f64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Binary {
+        pub out: u64,
+        pub a: u64,
+        pub b: u64,
+        pub la: Strided,
+        pub lb: Strided,
+        pub n: i64,
+        pub op: i64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Cmp {
+        pub out: u64,
+        pub a: u64,
+        pub b: u64,
+        pub la: Strided,
+        pub lb: Strided,
+        pub n: i64,
+        pub op: i64,
+        pub scalar: f64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Where {
+        pub out: u64,
+        pub cond: u64,
+        pub a: u64,
+        pub b: u64,
+        pub lc: Strided,
+        pub la: Strided,
+        pub lb: Strided,
+        pub n: i64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Copy {
+        pub out: u64,
+        pub x: u64,
+        pub lo: Strided,
+        pub lx: Strided,
+        pub n: i64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Reduce {
+        pub out: u64,
+        pub idx_out: u64,
+        pub x: u64,
+        pub idx_in: u64,
+        pub lo: Strided,
+        pub lk: Strided,
+        pub m: i64,
+        pub k: i64,
+        pub parts: i64,
+        pub chunk: i64,
+        pub op: i64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Index {
+        pub out: u64,
+        pub x: u64,
+        pub idx: u64,
+        pub outer: i64,
+        pub size: i64,
+        pub count: i64,
+        pub inner: i64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct CrossEntropy {
+        pub loss: u64,
+        pub probs: u64,
+        pub x: u64,
+        pub target: u64,
+        pub rows: i64,
+        pub classes: i64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Dropout {
+        pub mask: u64,
+        pub n: i64,
+        pub seed: u64,
+        pub offset: u64,
+        pub p: f64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Sgd {
+        pub param: u64,
+        pub grad: u64,
+        pub momentum_buf: u64,
+        pub n: i64,
+        pub first: i64,
+        pub nesterov: i64,
+        pub lr: f64,
+        pub momentum: f64,
+        pub dampening: f64,
+        pub weight_decay: f64,
+    }
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Adam {
+        pub param: u64,
+        pub grad: u64,
+        pub exp_avg: u64,
+        pub exp_avg_sq: u64,
+        pub max_exp_avg_sq: u64,
+        pub n: i64,
+        pub decoupled: i64,
+        pub beta1: f64,
+        pub beta2: f64,
+        pub eps: f64,
+        pub weight_decay: f64,
+        pub decay: f64,
+        pub step_size: f64,
+        pub bias_c2_sqrt: f64,
+    }
+}
+
+/// One kernel launch: the kernel's name, its parameters and the threads it needs.
+#[derive(Debug, Clone)]
+pub(crate) struct Launch {
+    pub(crate) kernel: String,
+    pub(crate) params: Params,
+    /// Threads wanted (one per element or output); the grid is capped, loops cover the rest.
+    pub(crate) threads: usize,
+}
+
+impl Launch {
+    /// Blocks of [`BLOCK`] threads.
+    pub(crate) fn grid(&self) -> u32 {
+        self.threads.div_ceil(BLOCK as usize).clamp(1, MAX_GRID) as u32
+    }
+}
+
+/// The parameter struct of a launch.
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub(crate) enum Params {
+    Unary(params::Unary),
+    Binary(params::Binary),
+    Cmp(params::Cmp),
+    Where(params::Where),
+    Copy(params::Copy),
+    Reduce(params::Reduce),
+    Index(params::Index),
+    CrossEntropy(params::CrossEntropy),
+    Dropout(params::Dropout),
+    Sgd(params::Sgd),
+    Adam(params::Adam),
+}
+
+impl Params {
+    /// The struct's bytes, as the kernel receives them.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        fn raw<T>(v: &T) -> &[u8] {
+            // SAFETY: every params struct is #[repr(C)] plain data (integers and floats, with
+            // no padding-dependent meaning); reading its bytes is what the driver does too.
+            unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }
+        }
+        match self {
+            Params::Unary(p) => raw(p),
+            Params::Binary(p) => raw(p),
+            Params::Cmp(p) => raw(p),
+            Params::Where(p) => raw(p),
+            Params::Copy(p) => raw(p),
+            Params::Reduce(p) => raw(p),
+            Params::Index(p) => raw(p),
+            Params::CrossEntropy(p) => raw(p),
+            Params::Dropout(p) => raw(p),
+            Params::Sgd(p) => raw(p),
+            Params::Adam(p) => raw(p),
+        }
+    }
+}
+
+/// The kernels' dtype suffix.
+pub(crate) fn suffix(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::I64 => "i64",
+        DType::Bool => "bool",
+    }
+}
+
+/// The kernels' unary op codes (`UnaryOp` in tensorplay.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub(crate) enum UnaryCode {
+    Neg = 0,
+    Exp = 1,
+    Log = 2,
+    Sqrt = 3,
+    Abs = 4,
+    Relu = 5,
+    Sigmoid = 6,
+    Tanh = 7,
+    Gelu = 8,
+    Erf = 9,
+    AddScalar = 10,
+    MulScalar = 11,
+    DivScalar = 12,
+    PowScalar = 13,
+    Sign = 14,
+    Not = 15,
+    Square = 16,
+}
+
+/// The kernels' binary op codes (`BinaryOp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub(crate) enum BinaryCode {
+    Add = 0,
+    Sub = 1,
+    Mul = 2,
+    Div = 3,
+    Pow = 4,
+    Max = 5,
+    Min = 6,
+    /// `b > 0 ? a : 0`
+    ReluBackward = 7,
+}
+
+/// The kernels' comparison codes (`CmpOp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub(crate) enum CmpCode {
+    Eq = 0,
+    Ne = 1,
+    Lt = 2,
+    Le = 3,
+    Gt = 4,
+    Ge = 5,
+}
+
+/// The kernels' reduction codes (`ReduceOp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub(crate) enum ReduceCode {
+    Sum = 0,
+    Max = 1,
+    Min = 2,
+}
+
+/// `out[i] = op(x[i])` over `x`'s view (`out` contiguous, `n` elements).
+pub(crate) fn unary(
+    dt: DType,
+    out: u64,
+    x: u64,
+    lx: &Layout,
+    op: UnaryCode,
+    scalar: f64,
+    name: &'static str,
+) -> Result<Launch> {
+    let n = lx.numel();
+    Ok(Launch {
+        kernel: format!("tp_unary_{}", suffix(dt)),
+        params: Params::Unary(params::Unary {
+            out,
+            x,
+            lx: Strided::new(lx, name)?,
+            n: n as i64,
+            op: op as i64,
+            scalar,
+        }),
+        threads: n,
+    })
+}
+
+/// `out[i] = op(a[i], b[i])`, `la` and `lb` already broadcast to the output's shape.
+pub(crate) fn binary(
+    dt: DType,
+    out: u64,
+    (a, la): (u64, &Layout),
+    (b, lb): (u64, &Layout),
+    op: BinaryCode,
+    name: &'static str,
+) -> Result<Launch> {
+    let n = la.numel();
+    Ok(Launch {
+        kernel: format!("tp_binary_{}", suffix(dt)),
+        params: Params::Binary(params::Binary {
+            out,
+            a,
+            b,
+            la: Strided::new(la, name)?,
+            lb: Strided::new(lb, name)?,
+            n: n as i64,
+            op: op as i64,
+        }),
+        threads: n,
+    })
+}
+
+/// `out[i] = a[i] op b[i]` (bool out); `b = None` compares with `scalar`.
+pub(crate) fn compare(
+    dt: DType,
+    out: u64,
+    (a, la): (u64, &Layout),
+    b: Option<(u64, &Layout)>,
+    op: CmpCode,
+    scalar: f64,
+    name: &'static str,
+) -> Result<Launch> {
+    let n = la.numel();
+    let (b, lb) = match b {
+        Some((p, l)) => (p, Strided::new(l, name)?),
+        None => (0, Strided::flat(1)),
+    };
+    Ok(Launch {
+        kernel: format!("tp_cmp_{}", suffix(dt)),
+        params: Params::Cmp(params::Cmp {
+            out,
+            a,
+            b,
+            la: Strided::new(la, name)?,
+            lb,
+            n: n as i64,
+            op: op as i64,
+            scalar,
+        }),
+        threads: n,
+    })
+}
+
+/// `out[i] = cond[i] ? a[i] : b[i]`, all broadcast to the output's shape.
+pub(crate) fn select(
+    dt: DType,
+    out: u64,
+    (c, lc): (u64, &Layout),
+    (a, la): (u64, &Layout),
+    (b, lb): (u64, &Layout),
+) -> Result<Launch> {
+    let n = la.numel();
+    Ok(Launch {
+        kernel: format!("tp_where_{}", suffix(dt)),
+        params: Params::Where(params::Where {
+            out,
+            cond: c,
+            a,
+            b,
+            lc: Strided::new(lc, "where")?,
+            la: Strided::new(la, "where")?,
+            lb: Strided::new(lb, "where")?,
+            n: n as i64,
+        }),
+        threads: n,
+    })
+}
+
+/// `out` (the view `lo`) `<- x` (the view `lx`, same shape), converting `from` to `to`.
+pub(crate) fn copy(
+    (from, x, lx): (DType, u64, &Layout),
+    (to, out, lo): (DType, u64, &Layout),
+    name: &'static str,
+) -> Result<Launch> {
+    let n = lx.numel();
+    Ok(Launch {
+        kernel: format!("tp_copy_{}_{}", suffix(from), suffix(to)),
+        params: Params::Copy(params::Copy {
+            out,
+            x,
+            lo: Strided::new(lo, name)?,
+            lx: Strided::new(lx, name)?,
+            n: n as i64,
+        }),
+        threads: n,
+    })
+}
+
+/// The shape of a reduction: `m` outputs of `k` elements each.
+#[derive(Debug, Clone)]
+pub(crate) struct ReduceShape {
+    /// The kept dims (shape and the view's strides), offset 0.
+    pub(crate) kept: Layout,
+    /// The reduced dims (shape and the view's strides), with the view's offset.
+    pub(crate) reduced: Layout,
+}
+
+impl ReduceShape {
+    /// Splits `l` into kept and reduced dims (`dims` sorted, distinct).
+    pub(crate) fn new(l: &Layout, dims: &[usize]) -> ReduceShape {
+        let pick = |keep: bool| {
+            let (shape, strides): (Vec<usize>, Vec<usize>) = (0..l.shape.len())
+                .filter(|d| dims.contains(d) != keep)
+                .map(|d| (l.shape[d], l.strides[d]))
+                .unzip();
+            (shape, strides)
+        };
+        let (ks, kst) = pick(true);
+        let (rs, rst) = pick(false);
+        ReduceShape {
+            kept: Layout {
+                shape: ks,
+                strides: kst,
+                offset: 0,
+            },
+            reduced: Layout {
+                shape: rs,
+                strides: rst,
+                offset: l.offset,
+            },
+        }
+    }
+    pub(crate) fn m(&self) -> usize {
+        self.kept.numel()
+    }
+    pub(crate) fn k(&self) -> usize {
+        self.reduced.numel()
+    }
+}
+
+/// How a reduction of `m` outputs over `k` elements splits: `parts` chunks of `chunk` each
+/// per output (1 part: a single launch).
+pub(crate) fn reduce_split(m: usize, k: usize) -> (usize, usize) {
+    if k <= 1024 || m >= 1 << 15 {
+        return (1, k.max(1));
+    }
+    let parts = k.div_ceil(256).min(((1usize << 16) / m.max(1)).max(1));
+    let chunk = k.div_ceil(parts);
+    (k.div_ceil(chunk), chunk)
+}
+
+/// The launches of a reduction into `out` (`m` values) and, for arg ops, `idx_out` (`m` int64
+/// indices into the reduced dims' row-major order). `scratch` holds `m * parts` values and, for
+/// arg ops, as many indices (the first launch's partial results; unused when `parts` is 1).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce(
+    dt: DType,
+    x: u64,
+    shape: &ReduceShape,
+    op: ReduceCode,
+    (out, idx_out): (u64, u64),
+    (scratch, scratch_idx): (u64, u64),
+    (parts, chunk): (usize, usize),
+    name: &'static str,
+) -> Result<Vec<Launch>> {
+    let (m, k) = (shape.m(), shape.k());
+    // no empty chunk: its neutral value would take part in the second launch
+    let chunk = chunk.max(1);
+    let parts = parts.min(k.div_ceil(chunk)).max(1);
+    let kernel = format!("tp_reduce_{}", suffix(dt));
+    let lo = Strided::new(&shape.kept, name)?;
+    let lk = Strided::new(&shape.reduced, name)?;
+    if parts <= 1 {
+        return Ok(vec![Launch {
+            kernel,
+            params: Params::Reduce(params::Reduce {
+                out,
+                idx_out,
+                x,
+                idx_in: 0,
+                lo,
+                lk,
+                m: m as i64,
+                k: k as i64,
+                parts: 1,
+                chunk: k as i64,
+                op: op as i64,
+            }),
+            threads: m,
+        }]);
+    }
+    let first = Launch {
+        kernel: kernel.clone(),
+        params: Params::Reduce(params::Reduce {
+            out: scratch,
+            idx_out: scratch_idx,
+            x,
+            idx_in: 0,
+            lo,
+            lk,
+            m: m as i64,
+            k: k as i64,
+            parts: parts as i64,
+            chunk: chunk as i64,
+            op: op as i64,
+        }),
+        threads: m * parts,
+    };
+    let rows = Layout {
+        shape: vec![m],
+        strides: vec![parts],
+        offset: 0,
+    };
+    let second = Launch {
+        kernel,
+        params: Params::Reduce(params::Reduce {
+            out,
+            idx_out,
+            x: scratch,
+            idx_in: scratch_idx,
+            lo: Strided::new(&rows, name)?,
+            lk: Strided::flat(parts),
+            m: m as i64,
+            k: parts as i64,
+            parts: 1,
+            chunk: parts as i64,
+            op: op as i64,
+        }),
+        threads: m,
+    };
+    Ok(vec![first, second])
+}
+
+/// The index kernels (`index_select`, `gather`, `scatter_add`) over contiguous operands seen
+/// as `[outer, size, inner]` around the indexed dim, with `count` indices along it.
+pub(crate) fn index(
+    kind: &str,
+    dt: DType,
+    (out, x, idx): (u64, u64, u64),
+    (outer, size, count, inner): (usize, usize, usize, usize),
+) -> Launch {
+    Launch {
+        kernel: format!("tp_{kind}_{}", suffix(dt)),
+        params: Params::Index(params::Index {
+            out,
+            x,
+            idx,
+            outer: outer as i64,
+            size: size as i64,
+            count: count as i64,
+            inner: inner as i64,
+        }),
+        threads: outer * count * inner,
+    }
+}
+
+/// Row-wise cross-entropy of contiguous logits `[rows, classes]` with int64 targets.
+pub(crate) fn cross_entropy(dt: DType, (loss, probs, x, target): (u64, u64, u64, u64), rows: usize, classes: usize) -> Launch {
+    Launch {
+        kernel: format!("tp_cross_entropy_{}", suffix(dt)),
+        params: Params::CrossEntropy(params::CrossEntropy {
+            loss,
+            probs,
+            x,
+            target,
+            rows: rows as i64,
+            classes: classes as i64,
+        }),
+        threads: rows,
+    }
+}
+
+/// A dropout keep-mask of `n` bools from Philox-4x32-10 at (`seed`, `offset`).
+pub(crate) fn dropout_mask(mask: u64, n: usize, seed: u64, offset: u64, p: f64) -> Launch {
+    Launch {
+        kernel: "tp_dropout_mask".into(),
+        params: Params::Dropout(params::Dropout {
+            mask,
+            n: n as i64,
+            seed,
+            offset,
+            p,
+        }),
+        threads: n,
+    }
+}
+
+/// One fused SGD update of a contiguous parameter.
+pub(crate) fn sgd(dt: DType, p: params::Sgd) -> Launch {
+    Launch {
+        kernel: format!("tp_sgd_{}", suffix(dt)),
+        threads: p.n as usize,
+        params: Params::Sgd(p),
+    }
+}
+
+/// One fused Adam/AdamW update of a contiguous parameter.
+pub(crate) fn adam(dt: DType, p: params::Adam) -> Launch {
+    Launch {
+        kernel: format!("tp_adam_{}", suffix(dt)),
+        threads: p.n as usize,
+        params: Params::Adam(p),
+    }
+}
+
+/// A matrix product as one cuBLAS strided-batched GEMM call, in cuBLAS's column-major terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Gemm {
+    pub(crate) transa: bool,
+    pub(crate) transb: bool,
+    pub(crate) m: i32,
+    pub(crate) n: i32,
+    pub(crate) k: i32,
+    /// Elements from the first operand's base (cuBLAS's A: our right-hand side).
+    pub(crate) a_offset: usize,
+    pub(crate) lda: i32,
+    pub(crate) stride_a: i64,
+    pub(crate) b_offset: usize,
+    pub(crate) ldb: i32,
+    pub(crate) stride_b: i64,
+    pub(crate) ldc: i32,
+    pub(crate) stride_c: i64,
+    pub(crate) batch: i32,
+}
+
+/// A 3-d operand `[batch, rows, cols]` cuBLAS can read in place: one batch stride (0 when
+/// broadcast) and rows or columns contiguous. Returns (transposed in row-major terms, leading
+/// dimension, batch stride, offset), or `None` when a copy is needed first.
+fn gemm_operand(l: &Layout) -> Option<(bool, usize, usize, usize)> {
+    let (shape, st) = (&l.shape, &l.strides);
+    let (r, c) = (shape[1], shape[2]);
+    let batch_stride = if shape[0] <= 1 { 0 } else { st[0] };
+    if st[2] == 1 || c == 1 {
+        let ld = if r <= 1 { c.max(1) } else { st[1] };
+        if ld >= c.max(1) {
+            return Some((false, ld, batch_stride, l.offset));
+        }
+    }
+    if st[1] == 1 || r == 1 {
+        let ld = if c <= 1 { r.max(1) } else { st[2] };
+        if ld >= r.max(1) {
+            return Some((true, ld, batch_stride, l.offset));
+        }
+    }
+    None
+}
+
+/// The GEMM computing row-major `C[b] = A[b] @ B[b]` for 3-d views `a: [batch|1, m, k]` and
+/// `b: [batch|1, k, n]` into a contiguous `C: [batch, m, n]`; `None` when an operand must be
+/// made contiguous first (see `gemm_operand`) or a size exceeds cuBLAS's 32-bit ints.
+pub(crate) fn gemm(la: &Layout, lb: &Layout, batch: usize) -> Option<Gemm> {
+    let (m, k, n) = (la.shape[1], la.shape[2], lb.shape[2]);
+    let (ta, lda, sa, oa) = gemm_operand(la)?;
+    let (tb, ldb, sb, ob) = gemm_operand(lb)?;
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    if ![m, n, k, lda, ldb, batch].into_iter().all(fits) {
+        return None;
+    }
+    // row-major C = A B is column-major C^T = B^T A^T: cuBLAS's first operand is our B. A
+    // row-major (untransposed) matrix read column-major is its transpose, so it goes in as is.
+    Some(Gemm {
+        transa: tb,
+        transb: ta,
+        m: n as i32,
+        n: m as i32,
+        k: k as i32,
+        a_offset: ob,
+        lda: ldb as i32,
+        stride_a: sb as i64,
+        b_offset: oa,
+        ldb: lda as i32,
+        stride_b: sa as i64,
+        ldc: n.max(1) as i32,
+        stride_c: (m * n) as i64,
+        batch: batch as i32,
+    })
+}
