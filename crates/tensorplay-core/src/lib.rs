@@ -20,6 +20,7 @@
 //! is written with.
 
 pub mod autograd;
+mod backend;
 pub mod cuda;
 mod device;
 mod dtype;

@@ -8,7 +8,12 @@ use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use super::plan::{BLOCK, Launch};
 
 unsafe extern "C" {
-    fn tp_emu_launch(name: *const c_char, params: *const c_void, grid: c_uint, block: c_uint) -> c_int;
+    fn tp_emu_launch(
+        name: *const c_char,
+        params: *const c_void,
+        grid: c_uint,
+        block: c_uint,
+    ) -> c_int;
     fn tp_emu_kernel_count() -> c_int;
     fn tp_emu_kernel_name(i: c_int) -> *const c_char;
 }
@@ -22,7 +27,14 @@ pub(crate) fn run(l: &Launch) {
     let name = CString::new(l.kernel.as_str()).expect("kernel names have no NUL");
     // SAFETY: `params` is the #[repr(C)] struct the kernel reads; the caller guarantees the
     // pointers inside it; the emulation runs synchronously on this thread.
-    let rc = unsafe { tp_emu_launch(name.as_ptr(), l.params.bytes().as_ptr().cast(), l.grid(), BLOCK) };
+    let rc = unsafe {
+        tp_emu_launch(
+            name.as_ptr(),
+            l.params.bytes().as_ptr().cast(),
+            l.grid(),
+            BLOCK,
+        )
+    };
     assert_eq!(rc, 0, "no kernel named {}", l.kernel);
 }
 
@@ -32,7 +44,11 @@ pub(crate) fn kernel_names() -> Vec<String> {
     // the names are static C strings.
     unsafe {
         (0..tp_emu_kernel_count())
-            .map(|i| CStr::from_ptr(tp_emu_kernel_name(i)).to_string_lossy().into_owned())
+            .map(|i| {
+                CStr::from_ptr(tp_emu_kernel_name(i))
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .collect()
     }
 }

@@ -9,23 +9,60 @@
 //! Supported so far: allocation, host-to-device and device-to-host copies (`Tensor::to`).
 //! Arithmetic on CUDA tensors returns [`Error::NotSupported`](crate::Error::NotSupported).
 
+#[cfg(feature = "cuda")]
+mod cublas;
 #[cfg(not(feature = "cuda"))]
 mod dummy;
 #[cfg(all(test, feature = "cuda-emulator"))]
 mod emulator;
+#[cfg(feature = "cuda")]
+mod library;
+#[cfg(feature = "cuda")]
+mod nvrtc;
+#[cfg(feature = "cuda")]
+mod ops;
 #[cfg(any(feature = "cuda", all(test, feature = "cuda-emulator")))]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod plan;
 #[cfg(feature = "cuda")]
 mod real;
+#[cfg(feature = "cuda")]
+mod runtime;
 
 #[cfg(not(feature = "cuda"))]
 pub use dummy::{CudaData, CudaStorage, device_count, is_driver_present};
+#[cfg(feature = "cuda")]
+pub use nvrtc::{KERNELS, compile_kernels, nvrtc_version};
 #[cfg(feature = "cuda")]
 pub use real::{CudaData, CudaStorage, context, device_count, is_driver_present};
 
 /// Whether this build has CUDA support (the core's `cuda` feature).
 pub const COMPILED: bool = cfg!(feature = "cuda");
+
+/// Compiles (once) and loads tensorplay's kernels on device `ordinal`, returning what the
+/// NVRTC compiled them for, e.g. `"compute_90 by libnvrtc.so.13 (NVRTC 13.0)"`. The CUDA
+/// operations do this on first use; calling it first moves that cost (about a second) and
+/// reports a missing NVRTC early.
+///
+/// # Errors
+/// [`crate::Error::CudaUnavailable`] naming what is missing (driver, device, NVRTC), or the
+/// compiler's log when a kernel does not compile.
+#[cfg(feature = "cuda")]
+pub fn load_kernels(ordinal: usize) -> crate::Result<String> {
+    let rt = runtime::runtime(&context(ordinal)?, ordinal)?;
+    let (major, minor) = nvrtc_version()?;
+    let file = nvrtc::Nvrtc::get()?.file.clone();
+    Ok(format!("{} by {file} (NVRTC {major}.{minor})", rt.arch))
+}
+
+/// Without the `cuda` feature: always [`crate::Error::CudaUnavailable`].
+///
+/// # Errors
+/// Always: this build has no CUDA support.
+#[cfg(not(feature = "cuda"))]
+pub fn load_kernels(ordinal: usize) -> crate::Result<String> {
+    CudaStorage::zeros(crate::DType::F32, 1, ordinal).map(|_| String::new())
+}
 
 /// Whether CUDA can be used (`torch.cuda.is_available`): compiled in, a driver, a device.
 pub fn is_available() -> bool {

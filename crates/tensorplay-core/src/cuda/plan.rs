@@ -4,6 +4,7 @@
 //! use without one (`emulator.rs`). The `#[repr(C)]` structs mirror the kernels' structs field
 //! for field.
 
+use crate::backend::{BinaryCode, CmpCode, ReduceCode, UnaryCode};
 use crate::{DType, Error, Layout, Result};
 
 /// The most dims a strided operand can have after merging (the kernels' `TP_MAX_DIMS`).
@@ -248,7 +249,8 @@ pub(crate) enum Params {
 }
 
 impl Params {
-    /// The struct's bytes, as the kernel receives them.
+    /// The struct's bytes, as the kernel receives them (the host emulation's input).
+    #[cfg_attr(not(all(test, feature = "cuda-emulator")), allow(dead_code))]
     pub(crate) fn bytes(&self) -> &[u8] {
         fn raw<T>(v: &T) -> &[u8] {
             // SAFETY: every params struct is #[repr(C)] plain data (integers and floats, with
@@ -279,65 +281,6 @@ pub(crate) fn suffix(dt: DType) -> &'static str {
         DType::I64 => "i64",
         DType::Bool => "bool",
     }
-}
-
-/// The kernels' unary op codes (`UnaryOp` in tensorplay.cu).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(missing_docs)]
-pub(crate) enum UnaryCode {
-    Neg = 0,
-    Exp = 1,
-    Log = 2,
-    Sqrt = 3,
-    Abs = 4,
-    Relu = 5,
-    Sigmoid = 6,
-    Tanh = 7,
-    Gelu = 8,
-    Erf = 9,
-    AddScalar = 10,
-    MulScalar = 11,
-    DivScalar = 12,
-    PowScalar = 13,
-    Sign = 14,
-    Not = 15,
-    Square = 16,
-}
-
-/// The kernels' binary op codes (`BinaryOp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(missing_docs)]
-pub(crate) enum BinaryCode {
-    Add = 0,
-    Sub = 1,
-    Mul = 2,
-    Div = 3,
-    Pow = 4,
-    Max = 5,
-    Min = 6,
-    /// `b > 0 ? a : 0`
-    ReluBackward = 7,
-}
-
-/// The kernels' comparison codes (`CmpOp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(missing_docs)]
-pub(crate) enum CmpCode {
-    Eq = 0,
-    Ne = 1,
-    Lt = 2,
-    Le = 3,
-    Gt = 4,
-    Ge = 5,
-}
-
-/// The kernels' reduction codes (`ReduceOp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(missing_docs)]
-pub(crate) enum ReduceCode {
-    Sum = 0,
-    Max = 1,
-    Min = 2,
 }
 
 /// `out[i] = op(x[i])` over `x`'s view (`out` contiguous, `n` elements).
@@ -625,7 +568,12 @@ pub(crate) fn index(
 }
 
 /// Row-wise cross-entropy of contiguous logits `[rows, classes]` with int64 targets.
-pub(crate) fn cross_entropy(dt: DType, (loss, probs, x, target): (u64, u64, u64, u64), rows: usize, classes: usize) -> Launch {
+pub(crate) fn cross_entropy(
+    dt: DType,
+    (loss, probs, x, target): (u64, u64, u64, u64),
+    rows: usize,
+    classes: usize,
+) -> Launch {
     Launch {
         kernel: format!("tp_cross_entropy_{}", suffix(dt)),
         params: Params::CrossEntropy(params::CrossEntropy {

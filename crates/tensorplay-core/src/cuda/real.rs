@@ -105,6 +105,33 @@ impl CudaStorage {
         })
     }
 
+    /// `n` elements of `dtype` on device `ordinal`, not initialised (for kernels that write
+    /// every element).
+    pub(crate) fn uninit(dtype: DType, n: usize, ordinal: usize) -> Result<CudaStorage> {
+        let ctx = context(ordinal)?;
+        let stream = ctx.default_stream();
+        let e = |e| driver_error("alloc", e);
+        // SAFETY: the memory is written by a kernel before anything reads it (callers' contract).
+        let data = unsafe {
+            match dtype {
+                DType::F32 => CudaData::F32(stream.alloc(n).map_err(e)?),
+                DType::F64 => CudaData::F64(stream.alloc(n).map_err(e)?),
+                DType::I64 => CudaData::I64(stream.alloc(n).map_err(e)?),
+                DType::Bool => CudaData::Bool(stream.alloc(n).map_err(e)?),
+            }
+        };
+        Ok(CudaStorage {
+            ordinal,
+            data,
+            stream,
+        })
+    }
+
+    /// The device's ordinal.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
     /// `n` zeros of `dtype` on device `ordinal`.
     pub fn zeros(dtype: DType, n: usize, ordinal: usize) -> Result<CudaStorage> {
         let ctx = context(ordinal)?;

@@ -3,6 +3,7 @@
 use super::layers::EmbeddingFn;
 use super::loss::CrossEntropyFn;
 use crate::autograd::apply;
+use crate::backend::{self, DeviceStorage as _};
 use crate::random::default_generator;
 use crate::{Error, Result, Tensor};
 
@@ -93,6 +94,15 @@ pub fn dropout(input: &Tensor, p: f64, training: bool) -> Result<Tensor> {
         });
     }
     let scale = 1.0 / (1.0 - p);
+    // on a device: a Philox keep-mask keyed by a seed from the default generator, so
+    // manual_seed makes it reproducible
+    let seed = || default_generator().int_range(0, i64::MAX) as u64;
+    if let Some(mask) =
+        backend::on_device(input, |c, _| c.dropout_mask(input.numel(), seed(), 0, p))
+    {
+        let mask = backend::device_tensor(mask?, input.shape());
+        return input.mul(&mask.to_dtype(input.dtype())?.mul_scalar(scale)?);
+    }
     let mask: Vec<f64> = {
         let mut g = default_generator();
         (0..input.numel())

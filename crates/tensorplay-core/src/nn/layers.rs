@@ -5,6 +5,7 @@ use std::fmt;
 use super::functional;
 use super::module::{Module, ModuleCore};
 use crate::autograd::{Context, Function, apply};
+use crate::backend::{self, DeviceStorage as _, IndexKind};
 use crate::layout::checked_numel;
 use crate::ops::float_dispatch;
 use crate::random::default_generator;
@@ -418,6 +419,24 @@ pub(crate) fn embedding_indices(
 fn gather_rows(table: &Tensor, idx: &[i64], out_shape: &[usize]) -> Result<Tensor> {
     let dim = table.shape()[1];
     let table = table.contiguous()?;
+    if let Some(r) = backend::on_device(&table, |c, l| {
+        if !table.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "embedding",
+                dtype: table.dtype(),
+                expected: "float32 or float64",
+            });
+        }
+        let c = c.copy_as(l, table.dtype())?;
+        let it = c.upload(&crate::CpuStorage::I64(idx.to_vec()))?;
+        c.index(
+            IndexKind::Select,
+            &it,
+            (1, table.shape()[0], idx.len(), dim),
+        )
+    }) {
+        return Ok(backend::device_tensor(r?, out_shape));
+    }
     float_dispatch!(table.dtype(), "embedding", T => {
         let v = table.with_slice("embedding", |s: &[T], l| {
             let base = l.offset;
@@ -468,6 +487,28 @@ impl Function for EmbeddingDenseBackward {
         let idx = embedding_indices(ind, self.num, "embedding_backward")?;
         let dim = *g.shape().last().unwrap_or(&0);
         let g = g.contiguous()?;
+        if let Some(r) = backend::on_device(&g, |c, l| {
+            if !g.dtype().is_float() {
+                return Err(Error::UnsupportedDType {
+                    op: "embedding_backward",
+                    dtype: g.dtype(),
+                    expected: "float32 or float64",
+                });
+            }
+            let src = c.copy_as(l, g.dtype())?;
+            // one index per element: row idx[j] for every element of row j
+            let per_element: Vec<i64> = idx
+                .iter()
+                .flat_map(|&i| std::iter::repeat_n(i, dim))
+                .collect();
+            let it = c.upload(&crate::CpuStorage::I64(per_element))?;
+            let mut out = c.zeros_like_device(g.dtype(), self.num * dim)?;
+            out.scatter_add(&it, &src, (1, self.num, idx.len(), dim))?;
+            Ok(out)
+        }) {
+            ctx.save_for_backward(&[ind]);
+            return Ok(vec![backend::device_tensor(r?, &[self.num, dim])]);
+        }
         let out = float_dispatch!(g.dtype(), "embedding_backward", T => {
             let v = g.with_slice("embedding_backward", |s: &[T], l| {
                 let s = &s[l.offset..l.offset + idx.len() * dim];

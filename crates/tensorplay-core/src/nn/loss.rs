@@ -2,6 +2,8 @@
 
 use super::functional;
 use crate::autograd::{Context, Function, is_grad_enabled};
+use crate::backend::{self, DeviceStorage as _};
+use crate::cuda::CudaStorage;
 use crate::ops::float_dispatch;
 use crate::storage::StorageElement;
 use crate::{DType, Error, FloatElement, Result, Tensor};
@@ -117,6 +119,27 @@ fn ce_forward<T: FloatElement + StorageElement>(
     (probs, maxes, mean)
 }
 
+/// The device's per-row losses `[n]` and probabilities `[n, c]` as tensors.
+fn cx_rows(
+    (loss, probs): (CudaStorage, CudaStorage),
+    n: usize,
+    c: usize,
+) -> Result<(Tensor, Tensor)> {
+    Ok((
+        backend::device_tensor(loss, &[n]),
+        backend::device_tensor(probs, &[n, c]),
+    ))
+}
+
+/// The one-hot rows of `target` as a float64 host tensor `[n, c]`.
+fn onehot(target: &[i64], n: usize, c: usize) -> Result<Tensor> {
+    let mut v = vec![0.0f64; n * c];
+    for (i, &k) in target.iter().enumerate() {
+        v[i * c + k as usize] = 1.0;
+    }
+    Tensor::from_vec(v, &[n, c])
+}
+
 /// Fused cross-entropy: inputs `[logits [N, C], target [N] int64]`, output the mean loss.
 pub(crate) struct CrossEntropyFn;
 
@@ -135,6 +158,18 @@ impl Function for CrossEntropyFn {
         let target = check_cross_entropy(x, t)?;
         let (n, c) = (x.shape()[0], x.shape()[1]);
         let x = x.contiguous()?;
+        if let Some(r) = backend::on_device2(&x, t, |cx, lx, ct, lt| {
+            let xc = cx.copy_as(lx, x.dtype())?;
+            let tc = ct.copy_as(lt, DType::I64)?;
+            cx_rows(xc.cross_entropy(&tc, n, c)?, n, c)
+        }) {
+            let (rows, probs) = r?;
+            let loss = rows.sum()?.div_scalar(n as f64)?;
+            let maxes = x.detach().max_dim(1, true)?.0;
+            ctx.save_for_backward(&[inputs[0], &probs, &maxes]);
+            ctx.save_value(CeSaved { target, n, c });
+            return Ok(vec![loss]);
+        }
         let (probs, maxes, loss) = float_dispatch!(x.dtype(), "cross_entropy", T => {
             let (p, m, l) = x.with_slice("cross_entropy", |s: &[T], l| {
                 ce_forward::<T>(&s[l.offset..l.offset + n * c], n, c, &target)
@@ -161,6 +196,13 @@ impl Function for CrossEntropyFn {
         if !is_grad_enabled() {
             // first-order backward: one fused pass over the saved probabilities
             let scale = g.item_f64()? / n as f64;
+            if probs.device().is_cuda() {
+                let onehot = onehot(target, n, c)?
+                    .to_dtype(x.dtype())?
+                    .to_device(x.device())?;
+                let gx = probs.mul_scalar(scale)?.sub(&onehot.mul_scalar(scale)?)?;
+                return Ok(vec![Some(gx), None]);
+            }
             let gx = float_dispatch!(probs.dtype(), "cross_entropy_backward", T => {
                 let sc = <T as crate::Element>::from_f64(scale);
                 let v = probs.with_slice("cross_entropy_backward", |s: &[T], _| {
@@ -177,11 +219,9 @@ impl Function for CrossEntropyFn {
         }
         // recorded backward (create_graph): softmax - onehot from differentiable ops on the
         // saved logits, so the gradient can be differentiated again
-        let mut onehot = vec![0.0f64; n * c];
-        for (i, &k) in target.iter().enumerate() {
-            onehot[i * c + k as usize] = 1.0;
-        }
-        let onehot = Tensor::from_vec(onehot, &[n, c])?.to_dtype(x.dtype())?;
+        let onehot = onehot(target, n, c)?
+            .to_dtype(x.dtype())?
+            .to_device(x.device())?;
         let e = x.sub(maxes)?.exp()?;
         let sm = e.div(&e.sum_dims(&[1], true)?)?;
         let gx = sm.sub(&onehot)?.div_scalar(n as f64)?.mul(g)?;

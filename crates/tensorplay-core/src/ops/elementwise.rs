@@ -1,8 +1,12 @@
 //! Elementwise operations with broadcasting: arithmetic, unary math, activations,
 //! comparisons, `where`, dtype casts and in-place updates.
 
-use super::{WrappingArith, any_dispatch, float_dispatch, numeric_dispatch, same_device, with_two};
+use super::{
+    WrappingArith, any_dispatch, device_map, device_map2, float_dispatch, numeric_dispatch,
+    same_device, with_two,
+};
 use crate::autograd::{Context, Function, apply, is_grad_enabled};
+use crate::backend::{BinaryCode, CmpCode, DeviceStorage as _, UnaryCode};
 use crate::layout::{Layout, broadcast_shapes};
 use crate::storage::StorageElement;
 use crate::{DType, Element, Error, FloatElement, Result, Tensor};
@@ -102,6 +106,9 @@ fn promote(a: DType, b: DType) -> DType {
 // casts
 
 fn cast_kernel(x: &Tensor, to: DType) -> Result<Tensor> {
+    if let Some(r) = device_map(x, |c, l| c.copy_as(l, to)) {
+        return r;
+    }
     any_dispatch!(x.dtype(), S => {
         any_dispatch!(to, D => {
             unary_map::<S, D>(x, "to_dtype", |v| D::from_f64(Element::to_f64(v)))
@@ -150,6 +157,30 @@ fn binary_kernel(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         Maximum => "maximum",
         Minimum => "minimum",
     };
+    let code = match kind {
+        Add => BinaryCode::Add,
+        Sub => BinaryCode::Sub,
+        Mul => BinaryCode::Mul,
+        Div => BinaryCode::Div,
+        Pow => BinaryCode::Pow,
+        Maximum => BinaryCode::Max,
+        Minimum => BinaryCode::Min,
+    };
+    if let Some(r) = device_map2(a, b, op, |ca, la, cb, lb| {
+        match (kind, a.dtype()) {
+            (Div | Pow, DType::F32 | DType::F64) | (_, DType::F32 | DType::F64 | DType::I64) => {}
+            (_, d) => {
+                return Err(Error::UnsupportedDType {
+                    op,
+                    dtype: d,
+                    expected: "float32, float64 or int64 (float for div and pow)",
+                });
+            }
+        }
+        ca.binary(la, cb, lb, code)
+    }) {
+        return r;
+    }
     match kind {
         Div => float_dispatch!(a.dtype(), op, T => binary_map::<T, T>(a, b, op, |x, y| x / y)),
         Pow => {
@@ -333,6 +364,37 @@ fn unary_op_name(kind: UnaryKind) -> &'static str {
 fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     use UnaryKind::*;
     let op = unary_op_name(kind);
+    if let Some(r) = device_map(x, |c, l| {
+        let int_ok = matches!(kind, Neg | Abs | AddScalar(_) | MulScalar(_) | Relu);
+        if !(x.dtype().is_float() || int_ok && x.dtype() == DType::I64) {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: x.dtype(),
+                expected: "float32 or float64",
+            });
+        }
+        let (code, s) = match kind {
+            Neg => (UnaryCode::Neg, 0.0),
+            Exp => (UnaryCode::Exp, 0.0),
+            Log => (UnaryCode::Log, 0.0),
+            Sqrt => (UnaryCode::Sqrt, 0.0),
+            Abs => (UnaryCode::Abs, 0.0),
+            Relu => (UnaryCode::Relu, 0.0),
+            Sigmoid => (UnaryCode::Sigmoid, 0.0),
+            Tanh => (UnaryCode::Tanh, 0.0),
+            Gelu => (UnaryCode::Gelu, 0.0),
+            Erf => (UnaryCode::Erf, 0.0),
+            AddScalar(s) => (UnaryCode::AddScalar, s),
+            MulScalar(s) => (UnaryCode::MulScalar, s),
+            DivScalar(s) => (UnaryCode::DivScalar, s),
+            PowScalar(2.0) => (UnaryCode::Square, 0.0),
+            PowScalar(1.0) => (UnaryCode::MulScalar, 1.0),
+            PowScalar(p) => (UnaryCode::PowScalar, p),
+        };
+        c.unary(l, code, s)
+    }) {
+        return r;
+    }
     match kind {
         Neg | Abs | AddScalar(_) | MulScalar(_) | Relu if x.dtype() == DType::I64 => {
             // int64 arithmetic wraps on overflow, as in PyTorch
@@ -483,6 +545,18 @@ impl Function for ThresholdBackward {
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let (g, x) = (inputs[0], inputs[1]);
         ctx.save_for_backward(&[x]);
+        if let Some(r) = device_map2(g, x, "relu_backward", |cg, lg, cx, lx| {
+            if !g.dtype().is_float() {
+                return Err(Error::UnsupportedDType {
+                    op: "relu_backward",
+                    dtype: g.dtype(),
+                    expected: "float32 or float64",
+                });
+            }
+            cg.binary(lg, cx, lx, BinaryCode::ReluBackward)
+        }) {
+            return Ok(vec![r?]);
+        }
         let out = float_dispatch!(g.dtype(), "relu_backward", T => {
             binary_map::<T, T>(g, x, "relu_backward", |g, x| if x > T::zero() { g } else { T::zero() })
         })?;
@@ -573,6 +647,23 @@ fn binary_map_where(
     lc: &Layout,
     shape: &[usize],
 ) -> Result<Tensor> {
+    if let Some(r) = crate::backend::on_device2(a, b, |ca, la, cb, lb| {
+        let (la, lb) = (
+            la.broadcast_to(shape, "where")?,
+            lb.broadcast_to(shape, "where")?,
+        );
+        let Some(r) = crate::backend::on_device(c, |cc, _| cc.select(lc, (ca, &la), (cb, &lb)))
+        else {
+            return Err(Error::DeviceMismatch {
+                op: "where",
+                lhs: c.device(),
+                rhs: a.device(),
+            });
+        };
+        Ok(crate::backend::device_tensor(r?, shape))
+    }) {
+        return r;
+    }
     let mask: Vec<bool> = c.with_slice("where", |s: &[bool], _| super::gather_strided(s, lc))?;
     let ae = a.expand(shape)?;
     let be = b.expand(shape)?;
@@ -588,17 +679,25 @@ fn binary_map_where(
 // public API
 
 macro_rules! cmp_methods {
-    ($($name:ident, $sname:ident, $op:tt, $doc:literal;)*) => {
+    ($($name:ident, $sname:ident, $op:tt, $code:ident, $doc:literal;)*) => {
         $(
             #[doc = concat!("Elementwise `self ", stringify!($op), " other` with broadcasting, as a bool tensor (", $doc, "). Not differentiable.")]
             pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
                 let dt = promote(self.dtype(), other.dtype());
                 let a = self.to_dtype(dt)?.detach();
                 let b = other.to_dtype(dt)?.detach();
+                if let Some(r) = device_map2(&a, &b, stringify!($name), |ca, la, cb, lb| {
+                    ca.compare(la, Some((cb, lb)), CmpCode::$code, 0.0)
+                }) {
+                    return r;
+                }
                 any_dispatch!(dt, T => binary_map::<T, bool>(&a, &b, stringify!($name), |x, y| x $op y))
             }
             #[doc = concat!("Elementwise `self ", stringify!($op), " value`, as a bool tensor. Not differentiable.")]
             pub fn $sname(&self, value: f64) -> Result<Tensor> {
+                if let Some(r) = device_map(self, |c, l| c.compare(l, None, CmpCode::$code, value)) {
+                    return r;
+                }
                 any_dispatch!(self.dtype(), T => unary_map::<T, bool>(self, stringify!($sname), |x| crate::Element::to_f64(x) $op value))
             }
         )*
@@ -714,6 +813,18 @@ impl Tensor {
     /// The sign (-1, 0 or 1) in this dtype; not differentiable (zero gradient).
     pub fn sign(&self) -> Result<Tensor> {
         let t = self.detach();
+        if let Some(r) = device_map(&t, |c, l| {
+            if t.dtype() == DType::Bool {
+                return Err(Error::UnsupportedDType {
+                    op: "sign",
+                    dtype: DType::Bool,
+                    expected: "float32, float64 or int64",
+                });
+            }
+            c.unary(l, UnaryCode::Sign, 0.0)
+        }) {
+            return r;
+        }
         numeric_dispatch!(t.dtype(), "sign", T => unary_map::<T, T>(&t, "sign", |v| {
             let z = T::default();
             if v > z { T::from_f64(1.0) } else if v < z { T::from_f64(-1.0) } else { v }
@@ -728,16 +839,19 @@ impl Tensor {
                 expected: "bool",
             });
         }
+        if let Some(r) = device_map(self, |c, l| c.unary(l, UnaryCode::Not, 0.0)) {
+            return r;
+        }
         unary_map::<bool, bool>(self, "logical_not", |v| !v)
     }
 
     cmp_methods! {
-        eq, eq_scalar, ==, "`torch.eq`";
-        ne, ne_scalar, !=, "`torch.ne`";
-        lt, lt_scalar, <, "`torch.lt`";
-        le, le_scalar, <=, "`torch.le`";
-        gt, gt_scalar, >, "`torch.gt`";
-        ge, ge_scalar, >=, "`torch.ge`";
+        eq, eq_scalar, ==, Eq, "`torch.eq`";
+        ne, ne_scalar, !=, Ne, "`torch.ne`";
+        lt, lt_scalar, <, Lt, "`torch.lt`";
+        le, le_scalar, <=, Le, "`torch.le`";
+        gt, gt_scalar, >, Gt, "`torch.gt`";
+        ge, ge_scalar, >=, Ge, "`torch.ge`";
     }
 
     /// `condition ? self : other` elementwise with broadcasting (`torch.where(condition,
@@ -776,12 +890,6 @@ impl Tensor {
                  operation; wrap it in no_grad() or use an out-of-place operation"
             )));
         }
-        if self.device().is_cuda() {
-            return Err(Error::NotSupported {
-                op,
-                detail: "on CUDA tensors yet".into(),
-            });
-        }
         let l = self.layout();
         if l.shape
             .iter()
@@ -815,6 +923,26 @@ impl Tensor {
         } else {
             None
         };
+        same_device(op, self, &value)?;
+        // the source is copied out first: it may alias `self`
+        let staged = crate::backend::on_device(&value, |c, l| c.copy_as(l, self.dtype()));
+        if let Some(staged) = staged {
+            let staged = staged?;
+            let sl = Layout::contiguous(self.shape());
+            crate::backend::on_device_mut(self, |d, l| d.write(l, &staged, &sl)).unwrap_or_else(
+                || {
+                    Err(Error::DeviceMismatch {
+                        op,
+                        lhs: self.device(),
+                        rhs: value.device(),
+                    })
+                },
+            )?;
+            if let Some(edge) = history {
+                self.meta().grad_fn = edge;
+            }
+            return Ok(());
+        }
         any_dispatch!(self.dtype(), T => {
             let src: Vec<T> = value.with_slice(op, |s: &[T], l| super::gather_strided(s, l))?;
             self.with_slice_mut(op, |d: &mut [T], l: &Layout| {

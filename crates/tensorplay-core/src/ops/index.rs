@@ -3,6 +3,8 @@
 
 use super::{WrappingArith, any_dispatch, gather_strided, numeric_dispatch, same_device};
 use crate::autograd::{Context, Function, apply};
+use crate::backend::{self, DeviceStorage as _, IndexKind};
+use crate::cuda::CudaStorage;
 use crate::layout::{Layout, contiguous_strides, normalize_dim};
 use crate::storage::StorageElement;
 use crate::{DType, Error, Result, Tensor};
@@ -16,7 +18,30 @@ fn index_values(index: &Tensor, op: &'static str) -> Result<Vec<i64>> {
             expected: "int64 for the index",
         });
     }
-    index.with_slice(op, |s: &[i64], l| gather_strided(s, l))
+    // device indices are read back for the bounds check (as a synchronising copy)
+    index.to_vec::<i64>()
+}
+
+/// `x`'s view restricted to `shape` (no larger in any dim) as contiguous device storage.
+fn device_contiguous(
+    c: &CudaStorage,
+    l: &Layout,
+    shape: &[usize],
+    dt: DType,
+) -> Result<CudaStorage> {
+    c.copy_as(&sub_layout(l, shape, 0, false), dt)
+}
+
+/// `[outer, size, inner]` of `shape` around `d` (all 1 for a 0-d tensor).
+fn around(shape: &[usize], d: usize) -> (usize, usize, usize) {
+    if shape.is_empty() {
+        return (1, 1, 1);
+    }
+    (
+        shape[..d].iter().product(),
+        shape[d],
+        shape[d + 1..].iter().product(),
+    )
 }
 
 /// Errors with `IndexOutOfBounds` for the first index outside `0..size` (negative indices
@@ -53,6 +78,14 @@ fn index_select_kernel(x: &Tensor, d: usize, idx: &[i64]) -> Result<Tensor> {
     let mut shape = x.shape().to_vec();
     shape[d] = idx.len();
     let inner: usize = shape[d + 1..].iter().product();
+    if let Some(r) = backend::on_device(x, |c, l| {
+        let xc = device_contiguous(c, l, x.shape(), x.dtype())?;
+        let it = c.upload(&crate::CpuStorage::I64(idx.to_vec()))?;
+        let (outer, size, inner) = around(x.shape(), d);
+        xc.index(IndexKind::Select, &it, (outer, size, idx.len(), inner))
+    }) {
+        return Ok(backend::device_tensor(r?, &shape));
+    }
     any_dispatch!(x.dtype(), T => {
         let v = x.with_slice(op, |s: &[T], l| {
             let base = sub_layout(l, &shape, d, true);
@@ -74,6 +107,22 @@ fn gather_kernel(x: &Tensor, d: usize, index: &Tensor) -> Result<Tensor> {
     let idx = index_values(index, op)?;
     check_bounds(&idx, x.shape().get(d).copied().unwrap_or(1), d, op)?;
     let shape = index.shape().to_vec();
+    if let Some(r) = backend::on_device(x, |c, l| {
+        let mut xs = shape.clone();
+        if let Some(s) = xs.get_mut(d) {
+            *s = x.shape()[d];
+        }
+        let xc = device_contiguous(c, l, &xs, x.dtype())?;
+        let it = c.upload(&crate::CpuStorage::I64(idx.clone()))?;
+        let (outer, size, inner) = around(&xs, d);
+        xc.index(
+            IndexKind::Gather,
+            &it,
+            (outer, size, shape.get(d).copied().unwrap_or(1), inner),
+        )
+    }) {
+        return Ok(backend::device_tensor(r?, &shape));
+    }
     any_dispatch!(x.dtype(), T => {
         let v = x.with_slice(op, |s: &[T], l| {
             let base = sub_layout(l, &shape, d, true);
@@ -103,6 +152,41 @@ fn scatter_add_kernel(x: &Tensor, d: usize, index: &Tensor, src: &Tensor) -> Res
     };
     let base = sub_layout(&base, &ishape, d, true);
     let sd = cs.get(d).copied().unwrap_or(0);
+    if let Some(r) = backend::on_device2(x, src, |cx, lx, cs_, ls| {
+        let same_other_dims = ishape
+            .iter()
+            .zip(x.shape())
+            .enumerate()
+            .all(|(j, (a, b))| j == d || a == b);
+        if !same_other_dims {
+            return Err(Error::NotSupported {
+                op,
+                detail: format!(
+                    "on CUDA with an index smaller than self outside dim {d} (index {ishape:?}, self {:?})",
+                    x.shape()
+                ),
+            });
+        }
+        if src.dtype() != x.dtype() {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: x.dtype(),
+                rhs: src.dtype(),
+            });
+        }
+        let mut out = cx.copy_as(lx, x.dtype())?;
+        let srcc = device_contiguous(cs_, ls, &ishape, x.dtype())?;
+        let it = cx.upload(&crate::CpuStorage::I64(idx.clone()))?;
+        let (outer, size, inner) = around(x.shape(), d);
+        out.scatter_add(
+            &it,
+            &srcc,
+            (outer, size, ishape.get(d).copied().unwrap_or(1), inner),
+        )?;
+        Ok(out)
+    }) {
+        return Ok(backend::device_tensor(r?, x.shape()));
+    }
     numeric_dispatch!(x.dtype(), op, T => {
         let mut out: Vec<T> = x.with_slice(op, |s: &[T], l| gather_strided(s, l))?;
         let srcv: Vec<T> = src.with_slice(op, |s: &[T], l| {

@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{float_dispatch, same_device, with_two};
 use crate::autograd::{Context, Function, apply};
+use crate::backend::{self, DeviceStorage as _};
 use crate::layout::{Layout, broadcast_shapes};
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
@@ -99,6 +100,31 @@ fn one<T: StorageElement>() -> T {
     T::from_f64(1.0)
 }
 
+/// `l` (`[batch dims..., rows, cols]`) as `[nb, rows, cols]` when its batch dims fold into one
+/// stride (or are all broadcast), else `None`.
+fn batch3(l: &Layout, nb: usize) -> Option<Layout> {
+    let nd = l.shape.len();
+    let mut stride: Option<usize> = None;
+    let mut next: Option<(usize, usize)> = None; // (size, stride) of the batch dim to the right
+    for d in (0..nd - 2).rev() {
+        let (size, st) = (l.shape[d], l.strides[d]);
+        if size == 1 {
+            continue;
+        }
+        match next {
+            None => stride = Some(st),
+            Some((ns, nst)) if st == ns * nst => {}
+            Some(_) => return None,
+        }
+        next = Some((size, st));
+    }
+    Some(Layout {
+        shape: vec![nb, l.shape[nd - 2], l.shape[nd - 1]],
+        strides: vec![stride.unwrap_or(0), l.strides[nd - 2], l.strides[nd - 1]],
+        offset: l.offset,
+    })
+}
+
 fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_device("matmul", a, b)?;
     if a.dtype() != b.dtype() {
@@ -128,6 +154,35 @@ fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let lb = b.layout().broadcast_to(&sb, "matmul")?;
     let mut shape = batch.clone();
     shape.extend([m, n]);
+    if let Some(r) = backend::on_device2(a, b, |ca, _, cb, _| {
+        if !a.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "matmul",
+                dtype: a.dtype(),
+                expected: "float32 or float64",
+            });
+        }
+        let nb: usize = batch.iter().product();
+        // operands whose batch dims do not fold into one stride are copied first
+        let (a_copy, b_copy);
+        let (ca, la3) = match batch3(&la, nb) {
+            Some(l) => (ca, l),
+            None => {
+                a_copy = ca.copy_as(&la, a.dtype())?;
+                (&a_copy, Layout::contiguous(&[nb, m, k]))
+            }
+        };
+        let (cb, lb3) = match batch3(&lb, nb) {
+            Some(l) => (cb, l),
+            None => {
+                b_copy = cb.copy_as(&lb, b.dtype())?;
+                (&b_copy, Layout::contiguous(&[nb, k, n]))
+            }
+        };
+        ca.matmul(&la3, cb, &lb3, nb)
+    }) {
+        return Ok(backend::device_tensor(r?, &shape));
+    }
     float_dispatch!(a.dtype(), "matmul", T => {
         let v = with_two(a, b, "matmul", |da: &[T], _, db: &[T], _| bmm_kernel(da, &la, db, &lb, &batch, m, k, n))?;
         Ok(Tensor::from_cpu(T::into_storage(v), &shape))

@@ -6,7 +6,9 @@ use std::cell::RefCell;
 
 use super::numeric_dispatch;
 use super::reduce::{reduce_kernel, reduced_shape};
+use crate::DType;
 use crate::autograd::{Context, Function, apply};
+use crate::backend::{self, DeviceStorage as _, ReduceCode};
 use crate::layout::normalize_dim;
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
@@ -46,8 +48,8 @@ fn op_name(is_max: bool, arg: bool) -> &'static str {
 }
 
 /// The int64 indices of the max (min) over `dims` (kept dims in row-major order), as a flat
-/// vector; indices count in row-major order of the reduced dims.
-fn arg_kernel(x: &Tensor, dims: &[usize], is_max: bool, op: &'static str) -> Result<Vec<i64>> {
+/// tensor on `x`'s device; indices count in row-major order of the reduced dims.
+fn arg_kernel(x: &Tensor, dims: &[usize], is_max: bool, op: &'static str) -> Result<Tensor> {
     let x = x.detach();
     if dims.iter().any(|&d| x.shape()[d] == 0) {
         return Err(Error::invalid(
@@ -57,9 +59,41 @@ fn arg_kernel(x: &Tensor, dims: &[usize], is_max: bool, op: &'static str) -> Res
             format!("shape {:?}", x.shape()),
         ));
     }
+    let code = if is_max {
+        ReduceCode::Max
+    } else {
+        ReduceCode::Min
+    };
+    if let Some(r) = backend::on_device(&x, |c, l| {
+        check_numeric(x.dtype(), op)?;
+        let (_, idx) = c.reduce(l, dims, code, true)?;
+        idx.ok_or_else(|| Error::NotSupported {
+            op,
+            detail: "indices from the device".into(),
+        })
+    }) {
+        let idx = r?;
+        let m = reduced_shape(x.shape(), dims, false)
+            .iter()
+            .product::<usize>();
+        return Ok(backend::device_tensor(idx, &[m]));
+    }
     numeric_dispatch!(x.dtype(), op, T => {
-        reduce_kernel::<T, i64>(&x, dims, op, |it| arg_extreme(it, is_max).0)
+        let v = reduce_kernel::<T, i64>(&x, dims, op, |it| arg_extreme(it, is_max).0)?;
+        let n = v.len();
+        Tensor::from_vec(v, &[n])
     })
+}
+
+fn check_numeric(dt: DType, op: &'static str) -> Result<()> {
+    if dt == DType::Bool {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: dt,
+            expected: "float32, float64 or int64",
+        });
+    }
+    Ok(())
 }
 
 /// The value (as `f64`) and flat index of the max (min) over all elements.
@@ -75,6 +109,17 @@ fn extreme_all(x: &Tensor, is_max: bool) -> Result<Tensor> {
         ));
     }
     let dims: Vec<usize> = (0..x.ndim()).collect();
+    let code = if is_max {
+        ReduceCode::Max
+    } else {
+        ReduceCode::Min
+    };
+    if let Some(r) = backend::on_device(&x, |c, l| {
+        check_numeric(x.dtype(), op)?;
+        Ok(c.reduce(l, &dims, code, false)?.0)
+    }) {
+        return Ok(backend::device_tensor(r?, &[]));
+    }
     numeric_dispatch!(x.dtype(), op, T => {
         let out = RefCell::new(Vec::<T>::new());
         reduce_kernel::<T, i64>(&x, &dims, op, |it| {
@@ -140,13 +185,12 @@ impl Tensor {
         let op = op_name(is_max, false);
         let d = normalize_dim(dim, self.ndim(), op)?;
         if self.ndim() == 0 {
-            let idx = Tensor::from_vec(vec![0i64], &[])?;
+            let idx = Tensor::from_vec(vec![0i64], &[])?.to_device(self.device())?;
             arg_kernel(self, &[], is_max, op)?; // dtype check
             return Ok((self.clone(), idx));
         }
-        let idx = arg_kernel(self, &[d], is_max, op)?;
         let kept = reduced_shape(self.shape(), &[d], true);
-        let idx = Tensor::from_vec(idx, &kept)?;
+        let idx = arg_kernel(self, &[d], is_max, op)?.reshape(&kept[..])?;
         // the values are a gather of the input: differentiable, and its backward scatters
         // the gradient to the selected index
         let values = self.gather(d as isize, &idx)?;
@@ -188,17 +232,16 @@ impl Tensor {
         match dim {
             None => {
                 let flat = self.detach().reshape(&[self.numel()])?;
-                let v = arg_kernel(&flat, &[0], is_max, op)?;
-                Tensor::from_vec(v, &[])
+                arg_kernel(&flat, &[0], is_max, op)?.reshape(&[] as &[usize])
             }
             Some(dim) => {
                 let d = normalize_dim(dim, self.ndim(), op)?;
                 if self.ndim() == 0 {
                     arg_kernel(self, &[], is_max, op)?;
-                    return Tensor::from_vec(vec![0i64], &[]);
+                    return Tensor::from_vec(vec![0i64], &[])?.to_device(self.device());
                 }
-                let v = arg_kernel(self, &[d], is_max, op)?;
-                Tensor::from_vec(v, &reduced_shape(self.shape(), &[d], keepdim))
+                arg_kernel(self, &[d], is_max, op)?
+                    .reshape(&reduced_shape(self.shape(), &[d], keepdim)[..])
             }
         }
     }

@@ -13,6 +13,8 @@ pub(crate) mod reduce;
 pub(crate) mod shape;
 pub(crate) mod view;
 
+use crate::backend;
+use crate::cuda::CudaStorage;
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
@@ -156,6 +158,31 @@ pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(
     a.with_slice(op, |sa: &[A], la| {
         b.with_slice(op, |sb: &[B], lb| f(sa, la, sb, lb))
     })?
+}
+
+/// The device path of an elementwise operation of one tensor: `f` on its device storage,
+/// giving a new tensor of the same shape; `None` for host tensors.
+pub(crate) fn device_map(
+    x: &Tensor,
+    f: impl FnOnce(&CudaStorage, &crate::Layout) -> Result<CudaStorage>,
+) -> Option<Result<Tensor>> {
+    backend::on_device(x, |c, l| Ok(backend::device_tensor(f(c, l)?, x.shape())))
+}
+
+/// The device path of an elementwise operation of two tensors with broadcasting: `f` on their
+/// device storages and layouts broadcast to the output's shape; `None` unless both are on a
+/// device.
+pub(crate) fn device_map2(
+    a: &Tensor,
+    b: &Tensor,
+    op: &'static str,
+    f: impl FnOnce(&CudaStorage, &crate::Layout, &CudaStorage, &crate::Layout) -> Result<CudaStorage>,
+) -> Option<Result<Tensor>> {
+    backend::on_device2(a, b, |ca, la, cb, lb| {
+        let shape = crate::layout::broadcast_shapes(a.shape(), b.shape(), op)?;
+        let (la, lb) = (la.broadcast_to(&shape, op)?, lb.broadcast_to(&shape, op)?);
+        Ok(backend::device_tensor(f(ca, &la, cb, &lb)?, &shape))
+    })
 }
 
 /// Checks that two tensors share a device.

@@ -3,6 +3,7 @@
 
 use super::numeric_dispatch;
 use crate::autograd::{Context, Function, apply};
+use crate::backend::{self, DeviceStorage as _, ReduceCode};
 use crate::layout::{Layout, normalize_dim};
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
@@ -116,6 +117,9 @@ fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
     } else {
         x.clone()
     };
+    if let Some(r) = backend::on_device(&x, |c, l| c.reduce(l, dims, ReduceCode::Sum, false)) {
+        return Ok(backend::device_tensor(r?.0, &shape));
+    }
     numeric_dispatch!(x.dtype(), "sum", T => {
         let v = reduce_kernel::<T, T>(&x, dims, "sum", |it| sum_values(it))?;
         Ok(Tensor::from_cpu(T::into_storage(v), &shape))

@@ -3,6 +3,7 @@
 
 use super::any_dispatch;
 use crate::autograd::{Context, Function, apply};
+use crate::backend::DeviceStorage as _;
 use crate::layout::{Layout, checked_numel, contiguous_strides, normalize_dim};
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
@@ -214,6 +215,9 @@ impl Function for Contiguous {
     }
     fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let x = inputs[0];
+        if let Some(r) = super::device_map(x, |c, l| c.copy_as(l, x.dtype())) {
+            return Ok(vec![r?]);
+        }
         any_dispatch!(x.dtype(), T => {
             let v: Vec<T> = x.with_slice("contiguous", |s: &[T], l| super::gather_strided(s, l))?;
             Ok(vec![Tensor::from_cpu(T::into_storage(v), x.shape())])
@@ -235,23 +239,11 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        if self.device().is_cuda() {
-            return Err(Error::NotSupported {
-                op: "contiguous",
-                detail: "on CUDA tensors yet".into(),
-            });
-        }
         Ok(apply(Contiguous, &[self])?.remove(0))
     }
 
     /// A copy with its own storage (`clone()` in PyTorch; `Clone` on `Tensor` shares).
     pub fn deep_clone(&self) -> Result<Tensor> {
-        if self.device().is_cuda() {
-            return Err(Error::NotSupported {
-                op: "deep_clone",
-                detail: "on CUDA tensors yet".into(),
-            });
-        }
         Ok(apply(Contiguous, &[self])?.remove(0))
     }
 

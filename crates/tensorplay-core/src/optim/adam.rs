@@ -3,8 +3,10 @@
 use super::group::{ParamGroup, check_groups, ranges, set_all_lr};
 use super::state::{GroupState, OptimizerState, buf_tensor, check_layout, check_names, saved_buf};
 use super::{
-    Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, state, update_param,
+    Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, device_state,
+    device_step, state, update_param,
 };
+use crate::backend::{AdamStep, DeviceStorage as _};
 use crate::ops::float_dispatch;
 use crate::{Error, Result, Tensor};
 use std::collections::BTreeMap;
@@ -224,6 +226,33 @@ impl AdamCore {
         let use_wd = h.weight_decay != 0.0;
         let decay = T::c(1.0 - h.lr * h.weight_decay);
         let decoupled = self.decoupled;
+        if p.device().is_cuda() {
+            let (m, _) = device_state(&mut st.exp_avg, p)?;
+            let (v, _) = device_state(&mut st.exp_avg_sq, p)?;
+            let vmax = if h.amsgrad {
+                Some(device_state(&mut st.max_exp_avg_sq, p)?.0)
+            } else {
+                None
+            };
+            let hs = AdamStep {
+                beta1: b1,
+                beta2: b2,
+                eps: h.eps,
+                weight_decay: h.weight_decay,
+                decoupled,
+                decay: 1.0 - h.lr * h.weight_decay,
+                step_size: h.lr / bias_c1,
+                bias_c2_sqrt: bias_c2.sqrt(),
+            };
+            let mut states = vec![&m, &v];
+            states.extend(vmax.as_ref());
+            return device_step(op, p, g, &states, |cp, n, cg, st| match st {
+                [m, v] => cp.adam_step(n, cg, m, v, None, &hs),
+                [m, v, vmax] => cp.adam_step(n, cg, m, v, Some(&mut **vmax), &hs),
+                _ => Ok(()),
+            })
+            .unwrap_or(Ok(()));
+        }
         let m = std::mem::take(&mut st.exp_avg);
         let v = std::mem::take(&mut st.exp_avg_sq);
         let vmax = std::mem::take(&mut st.max_exp_avg_sq);
@@ -367,6 +396,7 @@ impl AdamCore {
                     let negative = match &b {
                         Buf::F32(v) => v.iter().any(|x| x.is_nan() || *x < 0.0),
                         Buf::F64(v) => v.iter().any(|x| x.is_nan() || *x < 0.0),
+                        Buf::Device(_) => false,
                     };
                     if negative {
                         return Err(Error::invalid(

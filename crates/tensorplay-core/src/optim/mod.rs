@@ -25,6 +25,8 @@ pub use group::ParamGroup;
 pub use sgd::{SGD, SgdOptions};
 pub use state::{GroupState, OptimizerState};
 
+use crate::backend;
+use crate::cuda::CudaStorage;
 use crate::storage::StorageElement;
 use crate::{Error, FloatElement, Result, Tensor};
 
@@ -128,15 +130,6 @@ pub(crate) fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
                 format!("parameter {i} of dtype {}", p.dtype()),
             ));
         }
-        if p.device().is_cuda() {
-            return Err(Error::NotSupported {
-                op,
-                detail: format!(
-                    "for parameters on CUDA yet (parameter {i} is on {})",
-                    p.device()
-                ),
-            });
-        }
     }
     Ok(())
 }
@@ -157,11 +150,13 @@ pub(crate) fn check_grads(
     }
     for (i, (p, g)) in params.iter().zip(grads).enumerate() {
         let Some(g) = g else { continue };
-        if p.device().is_cuda() || g.device().is_cuda() {
-            return Err(Error::NotSupported {
+        if p.device() != g.device() {
+            return Err(Error::invalid(
                 op,
-                detail: format!("for parameters on CUDA yet (parameter {i})"),
-            });
+                "grads",
+                format!("gradient {i} on {} (parameter {i}'s device)", p.device()),
+                format!("a gradient on {}", g.device()),
+            ));
         }
         if g.shape() != p.shape() || g.dtype() != p.dtype() {
             return Err(Error::invalid(
@@ -179,11 +174,100 @@ pub(crate) fn check_grads(
     Ok(())
 }
 
-/// Per-parameter optimizer state of the parameter's element type.
+/// Per-parameter optimizer state of the parameter's element type: host vectors, or for a
+/// parameter on a device a contiguous tensor there.
 #[derive(Debug, Clone)]
 pub(crate) enum Buf {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    Device(Tensor),
+}
+
+/// The state `slot` of device parameter `p` as a contiguous tensor beside it: kept when it
+/// is one already, uploaded from a loaded host state, else zeros. Returns it and whether it
+/// was made as zeros.
+pub(crate) fn device_state(slot: &mut Option<Buf>, p: &Tensor) -> Result<(Tensor, bool)> {
+    if let Some(Buf::Device(t)) = slot
+        && t.shape() == p.shape()
+        && t.dtype() == p.dtype()
+        && t.device() == p.device()
+    {
+        return Ok((t.clone(), false));
+    }
+    let (t, fresh) = match slot {
+        Some(b @ (Buf::F32(_) | Buf::F64(_))) => match state::buf_tensor(b, p) {
+            Ok(t) => (t.to_dtype(p.dtype())?.to_device(p.device())?, false),
+            Err(_) => (Tensor::zeros(p.shape(), (p.dtype(), p.device()))?, true),
+        },
+        _ => (Tensor::zeros(p.shape(), (p.dtype(), p.device()))?, true),
+    };
+    *slot = Some(Buf::Device(t.clone()));
+    Ok((t, fresh))
+}
+
+/// The device path of an optimizer step for parameter `p` with gradient `g`: `f` gets the
+/// parameter's device storage (write-locked), its element count, the gradient's storage and
+/// the state tensors' storages (write-locked, in order). `None` for host parameters.
+///
+/// # Errors
+/// `NotSupported` for a parameter that is not contiguous from the start of its storage.
+pub(crate) fn device_step(
+    op: &'static str,
+    p: &Tensor,
+    g: &Tensor,
+    states: &[&Tensor],
+    f: impl FnOnce(&mut CudaStorage, usize, &CudaStorage, &mut [&mut CudaStorage]) -> Result<()>,
+) -> Option<Result<()>> {
+    if !p.device().is_cuda() {
+        return None;
+    }
+    Some((|| {
+        if !p.is_contiguous() || p.layout().offset() != 0 {
+            return Err(Error::NotSupported {
+                op,
+                detail: "for a CUDA parameter that is a strided or offset view (make it a \
+                         tensor of its own)"
+                    .into(),
+            });
+        }
+        if p.numel() == 0 {
+            return Ok(());
+        }
+        // a gradient that aliases the parameter, or is strided, is copied first
+        let g = if g.shares_storage_with(p) || !g.is_contiguous() || g.layout().offset() != 0 {
+            g.detach().deep_clone()?
+        } else {
+            g.clone()
+        };
+        let n = p.numel();
+        let lost = || Error::NotSupported {
+            op,
+            detail: "state on another device than its parameter".into(),
+        };
+        backend::on_device_mut(p, |cp, _| {
+            backend::on_device(&g, |cg, _| match states {
+                [] => f(cp, n, cg, &mut []),
+                [a] => backend::on_device_mut(a, |ca, _| f(cp, n, cg, &mut [ca]))
+                    .unwrap_or_else(|| Err(lost())),
+                [a, b] => backend::on_device_mut(a, |ca, _| {
+                    backend::on_device_mut(b, |cb, _| f(cp, n, cg, &mut [ca, cb]))
+                        .unwrap_or_else(|| Err(lost()))
+                })
+                .unwrap_or_else(|| Err(lost())),
+                [a, b, c] => backend::on_device_mut(a, |ca, _| {
+                    backend::on_device_mut(b, |cb, _| {
+                        backend::on_device_mut(c, |cc, _| f(cp, n, cg, &mut [ca, cb, cc]))
+                            .unwrap_or_else(|| Err(lost()))
+                    })
+                    .unwrap_or_else(|| Err(lost()))
+                })
+                .unwrap_or_else(|| Err(lost())),
+                _ => Err(lost()),
+            })
+            .unwrap_or_else(|| Err(lost()))
+        })
+        .unwrap_or_else(|| Err(lost()))
+    })())
 }
 
 /// A float element the optimizers update.
@@ -199,7 +283,7 @@ impl OptElem for f32 {
     fn buf(b: &mut Buf) -> Option<&mut Vec<f32>> {
         match b {
             Buf::F32(v) => Some(v),
-            Buf::F64(_) => None,
+            Buf::F64(_) | Buf::Device(_) => None,
         }
     }
     fn wrap(v: Vec<f32>) -> Buf {
@@ -210,7 +294,7 @@ impl OptElem for f64 {
     fn buf(b: &mut Buf) -> Option<&mut Vec<f64>> {
         match b {
             Buf::F64(v) => Some(v),
-            Buf::F32(_) => None,
+            Buf::F32(_) | Buf::Device(_) => None,
         }
     }
     fn wrap(v: Vec<f64>) -> Buf {

@@ -3,8 +3,10 @@
 use super::group::{ParamGroup, check_groups, in_group, ranges, set_all_lr};
 use super::state::{GroupState, OptimizerState, buf_tensor, check_layout, check_names, saved_buf};
 use super::{
-    Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, state, update_param,
+    Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, device_state,
+    device_step, state, update_param,
 };
+use crate::backend::{DeviceStorage as _, SgdStep};
 use crate::ops::float_dispatch;
 use crate::{Error, Result, Tensor};
 use std::collections::BTreeMap;
@@ -159,6 +161,28 @@ fn sgd_update<T: OptElem>(
         T::c(o.dampening),
     );
     let use_wd = o.weight_decay != 0.0;
+    if p.device().is_cuda() {
+        let (buf, first) = if o.momentum == 0.0 {
+            (None, false)
+        } else {
+            let (t, fresh) = device_state(buf_slot, p)?;
+            (Some(t), fresh)
+        };
+        let h = SgdStep {
+            lr: o.lr,
+            momentum: o.momentum,
+            dampening: o.dampening,
+            weight_decay: o.weight_decay,
+            nesterov: o.nesterov,
+            first,
+        };
+        let states: Vec<&Tensor> = buf.iter().collect();
+        return device_step("SGD.step", p, g, &states, |cp, n, cg, st| match st {
+            [b] => cp.sgd_step(n, cg, Some(&mut **b), &h),
+            _ => cp.sgd_step(n, cg, None, &h),
+        })
+        .unwrap_or(Ok(()));
+    }
     if o.momentum == 0.0 {
         return update_param::<T>("SGD.step", p, g, |ps, gs| {
             for (x, &gr) in ps.iter_mut().zip(gs) {

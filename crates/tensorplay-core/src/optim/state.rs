@@ -242,6 +242,7 @@ pub(crate) fn buf_tensor(buf: &Buf, param: &Tensor) -> Result<Tensor> {
     match buf {
         Buf::F32(v) => Tensor::from_vec(v.clone(), param.shape()),
         Buf::F64(v) => Tensor::from_vec(v.clone(), param.shape()),
+        Buf::Device(t) => t.detach().deep_clone(),
     }
 }
 

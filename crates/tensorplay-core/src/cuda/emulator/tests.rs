@@ -4,7 +4,8 @@
 //! 2e-6 (the C library's and Rust's transcendental functions may differ by an ulp).
 
 use super::run;
-use crate::cuda::plan::{self, BinaryCode, CmpCode, ReduceCode, ReduceShape, UnaryCode};
+use crate::backend::{BinaryCode, CmpCode, ReduceCode, UnaryCode};
+use crate::cuda::plan::{self, ReduceShape};
 use crate::random::Generator;
 use crate::storage::{CpuStorage, Storage, StorageElement};
 use crate::{DType, Layout, Tensor};
@@ -12,7 +13,9 @@ use crate::{DType, Layout, Tensor};
 /// The host address of `t`'s storage and its layout.
 fn host(t: &Tensor) -> (u64, Layout) {
     t.with_storage(|s, l| {
-        let Storage::Cpu(c) = s else { panic!("host tensors only") };
+        let Storage::Cpu(c) = s else {
+            panic!("host tensors only")
+        };
         let p = match c {
             CpuStorage::F32(v) => v.as_ptr() as u64,
             CpuStorage::F64(v) => v.as_ptr() as u64,
@@ -53,7 +56,9 @@ fn view(g: &mut Generator, shape: &[usize], dt: DType, kind: usize) -> Tensor {
     let make = |g: &mut Generator, s: &[usize]| {
         let n: usize = s.iter().product();
         let v: Vec<f64> = (0..n).map(|_| g.normal() * 2.0).collect();
-        Tensor::from_vec(v, s).and_then(|t| t.to_dtype(dt)).expect("tensor")
+        Tensor::from_vec(v, s)
+            .and_then(|t| t.to_dtype(dt))
+            .expect("tensor")
     };
     let nd = shape.len();
     match kind % 4 {
@@ -130,10 +135,30 @@ fn unary_kernels_match_the_cpu() {
         (UnaryCode::Tanh, 0.0, |t| t.tanh(), "tanh"),
         (UnaryCode::Gelu, 0.0, |t| t.gelu(), "gelu"),
         (UnaryCode::Erf, 0.0, |t| t.erf(), "erf"),
-        (UnaryCode::AddScalar, 2.0, |t| t.add_scalar(2.0), "add_scalar"),
-        (UnaryCode::MulScalar, -3.0, |t| t.mul_scalar(-3.0), "mul_scalar"),
-        (UnaryCode::DivScalar, 7.0, |t| t.div_scalar(7.0), "div_scalar"),
-        (UnaryCode::PowScalar, 3.0, |t| t.pow_scalar(3.0), "pow_scalar"),
+        (
+            UnaryCode::AddScalar,
+            2.0,
+            |t| t.add_scalar(2.0),
+            "add_scalar",
+        ),
+        (
+            UnaryCode::MulScalar,
+            -3.0,
+            |t| t.mul_scalar(-3.0),
+            "mul_scalar",
+        ),
+        (
+            UnaryCode::DivScalar,
+            7.0,
+            |t| t.div_scalar(7.0),
+            "div_scalar",
+        ),
+        (
+            UnaryCode::PowScalar,
+            3.0,
+            |t| t.pow_scalar(3.0),
+            "pow_scalar",
+        ),
         (UnaryCode::Sign, 0.0, |t| t.sign(), "sign"),
     ];
     for (si, shape) in shapes(&mut g, 12).iter().enumerate() {
@@ -142,8 +167,12 @@ fn unary_kernels_match_the_cpu() {
             for (code, scalar, cpu, name) in &cases {
                 let int_ok = matches!(
                     code,
-                    UnaryCode::Neg | UnaryCode::Abs | UnaryCode::Relu | UnaryCode::Sign
-                        | UnaryCode::AddScalar | UnaryCode::MulScalar
+                    UnaryCode::Neg
+                        | UnaryCode::Abs
+                        | UnaryCode::Relu
+                        | UnaryCode::Sign
+                        | UnaryCode::AddScalar
+                        | UnaryCode::MulScalar
                 );
                 if dt == DType::I64 && !int_ok {
                     continue;
@@ -153,7 +182,12 @@ fn unary_kernels_match_the_cpu() {
                 let (o, _) = host(&out);
                 let (xp, lx) = host(&x);
                 run(&plan::unary(dt, o, xp, &lx, *code, *scalar, name).expect("plan"));
-                close(&format!("{name} {dt:?} {shape:?} view {si}"), &out, &want, tol(dt));
+                close(
+                    &format!("{name} {dt:?} {shape:?} view {si}"),
+                    &out,
+                    &want,
+                    tol(dt),
+                );
             }
         }
     }
@@ -194,25 +228,40 @@ fn binary_compare_and_where_kernels_match_the_cpu_with_broadcasting() {
                 if dt == DType::I64 && matches!(code, BinaryCode::Div | BinaryCode::Pow) {
                     continue;
                 }
-                let a2 = if *code == BinaryCode::Pow { a.abs().expect("abs") } else { a.clone() };
+                let a2 = if *code == BinaryCode::Pow {
+                    a.abs().expect("abs")
+                } else {
+                    a.clone()
+                };
                 let (ap2, la2) = host(&a2);
                 let want = cpu(&a, &b).expect("cpu");
                 let out = output(dt, shape);
                 let (o, _) = host(&out);
                 run(&plan::binary(dt, o, (ap2, &la2), (bp, &lb), *code, name).expect("plan"));
-                close(&format!("{name} {dt:?} {shape:?} view {si}"), &out, &want, tol(dt));
+                close(
+                    &format!("{name} {dt:?} {shape:?} view {si}"),
+                    &out,
+                    &want,
+                    tol(dt),
+                );
             }
             for (code, cpu, name) in &cmps {
                 let want = cpu(&a, &b).expect("cpu");
                 let out = output(DType::Bool, shape);
                 let (o, _) = host(&out);
-                run(&plan::compare(dt, o, (ap, &la), Some((bp, &lb)), *code, 0.0, name).expect("plan"));
+                run(
+                    &plan::compare(dt, o, (ap, &la), Some((bp, &lb)), *code, 0.0, name)
+                        .expect("plan"),
+                );
                 close(&format!("{name} {dt:?} {shape:?}"), &out, &want, 0.0);
             }
             let want = a.gt_scalar(0.25).expect("cpu");
             let out = output(DType::Bool, shape);
             let (o, _) = host(&out);
-            run(&plan::compare(dt, o, (ap, &la), None, CmpCode::Gt, 0.25, "gt_scalar").expect("plan"));
+            run(
+                &plan::compare(dt, o, (ap, &la), None, CmpCode::Gt, 0.25, "gt_scalar")
+                    .expect("plan"),
+            );
             close(&format!("gt_scalar {dt:?} {shape:?}"), &out, &want, 0.0);
             // where(a > 0, a, b)
             let cond = a.gt_scalar(0.0).expect("cond");
@@ -239,7 +288,12 @@ fn copies_cast_every_dtype_pair_and_write_strided_views() {
                 let out = output(to, shape);
                 let (o, lo) = host(&out);
                 run(&plan::copy((from, xp, &lx), (to, o, &lo), "to_dtype").expect("plan"));
-                close(&format!("{from:?} -> {to:?} {shape:?} view {si}"), &out, &want, 0.0);
+                close(
+                    &format!("{from:?} -> {to:?} {shape:?} view {si}"),
+                    &out,
+                    &want,
+                    0.0,
+                );
             }
         }
         // into a transposed destination view
@@ -253,12 +307,22 @@ fn copies_cast_every_dtype_pair_and_write_strided_views() {
             let (o, lo) = host(&dst);
             let (xp, lx) = host(&x);
             run(&plan::copy((DType::F64, xp, &lx), (DType::F64, o, &lo), "copy_").expect("plan"));
-            close(&format!("strided write {shape:?}"), &dst.contiguous().expect("c"), &x, 0.0);
+            close(
+                &format!("strided write {shape:?}"),
+                &dst.contiguous().expect("c"),
+                &x,
+                0.0,
+            );
         }
     }
 }
 
-fn reduce_case(x: &Tensor, dims: &[usize], code: ReduceCode, split: Option<(usize, usize)>) -> (Tensor, Tensor) {
+fn reduce_case(
+    x: &Tensor,
+    dims: &[usize],
+    code: ReduceCode,
+    split: Option<(usize, usize)>,
+) -> (Tensor, Tensor) {
     let dt = x.dtype();
     let (xp, lx) = host(x);
     let shape = ReduceShape::new(&lx, dims);
@@ -268,9 +332,28 @@ fn reduce_case(x: &Tensor, dims: &[usize], code: ReduceCode, split: Option<(usiz
     let idx = output(DType::I64, &[m]);
     let scratch = output(dt, &[m * parts]);
     let scratch_idx = output(DType::I64, &[m * parts]);
-    let idx_p = if code == ReduceCode::Sum { 0 } else { host(&idx).0 };
-    let sidx_p = if code == ReduceCode::Sum { 0 } else { host(&scratch_idx).0 };
-    for l in plan::reduce(dt, xp, &shape, code, (host(&out).0, idx_p), (host(&scratch).0, sidx_p), (parts, chunk), "reduce").expect("plan") {
+    let idx_p = if code == ReduceCode::Sum {
+        0
+    } else {
+        host(&idx).0
+    };
+    let sidx_p = if code == ReduceCode::Sum {
+        0
+    } else {
+        host(&scratch_idx).0
+    };
+    for l in plan::reduce(
+        dt,
+        xp,
+        &shape,
+        code,
+        (host(&out).0, idx_p),
+        (host(&scratch).0, sidx_p),
+        (parts, chunk),
+        "reduce",
+    )
+    .expect("plan")
+    {
         run(&l);
     }
     (out, idx)
@@ -284,22 +367,52 @@ fn reductions_match_the_cpu_in_one_and_two_launches() {
             let x = view(&mut g, shape, dt, si);
             let nd = shape.len();
             let d = si % nd;
-            let kept: Vec<usize> = shape.iter().enumerate().filter(|(i, _)| *i != d).map(|(_, &s)| s).collect();
+            let kept: Vec<usize> = shape
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != d)
+                .map(|(_, &s)| s)
+                .collect();
             for split in [None, Some((2, shape[d].div_ceil(2)))] {
                 let case = format!("{dt:?} {shape:?} dim {d} split {split:?}");
                 let (s, _) = reduce_case(&x, &[d], ReduceCode::Sum, split);
                 let want = x.sum_dims(&[d as isize], false).expect("sum");
-                close(&format!("sum {case}"), &s.reshape(&kept[..]).expect("r"), &want, tol(dt) * 8.0);
+                close(
+                    &format!("sum {case}"),
+                    &s.reshape(&kept[..]).expect("r"),
+                    &want,
+                    tol(dt) * 8.0,
+                );
                 for (code, is_max) in [(ReduceCode::Max, true), (ReduceCode::Min, false)] {
                     let (v, i) = reduce_case(&x, &[d], code, split);
-                    let (wv, wi) = if is_max { x.max_dim(d as isize, false) } else { x.min_dim(d as isize, false) }.expect("cpu");
-                    close(&format!("{code:?} {case}"), &v.reshape(&kept[..]).expect("r"), &wv, 0.0);
-                    close(&format!("arg{code:?} {case}"), &i.reshape(&kept[..]).expect("r"), &wi, 0.0);
+                    let (wv, wi) = if is_max {
+                        x.max_dim(d as isize, false)
+                    } else {
+                        x.min_dim(d as isize, false)
+                    }
+                    .expect("cpu");
+                    close(
+                        &format!("{code:?} {case}"),
+                        &v.reshape(&kept[..]).expect("r"),
+                        &wv,
+                        0.0,
+                    );
+                    close(
+                        &format!("arg{code:?} {case}"),
+                        &i.reshape(&kept[..]).expect("r"),
+                        &wi,
+                        0.0,
+                    );
                 }
             }
             let all: Vec<usize> = (0..nd).collect();
             let (s, _) = reduce_case(&x, &all, ReduceCode::Sum, None);
-            close(&format!("sum all {dt:?} {shape:?}"), &s.reshape(&[] as &[usize]).expect("r"), &x.sum().expect("sum"), tol(dt) * 8.0);
+            close(
+                &format!("sum all {dt:?} {shape:?}"),
+                &s.reshape(&[] as &[usize]).expect("r"),
+                &x.sum().expect("sum"),
+                tol(dt) * 8.0,
+            );
         }
     }
     // a long reduction takes the two-launch path by itself
@@ -310,7 +423,12 @@ fn reductions_match_the_cpu_in_one_and_two_launches() {
     close("long max", &v, &wv, 0.0);
     close("long argmax", &i, &wi, 0.0);
     let (s, _) = reduce_case(&x, &[1], ReduceCode::Sum, None);
-    close("long sum", &s, &x.sum_dims(&[1], false).expect("sum"), 1e-12);
+    close(
+        "long sum",
+        &s,
+        &x.sum_dims(&[1], false).expect("sum"),
+        1e-12,
+    );
     // NaN wins, the first extreme wins ties
     let x = Tensor::from_vec(vec![1.0f64, 3.0, 3.0, f64::NAN, 2.0, f64::NAN], &[1, 6]).expect("t");
     let (v, i) = reduce_case(&x, &[1], ReduceCode::Max, Some((3, 2)));
@@ -325,12 +443,20 @@ fn index_kernels_match_the_cpu() {
         let x = view(&mut g, &[4, 6, 3], dt, 0);
         for d in 0..3 {
             let size = x.shape()[d];
-            let (outer, inner): (usize, usize) = (x.shape()[..d].iter().product(), x.shape()[d + 1..].iter().product());
+            let (outer, inner): (usize, usize) = (
+                x.shape()[..d].iter().product(),
+                x.shape()[d + 1..].iter().product(),
+            );
             let idx: Vec<i64> = (0..5).map(|_| g.int_range(0, size as i64)).collect();
             let it = Tensor::from_vec(idx.clone(), &[5]).expect("idx");
             let want = x.index_select(d as isize, &it).expect("cpu");
             let out = output(dt, want.shape());
-            run(&plan::index("index_select", dt, (host(&out).0, host(&x).0, host(&it).0), (outer, size, 5, inner)));
+            run(&plan::index(
+                "index_select",
+                dt,
+                (host(&out).0, host(&x).0, host(&it).0),
+                (outer, size, 5, inner),
+            ));
             close(&format!("index_select {dt:?} dim {d}"), &out, &want, 0.0);
             // gather/scatter_add with an index of x's shape but 2 along d
             let mut ishape = x.shape().to_vec();
@@ -340,12 +466,22 @@ fn index_kernels_match_the_cpu() {
             let gt = Tensor::from_vec(gi, &ishape).expect("gather index");
             let want = x.gather(d as isize, &gt).expect("cpu");
             let out = output(dt, &ishape);
-            run(&plan::index("gather", dt, (host(&out).0, host(&x).0, host(&gt).0), (outer, size, 2, inner)));
+            run(&plan::index(
+                "gather",
+                dt,
+                (host(&out).0, host(&x).0, host(&gt).0),
+                (outer, size, 2, inner),
+            ));
             close(&format!("gather {dt:?} dim {d}"), &out, &want, 0.0);
             let src = view(&mut g, &ishape, dt, 0);
             let want = x.scatter_add(d as isize, &gt, &src).expect("cpu");
             let out = x.contiguous().expect("c").deep_clone().expect("clone");
-            run(&plan::index("scatter_add", dt, (host(&out).0, host(&src).0, host(&gt).0), (outer, size, 2, inner)));
+            run(&plan::index(
+                "scatter_add",
+                dt,
+                (host(&out).0, host(&src).0, host(&gt).0),
+                (outer, size, 2, inner),
+            ));
             close(&format!("scatter_add {dt:?} dim {d}"), &out, &want, tol(dt));
         }
     }
@@ -361,9 +497,24 @@ fn cross_entropy_matches_the_cpu() {
         let want = crate::nn::functional::cross_entropy(&x, &target).expect("cpu");
         let loss = output(dt, &[7]);
         let probs = output(dt, &[7, 5]);
-        run(&plan::cross_entropy(dt, (host(&loss).0, host(&probs).0, host(&x).0, host(&target).0), 7, 5));
-        close(&format!("cross_entropy {dt:?}"), &loss.mean().expect("mean"), &want, tol(dt) * 4.0);
-        close(&format!("softmax {dt:?}"), &probs, &x.softmax(1).expect("softmax"), tol(dt) * 4.0);
+        run(&plan::cross_entropy(
+            dt,
+            (host(&loss).0, host(&probs).0, host(&x).0, host(&target).0),
+            7,
+            5,
+        ));
+        close(
+            &format!("cross_entropy {dt:?}"),
+            &loss.mean().expect("mean"),
+            &want,
+            tol(dt) * 4.0,
+        );
+        close(
+            &format!("softmax {dt:?}"),
+            &probs,
+            &x.softmax(1).expect("softmax"),
+            tol(dt) * 4.0,
+        );
     }
 }
 
@@ -393,8 +544,16 @@ fn host_gemm<T: StorageElement + num_traits::Float>(g: &plan::Gemm, a: &[T], b: 
             for i in 0..g.m as usize {
                 let mut acc = T::zero();
                 for p in 0..g.k as usize {
-                    let av = if g.transa { a[g.a_offset + bi * g.stride_a as usize + i * g.lda as usize + p] } else { a[g.a_offset + bi * g.stride_a as usize + p * g.lda as usize + i] };
-                    let bv = if g.transb { b[g.b_offset + bi * g.stride_b as usize + p * g.ldb as usize + j] } else { b[g.b_offset + bi * g.stride_b as usize + j * g.ldb as usize + p] };
+                    let av = if g.transa {
+                        a[g.a_offset + bi * g.stride_a as usize + i * g.lda as usize + p]
+                    } else {
+                        a[g.a_offset + bi * g.stride_a as usize + p * g.lda as usize + i]
+                    };
+                    let bv = if g.transb {
+                        b[g.b_offset + bi * g.stride_b as usize + p * g.ldb as usize + j]
+                    } else {
+                        b[g.b_offset + bi * g.stride_b as usize + j * g.ldb as usize + p]
+                    };
                     acc = acc + av * bv;
                 }
                 c[bi * g.stride_c as usize + j * g.ldc as usize + i] = acc;
@@ -407,17 +566,27 @@ fn host_gemm<T: StorageElement + num_traits::Float>(g: &plan::Gemm, a: &[T], b: 
 fn gemm_plans_read_transposed_broadcast_and_offset_operands() {
     let mut g = Generator::new(27);
     for case in 0..16 {
-        let (batch, m, k, n) = (1 + case % 3, 1 + g.int_range(0, 6) as usize, 1 + g.int_range(0, 6) as usize, 1 + g.int_range(0, 6) as usize);
+        let (batch, m, k, n) = (
+            1 + case % 3,
+            1 + g.int_range(0, 6) as usize,
+            1 + g.int_range(0, 6) as usize,
+            1 + g.int_range(0, 6) as usize,
+        );
         let a = view(&mut g, &[batch, m, k], DType::F64, case);
         let b = if case % 4 == 3 {
-            view(&mut g, &[1, k, n], DType::F64, case / 4).expand(&[batch, k, n]).expect("expand")
+            view(&mut g, &[1, k, n], DType::F64, case / 4)
+                .expand(&[batch, k, n])
+                .expect("expand")
         } else {
             view(&mut g, &[batch, k, n], DType::F64, case / 4)
         };
         let want = a.matmul(&b).expect("cpu");
         let Some(plan) = plan::gemm(a.layout(), b.layout(), batch) else {
             // only views with neither rows nor columns contiguous need a copy
-            assert!(!a.layout().is_contiguous() || !b.layout().is_contiguous(), "case {case}: a contiguous pair was refused");
+            assert!(
+                !a.layout().is_contiguous() || !b.layout().is_contiguous(),
+                "case {case}: a contiguous pair was refused"
+            );
             continue;
         };
         let mut c = vec![0.0f64; batch * m * n];
@@ -425,6 +594,11 @@ fn gemm_plans_read_transposed_broadcast_and_offset_operands() {
         let bv = b.with_cpu_data(|s: &[f64], _| s.to_vec()).expect("b");
         host_gemm(&plan, &bv, &av, &mut c);
         let got = Tensor::from_vec(c, &[batch, m, n]).expect("c");
-        close(&format!("gemm case {case} {:?} {:?}", a.layout(), b.layout()), &got, &want, 1e-12);
+        close(
+            &format!("gemm case {case} {:?} {:?}", a.layout(), b.layout()),
+            &got,
+            &want,
+            1e-12,
+        );
     }
 }

@@ -428,8 +428,9 @@ TP_SCATTER_ADD(tp_scatter_add_f64, double)
 TP_SCATTER_ADD(tp_scatter_add_i64, i64)
 
 // ---------------------------------------------------------------------------------------------
-// cross-entropy over contiguous logits [rows, classes]: per row, the log-sum-exp and the loss
-// -(x[t] - max - log(sum exp(x - max))); probs = softmax(x) for the backward
+// cross-entropy over contiguous logits [rows, classes], per row as the CPU computes it: the
+// shift is the row's max ignoring NaN (0 when not finite), probs = exp(x - shift) * (1 / sum),
+// loss = (shift + log(sum)) - x[target]
 
 struct CrossEntropyParams {
     u64 loss;   // [rows]
@@ -447,13 +448,19 @@ template <typename T> __device__ inline void tp_cross_entropy(const CrossEntropy
     T* probs = (T*)p.probs;
     TP_LOOP(r, p.rows) {
         const T* row = x + r * p.classes;
-        T mx = row[0];
-        for (i64 c = 1; c < p.classes; ++c) mx = row[c] > mx || row[c] != row[c] ? row[c] : mx;
+        T* pr = probs + r * p.classes;
+        T mx = -(T)1 / (T)0;
+        for (i64 c = 0; c < p.classes; ++c) mx = row[c] > mx ? row[c] : mx;
+        T shift = (mx - mx == (T)0) ? mx : (T)0;
         T sum = (T)0;
-        for (i64 c = 0; c < p.classes; ++c) sum += tp_exp(row[c] - mx);
-        T lse = tp_log(sum);
-        for (i64 c = 0; c < p.classes; ++c) probs[r * p.classes + c] = tp_exp(row[c] - mx) / sum;
-        loss[r] = -(row[target[r]] - mx - lse);
+        for (i64 c = 0; c < p.classes; ++c) {
+            T e = tp_exp(row[c] - shift);
+            sum = sum + e;
+            pr[c] = e;
+        }
+        T inv = (T)1 / sum;
+        for (i64 c = 0; c < p.classes; ++c) pr[c] = pr[c] * inv;
+        loss[r] = (shift + tp_log(sum)) - row[target[r]];
     }
 }
 TP_KERNEL(tp_cross_entropy_f32, CrossEntropyParams) { tp_cross_entropy<float>(p); }

@@ -1,0 +1,213 @@
+//! cuBLAS, for matrix products (loaded at run time; CUDA 13 or 12). TF32 stays off: cuBLAS's
+//! default math mode computes float32 products in float32.
+
+use std::ffi::{c_int, c_void};
+use std::sync::OnceLock;
+
+use libloading::Library;
+
+use super::library::{Wanted, load, symbol};
+use super::plan::Gemm;
+use crate::{Error, Result};
+
+/// Where cuBLAS comes from.
+pub(crate) const CUBLAS: Wanted = Wanted {
+    what: "cuBLAS",
+    env: "TENSORPLAY_CUBLAS",
+    files: &["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
+    install: "install CUDA 13 or 12's cuBLAS (the toolkit's libcublas package, or \
+              `pip install nvidia-cublas-cu12`)",
+};
+
+/// A cuBLAS handle.
+pub(crate) type Handle = *mut c_void;
+
+type GemmFn<T> = unsafe extern "C" fn(
+    Handle,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    *const T,
+    *const T,
+    c_int,
+    i64,
+    *const T,
+    c_int,
+    i64,
+    *const T,
+    *mut T,
+    c_int,
+    i64,
+    c_int,
+) -> c_int;
+
+/// The loaded library and the functions used.
+pub(crate) struct Cublas {
+    _lib: Library,
+    create: unsafe extern "C" fn(*mut Handle) -> c_int,
+    set_stream: unsafe extern "C" fn(Handle, *mut c_void) -> c_int,
+    sgemm: GemmFn<f32>,
+    dgemm: GemmFn<f64>,
+}
+
+// SAFETY: the function pointers are plain C functions; handles are used from one device's
+// context under that context's lock (real.rs).
+unsafe impl Send for Cublas {}
+// SAFETY: as above.
+unsafe impl Sync for Cublas {}
+
+impl Cublas {
+    /// The shared instance, loaded once.
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] naming the files tried and what to install.
+    pub(crate) fn get() -> Result<&'static Cublas> {
+        static C: OnceLock<std::result::Result<Cublas, String>> = OnceLock::new();
+        C.get_or_init(|| Cublas::load().map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|r| Error::CudaUnavailable {
+                reason: r.trim_start_matches("CUDA unavailable: ").to_string(),
+            })
+    }
+
+    fn load() -> Result<Cublas> {
+        let (lib, _) = load(&CUBLAS)?;
+        let w = CUBLAS.what;
+        // SAFETY: the types are cuBLAS's C signatures (cublas_api.h, CUDA 12 and 13 alike).
+        unsafe {
+            Ok(Cublas {
+                create: symbol(&lib, w, b"cublasCreate_v2\0")?,
+                set_stream: symbol(&lib, w, b"cublasSetStream_v2\0")?,
+                sgemm: symbol(&lib, w, b"cublasSgemmStridedBatched\0")?,
+                dgemm: symbol(&lib, w, b"cublasDgemmStridedBatched\0")?,
+                _lib: lib,
+            })
+        }
+    }
+
+    /// A handle whose work goes on `stream` (a `CUstream`).
+    pub(crate) fn handle(&self, stream: *mut c_void) -> Result<Handle> {
+        let mut h: Handle = std::ptr::null_mut();
+        // SAFETY: an out-pointer; the stream belongs to the current context.
+        let rc = unsafe { (self.create)(&mut h) };
+        if rc != 0 {
+            return Err(cublas_error("cublasCreate", rc));
+        }
+        // SAFETY: a live handle and stream.
+        let rc = unsafe { (self.set_stream)(h, stream) };
+        if rc != 0 {
+            return Err(cublas_error("cublasSetStream", rc));
+        }
+        Ok(h)
+    }
+
+    /// Runs `g` on device pointers `a`, `b` (cuBLAS's operands, offsets not yet applied) into
+    /// `c`, in float32 (`f64 == false`) or float64.
+    ///
+    /// # Safety
+    /// The pointers must be device memory of the handle's context, large enough for `g`.
+    pub(crate) unsafe fn gemm(
+        &self,
+        h: Handle,
+        g: &Gemm,
+        f64: bool,
+        a: u64,
+        b: u64,
+        c: u64,
+    ) -> Result<()> {
+        let op = |t: bool| c_int::from(t);
+        let rc = if f64 {
+            let (one, zero) = (1.0f64, 0.0f64);
+            let (a, b) = (
+                (a as *const f64).wrapping_add(g.a_offset),
+                (b as *const f64).wrapping_add(g.b_offset),
+            );
+            // SAFETY: per this function's contract.
+            unsafe {
+                (self.dgemm)(
+                    h,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    &one,
+                    a,
+                    g.lda,
+                    g.stride_a,
+                    b,
+                    g.ldb,
+                    g.stride_b,
+                    &zero,
+                    c as *mut f64,
+                    g.ldc,
+                    g.stride_c,
+                    g.batch,
+                )
+            }
+        } else {
+            let (one, zero) = (1.0f32, 0.0f32);
+            let (a, b) = (
+                (a as *const f32).wrapping_add(g.a_offset),
+                (b as *const f32).wrapping_add(g.b_offset),
+            );
+            // SAFETY: per this function's contract.
+            unsafe {
+                (self.sgemm)(
+                    h,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    &one,
+                    a,
+                    g.lda,
+                    g.stride_a,
+                    b,
+                    g.ldb,
+                    g.stride_b,
+                    &zero,
+                    c as *mut f32,
+                    g.ldc,
+                    g.stride_c,
+                    g.batch,
+                )
+            }
+        };
+        if rc != 0 {
+            return Err(cublas_error("cublas<t>gemmStridedBatched", rc));
+        }
+        Ok(())
+    }
+}
+
+fn cublas_error(call: &str, rc: c_int) -> Error {
+    Error::Cuda {
+        op: "matmul",
+        message: format!("{call} failed with cuBLAS status {rc}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::library::load_from;
+
+    #[test]
+    fn a_missing_cublas_is_named_with_what_to_install() {
+        let e = load_from(&CUBLAS, &["/nonexistent/libcublas.so.12".to_string()])
+            .expect_err("no such file")
+            .to_string();
+        assert!(
+            e.contains("cuBLAS") && e.contains("/nonexistent/libcublas.so.12"),
+            "{e}"
+        );
+        assert!(
+            e.contains("nvidia-cublas-cu12") && e.contains("TENSORPLAY_CUBLAS"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,177 @@
+//! One CUDA device's kernels: compiled by NVRTC for the device's compute capability on first
+//! use, loaded into its context, and launched from the plans of `plan.rs` on the device's
+//! stream; and its cuBLAS handle.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::cublas::{Cublas, Handle};
+use super::nvrtc::{KERNELS, Nvrtc};
+use super::plan::{BLOCK, Gemm, Launch, Params, params};
+use crate::{Error, Result};
+
+// SAFETY (all eleven): the structs are #[repr(C)] plain data (integers, floats and device
+// addresses) whose layout matches the kernels' structs field for field (checked against the
+// host compilation of the same structs by the emulator's tests).
+unsafe impl DeviceRepr for params::Unary {}
+unsafe impl DeviceRepr for params::Binary {}
+unsafe impl DeviceRepr for params::Cmp {}
+unsafe impl DeviceRepr for params::Where {}
+unsafe impl DeviceRepr for params::Copy {}
+unsafe impl DeviceRepr for params::Reduce {}
+unsafe impl DeviceRepr for params::Index {}
+unsafe impl DeviceRepr for params::CrossEntropy {}
+unsafe impl DeviceRepr for params::Dropout {}
+unsafe impl DeviceRepr for params::Sgd {}
+unsafe impl DeviceRepr for params::Adam {}
+
+/// A device's loaded kernels, stream and cuBLAS handle.
+pub(crate) struct Runtime {
+    pub(crate) stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    cublas: Mutex<Option<usize>>,
+    /// The architecture the kernels were compiled for, e.g. `compute_90`.
+    pub(crate) arch: String,
+}
+
+fn driver(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        op,
+        message: format!("{e:?}"),
+    }
+}
+
+impl Runtime {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Runtime> {
+        let nvrtc = Nvrtc::get()?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("compute capability"))?;
+        let device = (major.max(0) as u32, minor.max(0) as u32);
+        // an older NVRTC may not know the device: PTX for an earlier architecture runs on it
+        // through the driver's JIT
+        let mut first_error = None;
+        for arch in [device, (9, 0), (8, 0)] {
+            if arch > device {
+                continue;
+            }
+            match nvrtc.compile(KERNELS, "tensorplay.cu", arch) {
+                Ok(ptx) => {
+                    let module = ctx
+                        .load_module(Ptx::from_src(ptx))
+                        .map_err(driver("loading the kernels"))?;
+                    return Ok(Runtime {
+                        stream: ctx.default_stream(),
+                        module,
+                        functions: Mutex::default(),
+                        cublas: Mutex::default(),
+                        arch: format!("compute_{}{}", arch.0, arch.1),
+                    });
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        Err(first_error.unwrap_or_else(|| Error::CudaUnavailable {
+            reason: format!(
+                "a device of compute capability {major}.{minor} (8.0 or newer is needed)"
+            ),
+        }))
+    }
+
+    /// Runs `l` on the device's stream (asynchronously: errors of the kernel itself surface
+    /// at the next synchronisation).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the kernel is missing or the launch is refused.
+    pub(crate) fn launch(&self, l: &Launch) -> Result<()> {
+        if l.threads == 0 {
+            return Ok(());
+        }
+        let f = {
+            let mut fs = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+            match fs.get(&l.kernel) {
+                Some(f) => f.clone(),
+                None => {
+                    let f = self
+                        .module
+                        .load_function(&l.kernel)
+                        .map_err(driver("loading a kernel"))?;
+                    fs.insert(l.kernel.clone(), f.clone());
+                    f
+                }
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (l.grid(), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&f);
+        match &l.params {
+            Params::Unary(p) => b.arg(p),
+            Params::Binary(p) => b.arg(p),
+            Params::Cmp(p) => b.arg(p),
+            Params::Where(p) => b.arg(p),
+            Params::Copy(p) => b.arg(p),
+            Params::Reduce(p) => b.arg(p),
+            Params::Index(p) => b.arg(p),
+            Params::CrossEntropy(p) => b.arg(p),
+            Params::Dropout(p) => b.arg(p),
+            Params::Sgd(p) => b.arg(p),
+            Params::Adam(p) => b.arg(p),
+        };
+        // SAFETY: the plans size every pointer's buffer for the launch's element counts (the
+        // contract of plan.rs, exercised by the emulator's tests), and the parameter struct
+        // matches the kernel's signature (the kernel's name is derived from the same plan).
+        unsafe { b.launch(cfg) }.map_err(driver("kernel launch"))?;
+        Ok(())
+    }
+
+    /// Runs the GEMM `g` (see [`Gemm`]) on device pointers.
+    ///
+    /// # Safety
+    /// The pointers must be this device's memory, large enough for `g`.
+    pub(crate) unsafe fn gemm(&self, g: &Gemm, f64: bool, a: u64, b: u64, c: u64) -> Result<()> {
+        let cublas = Cublas::get()?;
+        let h = {
+            let mut slot = self.cublas.lock().unwrap_or_else(|e| e.into_inner());
+            match *slot {
+                Some(h) => h as Handle,
+                None => {
+                    let h = cublas.handle(self.stream.cu_stream().cast())?;
+                    *slot = Some(h as usize);
+                    h
+                }
+            }
+        };
+        // SAFETY: per this function's contract; the handle runs on this device's stream.
+        unsafe { cublas.gemm(h, g, f64, a, b, c) }
+    }
+}
+
+/// The runtime of device `ordinal`, made on first use (compiling the kernels: about a second).
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] when NVRTC is missing (naming what to install), or the kernels'
+/// compile or load errors.
+pub(crate) fn runtime(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<Runtime>> {
+    static RT: OnceLock<Mutex<HashMap<usize, Arc<Runtime>>>> = OnceLock::new();
+    let mut map = RT
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(r) = map.get(&ordinal) {
+        return Ok(r.clone());
+    }
+    let r = Arc::new(Runtime::new(ctx)?);
+    map.insert(ordinal, r.clone());
+    Ok(r)
+}
