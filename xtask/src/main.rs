@@ -8,6 +8,9 @@
 //!   `multihost.rs`), the multi-process tests and the main job spread over them. Needs root.
 //! - `gpu-check [--bundle DIR]`: the GPU check as a bundle of prebuilt binaries and `run.sh`
 //!   for a GPU machine without a toolchain, or built and run here (see `gpu_check.rs`).
+//! - `check-kernels`: the CUDA kernels without a GPU: the host emulation's tests, then every
+//!   kernel compiled by NVRTC and assembled by ptxas of CUDA 12.9 and 13.5 (see
+//!   `check_kernels.rs`).
 //! - `conformance --vectors FILE [--backend nccl]`: runs a conformance vectors file against the
 //!   differentiable collectives (`crates/tensorplay-conformance`).
 //! - `bench-collectives`: the cpu backend's collective bandwidth next to PyTorch gloo's
@@ -30,6 +33,7 @@ use std::process::{Command, ExitCode};
 use clap::{Parser, Subcommand};
 
 mod check_docs;
+mod check_kernels;
 mod gpu_check;
 mod multihost;
 mod resume;
@@ -188,6 +192,10 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
+    /// The CUDA kernels without a GPU: their host emulation against the CPU's operations, then
+    /// NVRTC and ptxas of CUDA 12.9 and 13.5 (NVIDIA's PyPI wheels, fetched once into
+    /// `target/nvidia-wheels`) compile and assemble every kernel for sm_80, sm_90 (and sm_100).
+    CheckKernels,
     /// Checks the rendered facade docs (`target/doc/tensorplay/`, from `cargo doc --workspace
     /// --no-deps`): no example names an internal crate, no prose shows a broken
     /// `[tensorplay_...` link.
@@ -1131,6 +1139,7 @@ fn main() -> ExitCode {
             timeout,
         } => conformance(&vectors, &backend, timeout),
         Cmd::CheckDocs => check_docs::check_docs(),
+        Cmd::CheckKernels => check_kernels::run(),
         Cmd::GpuCheck { bundle } => gpu_check::gpu_check(bundle.as_deref()),
     };
     match r {

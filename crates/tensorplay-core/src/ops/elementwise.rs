@@ -1024,7 +1024,7 @@ impl Tensor {
     /// and when `value` does not fit an int64 tensor (NaN, infinite, out of range).
     pub fn fill_(&self, value: f64) -> Result<()> {
         super::creation::check_fill_value("fill_", value, self.dtype())?;
-        let v = Tensor::full(&[], value, self.dtype())?;
+        let v = Tensor::full(&[], value, (self.dtype(), self.device()))?;
         self.assign_inplace("fill_", v)
     }
     /// Sets every element to zero (`zero_`).

@@ -378,7 +378,7 @@ impl Tensor {
         same_device(op, self, index)?;
         let idx = index_values(index, op)?;
         check_bounds(&idx, self.shape()[d], d, op)?;
-        let index = Tensor::from_vec(idx, &[index.numel()])?;
+        let index = Tensor::from_vec(idx, &[index.numel()])?.to_device(self.device())?;
         Ok(apply(IndexSelect { dim: d, index }, &[self])?.remove(0))
     }
 

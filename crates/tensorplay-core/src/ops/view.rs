@@ -181,7 +181,7 @@ struct NarrowBackward {
 impl Function for NarrowBackward {
     fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let g = inputs[0];
-        let out = Tensor::zeros(&self.shape, g.dtype())?;
+        let out = Tensor::zeros(&self.shape, (g.dtype(), g.device()))?;
         let region = out.narrow(self.dim as isize, self.start, g.shape()[self.dim])?;
         region.copy_(g)?;
         Ok(vec![out])
