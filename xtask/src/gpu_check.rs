@@ -1,7 +1,8 @@
 //! `cargo xtask gpu-check [--bundle DIR]`: the GPU check as a self-contained bundle. Builds
-//! `tensorplay-gpu-check` (release, stripped) and writes it with a `run.sh` into `DIR`, which a
-//! GPU machine runs without a Rust toolchain; without `--bundle` it builds the bundle in a
-//! temporary folder and runs it here.
+//! `tensorplay-gpu-check` and the `wine_quality` example (release, stripped) and writes them
+//! with PyTorch's `torch_cuda_step.py` anchor and a `run.sh` into `DIR`, which a GPU machine
+//! runs without a Rust toolchain; without `--bundle` it builds the bundle in a temporary folder
+//! and runs it here.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,9 +11,14 @@ use std::process::Command;
 const MAX_BYTES: u64 = 64 << 20;
 
 const RUN_SH: &str = r#"#!/bin/sh
-# The tensorplay GPU check: NCCL at world size 1, the NCCL timeout path, CUDA copies, RPC of
-# CUDA tensors. Prints `N passed, M failed, K skipped`; exits non-zero when a check failed or
-# when there is no GPU (then nothing was checked).
+# The tensorplay GPU check: every core operation and its gradient on cuda:0 against the CPU,
+# the fused optimizers, an MLP, wine_quality --device cuda, the first example on nccl, a
+# RemoteModule on worker1/cuda:0, NCCL at world size 1, the NCCL timeout path, CUDA copies and
+# RPC of CUDA tensors. Prints `N passed, M failed, K skipped`, then the core benchmark's GPU
+# rows beside PyTorch's (`--python PATH` names an interpreter with torch; `--no-bench` skips
+# them). Exits non-zero when a check failed or when there is no GPU (then nothing was checked).
+# Needs the NVIDIA driver and NVRTC (libnvrtc.so.13 or .12; TENSORPLAY_NVRTC=FILE names
+# another), cuBLAS for matrix products and NCCL for the collectives.
 here="$(cd "$(dirname "$0")" && pwd)"
 export TENSORPLAY_SPAWN_VERBOSE="${TENSORPLAY_SPAWN_VERBOSE:-0}"
 exec "$here/tensorplay-gpu-check" "$@"
@@ -28,6 +34,8 @@ pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
             "tensorplay",
             "--bin",
             "tensorplay-gpu-check",
+            "--example",
+            "wine_quality",
         ])
         .env("CARGO_PROFILE_RELEASE_STRIP", "true")
         .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
@@ -44,6 +52,19 @@ pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("could not create {}: {e}", dir.display()))?;
     let dest = dir.join("tensorplay-gpu-check");
     std::fs::copy(&bin, &dest).map_err(|e| format!("could not copy {}: {e}", bin.display()))?;
+    let wine_bin = target.join("release/examples/wine_quality");
+    let wine = dir.join("wine_quality");
+    std::fs::copy(&wine_bin, &wine)
+        .map_err(|e| format!("could not copy {}: {e}", wine_bin.display()))?;
+    let anchor = Path::new("../shared/anchors/torch_cuda_step.py");
+    let torch = dir.join("torch_cuda_step.py");
+    match std::fs::copy(anchor, &torch) {
+        Ok(_) => {}
+        Err(e) => eprintln!(
+            "note: {} not copied ({e}): the bundle's benchmark will print ours only",
+            anchor.display()
+        ),
+    }
     let run = dir.join("run.sh");
     std::fs::write(&run, RUN_SH).map_err(|e| format!("could not write {}: {e}", run.display()))?;
     #[cfg(unix)]
@@ -52,7 +73,7 @@ pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
         std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("could not make run.sh executable: {e}"))?;
     }
-    let size: u64 = [&dest, &run]
+    let size: u64 = [&dest, &wine, &torch, &run]
         .iter()
         .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
         .sum();

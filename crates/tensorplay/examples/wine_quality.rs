@@ -6,8 +6,11 @@
 //! cross-entropy and Adam (lr 1e-3) on minibatches of 64 in file order for 200 epochs, in
 //! float32. The last line printed is `test accuracy 0.xxxx`.
 //!
+//! `--device cuda` (or `cuda:N`) trains on a GPU: the model, the minibatches and the
+//! optimizer state live there (needs the NVIDIA driver and NVRTC; see the README).
+//!
 //! ```text
-//! cargo run --release --example wine_quality -- --seed 0
+//! cargo run --release --example wine_quality -- --seed 0 [--device cuda]
 //! ```
 
 use std::process::ExitCode;
@@ -26,34 +29,42 @@ use wine::{CLASSES, load};
 const EPOCHS: usize = 200;
 const BATCH: usize = 64;
 
-fn parse_seed() -> Result<u64, String> {
+const USAGE: &str = "usage: wine_quality [--seed N] [--device cpu|cuda|cuda:N]";
+
+/// `--seed N` (default 0) and `--device D` (default cpu), each also as `--flag=value`.
+fn parse_args() -> Result<(u64, tp::Device), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut seed = 0u64;
+    let (mut seed, mut device) = (0u64, tp::Device::Cpu);
     let mut i = 0;
     while i < args.len() {
-        match args[i].as_str() {
+        let (flag, value, used) = match args[i].split_once('=') {
+            Some((f, v)) => (f, Some(v.to_string()), 1),
+            None => (args[i].as_str(), args.get(i + 1).cloned(), 2),
+        };
+        let value = || {
+            value
+                .clone()
+                .ok_or_else(|| format!("{flag} needs a value ({USAGE})"))
+        };
+        match flag {
             "--seed" => {
-                let v = args.get(i + 1).ok_or("--seed needs a value")?;
+                let v = value()?;
                 seed = v.parse().map_err(|e| format!("bad --seed {v:?}: {e}"))?;
-                i += 2;
             }
-            a => {
-                if let Some(v) = a.strip_prefix("--seed=") {
-                    seed = v.parse().map_err(|e| format!("bad --seed {v:?}: {e}"))?;
-                    i += 1;
-                } else {
-                    return Err(format!(
-                        "unknown argument {a:?} (usage: wine_quality [--seed N])"
-                    ));
-                }
+            "--device" => {
+                let v = value()?;
+                device = tp::IntoDevice::into_device(v.as_str())
+                    .map_err(|e| format!("bad --device {v:?}: {e}"))?;
             }
+            a => return Err(format!("unknown argument {a:?} ({USAGE})")),
         }
+        i += used;
     }
-    Ok(seed)
+    Ok((seed, device))
 }
 
 fn run() -> Result<f64, Box<dyn std::error::Error>> {
-    let seed = parse_seed()?;
+    let (seed, device) = parse_args()?;
     tp::manual_seed(seed);
     let (train, test, f) = load()?;
 
@@ -63,6 +74,7 @@ fn run() -> Result<f64, Box<dyn std::error::Error>> {
         .add(nn::Linear::new(64, 64, true)?)
         .add(nn::ReLU::new())
         .add(nn::Linear::new(64, CLASSES, true)?);
+    model.to_device(device)?;
     let loss_fn = nn::CrossEntropyLoss::new();
     let mut opt = Adam::new(
         model.parameters(),
@@ -73,7 +85,10 @@ fn run() -> Result<f64, Box<dyn std::error::Error>> {
     )?;
 
     // minibatches in file order, built once
-    let batches = wine::batches(&train, f, BATCH)?;
+    let batches: Vec<(Tensor, Tensor)> = wine::batches(&train, f, BATCH)?
+        .into_iter()
+        .map(|(x, y)| Ok((x.to_device(device)?, y.to_device(device)?)))
+        .collect::<tp::Result<_>>()?;
 
     let bar = ProgressBar::new(EPOCHS as u64);
     bar.set_style(ProgressStyle::with_template(
@@ -96,7 +111,7 @@ fn run() -> Result<f64, Box<dyn std::error::Error>> {
 
     model.eval()?;
     let _g = no_grad();
-    let logits = model.call(&Tensor::from_slice(&test.x, &[test.rows(), f])?)?;
+    let logits = model.call(&Tensor::from_slice(&test.x, &[test.rows(), f])?.to_device(device)?)?;
     Ok(wine::accuracy(&logits, &test.y)?)
 }
 

@@ -64,6 +64,31 @@ pub fn load_kernels(ordinal: usize) -> crate::Result<String> {
     CudaStorage::zeros(crate::DType::F32, 1, ordinal).map(|_| String::new())
 }
 
+/// Waits until the work queued on device `ordinal` has finished (`torch.cuda.synchronize`);
+/// CUDA operations run asynchronously, so timings need this.
+///
+/// # Errors
+/// [`crate::Error::CudaUnavailable`] without a driver or device; [`crate::Error::Cuda`] when
+/// an earlier kernel failed.
+#[cfg(feature = "cuda")]
+pub fn synchronize(ordinal: usize) -> crate::Result<()> {
+    context(ordinal)?
+        .synchronize()
+        .map_err(|e| crate::Error::Cuda {
+            op: "synchronize",
+            message: format!("{e:?}"),
+        })
+}
+
+/// Without the `cuda` feature: always [`crate::Error::CudaUnavailable`].
+///
+/// # Errors
+/// Always: this build has no CUDA support.
+#[cfg(not(feature = "cuda"))]
+pub fn synchronize(ordinal: usize) -> crate::Result<()> {
+    load_kernels(ordinal).map(|_| ())
+}
+
 /// Whether CUDA can be used (`torch.cuda.is_available`): compiled in, a driver, a device.
 pub fn is_available() -> bool {
     device_count() > 0
