@@ -6,8 +6,12 @@
 //! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) saying the build lacks the
 //! feature. Code above the core compiles the same either way.
 //!
-//! Supported so far: allocation, host-to-device and device-to-host copies (`Tensor::to`).
-//! Arithmetic on CUDA tensors returns [`Error::NotSupported`](crate::Error::NotSupported).
+//! Every core operation runs on CUDA tensors: kernels in CUDA C (`kernels/tensorplay.cu`)
+//! compiled at run time by NVRTC for the device, matrix products by cuBLAS; both libraries
+//! are loaded at run time (CUDA 13 or 12) and a missing one is reported as
+//! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) naming what to install. The
+//! operations reach the device through the backend contract (`backend.rs`); see
+//! docs/cuda.md.
 
 #[cfg(feature = "cuda")]
 mod cublas;
@@ -15,6 +19,8 @@ mod cublas;
 mod dummy;
 #[cfg(all(test, feature = "cuda-emulator"))]
 mod emulator;
+#[cfg(feature = "cuda")]
+mod kernel_cache;
 #[cfg(feature = "cuda")]
 mod library;
 #[cfg(feature = "cuda")]

@@ -11,6 +11,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::cublas::{Cublas, Handle};
+use super::kernel_cache;
 use super::nvrtc::{KERNELS, Nvrtc};
 use super::plan::{BLOCK, Gemm, Launch, Params, params};
 use crate::{Error, Result};
@@ -61,7 +62,12 @@ impl Runtime {
             if arch > device {
                 continue;
             }
-            match nvrtc.compile(KERNELS, "tensorplay.cu", arch) {
+            let name = kernel_cache::file_name(KERNELS, arch, nvrtc.version());
+            let cached =
+                kernel_cache::load_or_compile(kernel_cache::folder().as_deref(), &name, || {
+                    nvrtc.compile(KERNELS, "tensorplay.cu", arch)
+                });
+            match cached {
                 Ok(ptx) => {
                     let module = ctx
                         .load_module(Ptx::from_src(ptx))
@@ -152,6 +158,11 @@ impl Runtime {
                 }
             }
         };
+        // cuBLAS works in the calling thread's current context
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
         // SAFETY: per this function's contract; the handle runs on this device's stream.
         unsafe { cublas.gemm(h, g, f64, a, b, c) }
     }

@@ -441,7 +441,7 @@ pub struct Adam(AdamCore);
 impl Adam {
     /// An optimizer over `params`. Errors ([`Error::InvalidArgument`]) on a negative or
     /// non-finite `lr`, `eps` or `weight_decay`, betas outside `[0, 1)`, and non-float
-    /// parameters; [`Error::NotSupported`] for parameters on CUDA.
+    /// parameters.
     pub fn new(params: Vec<Tensor>, o: AdamOptions) -> Result<Adam> {
         Adam::with_groups(vec![(params, o)])
     }

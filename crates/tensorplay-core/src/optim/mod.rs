@@ -1,8 +1,9 @@
 //! Optimizers (`torch.optim`): [`SGD`], [`Adam`], [`AdamW`].
 //!
 //! Updates are written into the parameters' storage in place, without recording autograd,
-//! by typed loops over the float32/float64 elements (the version counter is bumped, as by any
-//! in-place write). Parameters on CUDA are not supported yet.
+//! by typed loops over the float32/float64 elements, or for parameters on CUDA by one fused
+//! kernel per parameter with the state beside it (the version counter is bumped, as by any
+//! in-place write).
 //!
 //! ```
 //! use tensorplay::{self as tp, optim::{Optimizer, SGD, SgdOptions}};
@@ -45,7 +46,8 @@ pub trait Optimizer: Send {
     ///
     /// Errors: [`Error::InvalidArgument`] when the number of gradients differs from the number
     /// of parameters, or a gradient's shape or dtype differs from its parameter's (the message
-    /// names the parameter index); [`Error::NotSupported`] for parameters on CUDA.
+    /// names the parameter index), or it is on another device; [`Error::NotSupported`] for a
+    /// CUDA parameter that is a strided or offset view of a larger storage.
     fn step_with_grads(&mut self, grads: &[Option<Tensor>]) -> Result<()>;
 
     /// Clears the gradient of every parameter (`zero_grad(set_to_none=True)`).

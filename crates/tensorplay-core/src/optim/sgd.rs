@@ -86,8 +86,7 @@ fn check_options(op: &'static str, options: &SgdOptions) -> Result<()> {
 impl SGD {
     /// An optimizer over `params`. Errors ([`Error::InvalidArgument`]) on a negative or
     /// non-finite `lr`, `momentum`, `dampening` or `weight_decay`, on `nesterov` without
-    /// `momentum > 0` and `dampening == 0`, and on non-float parameters;
-    /// [`Error::NotSupported`] for parameters on CUDA.
+    /// `momentum > 0` and `dampening == 0`, and on non-float parameters.
     pub fn new(params: Vec<Tensor>, options: SgdOptions) -> Result<SGD> {
         SGD::with_groups(vec![(params, options)])
     }

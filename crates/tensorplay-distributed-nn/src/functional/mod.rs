@@ -56,9 +56,8 @@
 //! grad (they are not differentiable); use these functions inside a graph.
 //!
 //! Dtypes: float32 and float64 are differentiable; int64 works forward only. Tensors have at
-//! most 8 dimensions. CUDA tensors (NCCL groups) move through the collectives, but the core
-//! has no CUDA arithmetic yet, so backward passes that compute (`Max`/`Min`/`Product`
-//! adjoints, uneven [`all_gather`]) return the core's `NotSupported` error there.
+//! most 8 dimensions. CUDA tensors (NCCL groups) go through the collectives and their
+//! adjoints (`Max`/`Min`/`Product`, uneven [`all_gather`]) on the device.
 //!
 //! ```no_run
 //! use tensorplay::{self as tp, Tensor};
@@ -245,9 +244,8 @@ fn fail_together(e: coll::Error, run: impl FnOnce(&Tensor) -> coll::Result<()>) 
 
 /// A row-major copy with its own storage (logical order, whatever `t`'s strides).
 fn fresh(t: &Tensor) -> Result<Tensor> {
-    if t.device().is_cuda() {
-        t.to_device(Device::Cpu)?.to_device(t.device())
-    } else if t.is_contiguous() {
+    if t.device().is_cuda() || t.is_contiguous() {
+        // on a device the copy is one kernel, and an allocation too large fails as an error
         t.detach().deep_clone()
     } else {
         // an expanded view may stand for more elements than fit in memory: allocate the copy
