@@ -117,70 +117,59 @@ impl Cublas {
         b: u64,
         c: u64,
     ) -> Result<()> {
-        let op = |t: bool| c_int::from(t);
         let rc = if f64 {
-            let (one, zero) = (1.0f64, 0.0f64);
-            let (a, b) = (
-                (a as *const f64).wrapping_add(g.a_offset),
-                (b as *const f64).wrapping_add(g.b_offset),
-            );
-            // SAFETY: per this function's contract.
-            unsafe {
-                (self.dgemm)(
-                    h,
-                    op(g.transa),
-                    op(g.transb),
-                    g.m,
-                    g.n,
-                    g.k,
-                    &one,
-                    a,
-                    g.lda,
-                    g.stride_a,
-                    b,
-                    g.ldb,
-                    g.stride_b,
-                    &zero,
-                    c as *mut f64,
-                    g.ldc,
-                    g.stride_c,
-                    g.batch,
-                )
-            }
+            // SAFETY: per this function's contract; dgemm takes float64 operands.
+            unsafe { run(self.dgemm, h, g, (1.0, 0.0), a, b, c) }
         } else {
-            let (one, zero) = (1.0f32, 0.0f32);
-            let (a, b) = (
-                (a as *const f32).wrapping_add(g.a_offset),
-                (b as *const f32).wrapping_add(g.b_offset),
-            );
-            // SAFETY: per this function's contract.
-            unsafe {
-                (self.sgemm)(
-                    h,
-                    op(g.transa),
-                    op(g.transb),
-                    g.m,
-                    g.n,
-                    g.k,
-                    &one,
-                    a,
-                    g.lda,
-                    g.stride_a,
-                    b,
-                    g.ldb,
-                    g.stride_b,
-                    &zero,
-                    c as *mut f32,
-                    g.ldc,
-                    g.stride_c,
-                    g.batch,
-                )
-            }
+            // SAFETY: per this function's contract; sgemm takes float32 operands.
+            unsafe { run(self.sgemm, h, g, (1.0, 0.0), a, b, c) }
         };
         if rc != 0 {
             return Err(cublas_error("cublas<t>gemmStridedBatched", rc));
         }
         Ok(())
+    }
+}
+
+/// One strided-batched GEMM through `f` with `(alpha, beta)`, offsets applied to `a` and `b`.
+///
+/// # Safety
+/// As [`Cublas::gemm`].
+unsafe fn run<T>(
+    f: GemmFn<T>,
+    h: Handle,
+    g: &Gemm,
+    (alpha, beta): (T, T),
+    a: u64,
+    b: u64,
+    c: u64,
+) -> c_int {
+    let (a, b) = (
+        (a as *const T).wrapping_add(g.a_offset),
+        (b as *const T).wrapping_add(g.b_offset),
+    );
+    // SAFETY: the caller's contract; alpha and beta live across the call (host pointer mode).
+    unsafe {
+        f(
+            h,
+            c_int::from(g.transa),
+            c_int::from(g.transb),
+            g.m,
+            g.n,
+            g.k,
+            &alpha,
+            a,
+            g.lda,
+            g.stride_a,
+            b,
+            g.ldb,
+            g.stride_b,
+            &beta,
+            c as *mut T,
+            g.ldc,
+            g.stride_c,
+            g.batch,
+        )
     }
 }
 
