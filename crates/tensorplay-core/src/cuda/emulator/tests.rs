@@ -602,3 +602,120 @@ fn gemm_plans_read_transposed_broadcast_and_offset_operands() {
         );
     }
 }
+
+/// Three steps of each fused optimizer kernel against the CPU's optimizer, float64: the
+/// kernels do the CPU's arithmetic in its order, so the results are bit-identical.
+#[test]
+fn optimizer_kernels_match_the_cpu_bit_for_bit() {
+    use crate::optim::{Adam, AdamOptions, AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
+    let mut g = Generator::new(28);
+    let n = 37;
+    let vals = |g: &mut Generator| (0..n).map(|_| g.normal()).collect::<Vec<f64>>();
+    let w0 = vals(&mut g);
+    let grads: Vec<Vec<f64>> = (0..3).map(|_| vals(&mut g)).collect();
+    let ptr = |v: &mut Vec<f64>| v.as_mut_ptr() as u64;
+    let cpu_run = |mut opt: Box<dyn Optimizer>, w: &Tensor| -> Vec<f64> {
+        for gr in &grads {
+            opt.step_with_grads(&[Some(Tensor::from_vec(gr.clone(), &[n]).expect("g"))])
+                .expect("step");
+        }
+        w.to_vec::<f64>().expect("w")
+    };
+    // SGD with momentum, Nesterov and weight decay
+    let (lr, mom, wd) = (0.1, 0.9, 0.01);
+    let w = Tensor::from_vec(w0.clone(), &[n])
+        .expect("w")
+        .requires_grad_(true);
+    let o = SgdOptions {
+        lr,
+        momentum: mom,
+        nesterov: true,
+        weight_decay: wd,
+        ..Default::default()
+    };
+    let want = cpu_run(Box::new(SGD::new(vec![w.clone()], o).expect("sgd")), &w);
+    let (mut p, mut buf) = (w0.clone(), vec![0.0; n]);
+    for (i, gr) in grads.iter().enumerate() {
+        let mut gr = gr.clone();
+        run(&plan::sgd(
+            DType::F64,
+            plan::params::Sgd {
+                param: ptr(&mut p),
+                grad: ptr(&mut gr),
+                momentum_buf: ptr(&mut buf),
+                n: n as i64,
+                first: i64::from(i == 0),
+                nesterov: 1,
+                lr,
+                momentum: mom,
+                dampening: 0.0,
+                weight_decay: wd,
+            },
+        ));
+    }
+    assert_eq!(p, want, "SGD");
+    // Adam (weight decay, AMSGrad) and AdamW
+    for decoupled in [false, true] {
+        let (lr, (b1, b2), eps, wd) = (0.01, (0.9, 0.999), 1e-8, 0.05);
+        let w = Tensor::from_vec(w0.clone(), &[n])
+            .expect("w")
+            .requires_grad_(true);
+        let opt: Box<dyn Optimizer> = if decoupled {
+            Box::new(
+                AdamW::new(
+                    vec![w.clone()],
+                    AdamWOptions {
+                        lr,
+                        betas: (b1, b2),
+                        eps,
+                        weight_decay: wd,
+                        amsgrad: true,
+                    },
+                )
+                .expect("adamw"),
+            )
+        } else {
+            Box::new(
+                Adam::new(
+                    vec![w.clone()],
+                    AdamOptions {
+                        lr,
+                        betas: (b1, b2),
+                        eps,
+                        weight_decay: wd,
+                        amsgrad: true,
+                    },
+                )
+                .expect("adam"),
+            )
+        };
+        let want = cpu_run(opt, &w);
+        let (mut p, mut m, mut v, mut vmax) =
+            (w0.clone(), vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        for (i, gr) in grads.iter().enumerate() {
+            let step = i as i32 + 1;
+            let (bc1, bc2) = (1.0 - b1.powi(step), 1.0 - b2.powi(step));
+            let mut gr = gr.clone();
+            run(&plan::adam(
+                DType::F64,
+                plan::params::Adam {
+                    param: ptr(&mut p),
+                    grad: ptr(&mut gr),
+                    exp_avg: ptr(&mut m),
+                    exp_avg_sq: ptr(&mut v),
+                    max_exp_avg_sq: ptr(&mut vmax),
+                    n: n as i64,
+                    decoupled: i64::from(decoupled),
+                    beta1: b1,
+                    beta2: b2,
+                    eps,
+                    weight_decay: wd,
+                    decay: 1.0 - lr * wd,
+                    step_size: lr / bc1,
+                    bias_c2_sqrt: bc2.sqrt(),
+                },
+            ));
+        }
+        assert_eq!(p, want, "Adam decoupled={decoupled}");
+    }
+}
