@@ -37,17 +37,21 @@ const TOOLCHAINS: [Toolchain; 2] = [
         ],
         nvrtc: "nvidia/cu13/lib/libnvrtc.so.13",
         ptxas: "nvidia/cu13/bin/ptxas",
-        archs: "80,90,100",
+        archs: "90,100",
     },
 ];
 
 /// Downloads (once) and unpacks the libnvrtc and ptxas files of `t` under `cache`.
 fn fetch(t: &Toolchain, cache: &Path) -> Result<(PathBuf, PathBuf), String> {
+    // a toolchain folder appears whole or not at all: it is unpacked beside its place and
+    // renamed into it, so an interrupted run never leaves a folder the next one trusts
     let root = cache.join(t.wheels[0].1);
     let (nvrtc, ptxas) = (root.join(t.nvrtc), root.join(t.ptxas));
-    if nvrtc.exists() && ptxas.exists() {
+    if root.is_dir() {
         return Ok((nvrtc, ptxas));
     }
+    let partial = cache.join(format!("{}.partial", t.wheels[0].1));
+    let _ = std::fs::remove_dir_all(&partial);
     let dl = cache.join("downloads");
     for (pkg, ver) in t.wheels {
         let status = Command::new("python3")
@@ -81,24 +85,27 @@ for w in glob.glob(os.path.join(dl, "*-" + ver + "-*.whl")):
     let status = Command::new("python3")
         .args(["-c", script])
         .arg(&dl)
-        .arg(&root)
+        .arg(&partial)
         .arg(t.wheels[0].1)
         .status()
         .map_err(|e| format!("running python3: {e}"))?;
-    if !status.success() || !nvrtc.exists() || !ptxas.exists() {
+    let (p_nvrtc, p_ptxas) = (partial.join(t.nvrtc), partial.join(t.ptxas));
+    if !status.success() || !p_nvrtc.exists() || !p_ptxas.exists() {
         return Err(format!(
             "unpacking {} gave no {} and {}",
             t.name,
-            nvrtc.display(),
-            ptxas.display()
+            p_nvrtc.display(),
+            p_ptxas.display()
         ));
     }
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&ptxas, std::fs::Permissions::from_mode(0o755))
-            .map_err(|e| format!("chmod {}: {e}", ptxas.display()))?;
+        std::fs::set_permissions(&p_ptxas, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("chmod {}: {e}", p_ptxas.display()))?;
     }
+    std::fs::rename(&partial, &root)
+        .map_err(|e| format!("renaming {} into place: {e}", partial.display()))?;
     let _ = std::fs::remove_dir_all(&dl);
     Ok((nvrtc, ptxas))
 }

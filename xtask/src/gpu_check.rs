@@ -19,6 +19,7 @@ const RUN_SH: &str = r#"#!/bin/sh
 # them). Exits non-zero when a check failed or when there is no GPU (then nothing was checked).
 # Needs the NVIDIA driver and NVRTC (libnvrtc.so.13 or .12; TENSORPLAY_NVRTC=FILE names
 # another), cuBLAS for matrix products and NCCL for the collectives.
+case "$1" in -h|--help) sed -n '2,10p' "$0"; exit 0;; esac
 here="$(cd "$(dirname "$0")" && pwd)"
 export TENSORPLAY_SPAWN_VERBOSE="${TENSORPLAY_SPAWN_VERBOSE:-0}"
 exec "$here/tensorplay-gpu-check" "$@"

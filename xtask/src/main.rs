@@ -194,7 +194,7 @@ enum Cmd {
     },
     /// The CUDA kernels without a GPU: their host emulation against the CPU's operations, then
     /// NVRTC and ptxas of CUDA 12.9 and 13.5 (NVIDIA's PyPI wheels, fetched once into
-    /// `target/nvidia-wheels`) compile and assemble every kernel for sm_80, sm_90 (and sm_100).
+    /// `target/nvidia-wheels`) compile and assemble every kernel for sm_80 and sm_90 (12.9), sm_90 and sm_100 (13.5).
     CheckKernels,
     /// Checks the rendered facade docs (`target/doc/tensorplay/`, from `cargo doc --workspace
     /// --no-deps`): no example names an internal crate, no prose shows a broken

@@ -74,9 +74,17 @@ fn kernels_compile_and_assemble_for_every_architecture() {
             "{case}: ptxas -arch=sm_{a} failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        // the machine code the device path loads when NVRTC knows the device
+        let (cubin, _) = cuda::compile_kernels_binary((a / 10, a % 10))
+            .unwrap_or_else(|e| panic!("{case}: the cubin for sm_{a}: {e}"));
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "{case}: the cubin for sm_{a} is not an ELF file"
+        );
         println!(
-            "{case}: {entries} kernels, PTX {} KiB, assembled for sm_{a}",
-            ptx.len() / 1024
+            "{case}: {entries} kernels, PTX {} KiB assembled for sm_{a}, cubin {} KiB",
+            ptx.len() / 1024,
+            cubin.len() / 1024
         );
     }
     std::fs::remove_dir_all(&dir).expect("remove the temporary folder");

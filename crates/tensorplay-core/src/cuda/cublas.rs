@@ -52,8 +52,9 @@ pub(crate) struct Cublas {
     dgemm: GemmFn<f64>,
 }
 
-// SAFETY: the function pointers are plain C functions; handles are used from one device's
-// context under that context's lock (real.rs).
+// SAFETY: the function pointers are plain C functions into a library that stays loaded; cuBLAS
+// allows a handle to be used from several threads (its documentation), and each call binds the
+// handle's context first (runtime.rs).
 unsafe impl Send for Cublas {}
 // SAFETY: as above.
 unsafe impl Sync for Cublas {}
@@ -187,9 +188,13 @@ mod tests {
 
     #[test]
     fn a_missing_cublas_is_named_with_what_to_install() {
-        let e = load_from(&CUBLAS, &["/nonexistent/libcublas.so.12".to_string()])
-            .expect_err("no such file")
-            .to_string();
+        let e = load_from(
+            &CUBLAS,
+            &["/nonexistent/libcublas.so.12".to_string()],
+            false,
+        )
+        .expect_err("no such file")
+        .to_string();
         assert!(
             e.contains("cuBLAS") && e.contains("/nonexistent/libcublas.so.12"),
             "{e}"

@@ -22,32 +22,47 @@ pub(crate) struct Wanted {
 /// [`Error::CudaUnavailable`] naming the library, every file tried with the loader's reason,
 /// and what to install.
 pub(crate) fn load(w: &Wanted) -> Result<(Library, String)> {
-    let named = std::env::var(w.env).ok().filter(|s| !s.is_empty());
-    let files: Vec<String> = match &named {
-        Some(f) => vec![f.clone()],
-        None => w.files.iter().map(|s| s.to_string()).collect(),
-    };
-    load_from(w, &files)
+    load_preferring(w, w.files)
 }
 
-/// [`load`] over the given files.
-pub(crate) fn load_from(w: &Wanted, files: &[String]) -> Result<(Library, String)> {
+/// [`load`] trying `files` (instead of `w.files`) when the environment names none.
+pub(crate) fn load_preferring(w: &Wanted, files: &[&str]) -> Result<(Library, String)> {
+    match std::env::var(w.env).ok().filter(|s| !s.is_empty()) {
+        Some(f) => load_from(w, &[f], true),
+        None => load_from(
+            w,
+            &files.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            false,
+        ),
+    }
+}
+
+/// [`load`] over the given files (`named`: the user named the file in `w.env`).
+pub(crate) fn load_from(w: &Wanted, files: &[String], named: bool) -> Result<(Library, String)> {
     let mut tried = Vec::new();
     for f in files {
         // SAFETY: loading a library runs its initialisers; these are NVIDIA's libraries (or
         // the file the user named for one), whose initialisers only set up their own state.
         match unsafe { Library::new(f) } {
             Ok(lib) => return Ok((lib, f.clone())),
-            Err(e) => tried.push(format!("{f}: {e}")),
+            // libloading's own text is only "dlopen failed": the loader's reason is its source
+            Err(e) => match std::error::Error::source(&e) {
+                Some(why) => tried.push(format!("{f}: {why}")),
+                None => tried.push(format!("{f}: {e}")),
+            },
         }
     }
+    let how = if named {
+        format!("{} names it", w.env)
+    } else {
+        format!("or set {} to the library's file", w.env)
+    };
     Err(Error::CudaUnavailable {
         reason: format!(
-            "{} could not be loaded (tried {}); {} (or set {} to the library's file)",
+            "{} could not be loaded (tried {}); {} ({how})",
             w.what,
             tried.join("; "),
-            w.install,
-            w.env
+            w.install
         ),
     })
 }

@@ -38,7 +38,7 @@ mod runtime;
 #[cfg(not(feature = "cuda"))]
 pub use dummy::{CudaData, CudaStorage, device_count, is_driver_present};
 #[cfg(feature = "cuda")]
-pub use nvrtc::{KERNELS, compile_kernels, nvrtc_version};
+pub use nvrtc::{KERNELS, compile_kernels, compile_kernels_binary, nvrtc_version};
 #[cfg(feature = "cuda")]
 pub use real::{CudaData, CudaStorage, context, device_count, is_driver_present};
 
@@ -46,7 +46,7 @@ pub use real::{CudaData, CudaStorage, context, device_count, is_driver_present};
 pub const COMPILED: bool = cfg!(feature = "cuda");
 
 /// Compiles (once) and loads tensorplay's kernels on device `ordinal`, returning what the
-/// NVRTC compiled them for, e.g. `"compute_90 by libnvrtc.so.13 (NVRTC 13.0)"`. The CUDA
+/// NVRTC compiled them for, e.g. `"sm_90 by libnvrtc.so.13 (NVRTC 13.0)"`. The CUDA
 /// operations do this on first use; calling it first moves that cost (about a second) and
 /// reports a missing NVRTC early.
 ///
@@ -57,7 +57,9 @@ pub const COMPILED: bool = cfg!(feature = "cuda");
 pub fn load_kernels(ordinal: usize) -> crate::Result<String> {
     let rt = runtime::runtime(&context(ordinal)?, ordinal)?;
     let (major, minor) = nvrtc_version()?;
-    let file = nvrtc::Nvrtc::get()?.file.clone();
+    let file = nvrtc::Nvrtc::get_for(runtime::driver_version().map(|v| v.0))?
+        .file
+        .clone();
     Ok(format!("{} by {file} (NVRTC {major}.{minor})", rt.arch))
 }
 

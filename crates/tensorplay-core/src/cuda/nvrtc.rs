@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use libloading::Library;
 
-use super::library::{Wanted, load, symbol};
+use super::library::{Wanted, load_preferring, symbol};
 use crate::{Error, Result};
 
 /// The kernels' source.
@@ -14,7 +14,7 @@ pub const KERNELS: &str = include_str!("kernels/tensorplay.cu");
 
 /// Where NVRTC comes from.
 pub(crate) const NVRTC: Wanted = Wanted {
-    what: "NVRTC, the CUDA runtime compiler",
+    what: "NVRTC (the CUDA runtime compiler)",
     env: "TENSORPLAY_NVRTC",
     files: &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
     install: "install CUDA 13 or 12's runtime compiler (the toolkit's cuda-nvrtc package, or \
@@ -42,6 +42,8 @@ pub(crate) struct Nvrtc {
     log: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
     ptx_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
     ptx: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
+    cubin_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
+    cubin: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
     destroy: unsafe extern "C" fn(*mut Program) -> c_int,
 }
 
@@ -56,8 +58,19 @@ impl Nvrtc {
     ///
     /// # Errors
     /// [`Error::CudaUnavailable`] naming the files tried and what to install.
-    pub(crate) fn load() -> Result<Nvrtc> {
-        let (lib, file) = load(&NVRTC)?;
+    pub(crate) fn load(driver_major: Option<i32>) -> Result<Nvrtc> {
+        // an NVRTC newer than the driver makes code the driver cannot load: with a CUDA 12
+        // driver, CUDA 12's NVRTC only
+        let files: Vec<&str> = NVRTC
+            .files
+            .iter()
+            .copied()
+            .filter(|f| match (driver_major, f.rsplit_once(".so.")) {
+                (Some(d), Some((_, major))) => major.parse::<i32>().is_ok_and(|m| m <= d),
+                _ => true,
+            })
+            .collect();
+        let (lib, file) = load_preferring(&NVRTC, &files)?;
         Nvrtc::from_library(lib, file)
     }
 
@@ -73,6 +86,8 @@ impl Nvrtc {
                 log: symbol(&lib, w, b"nvrtcGetProgramLog\0")?,
                 ptx_size: symbol(&lib, w, b"nvrtcGetPTXSize\0")?,
                 ptx: symbol(&lib, w, b"nvrtcGetPTX\0")?,
+                cubin_size: symbol(&lib, w, b"nvrtcGetCUBINSize\0")?,
+                cubin: symbol(&lib, w, b"nvrtcGetCUBIN\0")?,
                 destroy: symbol(&lib, w, b"nvrtcDestroyProgram\0")?,
                 _lib: lib,
                 file,
@@ -80,10 +95,11 @@ impl Nvrtc {
         }
     }
 
-    /// The shared instance, loaded once.
-    pub(crate) fn get() -> Result<&'static Nvrtc> {
+    /// The shared instance, loaded once: for a driver of CUDA major version `driver_major`
+    /// when given (the first caller decides), else whichever of CUDA 13 and 12 is installed.
+    pub(crate) fn get_for(driver_major: Option<i32>) -> Result<&'static Nvrtc> {
         static N: OnceLock<std::result::Result<Nvrtc, String>> = OnceLock::new();
-        N.get_or_init(|| Nvrtc::load().map_err(|e| e.to_string()))
+        N.get_or_init(|| Nvrtc::load(driver_major).map_err(|e| e.to_string()))
             .as_ref()
             .map_err(|r| Error::CudaUnavailable {
                 reason: r.trim_start_matches("CUDA unavailable: ").to_string(),
@@ -103,12 +119,32 @@ impl Nvrtc {
     ///
     /// # Errors
     /// [`Error::Cuda`] with NVRTC's log when the source does not compile.
-    pub(crate) fn compile(
+    pub(crate) fn compile(&self, source: &str, name: &str, arch: (u32, u32)) -> Result<String> {
+        let ptx = self.compile_to(source, name, arch, false)?;
+        Ok(String::from_utf8_lossy(&ptx)
+            .trim_end_matches('\0')
+            .to_string())
+    }
+
+    /// Like [`Nvrtc::compile`], to machine code (a cubin) for `sm_XY`: the driver loads it
+    /// without its PTX JIT, so an NVRTC of any minor version of the driver's CUDA works.
+    pub(crate) fn compile_cubin(
+        &self,
+        source: &str,
+        name: &str,
+        arch: (u32, u32),
+    ) -> Result<Vec<u8>> {
+        self.compile_to(source, name, arch, true)
+    }
+
+    fn compile_to(
         &self,
         source: &str,
         name: &str,
         (major, minor): (u32, u32),
-    ) -> Result<String> {
+        cubin: bool,
+    ) -> Result<Vec<u8>> {
+        let target = if cubin { "sm" } else { "compute" };
         let fail = |what: &str, rc: c_int| Error::Cuda {
             op: "nvrtc",
             message: format!("{what} failed with NVRTC error {rc}"),
@@ -116,7 +152,7 @@ impl Nvrtc {
         let src = CString::new(source).map_err(|_| fail("a source with a NUL byte", -1))?;
         let cname = CString::new(name).map_err(|_| fail("a name with a NUL byte", -1))?;
         let opts: Vec<CString> = [
-            format!("--gpu-architecture=compute_{major}{minor}"),
+            format!("--gpu-architecture={target}_{major}{minor}"),
             "--fmad=false".into(),
             "-default-device".into(),
         ]
@@ -141,9 +177,13 @@ impl Nvrtc {
             }
             let rc = (self.compile)(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr());
             let mut n = 0usize;
-            (self.log_size)(prog, &mut n);
-            let mut log = vec![0u8; n.max(1)];
-            (self.log)(prog, log.as_mut_ptr().cast());
+            let mut log = Vec::new();
+            if (self.log_size)(prog, &mut n) == 0 {
+                log = vec![0u8; n.max(1)];
+                if (self.log)(prog, log.as_mut_ptr().cast()) != 0 {
+                    log.clear();
+                }
+            }
             let log = String::from_utf8_lossy(&log)
                 .trim_end_matches('\0')
                 .trim()
@@ -153,17 +193,36 @@ impl Nvrtc {
                 return Err(Error::Cuda {
                     op: "nvrtc",
                     message: format!(
-                        "{name} does not compile for compute_{major}{minor} (NVRTC error {rc}):\n{log}"
+                        "{name} does not compile for {target}_{major}{minor} (NVRTC error {rc}):\n{log}"
                     ),
                 });
             }
-            (self.ptx_size)(prog, &mut n);
-            let mut ptx = vec![0u8; n.max(1)];
-            (self.ptx)(prog, ptx.as_mut_ptr().cast());
+            let (size, get) = if cubin {
+                (self.cubin_size, self.cubin)
+            } else {
+                (self.ptx_size, self.ptx)
+            };
+            n = 0;
+            let rc = size(prog, &mut n);
+            let mut out = vec![0u8; n.max(1)];
+            let rc = if rc == 0 {
+                get(prog, out.as_mut_ptr().cast())
+            } else {
+                rc
+            };
             (self.destroy)(&mut prog);
-            Ok(String::from_utf8_lossy(&ptx)
-                .trim_end_matches('\0')
-                .to_string())
+            if rc != 0 {
+                return Err(fail(
+                    if cubin {
+                        "nvrtcGetCUBIN"
+                    } else {
+                        "nvrtcGetPTX"
+                    },
+                    rc,
+                ));
+            }
+            out.truncate(n);
+            Ok(out)
         }
     }
 }
@@ -179,9 +238,22 @@ impl Nvrtc {
 /// [`Error::CudaUnavailable`] when NVRTC cannot be loaded; [`Error::Cuda`] with the compiler's
 /// log when a kernel does not compile.
 pub fn compile_kernels(compute_capability: (u32, u32)) -> Result<(String, String)> {
-    let n = Nvrtc::get()?;
+    let n = Nvrtc::get_for(None)?;
     Ok((
         n.compile(KERNELS, "tensorplay.cu", compute_capability)?,
+        n.file.clone(),
+    ))
+}
+
+/// Like [`compile_kernels`], to machine code (an ELF cubin) for `sm_XY`: what the CUDA
+/// device path loads when NVRTC knows the device's architecture.
+///
+/// # Errors
+/// As [`compile_kernels`].
+pub fn compile_kernels_binary(compute_capability: (u32, u32)) -> Result<(Vec<u8>, String)> {
+    let n = Nvrtc::get_for(None)?;
+    Ok((
+        n.compile_cubin(KERNELS, "tensorplay.cu", compute_capability)?,
         n.file.clone(),
     ))
 }
@@ -191,7 +263,7 @@ pub fn compile_kernels(compute_capability: (u32, u32)) -> Result<(String, String
 /// # Errors
 /// [`Error::CudaUnavailable`] when NVRTC cannot be loaded.
 pub fn nvrtc_version() -> Result<(i32, i32)> {
-    Ok(Nvrtc::get()?.version())
+    Ok(Nvrtc::get_for(None)?.version())
 }
 
 #[cfg(test)]
@@ -201,7 +273,7 @@ mod tests {
 
     #[test]
     fn a_missing_nvrtc_is_named_with_what_to_install() {
-        let e = load_from(&NVRTC, &["/nonexistent/libnvrtc.so.13".to_string()])
+        let e = load_from(&NVRTC, &["/nonexistent/libnvrtc.so.13".to_string()], false)
             .expect_err("no such file")
             .to_string();
         assert!(e.contains("NVRTC"), "{e}");

@@ -29,10 +29,10 @@ impl CudaStorage {
         runtime(&super::real::context(self.ordinal())?, self.ordinal())
     }
 
-    /// Uninitialised storage of `n` elements of `dtype` on this device (at least one element
-    /// is allocated: the driver refuses empty allocations), for kernels that write all of it.
+    /// Uninitialised storage of `n` elements of `dtype` on this device, for kernels that
+    /// write all of it.
     fn alloc(&self, dtype: DType, n: usize) -> Result<CudaStorage> {
-        CudaStorage::uninit(dtype, n.max(1), self.ordinal())
+        CudaStorage::uninit(dtype, n, self.ordinal())
     }
 
     fn same_device(&self, other: &CudaStorage, op: &'static str) -> Result<()> {
@@ -44,6 +44,19 @@ impl CudaStorage {
             });
         }
         Ok(())
+    }
+
+    /// [`DeviceStorage::copy_as`] by way of host memory (for views the kernels cannot index).
+    fn copy_through_host(&self, l: &Layout, to: DType) -> Result<CudaStorage> {
+        let host = crate::Tensor::from_storage(crate::Storage::Cpu(self.to_cpu()?), &[self.len()]);
+        let v = host
+            .view_with_layout(l.clone())
+            .to_dtype(to)?
+            .deep_clone()?;
+        v.with_storage(|s, _| match s {
+            crate::Storage::Cpu(c) => CudaStorage::from_cpu(c, self.ordinal()),
+            crate::Storage::Cuda(c) => c.copy_as(&Layout::contiguous(&[c.len()]), to),
+        })
     }
 
     fn need_float(&self, op: &'static str) -> Result<()> {
@@ -142,11 +155,12 @@ impl DeviceStorage for CudaStorage {
         let n = l.numel();
         let out = self.alloc(to, n)?;
         let lo = Layout::contiguous(l.shape());
-        rt.launch(&plan::copy(
-            (self.dtype(), self.ptr(), l),
-            (to, out.ptr(), &lo),
-            "copy",
-        )?)?;
+        match plan::copy((self.dtype(), self.ptr(), l), (to, out.ptr(), &lo), "copy") {
+            Ok(launch) => rt.launch(&launch)?,
+            // a view of more dims than the kernels take goes through the host
+            Err(Error::NotSupported { .. }) => return self.copy_through_host(l, to),
+            Err(e) => return Err(e),
+        }
         Ok(out)
     }
 

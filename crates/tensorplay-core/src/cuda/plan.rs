@@ -48,7 +48,8 @@ impl Strided {
                 op,
                 detail: format!(
                     "on CUDA tensors with more than {MAX_DIMS} non-mergeable dims (shape {:?}, \
-                     strides {:?}); call .contiguous() first",
+                     strides {:?}); call .contiguous() first (it copies such views through \
+                     the host)",
                     l.shape, l.strides
                 ),
             });

@@ -60,19 +60,6 @@ pub fn device_count() -> usize {
 /// The context of device `ordinal` (cached, shared by every tensor on that device), or a
 /// clear [`Error::CudaUnavailable`] naming what is missing.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
-    if !is_driver_present() {
-        return Err(Error::CudaUnavailable {
-            reason: "the CUDA driver library (libcuda.so) was not found; install the NVIDIA \
-                     driver or use the cpu device"
-                .into(),
-        });
-    }
-    let n = device_count();
-    if ordinal >= n {
-        return Err(Error::CudaUnavailable {
-            reason: format!("device cuda:{ordinal} requested but {n} CUDA device(s) are present"),
-        });
-    }
     static CTX: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
     let mut map = CTX
         .get_or_init(Default::default)
@@ -80,6 +67,27 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
         .unwrap_or_else(|e| e.into_inner());
     if let Some(c) = map.get(&ordinal) {
         return Ok(c.clone());
+    }
+    if !is_driver_present() {
+        return Err(Error::CudaUnavailable {
+            reason: "the CUDA driver library (libcuda.so) was not found; install the NVIDIA \
+                     driver (and NVRTC and cuBLAS: see the README's CUDA section) or use the \
+                     cpu device"
+                .into(),
+        });
+    }
+    // a driver that fails to start says why (not "0 devices")
+    let n = CudaContext::device_count().map_err(|e| Error::CudaUnavailable {
+        reason: format!(
+            "the CUDA driver did not start: {e:?} (does `nvidia-smi` work? is \
+             CUDA_VISIBLE_DEVICES set to an empty list?)"
+        ),
+    })?;
+    let n = n.max(0) as usize;
+    if ordinal >= n {
+        return Err(Error::CudaUnavailable {
+            reason: format!("device cuda:{ordinal} requested but {n} CUDA device(s) are present"),
+        });
     }
     let c = CudaContext::new(ordinal).map_err(|e| driver_error("CudaContext::new", e))?;
     map.insert(ordinal, c.clone());
@@ -89,6 +97,9 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
 impl CudaStorage {
     /// Copies host memory to device `ordinal`.
     pub fn from_cpu(src: &CpuStorage, ordinal: usize) -> Result<CudaStorage> {
+        if src.is_empty() {
+            return CudaStorage::zeros(src.dtype(), 0, ordinal);
+        }
         let ctx = context(ordinal)?;
         let stream = ctx.default_stream();
         let e = |e| driver_error("memcpy host to device", e);
@@ -108,6 +119,7 @@ impl CudaStorage {
     /// `n` elements of `dtype` on device `ordinal`, not initialised (for kernels that write
     /// every element).
     pub(crate) fn uninit(dtype: DType, n: usize, ordinal: usize) -> Result<CudaStorage> {
+        let n = n.max(1);
         let ctx = context(ordinal)?;
         let stream = ctx.default_stream();
         let e = |e| driver_error("alloc", e);
@@ -132,8 +144,10 @@ impl CudaStorage {
         self.ordinal
     }
 
-    /// `n` zeros of `dtype` on device `ordinal`.
+    /// `n` zeros of `dtype` on device `ordinal` (at least one element is allocated: the
+    /// driver refuses empty allocations).
     pub fn zeros(dtype: DType, n: usize, ordinal: usize) -> Result<CudaStorage> {
+        let n = n.max(1);
         let ctx = context(ordinal)?;
         let stream = ctx.default_stream();
         let e = |e| driver_error("alloc_zeros", e);

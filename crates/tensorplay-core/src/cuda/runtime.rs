@@ -50,45 +50,79 @@ fn driver(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
 
 impl Runtime {
     fn new(ctx: &Arc<CudaContext>) -> Result<Runtime> {
-        let nvrtc = Nvrtc::get()?;
+        let driver_cuda = driver_version();
+        let nvrtc = Nvrtc::get_for(driver_cuda.map(|v| v.0))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(driver("compute capability"))?;
         let device = (major.max(0) as u32, minor.max(0) as u32);
-        // an older NVRTC may not know the device: PTX for an earlier architecture runs on it
-        // through the driver's JIT
+        let cache = kernel_cache::folder();
+        // machine code for the device itself (no JIT: any minor version of the driver's CUDA
+        // loads it); when this NVRTC does not know the device, PTX of an earlier architecture,
+        // which the driver's JIT compiles
+        let mut tries: Vec<((u32, u32), bool)> = vec![(device, true)];
+        tries.extend(
+            [(9, 0), (8, 0)]
+                .into_iter()
+                .filter(|&a| a < device)
+                .map(|a| (a, false)),
+        );
         let mut first_error = None;
-        for arch in [device, (9, 0), (8, 0)] {
-            if arch > device {
-                continue;
-            }
-            let name = kernel_cache::file_name(KERNELS, arch, nvrtc.version());
-            let cached =
-                kernel_cache::load_or_compile(kernel_cache::folder().as_deref(), &name, || {
-                    nvrtc.compile(KERNELS, "tensorplay.cu", arch)
-                });
-            match cached {
-                Ok(ptx) => {
-                    let module = ctx
-                        .load_module(Ptx::from_src(ptx))
-                        .map_err(driver("loading the kernels"))?;
-                    return Ok(Runtime {
-                        stream: ctx.default_stream(),
-                        module,
-                        functions: Mutex::default(),
-                        cublas: Mutex::default(),
-                        arch: format!("compute_{}{}", arch.0, arch.1),
-                    });
+        for (arch, cubin) in tries {
+            let name = kernel_cache::file_name(KERNELS, arch, nvrtc.version(), cubin);
+            let compile = || {
+                if cubin {
+                    nvrtc.compile_cubin(KERNELS, "tensorplay.cu", arch)
+                } else {
+                    nvrtc
+                        .compile(KERNELS, "tensorplay.cu", arch)
+                        .map(String::into_bytes)
                 }
+            };
+            let image = |code: Vec<u8>| {
+                if cubin {
+                    Ptx::from_binary(code)
+                } else {
+                    Ptx::from_src(String::from_utf8_lossy(&code).into_owned())
+                }
+            };
+            let code = match kernel_cache::load_or_compile(cache.as_deref(), &name, compile) {
+                Ok(c) => c,
                 Err(e) => {
                     first_error.get_or_insert(e);
+                    continue;
                 }
-            }
+            };
+            let (nv_major, nv_minor) = nvrtc.version();
+            let unloadable = |e: cudarc::driver::DriverError| Error::CudaUnavailable {
+                reason: format!(
+                    "the kernels compiled by {} (NVRTC {nv_major}.{nv_minor}) for {} could not \
+                     be loaded by the driver (CUDA {}): {e:?}; install the NVRTC of the driver's \
+                     CUDA version (TENSORPLAY_NVRTC names a file) or update the driver",
+                    nvrtc.file,
+                    arch_name(arch, cubin),
+                    driver_cuda.map_or_else(|| "?".into(), |(a, b)| format!("{a}.{b}")),
+                ),
+            };
+            let module = match ctx.load_module(image(code)) {
+                Ok(m) => m,
+                // a cached file the driver refuses (damaged, or from elsewhere) is compiled anew
+                Err(_) if cache.is_some() => {
+                    kernel_cache::forget(cache.as_deref(), &name);
+                    ctx.load_module(image(compile()?)).map_err(unloadable)?
+                }
+                Err(e) => return Err(unloadable(e)),
+            };
+            return Ok(Runtime {
+                stream: ctx.default_stream(),
+                module,
+                functions: Mutex::default(),
+                cublas: Mutex::default(),
+                arch: arch_name(arch, cubin),
+            });
         }
         Err(first_error.unwrap_or_else(|| Error::CudaUnavailable {
-            reason: format!(
-                "a device of compute capability {major}.{minor} (8.0 or newer is needed)"
-            ),
+            reason: format!("no kernels for a device of compute capability {major}.{minor}"),
         }))
     }
 
@@ -147,6 +181,11 @@ impl Runtime {
     /// The pointers must be this device's memory, large enough for `g`.
     pub(crate) unsafe fn gemm(&self, g: &Gemm, f64: bool, a: u64, b: u64, c: u64) -> Result<()> {
         let cublas = Cublas::get()?;
+        // cuBLAS works in the calling thread's current context (also when making its handle)
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
         let h = {
             let mut slot = self.cublas.lock().unwrap_or_else(|e| e.into_inner());
             match *slot {
@@ -158,14 +197,23 @@ impl Runtime {
                 }
             }
         };
-        // cuBLAS works in the calling thread's current context
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(driver("binding the context"))?;
         // SAFETY: per this function's contract; the handle runs on this device's stream.
         unsafe { cublas.gemm(h, g, f64, a, b, c) }
     }
+}
+
+/// `sm_90` (machine code) or `compute_90` (PTX).
+fn arch_name((major, minor): (u32, u32), cubin: bool) -> String {
+    format!("{}_{major}{minor}", if cubin { "sm" } else { "compute" })
+}
+
+/// The CUDA version the driver supports, as (major, minor), e.g. (13, 0) for driver 580.
+pub(crate) fn driver_version() -> Option<(i32, i32)> {
+    let mut v = 0;
+    // SAFETY: an out-pointer to a live int; the driver library is loaded (a context exists).
+    let rc = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    (rc == cudarc::driver::sys::CUresult::CUDA_SUCCESS && v > 0)
+        .then_some((v / 1000, v % 1000 / 10))
 }
 
 /// The runtime of device `ordinal`, made on first use (compiling the kernels: about a second).

@@ -719,3 +719,51 @@ fn optimizer_kernels_match_the_cpu_bit_for_bit() {
         assert_eq!(p, want, "Adam decoupled={decoupled}");
     }
 }
+
+/// int64 values beyond 2^53 survive copies and compare exactly (they once went through
+/// float64, as the CPU's scalar comparisons do but its copies and tensor comparisons do not).
+#[test]
+fn int64_copies_and_comparisons_are_exact_beyond_2_pow_53() {
+    let big = (1i64 << 53) + 1;
+    let a = Tensor::from_vec(vec![big, i64::MIN + 1, i64::MAX - 1, -big, 5], &[5]).expect("a");
+    let b = Tensor::from_vec(vec![big - 1, i64::MIN + 1, i64::MAX, -big + 1, 5], &[5]).expect("b");
+    let (ap, la) = host(&a);
+    let (bp, lb) = host(&b);
+    for to in [DType::I64, DType::Bool] {
+        let out = output(to, &[5]);
+        let (o, lo) = host(&out);
+        run(&plan::copy((DType::I64, ap, &la), (to, o, &lo), "copy").expect("plan"));
+        match to {
+            DType::I64 => assert_eq!(
+                out.to_vec::<i64>().expect("v"),
+                a.to_vec::<i64>().expect("v")
+            ),
+            _ => assert_eq!(
+                out.to_vec::<bool>().expect("v"),
+                a.to_dtype(to).and_then(|t| t.to_vec::<bool>()).expect("v")
+            ),
+        }
+    }
+    for (code, want) in [
+        (CmpCode::Eq, a.eq(&b)),
+        (CmpCode::Lt, a.lt(&b)),
+        (CmpCode::Ge, a.ge(&b)),
+    ] {
+        let out = output(DType::Bool, &[5]);
+        run(&plan::compare(
+            DType::I64,
+            host(&out).0,
+            (ap, &la),
+            Some((bp, &lb)),
+            code,
+            0.0,
+            "cmp",
+        )
+        .expect("plan"));
+        assert_eq!(
+            out.to_vec::<bool>().expect("v"),
+            want.and_then(|t| t.to_vec::<bool>()).expect("cpu"),
+            "{code:?}"
+        );
+    }
+}

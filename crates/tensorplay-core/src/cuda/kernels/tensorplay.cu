@@ -90,6 +90,19 @@ template <> __device__ inline i64 tp_from_f64<i64>(double v) {
     return (i64)v;
 }
 
+// a dtype conversion: through double as the CPU's, except where that would lose what the CPU
+// keeps: a copy to the same type, and int64 to bool
+template <typename D, typename S> struct tp_cast_t {
+    __device__ static inline D go(S v) { return tp_from_f64<D>(tp_to_f64(v)); }
+};
+template <typename T> struct tp_cast_t<T, T> {
+    __device__ static inline T go(T v) { return v; }
+};
+template <> struct tp_cast_t<bool, i64> {
+    __device__ static inline bool go(i64 v) { return v != 0; }
+};
+template <typename D, typename S> __device__ inline D tp_cast(S v) { return tp_cast_t<D, S>::go(v); }
+
 // ---------------------------------------------------------------------------------------------
 // elementwise
 
@@ -208,8 +221,8 @@ TP_BINARY(tp_binary_i64, i64)
 
 enum CmpOp { C_EQ = 0, C_NE = 1, C_LT = 2, C_LE = 3, C_GT = 4, C_GE = 5 };
 
-// a comparison of two strided operands (b != 0), or of `a` with a scalar (b == 0), compared as
-// doubles as the CPU does
+// a comparison of two strided operands (b != 0), in their own type, or of `a` with a scalar
+// (b == 0), compared as doubles: as the CPU does
 struct CmpParams {
     u64 out;
     u64 a;
@@ -221,7 +234,7 @@ struct CmpParams {
     double scalar;
 };
 
-__device__ inline bool tp_cmp(i64 op, double x, double y) {
+template <typename T> __device__ inline bool tp_cmp(i64 op, T x, T y) {
     switch (op) {
     case C_EQ: return x == y;
     case C_NE: return x != y;
@@ -238,9 +251,9 @@ __device__ inline bool tp_cmp(i64 op, double x, double y) {
         const T* b = (const T*)p.b;                                                      \
         bool* out = (bool*)p.out;                                                        \
         TP_LOOP(i, p.n) {                                                                \
-            double x = tp_to_f64(a[tp_at(p.la, i)]);                                     \
-            double y = p.b ? tp_to_f64(b[tp_at(p.lb, i)]) : p.scalar;                    \
-            out[i] = tp_cmp(p.op, x, y);                                                 \
+            T x = a[tp_at(p.la, i)];                                                     \
+            out[i] = p.b ? tp_cmp<T>(p.op, x, b[tp_at(p.lb, i)])                         \
+                         : tp_cmp<double>(p.op, tp_to_f64(x), p.scalar);                 \
         }                                                                                \
     }
 TP_CMP(tp_cmp_f32, float)
@@ -288,7 +301,7 @@ struct CopyParams {
     TP_KERNEL(name, CopyParams) {                                                             \
         const S* x = (const S*)p.x;                                                           \
         D* out = (D*)p.out;                                                                   \
-        TP_LOOP(i, p.n) { out[tp_at(p.lo, i)] = tp_from_f64<D>(tp_to_f64(x[tp_at(p.lx, i)])); } \
+        TP_LOOP(i, p.n) { out[tp_at(p.lo, i)] = tp_cast<D, S>(x[tp_at(p.lx, i)]); } \
     }
 #define TP_COPY_FROM(S, sname)                \
     TP_COPY(tp_copy_##sname##_f32, S, float)  \
