@@ -29,7 +29,6 @@ use std::time::Duration;
 
 use tensorplay_collectives::{self as dist, InitOptions, ProcessGroup, ReduceOp};
 use tensorplay_core::Tensor;
-use tensorplay_core::autograd::{Context, Function, apply};
 use tensorplay_core::nn::functional::linear;
 use tensorplay_distributed_nn::functional as df;
 
@@ -48,44 +47,11 @@ const D_OUT: usize = 5;
 // ---------------------------------------------------------------------------------------------
 // the parallel building blocks
 
-/// Megatron's `f` ("copy to tensor-parallel region"): identity forward, all-reduce (Sum) of the
-/// gradient backward, so that a replicated input receives the full gradient on every rank.
-struct CopyToGroup {
-    group: Option<ProcessGroup>,
-}
-
-impl Function for CopyToGroup {
-    fn name(&self) -> &str {
-        "CopyToGroupBackward"
-    }
-    fn forward(
-        &self,
-        _ctx: &mut Context,
-        inputs: &[&Tensor],
-    ) -> tensorplay_core::Result<Vec<Tensor>> {
-        Ok(vec![inputs[0].detach().deep_clone()?])
-    }
-    fn backward(
-        &self,
-        _ctx: &Context,
-        grads: &[Tensor],
-    ) -> tensorplay_core::Result<Vec<Option<Tensor>>> {
-        Ok(vec![Some(df::all_reduce(
-            &grads[0],
-            ReduceOp::Sum,
-            self.group.as_ref(),
-        )?)])
-    }
-}
-
+/// Megatron's `f` ("copy to tensor-parallel region"), the library's public helper: identity
+/// forward, all-reduce (Sum) of the gradient backward, so that a replicated input receives the
+/// full gradient on every rank.
 fn copy_to_group(x: &Tensor, group: Option<&ProcessGroup>) -> R<Tensor> {
-    Ok(apply(
-        CopyToGroup {
-            group: group.cloned(),
-        },
-        &[x],
-    )?
-    .remove(0))
+    Ok(df::copy_to_group(x, group)?)
 }
 
 /// The full (single-process) parameters, input and loss weights: deterministic values, the same

@@ -19,6 +19,7 @@
 //! | `torch.distributed.nn` | [`distributed::nn`] |
 //! | `torch.multiprocessing.spawn` | [`distributed::spawn()`] |
 //! | `torchrun` | the `tensorplay-run` binary of this crate (see the README) |
+//! | (nanoGPT, Megatron-LM) | [`models`]: a GPT and its tensor-parallel form |
 //!
 //! ```
 //! use tensorplay as tp;
@@ -247,6 +248,8 @@ pub mod distributed {
         pub use tensorplay_distributed_nn::*;
     }
 }
+
+pub mod models;
 
 /// The one error of the stack: the core's error, into which every layer's error converts
 /// (higher layers' errors are carried as [`Error::External`]; use [`Error::downcast_ref`] to

@@ -7,6 +7,9 @@ use crate::backend::{self, DeviceStorage as _};
 use crate::random::default_generator;
 use crate::{Error, Result, Tensor};
 
+pub use super::attention::scaled_dot_product_attention;
+pub use super::normalization::layer_norm;
+
 /// `input @ weight^T + bias` (`F.linear`): `input` `[.., in]`, `weight` `[out, in]`, `bias`
 /// `[out]`, result `[.., out]`. The transpose is a view (no copy) and the bias is added by
 /// broadcasting.
@@ -62,6 +65,25 @@ pub fn linear(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<
 /// `max(x, 0)` elementwise (`F.relu`).
 pub fn relu(input: &Tensor) -> Result<Tensor> {
     input.relu()
+}
+
+/// Which GELU [`gelu`] computes (PyTorch's `approximate` argument).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Approximate {
+    /// The exact `x * Phi(x)` (`approximate='none'`).
+    #[default]
+    None,
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (`approximate='tanh'`).
+    Tanh,
+}
+
+/// GELU elementwise (`F.gelu`): [`Tensor::gelu`] or [`Tensor::gelu_tanh`] as `approximate`
+/// says. Float input of any shape; errors with [`Error::UnsupportedDType`] otherwise.
+pub fn gelu(input: &Tensor, approximate: Approximate) -> Result<Tensor> {
+    match approximate {
+        Approximate::None => input.gelu(),
+        Approximate::Tanh => input.gelu_tanh(),
+    }
 }
 
 /// Hyperbolic tangent elementwise (`F.tanh`).

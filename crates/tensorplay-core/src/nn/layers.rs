@@ -204,23 +204,58 @@ activation!(
      # Ok::<(), tp::Error>(())\n\
      ```"
 );
-activation!(
-    GELU,
-    gelu,
-    "Exact GELU `x * Phi(x)`, `Phi` the standard normal CDF computed with erf, elementwise \
-     (`torch.nn.GELU()`, i.e. `approximate='none'`; the tanh approximation is not available); \
-     float input of any shape, output of the same shape and dtype. Errors with \
-     `Error::UnsupportedDType` on a non-float input.\n\n\
-     ```\n\
-     use tensorplay::{self as tp, nn::{self, Module}};\n\
-     let x = tp::Tensor::from_vec(vec![0.0f64, 1.0, -1.0], &[3])?;\n\
-     let v = nn::GELU::new().call(&x)?.to_vec::<f64>()?;\n\
-     assert_eq!(v[0], 0.0);\n\
-     assert!((v[1] - 0.841_344_746_068_542_9).abs() < 1e-12);\n\
-     assert!((v[2] + 0.158_655_253_931_457_05).abs() < 1e-12);\n\
-     # Ok::<(), tp::Error>(())\n\
-     ```"
-);
+/// GELU elementwise (`torch.nn.GELU`): exact by default (`x * Phi(x)`, `Phi` the standard
+/// normal CDF computed with erf; `approximate='none'`), or the tanh approximation GPT-2 uses
+/// with [`GELU::tanh`] (`approximate='tanh'`, see [`Tensor::gelu_tanh`]). Float input of any
+/// shape, output of the same shape and dtype. Errors with `Error::UnsupportedDType` on a
+/// non-float input.
+///
+/// ```
+/// use tensorplay::{self as tp, nn::{self, Module}};
+/// let x = tp::Tensor::from_vec(vec![0.0f64, 1.0, -1.0], &[3])?;
+/// let v = nn::GELU::new().call(&x)?.to_vec::<f64>()?;
+/// assert_eq!(v[0], 0.0);
+/// assert!((v[1] - 0.841_344_746_068_542_9).abs() < 1e-12);
+/// assert!((v[2] + 0.158_655_253_931_457_05).abs() < 1e-12);
+/// let t = nn::GELU::tanh().call(&x)?.to_vec::<f64>()?;
+/// assert!((t[1] - 0.841_191_990_608_276_8).abs() < 1e-12);
+/// # Ok::<(), tp::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct GELU {
+    approximate: functional::Approximate,
+    core: ModuleCore,
+}
+
+impl GELU {
+    /// The exact GELU (`nn.GELU()`).
+    pub fn new() -> GELU {
+        GELU::default()
+    }
+    /// The tanh approximation (`nn.GELU(approximate='tanh')`).
+    pub fn tanh() -> GELU {
+        GELU {
+            approximate: functional::Approximate::Tanh,
+            core: ModuleCore::new(),
+        }
+    }
+    /// Which form this layer computes.
+    pub fn approximate(&self) -> functional::Approximate {
+        self.approximate
+    }
+}
+
+impl Module for GELU {
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        functional::gelu(input, self.approximate)
+    }
+    fn core(&self) -> &ModuleCore {
+        &self.core
+    }
+    fn core_mut(&mut self) -> &mut ModuleCore {
+        &mut self.core
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Sequential

@@ -18,12 +18,18 @@
 //! # Ok::<(), tp::Error>(())
 //! ```
 
+mod attention;
+mod container;
 pub mod functional;
 mod layers;
 mod loss;
 mod module;
+mod normalization;
 pub mod utils;
 
+pub use attention::MultiheadAttention;
+pub use container::ModuleList;
 pub use layers::{Dropout, Embedding, GELU, Linear, ReLU, Sequential, Sigmoid, Tanh};
 pub use loss::{CrossEntropyLoss, MSELoss};
 pub use module::{ForwardHook, Module, ModuleCore};
+pub use normalization::LayerNorm;

@@ -116,6 +116,11 @@ pub trait Module: Send + Sync {
 
     /// Every parameter of this module and its descendants with dotted names such as
     /// `"0.weight"` (`named_parameters`): own parameters first, then each child's in order.
+    ///
+    /// A parameter registered more than once (a **tied weight**: the same tensor handle held
+    /// by two modules, such as a language model's embedding and output head) is listed once,
+    /// under its first name, as PyTorch's `named_parameters()` does; so optimizers step it
+    /// once and its gradient is the sum over both uses.
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = self.local_parameters();
         for (name, child) in self.named_children() {
@@ -123,6 +128,8 @@ pub trait Module: Send + Sync {
                 out.push((format!("{name}.{n}"), p));
             }
         }
+        let mut seen = BTreeSet::new();
+        out.retain(|(_, p)| seen.insert(p.id()));
         out
     }
 

@@ -1,5 +1,5 @@
 //! Learning-rate schedulers (`torch.optim.lr_scheduler`): [`StepLR`], [`MultiStepLR`],
-//! [`ExponentialLR`], [`CosineAnnealingLR`], [`LinearLR`] and [`LambdaLR`].
+//! [`ExponentialLR`], [`CosineAnnealingLR`], [`LinearLR`], [`LambdaLR`] and [`WarmupCosineLR`].
 //!
 //! A scheduler drives anything with per-group learning rates ([`LrGroups`]: every
 //! [`Optimizer`], and the distributed optimizer of `tensorplay::distributed::optim`). As in
@@ -459,3 +459,96 @@ impl LambdaLR {
     }
 }
 scheduler!(LambdaLR);
+
+/// Linear warm-up, then cosine decay: the schedule GPT-style training uses (as in nanoGPT, or
+/// PyTorch's `SequentialLR(LinearLR, CosineAnnealingLR)`), one step per optimizer step.
+///
+/// With `w = warmup`, `T = total` and `m = min_factor`, the rate of step `e` is `base` times
+/// - `(e + 1) / w` while `e < w` (so the first step already trains, and step `w - 1` reaches
+///   the base rate);
+/// - `m + (1 - m) * (1 + cos(pi * (e - w) / (T - w))) / 2` for `w <= e <= T`;
+/// - `m` after `T`.
+///
+/// ```
+/// use tensorplay::{self as tp, optim::{AdamW, AdamWOptions, Optimizer}};
+/// use tp::optim::lr_scheduler::{LrScheduler, WarmupCosineLR};
+/// let w = tp::Tensor::from_vec(vec![1.0f32], &[1])?.requires_grad_(true);
+/// let mut opt = AdamW::new(vec![w], AdamWOptions { lr: 1e-3, ..Default::default() })?;
+/// let mut sched = WarmupCosineLR::new(&mut opt, 10, 100, 0.1)?;
+/// assert!((opt.lr() - 1e-4).abs() < 1e-15); // step 0: 1/10 of the rate
+/// for _ in 0..9 {
+///     sched.step(&mut opt)?;
+/// }
+/// assert!((opt.lr() - 1e-3).abs() < 1e-15); // warmed up
+/// # Ok::<(), tp::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct WarmupCosineLR {
+    warmup: usize,
+    total: usize,
+    min_factor: f64,
+    s: Schedule,
+}
+
+impl WarmupCosineLR {
+    /// A scheduler for `opt`: `warmup` steps of linear warm-up (0 for none), cosine decay until
+    /// step `total`, down to `min_factor` times the base rate.
+    ///
+    /// Errors ([`Error::InvalidArgument`]): `total` is not greater than `warmup`, or
+    /// `min_factor` is outside `[0, 1]`.
+    pub fn new(
+        opt: &mut dyn LrGroups,
+        warmup: usize,
+        total: usize,
+        min_factor: f64,
+    ) -> Result<WarmupCosineLR> {
+        if total <= warmup {
+            return Err(Error::invalid(
+                "WarmupCosineLR",
+                "total",
+                format!("more steps than the warm-up's {warmup}"),
+                total,
+            ));
+        }
+        if !(0.0..=1.0).contains(&min_factor) {
+            return Err(Error::invalid(
+                "WarmupCosineLR",
+                "min_factor",
+                "a factor in [0, 1]",
+                min_factor,
+            ));
+        }
+        let mut me = WarmupCosineLR {
+            warmup,
+            total,
+            min_factor,
+            s: Schedule::pending(),
+        };
+        me.s = Schedule::start(opt, me.rule())?;
+        Ok(me)
+    }
+
+    /// The factor on the base rate at step `e`.
+    pub fn factor(&self, e: usize) -> f64 {
+        warmup_cosine(self.warmup, self.total, self.min_factor, e)
+    }
+
+    fn rule(&self) -> impl Fn(usize, f64, f64) -> f64 + use<> {
+        let (w, t, m) = (self.warmup, self.total, self.min_factor);
+        move |e, _, base| base * warmup_cosine(w, t, m, e)
+    }
+
+    /// The rates of `epoch` by the closed form.
+    pub fn closed_form_lr(&self, epoch: usize) -> Vec<f64> {
+        self.s.closed(|b| b * self.factor(epoch))
+    }
+}
+scheduler!(WarmupCosineLR);
+
+fn warmup_cosine(warmup: usize, total: usize, min_factor: f64, e: usize) -> f64 {
+    if e < warmup {
+        return (e + 1) as f64 / warmup as f64;
+    }
+    let p = ((e - warmup) as f64 / (total - warmup) as f64).min(1.0);
+    min_factor + (1.0 - min_factor) * (1.0 + (PI * p).cos()) / 2.0
+}

@@ -78,6 +78,7 @@
 //! ```
 
 mod adjoints;
+mod tensor_parallel;
 
 use tensorplay_collectives::{self as coll, ProcessGroup};
 use tensorplay_core::autograd::{Context, Function, apply, is_grad_enabled};
@@ -86,6 +87,7 @@ use tensorplay_core::{DType, Device, Result, Tensor, TensorOptions};
 /// The reduce op of [`all_reduce`], [`reduce`] and [`reduce_scatter`] (re-exported from the
 /// collectives).
 pub use coll::ReduceOp;
+pub use tensor_parallel::{copy_to_group, reduce_from_group};
 
 /// Most dimensions a tensor passed to these functions may have.
 pub const MAX_DIMS: usize = 8;
