@@ -64,7 +64,11 @@ fn gelu_tanh_values_gradients_and_module() -> tp::Result<()> {
     let want_t = x.detach().t()?.contiguous()?.to_vec::<f64>()?;
     let want_t: Vec<f64> = want_t.into_iter().map(gelu_tanh_ref).collect();
     close("gelu_tanh f32 transposed", &got, &want_t, 1e-6);
-    check("gelu_tanh", |xs| Ok(vec![xs[0].gelu_tanh()?]), std::slice::from_ref(&x));
+    check(
+        "gelu_tanh",
+        |xs| Ok(vec![xs[0].gelu_tanh()?]),
+        std::slice::from_ref(&x),
+    );
     // the module and the functional form
     let m = nn::GELU::tanh().call(&x)?.to_vec::<f64>()?;
     close("GELU::tanh", &m, &want, 0.0);
@@ -253,8 +257,16 @@ fn masked_fill_triu_tril_values_and_gradients() -> tp::Result<()> {
             );
         }
     }
-    check("triu", |t| Ok(vec![t[0].triu(1)?]), std::slice::from_ref(&a));
-    check("tril", |t| Ok(vec![t[0].tril(-1)?]), std::slice::from_ref(&a));
+    check(
+        "triu",
+        |t| Ok(vec![t[0].triu(1)?]),
+        std::slice::from_ref(&a),
+    );
+    check(
+        "tril",
+        |t| Ok(vec![t[0].tril(-1)?]),
+        std::slice::from_ref(&a),
+    );
     let ints = Tensor::from_vec(vec![1i64, 2, 3, 4], &[2, 2])?;
     assert_eq!(ints.tril(0)?.to_vec::<i64>()?, [1, 0, 3, 4]);
     assert_eq!(invalid_arg(leaf(&[3], 0).triu(0).unwrap_err()), "input");
