@@ -20,8 +20,10 @@
 //!   `--rounds` rounds; prints both sides' local step, DDP step and overhead with the median
 //!   ratios (ours / PyTorch's) against the goals, and our hidden fraction and exposed wait.
 //! - `bench-core`: runs the core benchmark (`cargo bench -p tensorplay-core --bench core_step`)
-//!   and PyTorch's anchor script `torch_core_step.py` in one run on this machine, and prints
-//!   both with the ratios (ours / PyTorch's time; ours / PyTorch's GFLOP/s).
+//!   and PyTorch's anchor script `torch_core_step.py` in one run on this machine, then the GPT
+//!   training step of `gpt_distributed` (`cargo bench -p tensorplay --bench gpt_step`) beside
+//!   `benchmarks/torch_gpt.py step`, and prints both sides with the ratios (ours / PyTorch's
+//!   time; ours / PyTorch's GFLOP/s).
 //! - `bench-rpc`: the RPC benchmark (`tensorplay-rpc`'s `bench_rpc` example) and PyTorch's
 //!   `torch_rpc_latency.py` (TensorPipe) alternately for several rounds, then the best round of
 //!   each with the ratios (ours / PyTorch's, for every metric; the goal column says which way
@@ -283,6 +285,8 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
             python.display()
         );
     }
+    // the GPT step's twin lives in this repository (the model and data are ours)
+    let gpt_script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/torch_gpt.py");
     // build once, outside the timed runs
     run_capture(Command::new("cargo").args([
         "bench",
@@ -292,8 +296,17 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
         "core_step",
         "--no-run",
     ]))?;
+    run_capture(Command::new("cargo").args([
+        "bench",
+        "-p",
+        "tensorplay",
+        "--bench",
+        "gpt_step",
+        "--no-run",
+    ]))?;
     let mut ours: Vec<Vec<Metric>> = Vec::new();
     let mut theirs: Vec<Vec<Metric>> = Vec::new();
+    let mut gpt_theirs: Vec<Vec<Metric>> = Vec::new();
     for r in 0..rounds.max(1) {
         eprintln!("round {}: tensorplay", r + 1);
         let o = run_capture(Command::new("cargo").args([
@@ -304,7 +317,27 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
             "core_step",
         ]))?;
         print!("{o}");
-        ours.push(parse_metrics(&o));
+        let mut metrics = parse_metrics(&o);
+        let g = run_capture(Command::new("cargo").args([
+            "bench",
+            "-p",
+            "tensorplay",
+            "--bench",
+            "gpt_step",
+        ]))?;
+        print!("{g}");
+        metrics.extend(parse_metrics(&g));
+        ours.push(metrics);
+        if have_torch && python.exists() {
+            let g = run_capture(
+                Command::new(python)
+                    .arg(&gpt_script)
+                    .arg("step")
+                    .env("OMP_NUM_THREADS", "1"),
+            )?;
+            print!("{g}");
+            gpt_theirs.push(parse_metrics(&g));
+        }
         if have_torch {
             eprintln!("round {}: pytorch", r + 1);
             // PyTorch's RemoteModule sometimes fails on the worker ("No module named
@@ -325,7 +358,9 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
                 }
             };
             print!("{t}");
-            theirs.push(parse_metrics(&t));
+            let mut t = parse_metrics(&t);
+            t.extend(gpt_theirs.last().cloned().unwrap_or_default());
+            theirs.push(t);
         }
     }
     println!();
@@ -352,7 +387,9 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
             continue;
         }
         let b = best(&b, &unit);
-        let (ratio, goal) = if unit == "us/step" {
+        let (ratio, goal) = if key.starts_with("gpt_step") {
+            (a / b, "time ratio <= 0.7")
+        } else if unit == "us/step" {
             (a / b, "time ratio <= 0.5")
         } else {
             (a / b, "GFLOP/s ratio >= 0.8")

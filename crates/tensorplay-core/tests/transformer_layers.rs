@@ -71,7 +71,7 @@ fn gelu_tanh_values_gradients_and_module() -> tp::Result<()> {
     );
     // the module and the functional form
     let m = nn::GELU::tanh().call(&x)?.to_vec::<f64>()?;
-    close("GELU::tanh", &m, &want, 0.0);
+    close("GELU::tanh", &m, &want, 1e-15);
     let e = F::gelu(&x, F::Approximate::None)?.to_vec::<f64>()?;
     close("F::gelu exact", &e, &x.gelu()?.to_vec::<f64>()?, 0.0);
     // the approximation stays within 5e-4 of the exact GELU

@@ -36,6 +36,8 @@
 // built as a test harness too (its plot test): `main` and the training code then go unused
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
+#[path = "common/plot.rs"]
+mod plot;
 #[path = "common/resume.rs"]
 mod resume;
 #[path = "common/wine.rs"]
@@ -123,7 +125,7 @@ fn parse_args() -> Result<Opts, String> {
             }
             "--plot" => {
                 let p = PathBuf::from(value(&mut i)?);
-                check_plot_path(&p)?;
+                plot::check_path(&p)?;
                 o.plot = Some(p);
             }
             "--checkpoint-dir" => {
@@ -192,30 +194,6 @@ fn parse_args() -> Result<Opts, String> {
 
 /// Refuses a plot path that cannot be written before hours of training, not after: empty, a
 /// directory, or in a folder that does not exist.
-fn check_plot_path(p: &Path) -> Result<(), String> {
-    if p.as_os_str().is_empty() {
-        return Err("--plot needs a file name, e.g. --plot loss.svg".into());
-    }
-    if p.is_dir() {
-        return Err(format!(
-            "--plot {}: is a directory; give a file name",
-            p.display()
-        ));
-    }
-    let dir = match p.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    if !dir.is_dir() {
-        return Err(format!(
-            "--plot {}: the folder {} does not exist",
-            p.display(),
-            dir.display()
-        ));
-    }
-    Ok(())
-}
-
 /// How this process joins the job: `(rank, init method)`.
 fn launch() -> Res<(usize, String, Option<std::process::Child>)> {
     // torchrun's variables (tensorplay-run, spawn), else Slurm's (srun) or Open MPI's (mpirun)
@@ -944,127 +922,44 @@ fn data_parallel(rank: usize, init: &str, o: &Opts) -> Res<Report> {
 
 // ---------------------------------------------------------------------------------------------
 
-/// Two panels: the first steps of each run over its single-process reference (what the check
-/// compares), and the mean training loss of every epoch of the whole run. Every curve has a
-/// coloured swatch in its panel's legend.
-fn plot(path: &PathBuf, runs: &[(&str, &Report)]) -> Res<()> {
-    use plotters::prelude::*;
-    let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let (left, right) = root.split_horizontally(600);
-    // a darker green than plotters' GREEN, legible as a thin line on white
-    let colours = [RED, BLUE, RGBColor(0, 140, 0)];
-    let range = |vals: &mut dyn Iterator<Item = f64>| {
-        let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
-            (a.min(v), b.max(v))
-        });
-        if lo.is_finite() && hi > lo {
-            let pad = (hi - lo) * 0.05;
-            (lo - pad)..(hi + pad)
-        } else {
-            0.0..1.0
-        }
-    };
-
-    // left: the compared steps, each run over its reference
-    let steps = runs
-        .iter()
-        .map(|(_, r)| r.losses.len())
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    let y = range(
-        &mut runs
-            .iter()
-            .flat_map(|(_, r)| r.losses.iter().chain(&r.reference))
-            .copied(),
-    );
-    let mut chart = ChartBuilder::on(&left)
-        .caption(
-            format!("first {steps} steps: distributed vs one process"),
-            ("sans-serif", 18),
-        )
-        .margin(15)
-        .x_label_area_size(35)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0..steps, y)?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("cross-entropy loss")
-        .draw()?;
-    for (i, (name, r)) in runs.iter().enumerate() {
-        let c = colours[i % colours.len()];
-        let wide = c.mix(0.35).stroke_width(6);
-        chart
-            .draw_series(LineSeries::new(
-                r.reference.iter().copied().enumerate(),
-                wide,
-            ))?
-            .label(format!("{name}, one process"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], wide));
-        let thin = c.stroke_width(2);
-        chart
-            .draw_series(LineSeries::new(r.losses.iter().copied().enumerate(), thin))?
-            .label(format!("{name}, 2 workers"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], thin));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-
-    // right: every epoch of every run
+/// Two panels (`common/plot.rs`): the first steps of each run over its single-process
+/// reference (what the check compares), and the mean training loss of every epoch of the
+/// whole run.
+fn plot(path: &Path, runs: &[(&str, &Report)]) -> Res<()> {
+    let steps = runs.iter().map(|(_, r)| r.losses.len()).max().unwrap_or(1);
     let epochs = runs
         .iter()
         .map(|(_, r)| r.epoch_losses.len())
         .max()
-        .unwrap_or(1)
-        .max(1);
-    let y = range(
-        &mut runs
-            .iter()
-            .flat_map(|(_, r)| r.epoch_losses.iter())
-            .copied(),
-    );
-    let mut chart = ChartBuilder::on(&right)
-        .caption(
-            format!("all {epochs} epochs: mean training loss"),
-            ("sans-serif", 18),
-        )
-        .margin(15)
-        .x_label_area_size(35)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0..epochs, y)?;
-    chart
-        .configure_mesh()
-        .x_desc("epoch")
-        .y_desc("mean cross-entropy loss")
-        .draw()?;
-    for (i, (name, r)) in runs.iter().enumerate() {
-        let style = colours[i % colours.len()].stroke_width(2);
-        chart
-            .draw_series(LineSeries::new(
-                r.epoch_losses
-                    .iter()
-                    .copied()
-                    .enumerate()
-                    .map(|(e, l)| (e + 1, l)),
-                style,
-            ))?
-            .label(name.to_string())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(())
+        .unwrap_or(1);
+    let left = format!("first {steps} steps: distributed vs one process");
+    let right = format!("all {epochs} epochs: mean training loss");
+    let compared: Vec<plot::Compared<'_>> = runs
+        .iter()
+        .map(|(n, r)| (*n, r.reference.clone(), r.losses.clone()))
+        .collect();
+    let curves: Vec<plot::Curve<'_>> = runs
+        .iter()
+        .map(|(n, r)| {
+            let points = r.epoch_losses.iter().enumerate();
+            (*n, points.map(|(e, l)| (e + 1, *l)).collect())
+        })
+        .collect();
+    plot::two_panels(
+        path,
+        plot::Panel {
+            caption: &left,
+            x_desc: "step",
+            y_desc: "cross-entropy loss",
+        },
+        &compared,
+        plot::Panel {
+            caption: &right,
+            x_desc: "epoch",
+            y_desc: "mean cross-entropy loss",
+        },
+        &curves,
+    )
 }
 
 fn run(o: &Opts) -> Res<bool> {
@@ -1156,18 +1051,18 @@ mod tests {
     #[test]
     fn bad_plot_paths_are_refused_up_front() {
         let dir = std::env::temp_dir();
-        assert!(check_plot_path(Path::new("")).is_err());
-        assert!(check_plot_path(&dir).unwrap_err().contains("directory"));
+        assert!(plot::check_path(Path::new("")).is_err());
+        assert!(plot::check_path(&dir).unwrap_err().contains("directory"));
         let missing = dir
             .join(format!("tp-no-such-dir-{}", std::process::id()))
             .join("l.svg");
         assert!(
-            check_plot_path(&missing)
+            plot::check_path(&missing)
                 .unwrap_err()
                 .contains("does not exist")
         );
-        assert!(check_plot_path(&dir.join("loss.svg")).is_ok());
-        assert!(check_plot_path(Path::new("loss.svg")).is_ok());
+        assert!(plot::check_path(&dir.join("loss.svg")).is_ok());
+        assert!(plot::check_path(Path::new("loss.svg")).is_ok());
     }
 
     /// The plot shows every epoch of the run (not only the compared steps) and gives each of

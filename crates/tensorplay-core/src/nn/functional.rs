@@ -39,7 +39,19 @@ pub fn linear(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<
             rhs: weight.dtype(),
         });
     }
-    let y = input.matmul(&weight.t()?)?;
+    // batch dimensions are folded into the rows of one matrix product (as PyTorch does), so
+    // the weight's gradient is one product too, not a batch of them summed
+    let y = if input.ndim() > 2 && input.is_contiguous() {
+        let k = input.shape()[input.ndim() - 1];
+        let mut out_shape = input.shape().to_vec();
+        *out_shape.last_mut().unwrap_or(&mut 0) = weight.shape()[0];
+        input
+            .reshape(&[input.numel() / k.max(1), k])?
+            .matmul(&weight.t()?)?
+            .reshape(&out_shape)?
+    } else {
+        input.matmul(&weight.t()?)?
+    };
     match bias {
         Some(b) => {
             if b.dtype() != weight.dtype() {

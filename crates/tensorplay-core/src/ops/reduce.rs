@@ -120,10 +120,42 @@ fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
     if let Some(r) = backend::on_device(&x, |c, l| c.reduce(l, dims, ReduceCode::Sum, false)) {
         return Ok(backend::device_tensor(r?.0, &shape));
     }
+    let leading = !dims.is_empty()
+        && dims.len() < x.ndim()
+        && dims.iter().enumerate().all(|(i, &d)| i == d)
+        && x.is_contiguous();
     numeric_dispatch!(x.dtype(), "sum", T => {
-        let v = reduce_kernel::<T, T>(&x, dims, "sum", |it| sum_values(it))?;
+        let v = if leading {
+            // the gradients of broadcast operands (a bias over rows): whole rows added in turn
+            let inner: usize = x.shape()[dims.len()..].iter().product();
+            x.with_slice("sum", |s: &[T], l| sum_rows(&s[l.offset()..l.offset() + l.numel()], inner))?
+        } else {
+            reduce_kernel::<T, T>(&x, dims, "sum", |it| sum_values(it))?
+        };
         Ok(Tensor::from_cpu(T::into_storage(v), &shape))
     })
+}
+
+/// The sum of the rows of `x` (`inner` elements each), accumulated in blocks of 32 rows added
+/// to the total (fewer rounding steps than one running sum over every row).
+fn sum_rows<T: StorageElement + super::WrappingArith>(x: &[T], inner: usize) -> Vec<T> {
+    let mut total = vec![T::default(); inner];
+    if inner == 0 {
+        return total;
+    }
+    let mut block = vec![T::default(); inner];
+    for rows in x.chunks(32 * inner) {
+        block.copy_from_slice(&rows[..inner]);
+        for row in rows.chunks_exact(inner).skip(1) {
+            for (b, &v) in block.iter_mut().zip(row) {
+                *b = b.wadd(v);
+            }
+        }
+        for (t, &b) in total.iter_mut().zip(&block) {
+            *t = t.wadd(b);
+        }
+    }
+    total
 }
 
 struct Sum {

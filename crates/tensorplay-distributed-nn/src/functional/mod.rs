@@ -25,6 +25,11 @@
 //! | [`all_to_all`] | `y[j] = x_j[r]` | `dx[j] = g_j[r]` (the same exchange) |
 //! | [`all_to_all_single`] | rows `in_splits` of each rank | the exchange with the split lists swapped |
 //!
+//! Megatron-style tensor parallelism uses the other convention, every rank computing the *same*
+//! loss: [`copy_to_group`] (identity forward, all-reduce backward) and [`reduce_from_group`]
+//! (all-reduce forward, identity backward) give each shard exactly its slice of the
+//! single-process gradient.
+//!
 //! # Reduce ops and their true adjoints
 //!
 //! PyTorch's `nn.functional` reuses the forward op in backward (right only for `Sum` and

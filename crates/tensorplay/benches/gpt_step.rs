@@ -1,0 +1,70 @@
+//! The GPT training step of `gpt_distributed` (4 layers, width 128, 4 heads, context 64,
+//! vocabulary 65, float32), batch 16 x 64 tokens, one thread: forward, backward and an AdamW
+//! step. Prints one line in the format `cargo xtask bench-core` reads, beside
+//! `benchmarks/torch_gpt.py step`.
+
+use std::time::Instant;
+
+use tensorplay as tp;
+use tp::models::{Gpt, GptConfig};
+use tp::nn::Module;
+use tp::optim::{AdamW, AdamWOptions, Optimizer};
+use tp::{DType, Tensor};
+
+fn main() -> tp::Result<()> {
+    tp::set_num_threads(1);
+    tp::manual_seed(0);
+    let model = Gpt::new(GptConfig {
+        vocab_size: 65,
+        block_size: 64,
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 128,
+        dropout: 0.0,
+        dtype: DType::F32,
+    })?;
+    let mut opt = AdamW::new(
+        model.parameters(),
+        AdamWOptions {
+            lr: 1e-3,
+            betas: (0.9, 0.99),
+            weight_decay: 0.01,
+            ..Default::default()
+        },
+    )?;
+    let ids: Vec<i64> = (0..16 * 65).map(|i| (i * 37 % 65) as i64).collect();
+    let x = Tensor::from_vec(ids[..16 * 64].to_vec(), &[16, 64])?;
+    let y = Tensor::from_vec(ids[16..16 * 65].to_vec(), &[16, 64])?;
+    let mut step = || -> tp::Result<()> {
+        opt.zero_grad()?;
+        model.loss(&x, &y)?.backward()?;
+        opt.step()
+    };
+    // `cargo bench ... -- N` runs N steps only (for profiling)
+    if let Some(n) = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse::<usize>().ok())
+    {
+        for _ in 0..n {
+            step()?;
+        }
+        return Ok(());
+    }
+    for _ in 0..5 {
+        step()?;
+    }
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..10 {
+            step()?;
+        }
+        runs.push(t.elapsed().as_secs_f64() / 10.0);
+    }
+    runs.sort_by(f64::total_cmp);
+    println!(
+        "tensorplay-core gpt_step batch16x64  {:8.1} us/step",
+        runs[2] * 1e6
+    );
+    Ok(())
+}
