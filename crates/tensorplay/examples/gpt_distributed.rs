@@ -261,6 +261,19 @@ fn initial_model(o: &Opts, corpus: &Corpus) -> Res<Gpt> {
     Ok(Gpt::new(config(corpus.vocab.len()))?)
 }
 
+/// The recipe's learning-rate schedule for a run of `steps` steps: the warm-up is always
+/// [`WARMUP`] steps, so the compared first 100 steps are the same whatever `--steps` is; the
+/// cosine decay runs from there to the last step. A run of at most `WARMUP` steps (as in CI,
+/// `--steps 100`) ends inside the warm-up.
+fn schedule(opt: &mut AdamW, steps: usize) -> Res<WarmupCosineLR> {
+    Ok(WarmupCosineLR::new(
+        opt,
+        WARMUP,
+        steps.max(WARMUP + 1),
+        0.1,
+    )?)
+}
+
 /// `steps` optimizer steps of the recipe; `step(index, opt)` runs one forward and backward and
 /// returns the loss of the whole batch.
 fn train(
@@ -271,7 +284,7 @@ fn train(
     mut step: impl FnMut(usize) -> Res<f64>,
 ) -> Res<(Vec<f64>, Duration)> {
     let mut opt = AdamW::new(params, adamw())?;
-    let mut sched = WarmupCosineLR::new(&mut opt, WARMUP, o.steps, 0.1)?;
+    let mut sched = schedule(&mut opt, o.steps)?;
     let bar = progress(o.steps, run, rank);
     let start = Instant::now();
     let mut losses = Vec::with_capacity(o.steps);
@@ -612,6 +625,33 @@ mod tests {
         let (d, _) = Corpus::batch(&c.train, 0, 6, 4).unwrap();
         assert_eq!(a.to_vec::<i64>().unwrap(), b.to_vec::<i64>().unwrap());
         assert_ne!(a.to_vec::<i64>().unwrap(), d.to_vec::<i64>().unwrap());
+    }
+
+    #[test]
+    fn the_schedule_accepts_every_permitted_step_count() {
+        // CI runs `--steps 100`: the warm-up alone (this was refused once, failing CI)
+        for steps in [COMPARE_STEPS, WARMUP, WARMUP + 1, 600, MAX_STEPS] {
+            let w = Tensor::from_vec(vec![0.0f32; 2], &[2])
+                .unwrap()
+                .requires_grad_(true);
+            let mut opt = AdamW::new(vec![w], adamw()).unwrap();
+            let mut sched =
+                schedule(&mut opt, steps).unwrap_or_else(|e| panic!("--steps {steps}: {e}"));
+            let mut lrs = Vec::new();
+            for _ in 0..COMPARE_STEPS {
+                sched.step(&mut opt).unwrap();
+                lrs.push(opt.lr());
+            }
+            // the compared steps warm up the same way for every run length
+            assert!(
+                (lrs[9] - 1e-3 * 11.0 / 100.0).abs() < 1e-12,
+                "--steps {steps}: {lrs:?}"
+            );
+            assert!(
+                lrs.windows(2).all(|p| p[1] >= p[0]),
+                "--steps {steps}: {lrs:?}"
+            );
+        }
     }
 
     #[test]
