@@ -40,11 +40,13 @@
 // built as a test harness too (its argument tests): the training code then goes unused
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
+#[path = "common/launch.rs"]
+mod launch;
 #[path = "common/plot.rs"]
 mod plot;
 
 use std::path::PathBuf;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -420,42 +422,6 @@ fn sample(model: &Gpt, corpus: &Corpus, chars: usize, seed: u64) -> Res<String> 
 // ---------------------------------------------------------------------------------------------
 // the job
 
-/// How this process joins the job: `(rank, init method, the child process rank 0 started)`.
-fn launch() -> Res<(usize, String, Option<std::process::Child>)> {
-    let var = |n: &str| tp::distributed::launch_env::lookup_env(n).map(|f| f.value);
-    match (var("RANK"), var("WORLD_SIZE")) {
-        (Some(r), Some(w)) => {
-            let rank: usize = r.parse().map_err(|e| format!("bad RANK {r:?}: {e}"))?;
-            let world: usize = w
-                .parse()
-                .map_err(|e| format!("bad WORLD_SIZE {w:?}: {e}"))?;
-            if world != WORLD {
-                return Err(format!(
-                    "this job runs on exactly {WORLD} processes, WORLD_SIZE is {world}"
-                )
-                .into());
-            }
-            Ok((rank, "env://".into(), None))
-        }
-        _ => {
-            // rank 0 here; rank 1 is this program again, in a second process
-            let port = std::net::TcpListener::bind("127.0.0.1:0")?
-                .local_addr()?
-                .port();
-            let child = Command::new(std::env::current_exe()?)
-                .args(std::env::args().skip(1))
-                .env("RANK", "1")
-                .env("WORLD_SIZE", WORLD.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .spawn()?;
-            Ok((0, format!("tcp://127.0.0.1:{port}"), Some(child)))
-        }
-    }
-}
-
 fn max_diff(a: &[f64], b: &[f64]) -> f64 {
     a.iter()
         .zip(b)
@@ -466,7 +432,7 @@ fn max_diff(a: &[f64], b: &[f64]) -> f64 {
 
 fn run(o: &Opts) -> Res<bool> {
     let corpus = Corpus::load()?;
-    let (rank, init_method, mut child) = launch()?;
+    let (rank, init_method, children) = launch::launch(WORLD)?;
     // two processes share the machine: one thread each while both train
     tp::set_num_threads(1);
     let distributed = (|| -> Res<(Report, Report)> {
@@ -485,13 +451,7 @@ fn run(o: &Opts) -> Res<bool> {
         dist::destroy_process_group()?;
         Ok((tp_run, dp_run))
     })();
-    if let Some(c) = child.as_mut() {
-        let status = c.wait()?;
-        if !status.success() && distributed.is_ok() {
-            return Err(format!("rank 1 failed: {status}").into());
-        }
-    }
-    let (tp_run, dp_run) = distributed?;
+    let (tp_run, dp_run) = launch::join(children, distributed)?;
     if rank != 0 {
         return Ok(true);
     }

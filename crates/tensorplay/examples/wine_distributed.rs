@@ -36,6 +36,8 @@
 // built as a test harness too (its plot test): `main` and the training code then go unused
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
+#[path = "common/launch.rs"]
+mod launch;
 #[path = "common/plot.rs"]
 mod plot;
 #[path = "common/resume.rs"]
@@ -46,7 +48,7 @@ mod wine;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -190,46 +192,6 @@ fn parse_args() -> Result<Opts, String> {
         }
     }
     Ok(o)
-}
-
-/// Refuses a plot path that cannot be written before hours of training, not after: empty, a
-/// directory, or in a folder that does not exist.
-/// How this process joins the job: `(rank, init method)`.
-fn launch() -> Res<(usize, String, Option<std::process::Child>)> {
-    // torchrun's variables (tensorplay-run, spawn), else Slurm's (srun) or Open MPI's (mpirun)
-    let var = |n: &str| tp::distributed::launch_env::lookup_env(n).map(|f| f.value);
-    match (var("RANK").ok_or(()), var("WORLD_SIZE").ok_or(())) {
-        (Ok(r), Ok(w)) => {
-            let rank: usize = r.parse().map_err(|e| format!("bad RANK {r:?}: {e}"))?;
-            let world: usize = w
-                .parse()
-                .map_err(|e| format!("bad WORLD_SIZE {w:?}: {e}"))?;
-            if world != WORLD {
-                return Err(format!(
-                    "this job runs on exactly {WORLD} processes, WORLD_SIZE is {world}"
-                )
-                .into());
-            }
-            Ok((rank, "env://".into(), None))
-        }
-        _ => {
-            // rank 0 here; rank 1 is this program again, in a second process
-            let port = std::net::TcpListener::bind("127.0.0.1:0")?
-                .local_addr()?
-                .port();
-            let child = Command::new(std::env::current_exe()?)
-                .args(std::env::args().skip(1))
-                .env("RANK", "1")
-                .env("WORLD_SIZE", WORLD.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TENSORPLAY_WINE_WORKER", "1")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .spawn()?;
-            Ok((0, format!("tcp://127.0.0.1:{port}"), Some(child)))
-        }
-    }
 }
 
 fn progress(epochs: usize, what: &str, rank: usize) -> ProgressBar {
@@ -963,20 +925,14 @@ fn plot(path: &Path, runs: &[(&str, &Report)]) -> Res<()> {
 }
 
 fn run(o: &Opts) -> Res<bool> {
-    let (rank, init, mut child) = launch()?;
+    let (rank, init, children) = launch::launch(WORLD)?;
     let result = (|| -> Res<(Report, Report, Report)> {
         let tp = tensor_parallel(rank, &init, o)?;
         let ps = parameter_server(rank, &init, o)?;
         let dp = data_parallel(rank, &init, o)?;
         Ok((tp, ps, dp))
     })();
-    if let Some(c) = child.as_mut() {
-        let status = c.wait()?;
-        if !status.success() && result.is_ok() {
-            return Err(format!("rank 1 failed: {status}").into());
-        }
-    }
-    let (tp, ps, dp) = result?;
+    let (tp, ps, dp) = launch::join(children, result)?;
     if rank != 0 {
         return Ok(true);
     }
