@@ -526,6 +526,38 @@ fn multihead_attention_matches_its_definition() -> tp::Result<()> {
         },
         &[x.clone(), wi, bi, wo, bo],
     );
+    // bool masks as in PyTorch: MultiheadAttention masks where true (triu(1) is causal),
+    // scaled_dot_product_attention attends where true (tril is causal); a float mask adds
+    let ones = Tensor::ones(&[t, t], DType::Bool)?;
+    let blocked = ones.triu(1)?;
+    let bias = Tensor::zeros(&[t, t], DType::F64)?.masked_fill(&blocked, f64::NEG_INFINITY)?;
+    for (what, got) in [
+        (
+            "MHA bool mask",
+            mha.attend(&x, &x, &x, Some(&blocked), false)?,
+        ),
+        (
+            "MHA float mask",
+            mha.attend(&x, &x, &x, Some(&bias), false)?,
+        ),
+        ("MHA is_causal", mha.attend(&x, &x, &x, None, true)?),
+    ] {
+        close(what, &got.to_vec()?, &want.to_vec()?, 1e-13);
+    }
+    let (q, k, v) = (
+        leaf(&[bsz, 2, t, 3], 21),
+        leaf(&[bsz, 2, t, 3], 22),
+        leaf(&[bsz, 2, t, 3], 23),
+    );
+    let causal = F::scaled_dot_product_attention(&q, &k, &v, None, 0.0, true, None)?;
+    let by_mask =
+        F::scaled_dot_product_attention(&q, &k, &v, Some(&ones.tril(0)?), 0.0, false, None)?;
+    close(
+        "sdpa bool mask",
+        &by_mask.to_vec()?,
+        &causal.to_vec()?,
+        1e-13,
+    );
     // separate query and key/value lengths, and bad inputs
     let kv = leaf(&[bsz, 3, e], 17);
     assert_eq!(mha.attend(&x, &kv, &kv, None, false)?.shape(), [bsz, t, e]);

@@ -46,7 +46,7 @@ pub use tensorplay_core::{
     save, serialize, set_grad_enabled, set_num_threads, stack, zeros,
 };
 
-/// `torch.nn`: layers, losses, `functional`, `init`, `utils`, and `parallel`
+/// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`
 /// (`DistributedDataParallel`).
 pub mod nn {
     pub use tensorplay_core::nn::*;

@@ -17,7 +17,9 @@ use crate::{DType, Error, Result, Tensor};
 /// - `query`: `[.., L, E]`; `key`: `[.., S, E]`; `value`: `[.., S, Ev]`; the leading (batch,
 ///   head) dimensions broadcast. The output is `[.., L, Ev]` of the common float dtype.
 /// - `attn_mask`: optional, broadcastable to `[.., L, S]`: a **bool** mask says which keys each
-///   query may attend to (true = attend), a **float** mask is added to the scores.
+///   query may attend to (true = attend, as in PyTorch's function; the causal mask is `tril`
+///   of ones; [`MultiheadAttention::attend`]'s bool mask means the opposite, as in PyTorch's
+///   module), a **float** mask is added to the scores.
 /// - `dropout_p`: the probability of zeroing an attention weight (the survivors are scaled by
 ///   `1 / (1 - p)`), applied whenever it is non-zero, as PyTorch's function does; pass 0 in
 ///   evaluation.
@@ -263,8 +265,24 @@ impl MultiheadAttention {
     }
 
     /// Attention of `query` (`[B, L, E]`) over `key` (`[B, S, E]`) and `value` (`[B, S, E]`),
-    /// with an optional `attn_mask` (`[L, S]` or broadcastable to `[B, heads, L, S]`; bool:
-    /// true = attend, float: added) or `is_causal`. Returns `[B, L, E]`.
+    /// with an optional `attn_mask` (`[L, S]` or broadcastable to `[B, heads, L, S]`) or
+    /// `is_causal`. Returns `[B, L, E]`.
+    ///
+    /// A **bool** mask follows `torch.nn.MultiheadAttention`: **true = may not attend** (the
+    /// causal mask is `triu(1)` of ones); a float mask is added to the scores. This is the
+    /// opposite of [`scaled_dot_product_attention`]'s bool mask (true = attend), as in PyTorch,
+    /// so masks written for either PyTorch function carry over unchanged.
+    ///
+    /// ```
+    /// use tensorplay::{self as tp, DType, Tensor, nn};
+    /// let mha = nn::MultiheadAttention::new(8, 2, 0.0, true)?;
+    /// let x = tp::randn(&[1, 5, 8])?;
+    /// let blocked = Tensor::ones(&[5, 5], DType::Bool)?.triu(1)?; // PyTorch's causal mask
+    /// let a = mha.attend(&x, &x, &x, Some(&blocked), false)?;
+    /// let b = mha.attend(&x, &x, &x, None, true)?;
+    /// assert!(a.sub(&b)?.abs()?.max()?.item_f64()? < 1e-6);
+    /// # Ok::<(), tp::Error>(())
+    /// ```
     ///
     /// Errors: [`Error::InvalidArgument`] when an input is not 3-d with `E` features or the
     /// batch sizes differ, and the errors of [`scaled_dot_product_attention`].
@@ -304,7 +322,13 @@ impl MultiheadAttention {
         } else {
             0.0
         };
-        let y = scaled_dot_product_attention(&q, &k, &v, attn_mask, p, is_causal, None)?;
+        // PyTorch's MultiheadAttention masks where the bool mask is true; sdpa attends there
+        let allowed = match attn_mask {
+            Some(m) if m.dtype() == DType::Bool => Some(m.logical_not()?),
+            Some(m) => Some(m.clone()),
+            None => None,
+        };
+        let y = scaled_dot_product_attention(&q, &k, &v, allowed.as_ref(), p, is_causal, None)?;
         self.out_proj.call(&merge_heads(&y)?)
     }
 }
