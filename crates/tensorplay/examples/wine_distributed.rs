@@ -1009,6 +1009,16 @@ mod tests {
         let dir = std::env::temp_dir();
         assert!(plot::check_path(Path::new("")).is_err());
         assert!(plot::check_path(&dir).unwrap_err().contains("directory"));
+        let svg_dir = dir.join(format!("tp-dir-{}.svg", std::process::id()));
+        std::fs::create_dir_all(&svg_dir).unwrap();
+        let refused = plot::check_path(&svg_dir);
+        std::fs::remove_dir(&svg_dir).unwrap();
+        assert!(refused.unwrap_err().contains("directory"));
+        assert!(
+            plot::check_path(Path::new("loss.png"))
+                .unwrap_err()
+                .contains(".svg")
+        );
         let missing = dir
             .join(format!("tp-no-such-dir-{}", std::process::id()))
             .join("l.svg");

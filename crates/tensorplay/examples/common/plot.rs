@@ -11,15 +11,15 @@ pub(crate) fn check_path(p: &Path) -> Result<(), String> {
     if p.as_os_str().is_empty() {
         return Err("--plot needs a file name, e.g. --plot loss.svg".into());
     }
-    if p.extension().and_then(|e| e.to_str()) != Some("svg") {
-        return Err(format!(
-            "--plot {}: the plot is an SVG drawing; give a name ending in .svg",
-            p.display()
-        ));
-    }
     if p.is_dir() {
         return Err(format!(
             "--plot {}: is a directory; give a file name",
+            p.display()
+        ));
+    }
+    if p.extension().and_then(|e| e.to_str()) != Some("svg") {
+        return Err(format!(
+            "--plot {}: the plot is an SVG drawing; give a name ending in .svg",
             p.display()
         ));
     }
