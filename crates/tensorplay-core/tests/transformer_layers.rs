@@ -426,6 +426,35 @@ fn scaled_dot_product_attention_values_and_gradients() -> tp::Result<()> {
         ),
         "dropout_p"
     );
+    // an integer mask is neither a bool nor an additive mask; inputs of mixed dtypes
+    let int_mask = Tensor::ones(&[l, l], DType::I64)?;
+    assert_eq!(
+        invalid_arg(
+            F::scaled_dot_product_attention(&q, &k, &v, Some(&int_mask), 0.0, false, None)
+                .unwrap_err()
+        ),
+        "attn_mask"
+    );
+    let f32_mask = Tensor::zeros(&[l, l], DType::F32)?;
+    assert_eq!(
+        invalid_arg(
+            F::scaled_dot_product_attention(&q, &k, &v, Some(&f32_mask), 0.0, false, None)
+                .unwrap_err()
+        ),
+        "attn_mask"
+    );
+    for (name, k32, v32) in [
+        ("key", k.to_dtype(DType::F32)?, v.clone()),
+        ("value", k.clone(), v.to_dtype(DType::F32)?),
+    ] {
+        assert_eq!(
+            invalid_arg(
+                F::scaled_dot_product_attention(&q, &k32, &v32, None, 0.0, false, None)
+                    .unwrap_err()
+            ),
+            name
+        );
+    }
     assert!(
         F::scaled_dot_product_attention(
             &q,
@@ -567,6 +596,11 @@ fn multihead_attention_matches_its_definition() -> tp::Result<()> {
                 .unwrap_err()
         ),
         "key"
+    );
+    let int_mask = Tensor::ones(&[t, t], DType::I64)?;
+    assert_eq!(
+        invalid_arg(mha.attend(&x, &x, &x, Some(&int_mask), false).unwrap_err()),
+        "attn_mask"
     );
     assert_eq!(
         invalid_arg(nn::MultiheadAttention::new(8, 3, 0.0, true).unwrap_err()),

@@ -32,7 +32,8 @@ use crate::{DType, Error, Result, Tensor};
 ///
 /// Errors: [`Error::InvalidArgument`] when `attn_mask` and `is_causal` are both given, when an
 /// input has fewer than 2 dimensions, when `E` differs between query and key or `S` between key
-/// and value, or `dropout_p` is outside `[0, 1]`; [`Error::ShapeMismatch`] when the batch
+/// and value, when key or value differs from the query in dtype, when a mask is neither bool nor
+/// of the query's dtype, or `dropout_p` is outside `[0, 1]`; [`Error::ShapeMismatch`] when the batch
 /// dimensions or the mask do not broadcast; [`Error::UnsupportedDType`] for integer inputs.
 ///
 /// ```
@@ -73,6 +74,30 @@ pub fn scaled_dot_product_attention(
                 expected: "float32 or float64 query, key and value",
             });
         }
+    }
+    for (name, t) in [("key", key), ("value", value)] {
+        if t.dtype() != query.dtype() {
+            return Err(Error::invalid(
+                OP,
+                name,
+                format!("{}, the query's dtype", query.dtype()),
+                t.dtype().to_string(),
+            ));
+        }
+    }
+    if let Some(m) = attn_mask
+        && m.dtype() != DType::Bool
+        && m.dtype() != query.dtype()
+    {
+        return Err(Error::invalid(
+            OP,
+            "attn_mask",
+            format!(
+                "a bool mask (true = may attend) or an additive {} mask, the query's dtype",
+                query.dtype()
+            ),
+            m.dtype().to_string(),
+        ));
     }
     let (qs, ks, vs) = (query.shape(), key.shape(), value.shape());
     let e = qs[qs.len() - 1];
