@@ -423,6 +423,32 @@ fn sharding_layout_and_errors() -> R<()> {
     assert_eq!(cols.to_vec::<f64>()?, [4.0, 5.0, 10.0, 11.0]);
     assert!(gpt::shard_parameter("mlp.c_fc.weight", &full, 2, 2).is_err());
     assert!(gpt::shard_parameter("mlp.c_fc.weight", &full, 0, 5).is_err());
+    // a tensor without the split dimension, and stacked q/k/v rows that do not split evenly,
+    // are refused naming `full` (the first indexed out of bounds, the second dropped rows)
+    let arg_of = |r: tp::Result<Tensor>| match r {
+        Err(tp::Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("expected an invalid-argument error, got {other:?}"),
+    };
+    let vector = Tensor::arange(0.0, 8.0, 1.0, DType::F64)?;
+    assert_eq!(
+        arg_of(gpt::shard_parameter("h.0.mlp.c_proj.weight", &vector, 0, 2)),
+        "full"
+    );
+    let square = Tensor::zeros(&[8, 8], DType::F64)?;
+    assert_eq!(
+        arg_of(gpt::shard_parameter(
+            "h.0.attn.c_attn.weight",
+            &square,
+            0,
+            2
+        )),
+        "full"
+    );
+    let scalar = Tensor::scalar(1.0f64);
+    assert_eq!(
+        arg_of(gpt::shard_parameter("h.0.mlp.c_fc.bias", &scalar, 0, 2)),
+        "full"
+    );
     Ok(())
 }
 

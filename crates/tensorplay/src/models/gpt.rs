@@ -115,8 +115,9 @@ pub fn split_of(name: &str) -> Split {
 /// [`split_of`]: a new contiguous tensor, not requiring grad. Also shards gradients (to compare
 /// a tensor-parallel run's with a single process's).
 ///
-/// Errors ([`Error::InvalidArgument`]) when `world` does not divide the split dimension or
-/// `rank >= world`.
+/// Errors ([`Error::InvalidArgument`]) when `world` does not divide the split dimension (for the
+/// stacked query-key-value rows, when `3 * world` does not divide them), `full` lacks the split
+/// dimension, or `rank >= world`.
 pub fn shard_parameter(name: &str, full: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
     let split = split_of(name);
     if rank >= world {
@@ -128,6 +129,19 @@ pub fn shard_parameter(name: &str, full: &Tensor, rank: usize, world: usize) -> 
         ));
     }
     let full = full.detach();
+    let needs = match split {
+        Split::Replicated => 0,
+        Split::Rows | Split::QkvRows => 1,
+        Split::Columns => 2,
+    };
+    if full.ndim() < needs {
+        return Err(invalid(
+            "shard_parameter",
+            "full",
+            format!("at least {needs} dimensions for {name} (split {split:?})"),
+            format!("shape {:?}", full.shape()),
+        ));
+    }
     let take = |t: &Tensor, dim: usize| -> Result<Tensor> {
         let n = t.shape()[dim];
         if !n.is_multiple_of(world) {
@@ -145,7 +159,20 @@ pub fn shard_parameter(name: &str, full: &Tensor, rank: usize, world: usize) -> 
         Split::Rows => take(&full, 0)?,
         Split::Columns => take(&full, 1)?,
         Split::QkvRows => {
-            let e = full.shape()[0] / 3;
+            let rows = full.shape()[0];
+            if !rows.is_multiple_of(3 * world) {
+                return Err(invalid(
+                    "shard_parameter",
+                    "full",
+                    format!(
+                        "query, key and value stacked in dimension 0 of {name}: rows a \
+                         multiple of 3 x world = {}",
+                        3 * world
+                    ),
+                    format!("shape {:?}", full.shape()),
+                ));
+            }
+            let e = rows / 3;
             let parts = (0..3)
                 .map(|i| take(&full.narrow(0, i * e, e)?, 0))
                 .collect::<Result<Vec<_>>>()?;
@@ -268,7 +295,7 @@ impl CausalSelfAttention {
         let (rank, world) = rank_and_world(Some(group))?;
         if !self.heads.is_multiple_of(world) {
             return Err(invalid(
-                "Gpt::tensor_parallel",
+                "tensor_parallel (Gpt or Block)",
                 "group",
                 format!("a size dividing the {} heads", self.heads),
                 world,
