@@ -992,8 +992,7 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
-            let who = std::env::var("RANK").unwrap_or_else(|_| "0".into());
-            eprintln!("error on rank {who}: {e}");
+            launch::report(&e);
             ExitCode::FAILURE
         }
     }
