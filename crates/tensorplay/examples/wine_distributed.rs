@@ -1026,7 +1026,15 @@ mod tests {
                 .unwrap_err()
                 .contains("does not exist")
         );
-        assert!(plot::check_path(&dir.join("loss.svg")).is_ok());
+        // a folder where no file can be made (procfs) is found before the training
+        assert!(
+            plot::check_path(Path::new("/proc/tp-loss.svg"))
+                .unwrap_err()
+                .contains("cannot write")
+        );
+        let probe = dir.join(format!("tp-probe-{}.svg", std::process::id()));
+        assert!(plot::check_path(&probe).is_ok());
+        assert!(!probe.exists(), "the try left {}", probe.display());
         assert!(plot::check_path(Path::new("loss.svg")).is_ok());
     }
 

@@ -34,6 +34,18 @@ pub(crate) fn check_path(p: &Path) -> Result<(), String> {
             dir.display()
         ));
     }
+    // try it now rather than after the training (a file made only for the try is removed)
+    let existed = p.exists();
+    if let Err(e) = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(p)
+    {
+        return Err(format!("--plot {}: cannot write it: {e}", p.display()));
+    }
+    if !existed {
+        let _ = std::fs::remove_file(p);
+    }
     Ok(())
 }
 
