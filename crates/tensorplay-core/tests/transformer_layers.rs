@@ -427,22 +427,12 @@ fn scaled_dot_product_attention_values_and_gradients() -> tp::Result<()> {
         "dropout_p"
     );
     // an integer mask is neither a bool nor an additive mask; inputs of mixed dtypes
-    let int_mask = Tensor::ones(&[l, l], DType::I64)?;
-    assert_eq!(
-        invalid_arg(
-            F::scaled_dot_product_attention(&q, &k, &v, Some(&int_mask), 0.0, false, None)
-                .unwrap_err()
-        ),
-        "attn_mask"
-    );
-    let f32_mask = Tensor::zeros(&[l, l], DType::F32)?;
-    assert_eq!(
-        invalid_arg(
-            F::scaled_dot_product_attention(&q, &k, &v, Some(&f32_mask), 0.0, false, None)
-                .unwrap_err()
-        ),
-        "attn_mask"
-    );
+    for dtype in [DType::I64, DType::F32] {
+        let mask = Tensor::zeros(&[l, l], dtype)?;
+        let e = F::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, None)
+            .expect_err(&format!("a {dtype} mask for a float64 query"));
+        assert_eq!(invalid_arg(e), "attn_mask", "{dtype} mask");
+    }
     for (name, k32, v32) in [
         ("key", k.to_dtype(DType::F32)?, v.clone()),
         ("value", k.clone(), v.to_dtype(DType::F32)?),

@@ -201,24 +201,24 @@ impl Agent {
                 "rpc done"
             )
         });
+        // the caller's timeout, when the reply came after it
+        let expired = timeout.filter(|t| t0.elapsed() >= *t);
         match resp.message {
             Message::Response(None) => Ok((resp, tensors)),
-            // the callee's own wait for this request (a fetch waits as long as the caller
-            // does) expired first, a tie: it is this call's timeout, reported as when the
-            // caller's timer wins (a test saw either error at random)
-            Message::Response(Some(e))
-                if e.kind == "Timeout" && timeout.is_some_and(|t| t0.elapsed() >= t) =>
-            {
-                Err(Error::Timeout {
+            Message::Response(Some(e)) => Err(match expired {
+                // the callee's own wait for this request (a fetch waits as long as the caller
+                // does) expired first, a tie: it is this call's timeout, reported as when the
+                // caller's timer wins (a test saw either error at random)
+                Some(t) if e.kind == "Timeout" => Error::Timeout {
                     op,
                     worker,
-                    timeout: timeout.unwrap_or_default(),
-                })
-            }
-            Message::Response(Some(e)) => Err(Error::Remote {
-                worker: e.worker,
-                kind: e.kind,
-                message: e.message,
+                    timeout: t,
+                },
+                _ => Error::Remote {
+                    worker: e.worker,
+                    kind: e.kind,
+                    message: e.message,
+                },
             }),
             other => Err(Error::Serialization(format!(
                 "{} answered a request with a {} message instead of a response",
