@@ -3,13 +3,13 @@ its `step` mode beside our `gpt_step` bench; `train` is the job's single-process
 
 Usage:
   python benchmarks/torch_gpt.py step           # one thread: microseconds per training step
-  python benchmarks/torch_gpt.py train [STEPS]  # the single-process run: validation loss
+  python benchmarks/torch_gpt.py train [STEPS] [SEED]  # the single-process run: validation loss
 
 The model is nanoGPT's layout (token + position embedding, pre-norm blocks of causal
 self-attention and a tanh-GELU MLP, final LayerNorm, head tied to the token embedding) with
 4 layers, width 128, 4 heads, context 64, float32, dropout 0, GPT-2's initialisation. The data
 is crates/tensorplay/data/tinyshakespeare.txt, split 90/10, with the same batch offsets as the
-Rust job (splitmix64 seeded by step); AdamW (lr 1e-3, betas 0.9/0.99, weight decay 0.01 on every
+Rust job (the rule of docs/models.md, "Batches", in gpt_batches.py); AdamW (lr 1e-3, betas 0.9/0.99, weight decay 0.01 on every
 parameter), 100 warm-up steps, cosine decay to a tenth. The initial weights differ (PyTorch's
 generator), so losses are compared as values, not step by step.
 """
@@ -18,31 +18,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpt_batches import TRAIN, VALIDATION, offset
+
 BATCH, CONTEXT, WARMUP, VAL_BATCHES = 16, 64, 100, 16
 N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
-MASK = (1 << 64) - 1
 
 
-class SplitMix:
-    def __init__(self, seed):
-        self.s = seed & MASK
-
-    def next(self):
-        self.s = (self.s + 0x9E3779B97F4A7C15) & MASK
-        z = self.s
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
-        return z ^ (z >> 31)
-
-
-def batch(data, seed, index, rows):
-    rng = SplitMix(seed ^ ((index * 0x9E3779B97F4A7C15) & MASK))
-    xs, ys = [], []
-    for _ in range(rows):
-        at = rng.next() % (len(data) - CONTEXT - 1)
-        xs.append(data[at:at + CONTEXT])
-        ys.append(data[at + 1:at + CONTEXT + 1])
-    return torch.stack(xs), torch.stack(ys)
+def batch(data, seed, stream, step, rows):
+    """Batch `step` of `stream` (TRAIN or VALIDATION): the offsets of docs/models.md's rule."""
+    at = [offset(len(data) - CONTEXT, seed, stream, step, r) for r in range(rows)]
+    return (torch.stack([data[a:a + CONTEXT] for a in at]),
+            torch.stack([data[a + 1:a + CONTEXT + 1] for a in at]))
 
 
 class Block(nn.Module):
@@ -116,7 +102,7 @@ def main():
     if mode == "step":
         torch.set_num_threads(1)
         opt, _ = optimizer(model, 1000)
-        x, y = batch(train, 0, 0, BATCH)
+        x, y = batch(train, 0, TRAIN, 0, BATCH)
         def step():
             opt.zero_grad()
             model.loss(x, y).backward()
@@ -132,10 +118,13 @@ def main():
         print(f"torch-core gpt_step batch16x64  {statistics.median(runs) * 1e6:8.1f} us/step")
     elif mode == "train":
         steps = int(sys.argv[2]) if len(sys.argv) > 2 else 600
+        seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+        torch.manual_seed(seed)
+        model = Gpt(len(vocab))
         opt, sched = optimizer(model, steps)
         t = time.perf_counter()
         for s in range(steps):
-            x, y = batch(train, 0, s, BATCH)
+            x, y = batch(train, seed, TRAIN, s, BATCH)
             opt.zero_grad()
             loss = model.loss(x, y)
             loss.backward()
@@ -143,8 +132,8 @@ def main():
             sched.step()
         wall = time.perf_counter() - t
         with torch.no_grad():
-            v = sum(model.loss(*batch(val, 0 ^ 0x56414C, b, BATCH)).item() for b in range(VAL_BATCHES))
-        print(f"pytorch: validation loss {v / VAL_BATCHES:.4f} ({steps} steps, {wall:.1f} s, "
+            v = sum(model.loss(*batch(val, seed, VALIDATION, b, BATCH)).item() for b in range(VAL_BATCHES))
+        print(f"pytorch: validation loss {v / VAL_BATCHES:.4f} ({steps} steps, seed {seed}, {wall:.1f} s, "
               f"{torch.get_num_threads()} threads)")
     else:
         sys.exit(f"unknown mode {mode!r}: step or train")
