@@ -101,8 +101,29 @@ pub trait Interface<M: RemoteConstructible>: 'static {
 }
 
 /// The owner's copy of a remote module: the module (behind a lock), its constructor arguments
-/// and its device. Sending it (`get_module_rref().to_here()`) sends the arguments, the
-/// training flag and the state dict; the receiver rebuilds an equal module on CPU.
+/// and its device.
+///
+/// `get_module_rref().to_here(None)` returns a `Hosted<M>`, not the module: on another worker,
+/// a new one holding an equal module on the CPU (the owner sends the arguments, the training
+/// flag and the state dict, and the receiver rebuilds the module from them); on the owner, the
+/// owner's own (a handle sharing the live module). [`read`](Hosted::read) and
+/// [`write`](Hosted::write) lock the module in place; [`into_inner`](Hosted::into_inner) gives
+/// the module itself:
+///
+/// ```no_run
+/// use tensorplay as tp;
+/// use tp::distributed::nn::{LinearArgs, RemoteModule};
+/// use tp::nn::Module;
+///
+/// # fn main() -> tp::Result<()> {
+/// let remote = RemoteModule::<tp::nn::Linear>::new(
+///     "worker1/cpu",
+///     LinearArgs { in_features: 4, out_features: 2, bias: true },
+/// )?;
+/// let copy: tp::nn::Linear = remote.get_module_rref().to_here(None)?.into_inner()?;
+/// assert_eq!(copy.forward(&tp::ones(&[1, 4])?)?.shape(), &[1, 2]); // runs here, on the copy
+/// # Ok(()) }
+/// ```
 pub struct Hosted<M: RemoteConstructible> {
     inner: Arc<HostedInner<M>>,
 }
@@ -156,6 +177,48 @@ impl<M: RemoteConstructible> Hosted<M> {
     pub fn args(&self) -> &M::Args {
         &self.inner.args
     }
+
+    /// The module itself. When this is its only handle (the copy that
+    /// `get_module_rref().to_here()` fetched from another worker, not cloned since), the
+    /// module is taken out as it is, on its device; otherwise (the owner's own value, or a
+    /// clone) a new module is built from the same constructor arguments, state dict and
+    /// training flag, on the CPU, as sending it would, and the shared one is left alone.
+    ///
+    /// # Errors
+    /// Only when rebuilding: `M::construct`'s error, or the module's `state_dict` /
+    /// `load_state_dict` error.
+    pub fn into_inner(self) -> Result<M> {
+        match Arc::try_unwrap(self.inner) {
+            Ok(inner) => Ok(inner.module.into_inner().unwrap_or_else(|e| e.into_inner())),
+            Err(shared) => {
+                let hosted = Hosted { inner: shared };
+                let m = hosted.read();
+                let state = m.state_dict()?;
+                let entries = state
+                    .into_iter()
+                    .map(|(k, v)| Ok((k, v.to_device(Device::Cpu)?.detach().deep_clone()?)))
+                    .collect::<Result<Vec<_>>>()?;
+                rebuild(&hosted.inner.args, entries, m.is_training())
+            }
+        }
+    }
+}
+
+/// A module built from `args` with the state `entries` and the training flag `training` (what
+/// a receiver of a [`Hosted`] holds).
+fn rebuild<M: RemoteConstructible>(
+    args: &M::Args,
+    entries: Vec<(String, Tensor)>,
+    training: bool,
+) -> Result<M> {
+    let mut m = M::construct(args)?;
+    let state: BTreeMap<String, Tensor> = entries.into_iter().collect();
+    {
+        let _g = tensorplay_core::no_grad();
+        m.load_state_dict(&state, true)?;
+    }
+    m.train(training)?;
+    Ok(m)
 }
 
 impl<M: RemoteConstructible> Wire for Hosted<M> {
@@ -177,13 +240,7 @@ impl<M: RemoteConstructible> Wire for Hosted<M> {
         let device: String = Wire::decode(d)?;
         let training = bool::decode(d)?;
         let entries: Vec<(String, Tensor)> = Wire::decode(d)?;
-        let mut m = M::construct(&args)?;
-        let state: BTreeMap<String, Tensor> = entries.into_iter().collect();
-        {
-            let _g = tensorplay_core::no_grad();
-            m.load_state_dict(&state, true)?;
-        }
-        m.train(training)?;
+        let m = rebuild::<M>(&args, entries, training)?;
         // the copy lives where it arrived: on the CPU
         let _ = device;
         Ok(Hosted::new(args, Device::Cpu, m))
@@ -582,8 +639,9 @@ impl<M: RemoteConstructible> RemoteModule<M> {
             .rpc_sync(&method_name::<M>("load"), path.to_string(), None)?)
     }
 
-    /// The RRef holding the module on its owner (`get_module_rref`); `to_here()` on it returns
-    /// a copy with the same state.
+    /// The RRef holding the module on its owner (`get_module_rref`). `to_here(None)` on it
+    /// returns a [`Hosted<M>`]: on another worker a copy holding an equal module on the CPU,
+    /// on the owner the owner's own; [`Hosted::into_inner`] gives the module itself.
     pub fn get_module_rref(&self) -> RRef<Hosted<M>> {
         self.rref.clone()
     }
@@ -666,7 +724,7 @@ impl<M: RemoteConstructible> Module for RemoteModule<M> {
     fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
         Err(unsupported(
             "state_dict",
-            "use get_module_rref().to_here() for a copy of the remote module",
+            "use get_module_rref().to_here(None)?.into_inner() for a copy of the remote module",
         ))
     }
     fn load_state_dict(&mut self, _: &BTreeMap<String, Tensor>, _: bool) -> Result<()> {
