@@ -33,6 +33,64 @@
 //! Every layer's error converts into the one [`Error`] of this crate, so `?` works across
 //! layers in a function returning [`Result`].
 //!
+//! # Distributed
+//!
+//! A differentiable all-reduce between two processes started by
+//! [`spawn`](distributed::spawn()) (`torch.multiprocessing.spawn`; the README's first Quick
+//! start example):
+//!
+//! ```no_run
+//! use tensorplay as tp;
+//! use tp::distributed as dist;
+//! use tp::distributed::nn::functional as df;
+//!
+//! fn main() -> tp::Result<()> {
+//!     dist::spawn(2, |_rank| {
+//!         dist::init_process_group("cpu", Default::default())?;
+//!         let x = tp::randn(&[4, 8])?.requires_grad_(true);
+//!         let y = df::all_reduce(&x, dist::ReduceOp::Sum, None)?; // differentiable all-reduce
+//!         y.sum()?.backward()?; // the gradient flows back through the collective
+//!         assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![2.0; 32]);
+//!         dist::destroy_process_group()?;
+//!         Ok(())
+//!     })?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Data-parallel training: [`nn::parallel`]; modules on other workers, distributed autograd
+//! and the distributed optimizer: [`distributed::nn::RemoteModule`], [`distributed::autograd`],
+//! [`distributed::optim`]; checkpoints: [`save`], [`load`], [`distributed::checkpoint`].
+//!
+//! # Guides
+//!
+//! The repository's `docs/` folder has one page per layer ([docs/README.md] lists them),
+//! among them:
+//!
+//! - [core.md]: tensors, autograd, `nn`, `optim`;
+//! - [collectives.md]: process groups, the cpu and NCCL backends, `spawn`, `tensorplay-run`;
+//! - [data-parallel.md]: `DistributedDataParallel`, `DistributedSampler`, `DataLoader`;
+//! - [rpc.md], [distributed-autograd.md], [distributed-nn.md] and [remote-training.md] (a
+//!   `RemoteModule` trained with distributed autograd and `DistributedOptimizer`, a complete
+//!   program);
+//! - [checkpoints.md], [models.md], [debugging.md];
+//! - [pytorch-names.md]: PyTorch's names and their tensorplay equivalents, and
+//!   [decisions.md]: every place where PyTorch's behaviour was not copied exactly.
+//!
+//! [docs/README.md]: https://example.invalid/tensorplay/blob/main/docs/README.md
+//! [core.md]: https://example.invalid/tensorplay/blob/main/docs/core.md
+//! [collectives.md]: https://example.invalid/tensorplay/blob/main/docs/collectives.md
+//! [data-parallel.md]: https://example.invalid/tensorplay/blob/main/docs/data-parallel.md
+//! [rpc.md]: https://example.invalid/tensorplay/blob/main/docs/rpc.md
+//! [distributed-autograd.md]: https://example.invalid/tensorplay/blob/main/docs/distributed-autograd.md
+//! [distributed-nn.md]: https://example.invalid/tensorplay/blob/main/docs/distributed-nn.md
+//! [remote-training.md]: https://example.invalid/tensorplay/blob/main/docs/remote-training.md
+//! [checkpoints.md]: https://example.invalid/tensorplay/blob/main/docs/checkpoints.md
+//! [models.md]: https://example.invalid/tensorplay/blob/main/docs/models.md
+//! [debugging.md]: https://example.invalid/tensorplay/blob/main/docs/debugging.md
+//! [pytorch-names.md]: https://example.invalid/tensorplay/blob/main/docs/pytorch-names.md
+//! [decisions.md]: https://example.invalid/tensorplay/blob/main/docs/decisions.md
+//!
 //! Features: `cuda` (CUDA tensors; default) and `nccl` (the `"nccl"` process-group backend;
 //! default, implies `cuda`). Both load their libraries at run time, so default builds run on
 //! machines without GPUs; `default-features = false` builds without cudarc. The
@@ -254,8 +312,28 @@ pub mod models;
 /// The one error of the stack: the core's error, into which every layer's error converts
 /// (higher layers' errors are carried as [`Error::External`]; use [`Error::downcast_ref`] to
 /// get, say, a [`distributed::Error`] back). Custom `autograd::Function`s and `nn::Module`s
-/// return this [`Result`] too.
-pub use tensorplay_core::{Error, Result};
+/// return it too.
+pub use tensorplay_core::Error;
+
+/// `std::result::Result<T, E>` with `E` defaulting to [`Error`]: what the facade's functions
+/// return, and what `fn main() -> tp::Result<()>` and custom modules write.
+pub use tensorplay_core::Result;
+
+/// The checkpoints page's examples, compiled as doc tests.
+#[doc = include_str!("../../../docs/checkpoints.md")]
+#[cfg(doctest)]
+pub struct CheckpointsDoctests;
+
+/// The RPC page's examples, compiled as doc tests.
+#[doc = include_str!("../../../docs/rpc.md")]
+#[cfg(doctest)]
+pub struct RpcDoctests;
+
+/// The remote-training page's program, compiled as a doc test (and run, compared with the
+/// page, by `tests/remote_training_page.rs`).
+#[doc = include_str!("../../../docs/remote-training.md")]
+#[cfg(doctest)]
+pub struct RemoteTrainingDoctests;
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../../../README.md")]
