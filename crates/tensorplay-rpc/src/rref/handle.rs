@@ -279,6 +279,12 @@ impl<T: Wire + Clone + Sync> RRef<T> {
     /// A copy of the value, fetched from the owner (`to_here`); on the owner, the value itself.
     /// `timeout`: `None` for the default, `Some(ZERO)` for none.
     ///
+    /// The error is this crate's [`Error`]; `?` converts it into `tensorplay::Error`, but a
+    /// closure's result is not converted, so in a `collect` or an `and_then` into
+    /// `tp::Result` put the `?` inside the closure,
+    /// `rrefs.iter().map(|r| Ok(r.to_here(None)?)).collect::<tp::Result<Vec<_>>>()`, or write
+    /// `r.to_here(None).map_err(tp::Error::from)`.
+    ///
     /// # Errors
     /// The creating call's error ([`Error::Remote`]); [`Error::Timeout`];
     /// [`Error::WorkerUnreachable`]; [`Error::NotInitialized`].
