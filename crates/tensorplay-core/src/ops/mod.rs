@@ -11,6 +11,7 @@ pub(crate) mod index;
 pub(crate) mod mask;
 pub(crate) mod matmul;
 pub(crate) mod minmax;
+mod operators;
 pub(crate) mod reduce;
 pub(crate) mod shape;
 pub(crate) mod view;
