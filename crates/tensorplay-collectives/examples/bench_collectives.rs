@@ -110,7 +110,7 @@ fn main() -> R {
     let report = std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"));
     let _ = std::fs::remove_file(&report);
     let mut opts = dist::SpawnOptions::new(world);
-    opts.timeout = Duration::from_secs(1800);
+    opts.timeout = Some(Duration::from_secs(1800));
     opts.env.push(("TENSORPLAY_BENCH_PARENT".into(), parent));
     let r = dist::spawn::spawn_with(opts, move |rank| run(rank, world, max_mib));
     if let Ok(text) = std::fs::read_to_string(&report) {

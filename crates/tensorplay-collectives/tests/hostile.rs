@@ -510,7 +510,7 @@ fn views_as_outputs() -> TestResult {
 fn one_rank_wrong_gives_every_rank_an_error() -> TestResult {
     dist::spawn::spawn_with(
         SpawnOptions {
-            timeout: Duration::from_secs(120),
+            timeout: Some(Duration::from_secs(120)),
             ..SpawnOptions::new(2)
         },
         |rank| -> TestResult {

@@ -655,11 +655,17 @@ fn a_rank_that_never_joins_times_out() -> TestResult {
         }
         Ok(())
     });
-    let Err(dist::Error::Spawn { rank, output, .. }) = r else {
+    let Err(dist::Error::Spawn {
+        rank,
+        reason,
+        output,
+    }) = r
+    else {
         return Err(format!("expected rank 0's failure on purpose, got {r:?}").into());
     };
     assert_eq!(rank, 0, "{output}");
-    assert!(output.contains("rank 0 ends here on purpose"), "{output}");
+    // the failure line is quoted in the reason (and kept out of the output)
+    assert!(reason.contains("rank 0 ends here on purpose"), "{reason}");
     // while waiting, rank 0 said who it waited for (several times in 3 s)
     let notes = output
         .lines()

@@ -21,7 +21,7 @@ fn shared_dir(tag: &str) -> PathBuf {
 fn opts(n: usize, dir: &std::path::Path, timeout_s: u64) -> SpawnOptions {
     SpawnOptions {
         nprocs: n,
-        timeout: Duration::from_secs(timeout_s),
+        timeout: Some(Duration::from_secs(timeout_s)),
         env: vec![("TP_TEST_DIR".into(), dir.display().to_string())],
     }
 }
@@ -174,8 +174,13 @@ fn a_panicking_rank_is_reported_with_the_panic_text() {
             output,
         } => {
             assert_eq!(*rank, 2, "{err}");
+            // the reason quotes the panic with its location; the output does not repeat it
+            assert!(
+                reason.contains("panicked at crates/tensorplay-collectives/tests/spawn.rs:"),
+                "{err}"
+            );
             assert!(reason.contains("boom from rank two"), "{err}");
-            assert!(output.contains("boom from rank two"), "{err}");
+            assert!(!output.contains("boom from rank two"), "{err}");
         }
         other => panic!("expected Spawn, got {other}"),
     }
@@ -201,6 +206,69 @@ fn a_hanging_rank_is_killed_by_the_overall_timeout() {
             assert!(reason.contains("timed out after 3"), "{err}");
         }
         other => panic!("expected Spawn, got {other}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// As `torch.multiprocessing.spawn`, `spawn` has no overall timeout by default: the same job
+/// (ranks that take 3 s) is killed under a configured 1 s limit and completes with the
+/// default options.
+#[test]
+fn spawn_has_no_default_timeout() {
+    assert_eq!(SpawnOptions::new(2).timeout, None);
+    let dir = shared_dir("no-timeout");
+    let job = |rank: usize| -> Result<(), tensorplay_collectives::SpawnError> {
+        std::thread::sleep(Duration::from_secs(3));
+        std::fs::write(dir.join(format!("done{rank}")), "x")?;
+        Ok(())
+    };
+    // (case, options, whether the job must complete)
+    let cases = [
+        (
+            "a configured 1 s limit",
+            SpawnOptions {
+                timeout: Some(Duration::from_secs(1)),
+                ..opts(2, &dir, 1)
+            },
+            false,
+        ),
+        (
+            "the default options",
+            SpawnOptions {
+                env: opts(2, &dir, 1).env,
+                ..SpawnOptions::new(2)
+            },
+            true,
+        ),
+    ];
+    for (case, o, completes) in cases {
+        if !is_spawned_child() {
+            for r in 0..2 {
+                let _ = std::fs::remove_file(dir.join(format!("done{r}")));
+            }
+        }
+        let start = Instant::now();
+        let r = spawn_with(o, job);
+        let took = start.elapsed();
+        match (r, completes) {
+            (Ok(()), true) => {
+                assert!(took >= Duration::from_secs(3), "{case}: {took:?}");
+                for rank in 0..2 {
+                    assert!(dir.join(format!("done{rank}")).exists(), "{case}: {rank}");
+                }
+            }
+            (Err(Error::Spawn { reason, .. }), false) => {
+                // killed before they finished: they never wrote their files
+                assert!(
+                    reason.contains("timed out after 1.0s, the timeout set in SpawnOptions"),
+                    "{case}: {reason}"
+                );
+                for rank in 0..2 {
+                    assert!(!dir.join(format!("done{rank}")).exists(), "{case}: {rank}");
+                }
+            }
+            (r, _) => panic!("{case}: {r:?}"),
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

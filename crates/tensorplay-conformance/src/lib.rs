@@ -471,7 +471,7 @@ fn run_world(cases: &[Case], w: usize, opts: &RunOptions, dir: &Path) -> dist::R
         .filter(|c| c.world == w && c.invalid.is_none())
         .collect();
     let spawn_opts = SpawnOptions {
-        timeout: opts.world_timeout,
+        timeout: Some(opts.world_timeout),
         env: vec![
             (WORLD_ENV.into(), w.to_string()),
             (OUT_ENV.into(), dir.display().to_string()),

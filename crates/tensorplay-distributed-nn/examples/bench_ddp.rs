@@ -330,7 +330,7 @@ fn main() -> ExitCode {
     let report = std::env::temp_dir().join(format!("tensorplay-bench-ddp-{parent}.txt"));
     let _ = std::fs::remove_file(&report);
     let mut opts = dist::SpawnOptions::new(args.world);
-    opts.timeout = Duration::from_secs(1800);
+    opts.timeout = Some(Duration::from_secs(1800));
     opts.env.push(("TENSORPLAY_BENCH_PARENT".into(), parent));
     let r = dist::spawn_with(opts, move |rank| run(rank, args));
     if let Ok(text) = std::fs::read_to_string(&report) {

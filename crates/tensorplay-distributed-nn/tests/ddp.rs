@@ -933,7 +933,7 @@ fn replicated_and_sharded_checkpoints_world_2() {
     use tensorplay_distributed_nn::checkpoint;
     let dir = ckpt_dir();
     let mut o = dist::SpawnOptions::new(2);
-    o.timeout = Duration::from_secs(60);
+    o.timeout = Some(Duration::from_secs(60));
     o.env = vec![("TP_CKPT_TEST_DIR".into(), dir.display().to_string())];
     let result = dist::spawn::spawn_with(o, |rank| -> TestResult {
         let dir = ckpt_dir();

@@ -128,7 +128,7 @@ fn main() -> R {
     let report = std::env::temp_dir().join(format!("tensorplay-bench-rpc-{parent}.txt"));
     let _ = std::fs::remove_file(&report);
     let mut opts = tensorplay_collectives::SpawnOptions::new(2);
-    opts.timeout = Duration::from_secs(900);
+    opts.timeout = Some(Duration::from_secs(900));
     opts.env.push(("TENSORPLAY_BENCH_PARENT".into(), parent));
     let r = tensorplay_collectives::spawn::spawn_with(opts, move |rank| {
         let mut out = String::new();

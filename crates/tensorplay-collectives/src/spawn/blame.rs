@@ -12,6 +12,13 @@
 //!    ([`is_consequence`]).
 //! 3. Then the earliest exit, then the lowest rank.
 //!
+//! The other ranks that failed are sorted in two lists: **consequences**, whose last message
+//! reports another rank's failure ([`is_consequence`]: a lost peer, a timeout waiting for
+//! others, an unreachable worker) or which ended after the parent began stopping the job; and
+//! **own failures**, which failed on their own account (killed by a signal the parent did not
+//! send, a panic, an error of their own): two ranks that each return an error of their own are
+//! the root and an own failure, never a cause and its consequence.
+//!
 //! When even the root's message is a consequence that names another rank ("rank 2 never
 //! reached this call", "connection to rank 2 failed"), that rank is the likely culprit even
 //! though it did not fail: it exited with code 0 while the others still expected it in a
@@ -56,8 +63,12 @@ pub struct Exit {
 pub struct Verdict {
     /// The rank that failed first in its own right.
     pub root: usize,
-    /// The other ranks that failed, in the order they ended.
+    /// The other ranks whose failure is a consequence of another's (their message reports a
+    /// lost or awaited peer, or the parent stopped them), in the order they ended.
     pub consequences: Vec<usize>,
+    /// The other ranks that failed on their own account (a signal the parent did not send, a
+    /// panic, an error of their own), in the order they ended.
+    pub own_failures: Vec<usize>,
 }
 
 /// A rank that did not fail but that the root's message blames.
@@ -161,8 +172,25 @@ pub fn is_consequence(message: &str) -> bool {
     SIGNS.iter().any(|s| message.contains(s))
 }
 
-/// The root cause and the consequences among `exits` (the ranks that ended so far); `None`
-/// when none failed.
+/// Whether `e` failed on its own account: killed by a signal, or a message that is not a
+/// consequence of another rank's failure ([`is_consequence`]); a rank the parent stopped never
+/// is.
+fn on_its_own(e: &Exit) -> bool {
+    !e.stopped && (matches!(e.how, Ended::Signal(_)) || !is_consequence(&e.message))
+}
+
+/// How `spawn` and `tensorplay-run` label the list of `n` [`Verdict::own_failures`]: "also
+/// failed on its own" (one rank) or "also failed, each on its own".
+pub fn own_failures_label(n: usize) -> &'static str {
+    if n == 1 {
+        "also failed on its own"
+    } else {
+        "also failed, each on its own"
+    }
+}
+
+/// The root cause, the consequences and the other own failures among `exits` (the ranks that
+/// ended so far); `None` when none failed.
 pub fn root_cause(exits: &[Exit]) -> Option<Verdict> {
     let mut failed: Vec<&Exit> = exits.iter().filter(|e| !e.how.success()).collect();
     if failed.is_empty() {
@@ -174,13 +202,14 @@ pub fn root_cause(exits: &[Exit]) -> Option<Verdict> {
     };
     let root = failed.iter().min_by_key(|e| key(e)).map(|e| e.rank)?;
     failed.sort_by_key(|e| (e.at, e.rank));
+    let (own, consequences): (Vec<&Exit>, Vec<&Exit>) = failed
+        .into_iter()
+        .filter(|e| e.rank != root)
+        .partition(|e| on_its_own(e));
     Some(Verdict {
         root,
-        consequences: failed
-            .iter()
-            .map(|e| e.rank)
-            .filter(|&r| r != root)
-            .collect(),
+        consequences: consequences.iter().map(|e| e.rank).collect(),
+        own_failures: own.iter().map(|e| e.rank).collect(),
     })
 }
 
@@ -213,7 +242,8 @@ mod tests {
             v,
             Verdict {
                 root: 2,
-                consequences: vec![0, 1]
+                consequences: vec![0, 1],
+                own_failures: vec![],
             }
         );
     }
@@ -242,7 +272,8 @@ mod tests {
             v,
             Verdict {
                 root: 2,
-                consequences: vec![0]
+                consequences: vec![0],
+                own_failures: vec![],
             }
         );
         assert_eq!(root_cause(&[exit(0, 1, Ended::Code(0), "")]), None);
@@ -257,7 +288,52 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(v.root, 1);
-        assert_eq!(v.consequences, vec![3, 0]);
+        assert_eq!(v.own_failures, vec![3, 0]);
+        assert!(v.consequences.is_empty());
+    }
+
+    /// Each case: the exits, then the expected (root, consequences, own failures).
+    #[test]
+    fn own_failures_are_not_consequences() {
+        let mut stopped_by_parent = exit(3, 20, Ended::Signal(15), "");
+        stopped_by_parent.stopped = true;
+        type Case = (&'static str, Vec<Exit>, (usize, Vec<usize>, Vec<usize>));
+        let cases: Vec<Case> = vec![
+            (
+                "two ranks, each with an error of its own: the first is the root",
+                vec![
+                    exit(1, 5, Ended::Code(1), "rank one's own error"),
+                    exit(0, 9, Ended::Code(1), "rank zero's own error"),
+                ],
+                (1, vec![], vec![0]),
+            ),
+            (
+                "a panic, an own error, a lost peer and a rank the parent stopped",
+                vec![
+                    exit(2, 4, Ended::Code(101), "panicked at src/main.rs:3:5: boom"),
+                    exit(0, 6, Ended::Code(1), PEER),
+                    exit(1, 7, Ended::Code(1), "invalid argument `src`"),
+                    stopped_by_parent.clone(),
+                ],
+                (2, vec![0, 3], vec![1]),
+            ),
+            (
+                "a signal the parent did not send is an own failure",
+                vec![
+                    exit(0, 4, Ended::Code(1), "bad input"),
+                    exit(1, 5, Ended::Signal(11), ""),
+                ],
+                (0, vec![], vec![1]),
+            ),
+        ];
+        for (name, exits, (root, consequences, own)) in cases {
+            let v = root_cause(&exits).unwrap_or_else(|| panic!("{name}: no verdict"));
+            assert_eq!(
+                (v.root, &v.consequences, &v.own_failures),
+                (root, &consequences, &own),
+                "{name}"
+            );
+        }
     }
 
     #[test]

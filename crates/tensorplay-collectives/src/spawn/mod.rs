@@ -10,14 +10,22 @@
 //!
 //! * In the **parent** (no `TENSORPLAY_SPAWN_RANK`), `spawn` starts the children, forwards
 //!   their output line by line prefixed with `[rank N] ` (set `TENSORPLAY_SPAWN_VERBOSE=0` to
-//!   silence it) while keeping it for failure reports, and returns when all exited successfully, or as soon as one fails (non-zero
-//!   exit, signal, or the overall timeout): it then kills the others and returns
-//!   [`Error::Spawn`] for the first failing rank with its output.
+//!   silence it) while keeping it for failure reports, and returns when all exited
+//!   successfully, or as soon as one fails (non-zero exit, signal, or the overall timeout when
+//!   [`SpawnOptions::timeout`] sets one: by default there is none, as in PyTorch): it then
+//!   kills the others and returns [`Error::Spawn`] for the first failing rank with its output.
 //! * In a **child**, the program runs again from the start and reaches the same `spawn` call;
 //!   that call sees `TENSORPLAY_SPAWN_RANK`, runs `f(rank)` and exits the process at once:
-//!   code 0 on `Ok`, 1 on `Err` (the error is printed to stderr), 101 on panic. Nothing after
-//!   the `spawn` call runs in a child. Code before it runs in every child too, so keep it
-//!   cheap and deterministic.
+//!   code 0 on `Ok`, 1 on `Err`, 101 on panic. Nothing after the `spawn` call runs in a child.
+//!   Code before it runs in every child too, so keep it cheap and deterministic.
+//!
+//! **A failing rank is reported once.** A child's error, or the panic of the thread running
+//! `f` (its location and message, then the backtrace when `RUST_BACKTRACE` asks for one), is
+//! sent to the parent on one marked line instead of being printed by the panic hook; the
+//! parent forwards it as `[rank N] failed: <message>` and quotes it in [`Error::Spawn`]'s
+//! reason, and leaves it out of the error's `output` (the rest of what the rank printed), so
+//! the message appears once live and once in the error. Panics of other threads go to the
+//! panic hook as usual.
 //!
 //! When called from a libtest test (the current thread is named after the test, not `main`),
 //! the children re-run only that test (`<name> --exact --nocapture --test-threads=1 -q`);
@@ -45,9 +53,12 @@
 pub mod blame;
 mod parent;
 
+use std::backtrace::{Backtrace, BacktraceStatus};
 use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, Once};
+use std::thread::ThreadId;
 use std::time::Duration;
 
 use crate::{Error, Result};
@@ -62,9 +73,14 @@ pub const SPAWN_PATH_ENV: &str = "TENSORPLAY_SPAWN_PATH";
 /// prefixed with `[rank N] ` (and also kept for failure reports); set this variable to `0` to
 /// only keep it.
 pub const SPAWN_VERBOSE_ENV: &str = "TENSORPLAY_SPAWN_VERBOSE";
-/// The default overall timeout of [`spawn`] (600 seconds): longer than the collectives' default
-/// timeout (300 s), so that a stuck collective reports its own error (naming the rank it waited
-/// for) before `spawn` gives up on the processes.
+/// The overall timeout [`spawn`] used to apply by default (600 seconds). [`spawn`] has no
+/// overall timeout by default now ([`SpawnOptions::new`] sets `timeout: None`), as
+/// `torch.multiprocessing.spawn`; set `SpawnOptions { timeout: Some(..) }` to bound a job.
+#[deprecated(
+    note = "spawn has no overall timeout by default (as torch.multiprocessing.spawn): a healthy \
+            job runs as long as it needs, and the collectives' own timeouts (300 s by default) \
+            catch a stuck rank; set SpawnOptions { timeout: Some(..) } to bound a job"
+)]
 pub const DEFAULT_SPAWN_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How much of a failing child's output [`Error::Spawn`] keeps (the last 64 KiB).
@@ -82,20 +98,22 @@ pub struct SpawnOptions {
     /// Number of processes (ranks `0..nprocs`); must be at least 1.
     pub nprocs: usize,
     /// Overall timeout: when the children have not all exited after this long, the remaining
-    /// ones are killed and the first of them is reported.
-    pub timeout: Duration,
+    /// ones are killed and the first of them is reported. `None` (the default): no limit, as
+    /// in `torch.multiprocessing.spawn`; a rank stuck in a collective still fails at the
+    /// collective's timeout (the group's, 300 s by default), which ends the job.
+    pub timeout: Option<Duration>,
     /// Extra environment variables for the children (applied after the standard ones, so
     /// they can override them).
     pub env: Vec<(String, String)>,
 }
 
 impl SpawnOptions {
-    /// `nprocs` processes, the default timeout ([`DEFAULT_SPAWN_TIMEOUT`]) and no extra
-    /// environment.
+    /// `nprocs` processes, no overall timeout (`timeout: None`, as `torch.multiprocessing.spawn`)
+    /// and no extra environment.
     pub fn new(nprocs: usize) -> SpawnOptions {
         SpawnOptions {
             nprocs,
-            timeout: DEFAULT_SPAWN_TIMEOUT,
+            timeout: None,
             env: Vec::new(),
         }
     }
@@ -104,18 +122,57 @@ impl SpawnOptions {
 /// Number of `f`s of enclosing `spawn` calls currently running in this (child) process.
 static LEVEL: AtomicUsize = AtomicUsize::new(0);
 
+/// The thread running `f` in this child: its panics are reported by `spawn`, not by the hook.
+static F_THREAD: Mutex<Option<ThreadId>> = Mutex::new(None);
+/// The last panic of [`F_THREAD`]: "panicked at FILE:LINE:COL: message" and the backtrace,
+/// when `RUST_BACKTRACE` asked for one.
+static PANIC_REPORT: Mutex<Option<(String, Option<String>)>> = Mutex::new(None);
+/// Installs [`report_panics_of_f`] once per process.
+static PANIC_HOOK: Once = Once::new();
+
+/// Wraps the panic hook: a panic of the thread running `f` is recorded in [`PANIC_REPORT`]
+/// (the child then sends it to the parent on its failure line) instead of printed, so that
+/// the user sees the message once; panics of other threads go to the previous hook.
+fn report_panics_of_f() {
+    PANIC_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let this = std::thread::current().id();
+            let of_f = *F_THREAD.lock().unwrap_or_else(|e| e.into_inner()) == Some(this);
+            if !of_f {
+                return previous(info);
+            }
+            let at = info
+                .location()
+                .map(|l| format!(" at {}:{}:{}", l.file(), l.line(), l.column()))
+                .unwrap_or_default();
+            let msg = info
+                .payload_as_str()
+                .unwrap_or("(non-string panic payload)");
+            let trace = Backtrace::capture();
+            let trace = (trace.status() == BacktraceStatus::Captured).then(|| trace.to_string());
+            *PANIC_REPORT.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((format!("panicked{at}: {msg}"), trace));
+        }));
+    });
+}
+
 /// Runs `f(rank)` in `nprocs` processes, like `torch.multiprocessing.spawn`: the current program
 /// is re-executed once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT` set, and reaches this call again; code
 /// before it runs in every child, nothing after it does (a child exits when `f` returns). Each
 /// child's output is forwarded prefixed with `[rank N] `. Under `tensorplay-run`, the process
-/// joins the launcher's job instead (`nprocs` must equal its `WORLD_SIZE`). Uses the default
-/// timeout [`DEFAULT_SPAWN_TIMEOUT`] (600 s).
+/// joins the launcher's job instead (`nprocs` must equal its `WORLD_SIZE`). There is no
+/// overall timeout, as in `torch.multiprocessing.spawn`: the job runs until every rank has
+/// exited or one has failed (a rank stuck in a collective fails at the collective's timeout);
+/// [`spawn_with`] with `SpawnOptions { timeout: Some(..) }` sets one.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when `nprocs` is 0; [`Error::Spawn`] naming the first rank that
-/// failed (exit code, signal, or timeout) with its captured output, or rank 0 with the reason
-/// when the processes could not be started.
+/// failed (exit code, signal, or the timeout [`spawn_with`] was given) with its captured output,
+/// or rank 0 with the reason when the processes could not be started. Ranks that failed later
+/// are listed in the reason: as a consequence when their message says they lost or waited for
+/// another rank, as failed on their own otherwise (see [`blame`]).
 pub fn spawn<F>(nprocs: usize, f: F) -> Result<()>
 where
     F: Fn(usize) -> std::result::Result<(), SpawnError>,
@@ -123,10 +180,12 @@ where
     spawn_with(SpawnOptions::new(nprocs), f)
 }
 
-/// [`spawn`] with options (timeout, extra environment variables).
+/// [`spawn`] with options: an overall timeout (none by default) and extra environment
+/// variables.
 ///
 /// # Errors
-/// As [`spawn`].
+/// As [`spawn`]; when `opts.timeout` is `Some(t)` and the ranks have not all exited after
+/// `t`, [`Error::Spawn`] names the first rank still running and says it timed out.
 pub fn spawn_with<F>(opts: SpawnOptions, f: F) -> Result<()>
 where
     F: Fn(usize) -> std::result::Result<(), SpawnError>,
@@ -231,6 +290,8 @@ where
         exit_now(1);
     }
     LEVEL.store(level + 1, Ordering::SeqCst);
+    report_panics_of_f();
+    *F_THREAD.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::thread::current().id());
     let outcome = catch_unwind(AssertUnwindSafe(|| f(rank)));
     LEVEL.store(level, Ordering::SeqCst);
     if !innermost {
@@ -248,8 +309,20 @@ where
             exit_now(1)
         }
         Err(payload) => {
-            let msg = panic_message(&*payload);
-            fail_line(&format!("panicked: {msg}"));
+            let report = PANIC_REPORT
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            let (msg, trace) =
+                report.unwrap_or_else(|| (format!("panicked: {}", panic_message(&*payload)), None));
+            fail_line(&msg);
+            // what the panic hook would have added, as ordinary output
+            match trace {
+                Some(t) => eprintln!("stack backtrace:\n{}", t.trim_end()),
+                None => eprintln!(
+                    "note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace"
+                ),
+            }
             exit_now(101)
         }
     }
@@ -266,7 +339,8 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Writes the failure marker and the message to stderr in one call; the parent quotes the
-/// marker line (the message's first line) in its reason.
+/// marker line (the message's first line) in its reason and forwards it as
+/// `[rank N] failed: <message>`; later lines of a message of several are ordinary output.
 fn fail_line(msg: &str) {
     let line = format!("{FAIL_MARKER}{}\n", msg.trim_end());
     let mut err = std::io::stderr().lock();

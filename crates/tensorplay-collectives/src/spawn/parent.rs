@@ -150,7 +150,8 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
     // after the first failure the others get a moment to end on their own (and to write their
     // flight recorder when asked) before they are killed
     let mut grace: Option<Instant> = None;
-    let timed_out = loop {
+    // the overall timeout, when one was set and it passed
+    let timed_out: Option<Duration> = loop {
         let mut all_done = true;
         let mut failed = false;
         for (rank, p) in procs.iter_mut().enumerate() {
@@ -187,10 +188,12 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
             grace = Some(Instant::now() + FAIL_GRACE);
         }
         if all_done || grace.is_some_and(|g| Instant::now() >= g) {
-            break false;
+            break None;
         }
-        if start.elapsed() >= opts.timeout {
-            break true;
+        if let Some(limit) = opts.timeout
+            && start.elapsed() >= limit
+        {
+            break Some(limit);
         }
         std::thread::sleep(Duration::from_millis(5));
     };
@@ -210,14 +213,16 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
         text
     };
     // a rank that failed during the grace period is reported, not the job's timeout
-    if timed_out && !exits.iter().any(|e| !e.how.success()) {
+    if let Some(limit) = timed_out
+        && !exits.iter().any(|e| !e.how.success())
+    {
         let rank = stopped.first().copied().unwrap_or(0);
         let (output, _) = collect_output(&mut procs[rank]);
         return Err(Error::Spawn {
             rank,
             reason: format!(
-                "timed out after {:.1}s (still running; killed{})",
-                opts.timeout.as_secs_f64(),
+                "timed out after {:.1}s, the timeout set in SpawnOptions (still running; killed{})",
+                limit.as_secs_f64(),
                 if stopped.len() > 1 {
                     format!("; ranks {stopped:?} were all still running")
                 } else {
@@ -288,6 +293,18 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
             (rank, reason, output, verdict.consequences.clone())
         }
     };
+    if !verdict.own_failures.is_empty() {
+        let own: Vec<String> = verdict
+            .own_failures
+            .iter()
+            .map(|&r| failed_line(r))
+            .collect();
+        reason.push_str(&format!(
+            "\n{}: {}",
+            blame::own_failures_label(own.len()),
+            own.join("; ")
+        ));
+    }
     if !then.is_empty() {
         let then: Vec<String> = then.iter().map(|&r| failed_line(r)).collect();
         reason.push_str(&format!("\nthen, as a consequence: {}", then.join("; ")));
@@ -340,7 +357,9 @@ fn first_line(text: &str) -> String {
 }
 
 /// Keeps a child's output and, when `echo` is set, forwards it with a `[rank N] ` prefix: the
-/// child's stdout to this process's stdout, its stderr to stderr.
+/// child's stdout to this process's stdout, its stderr to stderr. The child's failure line
+/// (after [`FAIL_MARKER`]) is kept apart as its failure message, not in the output (the
+/// error's reason quotes it), and forwarded as `[rank N] failed: <message>`.
 ///
 /// Only whole lines are appended to the shared `output` (a last line without a newline when
 /// the pipe closes gets one), so a line the child wrote to stderr is never split by bytes it wrote to
@@ -354,16 +373,37 @@ fn read_pipe(
 ) {
     let marker = FAIL_MARKER.as_bytes();
     let emit = |line: &[u8]| {
-        {
-            let mut out = output.lock().unwrap_or_else(|e| e.into_inner());
-            if !is_stdout && let Some(at) = line.windows(marker.len()).position(|w| w == marker) {
+        // the failure line: kept apart (the reason quotes it) and forwarded as "failed: ...";
+        // what stood before the marker on its line is ordinary output
+        let found = if is_stdout {
+            None
+        } else {
+            line.windows(marker.len()).position(|w| w == marker)
+        };
+        let (line, failure) = match found {
+            Some(at) => {
                 let msg = &line[at + marker.len()..];
                 let msg = &msg[..msg.len().min(MAX_MARKER)];
-                out.marker = Some(String::from_utf8_lossy(msg).trim_end().to_string());
+                let msg = String::from_utf8_lossy(msg).trim_end().to_string();
+                (&line[..at], Some(msg))
             }
-            out.tail.extend_from_slice(line);
-            if !line.ends_with(b"\n") {
-                out.tail.push(b'\n');
+            None => (line, None),
+        };
+        let line = if line.iter().all(u8::is_ascii_whitespace) && failure.is_some() {
+            &line[..0]
+        } else {
+            line
+        };
+        {
+            let mut out = output.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(msg) = &failure {
+                out.marker = Some(msg.clone());
+            }
+            if !line.is_empty() {
+                out.tail.extend_from_slice(line);
+                if !line.ends_with(b"\n") {
+                    out.tail.push(b'\n');
+                }
             }
             if out.tail.len() > 2 * MAX_OUTPUT {
                 let cut = out.tail.len() - MAX_OUTPUT;
@@ -372,9 +412,15 @@ fn read_pipe(
             }
         }
         if let Some(rank) = echo {
-            let mut text = format!("[rank {rank}] {}", String::from_utf8_lossy(line));
-            if !text.ends_with('\n') {
-                text.push('\n');
+            let mut text = String::new();
+            if !line.is_empty() {
+                text = format!("[rank {rank}] {}", String::from_utf8_lossy(line));
+                if !text.ends_with('\n') {
+                    text.push('\n');
+                }
+            }
+            if let Some(msg) = &failure {
+                text.push_str(&format!("[rank {rank}] failed: {msg}\n"));
             }
             // one write per line, so lines of different ranks do not interleave either
             if is_stdout {

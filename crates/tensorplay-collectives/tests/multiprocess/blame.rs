@@ -27,7 +27,7 @@ fn init(timeout: Duration) -> dist::Result<()> {
 fn a_killed_rank_is_blamed_not_the_survivors() -> TestResult {
     for run in 0..RUNS {
         let opts = SpawnOptions {
-            timeout: Duration::from_secs(60),
+            timeout: Some(Duration::from_secs(60)),
             env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
             ..SpawnOptions::new(3)
         };
@@ -64,7 +64,7 @@ fn a_killed_rank_is_blamed_not_the_survivors() -> TestResult {
 fn a_rank_that_never_arrives_is_named_by_every_rank() -> TestResult {
     for run in 0..RUNS / 2 {
         let opts = SpawnOptions {
-            timeout: Duration::from_secs(60),
+            timeout: Some(Duration::from_secs(60)),
             env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
             ..SpawnOptions::new(3)
         };
@@ -89,7 +89,7 @@ fn a_rank_that_never_arrives_is_named_by_every_rank() -> TestResult {
 #[test]
 fn a_skipped_collective_is_diagnosed_by_the_flight_recorder() -> TestResult {
     let opts = SpawnOptions {
-        timeout: Duration::from_secs(60),
+        timeout: Some(Duration::from_secs(60)),
         env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
         ..SpawnOptions::new(3)
     };
@@ -141,7 +141,7 @@ fn a_skipped_collective_is_diagnosed_by_the_flight_recorder() -> TestResult {
 #[test]
 fn a_rank_that_exits_early_with_success_is_named() -> TestResult {
     let opts = SpawnOptions {
-        timeout: Duration::from_secs(60),
+        timeout: Some(Duration::from_secs(60)),
         env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
         ..SpawnOptions::new(3)
     };
@@ -173,7 +173,7 @@ fn a_rank_that_exits_early_with_success_is_named() -> TestResult {
 fn a_rank_with_a_bad_argument_is_blamed_not_the_ranks_that_report_it() -> TestResult {
     for run in 0..10 {
         let opts = SpawnOptions {
-            timeout: Duration::from_secs(60),
+            timeout: Some(Duration::from_secs(60)),
             env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
             ..SpawnOptions::new(3)
         };
@@ -198,7 +198,7 @@ fn a_rank_with_a_bad_argument_is_blamed_not_the_ranks_that_report_it() -> TestRe
 #[test]
 fn a_frozen_store_host_does_not_stretch_the_timeout() -> TestResult {
     let opts = SpawnOptions {
-        timeout: Duration::from_secs(60),
+        timeout: Some(Duration::from_secs(60)),
         env: vec![("TENSORPLAY_SPAWN_VERBOSE".into(), "0".into())],
         ..SpawnOptions::new(3)
     };

@@ -171,7 +171,7 @@ fn boundary_collectives(
 
 fn spawn_env(n: usize, env: &[(&str, &str)]) -> SpawnOptions {
     let mut o = SpawnOptions::new(n);
-    o.timeout = Duration::from_secs(300);
+    o.timeout = Some(Duration::from_secs(300));
     o.env = env
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -307,7 +307,7 @@ fn killed_inside(what: &'static str) -> TestResult {
         None => temp_dir(what),
     };
     let mut opts = spawn_env(3, &[("TP_TEST_DIR", dir.to_str().ok_or("path")?)]);
-    opts.timeout = Duration::from_secs(120);
+    opts.timeout = Some(Duration::from_secs(120));
     let r = dist::spawn_with(opts, move |rank| -> TestResult {
         let op = |t: &Tensor| match what {
             "broadcast" => dist::broadcast(t, 0, None),

@@ -76,7 +76,7 @@ const SPAWNED: [(&str, &str, usize); 5] = [
 fn spawned(which: &str, world: usize) -> Res {
     let opts = dist::SpawnOptions {
         env: vec![(CHILD.into(), which.into())],
-        timeout: Duration::from_secs(120),
+        timeout: Some(Duration::from_secs(120)),
         ..dist::SpawnOptions::new(world)
     };
     let which = which.to_string();
