@@ -288,10 +288,12 @@ fn received_bytes(m: &(Envelope, Vec<Tensor>)) -> u64 {
 }
 
 /// Calls the registered function `func` on worker `to` with `args` and blocks for its result
-/// (`rpc_sync`). `timeout`: `None` uses the default (see [`RpcBackendOptions`]), `Some(ZERO)`
-/// waits forever. Calls to this worker itself work; `func` may itself make RPCs.
+/// (`rpc_sync`). `timeout`: `None` uses the default (see
+/// [`RpcBackendOptions`](crate::RpcBackendOptions)), `Some(ZERO)` waits forever. Calls to this
+/// worker itself work; `func` may itself make RPCs.
 ///
-/// Do not call it from async code running on a runtime (use [`rpc_async`] and `.await`).
+/// Do not call it from async code running on a runtime (use [`rpc_async`](crate::rpc_async)
+/// and `.await`).
 ///
 /// # Errors
 /// [`Error::Remote`] with the worker's name, a `kind` and a message: the variant name of the
@@ -310,11 +312,12 @@ pub fn rpc_sync<A: Wire, R: Wire>(
     rpc_async(to, func, args, timeout)?.wait()
 }
 
-/// Like [`rpc_sync`] but returns at once with an [`RpcFuture`] of the result (`rpc_async`).
+/// Like [`rpc_sync`](crate::rpc_sync) but returns at once with an [`RpcFuture`] of the result
+/// (`rpc_async`).
 ///
 /// # Errors
-/// As [`rpc_sync`]; arguments that cannot be encoded and unknown workers are reported here,
-/// everything else through the future.
+/// As [`rpc_sync`](crate::rpc_sync); arguments that cannot be encoded and unknown workers are
+/// reported here, everything else through the future.
 pub fn rpc_async<A: Wire, R: Wire>(
     to: impl Into<To>,
     func: &str,

@@ -78,7 +78,8 @@ fn master_addr(init: &InitMethod) -> Option<SocketAddr> {
 /// job's store (shared with the process group, under its own prefix; either may come first),
 /// a fresh certificate whose fingerprint is published there, a QUIC endpoint, and a barrier
 /// until all `world_size` workers are up. Names must be unique, non-empty, shorter than 128
-/// characters of `[A-Za-z0-9_:-]`. After [`shutdown`], `init_rpc` may be called again.
+/// characters of `[A-Za-z0-9_:-]`. After [`shutdown`](crate::shutdown), `init_rpc` may be
+/// called again.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a bad or duplicate name, a bad rank, world size (at most

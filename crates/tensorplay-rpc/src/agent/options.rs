@@ -66,7 +66,7 @@ impl From<WorkerInfo> for To {
     }
 }
 
-/// Options of [`init_rpc`] (`TensorPipeRpcBackendOptions`).
+/// Options of [`init_rpc`](crate::init_rpc) (`TensorPipeRpcBackendOptions`).
 #[derive(Debug, Clone)]
 pub struct RpcBackendOptions {
     /// Default timeout of every call, `to_here` and the shutdown barrier (default 60 s);
@@ -81,8 +81,9 @@ pub struct RpcBackendOptions {
     pub init_method: String,
     /// By callee worker name: where a tensor on each of this worker's devices lands on that
     /// worker (`TensorPipeRpcBackendOptions.device_maps`; set with
-    /// [`RpcBackendOptions::set_device_map`]). Checked by [`init_rpc`]: every name must be
-    /// another worker of the job, and no two devices may map to the same target. Tensors
+    /// [`RpcBackendOptions::set_device_map`](crate::RpcBackendOptions::set_device_map)).
+    /// Checked by [`init_rpc`](crate::init_rpc): every name must be another worker of the job,
+    /// and no two devices may map to the same target. Tensors
     /// between workers are host tensors today, which a map leaves on the CPU, as in PyTorch.
     pub device_maps: HashMap<String, HashMap<Device, Device>>,
 }

@@ -42,10 +42,11 @@ pub(crate) fn signature<A, R>() -> String {
 }
 
 /// Registers `f` as the remote function `name`: any worker of the job may call it with
-/// [`rpc_sync`], [`rpc_async`] or [`remote`](crate::remote). Workers built from the same code
-/// register the same functions (call `register` before `init_rpc`, or at least before a peer
-/// calls). `A` is the argument (a tuple for several), `R` the result; a caller using other
-/// types gets an error naming both signatures. Registering a name again replaces it.
+/// [`rpc_sync`](crate::rpc_sync), [`rpc_async`](crate::rpc_async) or
+/// [`remote`](crate::remote). Workers built from the same code register the same functions
+/// (call `register` before `init_rpc`, or at least before a peer calls). `A` is the argument
+/// (a tuple for several), `R` the result; a caller using other types gets an error naming both
+/// signatures. Registering a name again replaces it.
 ///
 /// ```
 /// use tensorplay as tp;
