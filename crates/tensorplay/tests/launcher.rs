@@ -58,6 +58,43 @@ fn a_failing_rank_ends_the_others_and_is_named() {
     );
 }
 
+/// Ranks that fail with errors of their own: the first is the root, the other "also failed on
+/// its own", never a consequence; a rank that reports a lost peer is a consequence. Rank 0
+/// fails at once, rank 1 0.3 s later.
+#[test]
+fn ranks_that_fail_on_their_own_are_not_consequences() {
+    // (case, what rank 1 does, the line that must follow the root's report)
+    let cases = [
+        (
+            "two own errors",
+            "echo rank-one-own-error >&2; exit 4",
+            "\nalso failed on its own: rank 1 exited with code 4 (rank-one-own-error)",
+        ),
+        (
+            "an own error and a lost peer",
+            "echo 'connection to rank 0 failed during all_reduce: closed' >&2; exit 1",
+            "\nthen, as a consequence: rank 1 exited with code 1 (connection to rank 0 failed",
+        ),
+    ];
+    for (case, rank1, then) in cases {
+        let out = launcher()
+            .args(["--nproc-per-node", "2", "sh", "-c"])
+            .arg(format!(
+                "if [ $RANK = 0 ]; then echo rank-zero-own-error >&2; exit 3; fi; sleep 0.3; {rank1}"
+            ))
+            .output()
+            .expect("runs");
+        assert!(!out.status.success(), "{case}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let root = "rank 0 exited with code 3 (the first rank to fail); its last lines:\n    \
+                    rank-zero-own-error";
+        assert!(err.contains(&format!("{root}{then}")), "{case}: {err}");
+        let labels = ["also failed", "as a consequence"];
+        let count = labels.iter().filter(|l| err.contains(*l)).count();
+        assert_eq!(count, 1, "{case}: one label only: {err}");
+    }
+}
+
 #[test]
 fn bad_arguments_are_refused() {
     let out = launcher()

@@ -381,7 +381,8 @@ fn ended(st: ExitStatus) -> Ended {
     }
 }
 
-/// The failure report: the root cause with its last lines, then the consequences.
+/// The failure report: the root cause with its last lines, the other ranks that failed on
+/// their own account, then the consequences.
 fn report(v: &blame::Verdict, exits: &[Exit]) -> String {
     let find = |r: usize| exits.iter().find(|e| e.rank == r);
     let how = |e: &Exit| match e.how {
@@ -402,18 +403,28 @@ fn report(v: &blame::Verdict, exits: &[Exit]) -> String {
             ));
         }
     }
-    let own: Vec<String> = v
-        .consequences
-        .iter()
-        .filter_map(|&r| find(r))
-        .filter(|e| !e.stopped)
-        .map(|e| {
-            let last = e.message.lines().last().unwrap_or("").trim();
-            format!("rank {} {} ({last})", e.rank, how(e))
-        })
-        .collect();
+    let listed = |ranks: &[usize]| -> Vec<String> {
+        ranks
+            .iter()
+            .filter_map(|&r| find(r))
+            .filter(|e| !e.stopped)
+            .map(|e| {
+                let last = e.message.lines().last().unwrap_or("").trim();
+                format!("rank {} {} ({last})", e.rank, how(e))
+            })
+            .collect()
+    };
+    let own = listed(&v.own_failures);
     if !own.is_empty() {
-        out.push_str(&format!("\nthen, as a consequence: {}", own.join("; ")));
+        out.push_str(&format!(
+            "\n{}: {}",
+            blame::own_failures_label(own.len()),
+            own.join("; ")
+        ));
+    }
+    let then = listed(&v.consequences);
+    if !then.is_empty() {
+        out.push_str(&format!("\nthen, as a consequence: {}", then.join("; ")));
     }
     let stopped: Vec<usize> = v
         .consequences
