@@ -1092,4 +1092,128 @@ mod tests {
         let texts: Vec<&str> = svg.split(['<', '>']).map(str::trim).collect();
         assert!(texts.contains(&"400"), "epoch axis: {texts:?}");
     }
+
+    /// Curves that coincide all stay visible: over a single-process twin equal to it (and to
+    /// each other), each distributed run is a dashed line of its own pattern, drawn after the
+    /// wide pale references; on the right the first curve is solid and the others dashed; every
+    /// legend entry is there.
+    #[test]
+    fn coinciding_curves_stay_visible() {
+        let dir = std::env::temp_dir().join(format!("tp-plot-twins-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("loss.svg");
+        let losses: Vec<f64> = (0..100).map(|i| 4.2 - (i as f64 / 30.0).sin()).collect();
+        let smooth: Vec<(usize, f64)> = (1..=30).map(|i| (i * 20, 4.0 / i as f64)).collect();
+        let panel = |caption| plot::Panel {
+            caption,
+            x_desc: "step",
+            y_desc: "loss",
+        };
+        plot::two_panels(
+            &path,
+            panel("compared"),
+            &[
+                ("tensor-parallel", losses.clone(), losses.clone()),
+                ("data-parallel", losses.clone(), losses.clone()),
+            ],
+            panel("whole run"),
+            &[
+                ("single-process", smooth.clone()),
+                ("tensor-parallel", smooth.clone()),
+                ("data-parallel", smooth),
+            ],
+        )
+        .unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        // (stroke colour, stroke width, number of points) of every polyline
+        let lines: Vec<(&str, &str, usize)> = svg
+            .split("<polyline")
+            .skip(1)
+            .map(|l| {
+                let l = &l[..l.find("/>").unwrap_or(l.len())];
+                let attr = |name: &str| {
+                    let key = format!(" {name}=\"");
+                    let from = l.find(&key).map(|i| i + key.len()).unwrap_or(l.len());
+                    &l[from..from + l[from..].find('"').unwrap_or(0)]
+                };
+                (
+                    attr("stroke"),
+                    attr("stroke-width"),
+                    attr("points").split_whitespace().count(),
+                )
+            })
+            .collect();
+        let count = |colour: &str, width: &str, min_points: usize| {
+            lines
+                .iter()
+                .filter(|(c, w, n)| *c == colour && *w == width && *n >= min_points)
+                .count()
+        };
+        type Check = (&'static str, bool, String);
+        let mut checks: Vec<Check> = [
+            "tensor-parallel, 2 workers",
+            "tensor-parallel, one process",
+            "data-parallel, 2 workers",
+            "data-parallel, one process",
+            "single-process",
+        ]
+        .iter()
+        .map(|l| (*l, svg.contains(l), format!("legend entry {l:?} missing")))
+        .collect();
+        // a solid curve is one polyline (and one legend swatch); a dashed one is a polyline per
+        // dash: 100 steps across ~500 px give dozens
+        let (red, blue, green) = ("#FF0000", "#0000FF", "#008C00");
+        let dashed = [
+            ("tensor-parallel run dashed (red, left)", count(red, "2", 2)),
+            (
+                "data-parallel run dashed (blue, left) and tensor-parallel curve (blue, right)",
+                count(blue, "2", 2),
+            ),
+            (
+                "data-parallel curve dashed (green, right)",
+                count(green, "2", 2),
+            ),
+        ];
+        for (name, n) in dashed {
+            checks.push((name, n >= 20, format!("{n} thin segments")));
+        }
+        // the references stay wide solid lines; the first right curve is solid (one polyline of
+        // all 30 points)
+        for (name, colour) in [("tensor-parallel", red), ("data-parallel", blue)] {
+            let n = count(colour, "6", 100);
+            checks.push((
+                name,
+                n == 1,
+                format!("{n} wide reference lines of 100 points"),
+            ));
+        }
+        let n = count(red, "2", 30);
+        checks.push((
+            "single-process solid",
+            n == 1,
+            format!("{n} solid red lines"),
+        ));
+        // every reference (not its legend swatch) is drawn before the first run, so no pale line
+        // covers a run
+        let last_wide = lines.iter().rposition(|(_, w, n)| *w == "6" && *n >= 100);
+        let first_run = lines.iter().position(|(c, w, _)| *c == red && *w == "2");
+        checks.push((
+            "references under the runs",
+            matches!((last_wide, first_run), (Some(w), Some(r)) if w < r),
+            format!("last reference at {last_wide:?}, first run segment at {first_run:?}"),
+        ));
+        // the two runs' dash patterns differ, so one does not hide the other
+        checks.push((
+            "distinct patterns",
+            plot::DASHES[0] != plot::DASHES[1],
+            format!("{:?}", plot::DASHES),
+        ));
+        let failed: Vec<String> = checks
+            .into_iter()
+            .filter(|(_, ok, _)| !ok)
+            .map(|(name, _, why)| format!("{name}: {why}"))
+            .collect();
+        assert!(failed.is_empty(), "{failed:#?}");
+    }
 }

@@ -1,6 +1,12 @@
 //! The main jobs' loss plots (`--plot PATH.svg`): two panels side by side, the compared first
 //! steps of each distributed run over its single-process reference on the left, whole-run
 //! curves on the right, every curve with a coloured swatch in its panel's legend.
+//!
+//! Curves that coincide (a distributed run equal to its single-process twin, two runs equal to
+//! each other) all stay visible: a reference is a wide pale solid line, drawn under every run;
+//! a run is a thin dashed line whose dash pattern is its own ([`DASHES`], dash and gap lengths of
+//! different periods), so where two dashed runs lie on each other the gaps of one show the
+//! other. The legend swatches carry the same patterns.
 
 use std::path::Path;
 
@@ -49,6 +55,10 @@ pub(crate) fn check_path(p: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// The dash patterns of the dashed curves, `(dash, gap)` in pixels, taken in turn: the left
+/// panel's runs and the right panel's curves after the first (the first is solid).
+pub(crate) const DASHES: [(u32, u32); 3] = [(12, 6), (5, 5), (2, 4)];
+
 /// A panel's title and axis names.
 pub(crate) struct Panel<'a> {
     pub(crate) caption: &'a str,
@@ -78,8 +88,10 @@ fn range(vals: impl Iterator<Item = f64>) -> std::ops::Range<f64> {
 }
 
 /// Draws the two panels into the SVG file `path` (1200 x 520): on the left each run of `left`
-/// (a thin line, labelled `"<name>, 2 workers"`) over its reference (a wide pale line of the
-/// same colour, `"<name>, one process"`); on the right the curves of `right`.
+/// (a thin dashed line, labelled `"<name>, 2 workers"`) over the references (wide pale solid
+/// lines of the runs' colours, `"<name>, one process"`, all drawn before the runs); on the right
+/// the curves of `right`, the first solid (the single-process run, where there is one) and the
+/// others dashed. The k-th dashed line of a panel has the dash pattern `DASHES[k % 3]`.
 pub(crate) fn two_panels(
     path: &Path,
     left_panel: Panel<'_>,
@@ -87,6 +99,7 @@ pub(crate) fn two_panels(
     right_panel: Panel<'_>,
     right: &[Curve<'_>],
 ) -> Res<()> {
+    use plotters::element::DashedPathElement;
     use plotters::prelude::*;
     let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -112,18 +125,28 @@ pub(crate) fn two_panels(
         .x_desc(left_panel.x_desc)
         .y_desc(left_panel.y_desc)
         .draw()?;
-    for (i, (name, reference, run)) in left.iter().enumerate() {
-        let c = colours[i % colours.len()];
-        let wide = c.mix(0.35).stroke_width(6);
+    // every reference first, so that no pale line covers a run
+    for (i, (name, reference, _)) in left.iter().enumerate() {
+        let wide = colours[i % colours.len()].mix(0.35).stroke_width(6);
         chart
             .draw_series(LineSeries::new(reference.iter().copied().enumerate(), wide))?
             .label(format!("{name}, one process"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], wide));
-        let thin = c.stroke_width(2);
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], wide));
+    }
+    for (i, (name, _, run)) in left.iter().enumerate() {
+        let thin = colours[i % colours.len()].stroke_width(2);
+        let (dash, gap) = DASHES[i % DASHES.len()];
         chart
-            .draw_series(LineSeries::new(run.iter().copied().enumerate(), thin))?
+            .draw_series(DashedLineSeries::new(
+                run.iter().copied().enumerate(),
+                dash,
+                gap,
+                thin,
+            ))?
             .label(format!("{name}, 2 workers"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], thin));
+            .legend(move |(x, y)| {
+                DashedPathElement::new(vec![(x, y), (x + 24, y)], dash, gap, thin)
+            });
     }
     chart
         .configure_series_labels()
@@ -152,10 +175,25 @@ pub(crate) fn two_panels(
         .draw()?;
     for (i, (name, points)) in right.iter().enumerate() {
         let style = colours[i % colours.len()].stroke_width(2);
+        if i == 0 {
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), style))?
+                .label(name.to_string())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style));
+            continue;
+        }
+        let (dash, gap) = DASHES[(i - 1) % DASHES.len()];
         chart
-            .draw_series(LineSeries::new(points.iter().copied(), style))?
+            .draw_series(DashedLineSeries::new(
+                points.iter().copied(),
+                dash,
+                gap,
+                style,
+            ))?
             .label(name.to_string())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            .legend(move |(x, y)| {
+                DashedPathElement::new(vec![(x, y), (x + 24, y)], dash, gap, style)
+            });
     }
     chart
         .configure_series_labels()
