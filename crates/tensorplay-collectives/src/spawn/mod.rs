@@ -146,9 +146,7 @@ fn report_panics_of_f() {
                 .location()
                 .map(|l| format!(" at {}:{}:{}", l.file(), l.line(), l.column()))
                 .unwrap_or_default();
-            let msg = info
-                .payload_as_str()
-                .unwrap_or("(non-string panic payload)");
+            let msg = panic_message(info.payload());
             let trace = Backtrace::capture();
             let trace = (trace.status() == BacktraceStatus::Captured).then(|| trace.to_string());
             *PANIC_REPORT.lock().unwrap_or_else(|e| e.into_inner()) =
