@@ -121,7 +121,7 @@ fn remote_training_page_is_this_test() {
             .lines()
             .zip(module.lines())
             .position(|(a, b)| a != b)
-            .unwrap_or(block.lines().count().min(module.lines().count()));
+            .unwrap_or_else(|| block.lines().count().min(module.lines().count()));
         panic!(
             "docs/remote-training.md's program and tests/remote_training_page.rs differ at line \
              {}:\n page: {:?}\n test: {:?}",
@@ -183,7 +183,7 @@ fn module_rref_to_here_gives_the_module() -> tp::Result<()> {
         let want_params: Vec<Vec<f32>> = remote
             .remote_parameters(true)?
             .iter()
-            .map(|p| Ok(p.to_here(None)?.to_vec::<f32>()?))
+            .map(|p| p.to_here(None)?.to_vec::<f32>())
             .collect::<tp::Result<_>>()?;
         assert_eq!(want_params.len(), 2);
         let rref = remote.get_module_rref();
