@@ -14,7 +14,7 @@ use crate::{Error, Result};
 /// gloo; ours is shorter so that a dead rank is reported while someone is still watching).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Options of [`init_process_group`] (`torch.distributed.init_process_group` keyword
+/// Options of `init_process_group` (`torch.distributed.init_process_group` keyword
 /// arguments).
 #[derive(Debug, Clone)]
 pub struct InitOptions {
@@ -265,7 +265,7 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
     Ok(())
 }
 
-/// Tears down the default group (`destroy_process_group`); groups made by [`new_group`] stay
+/// Tears down the default group (`destroy_process_group`); groups made by `new_group` stay
 /// usable until dropped. Errors when no default group exists.
 pub fn destroy_process_group() -> Result<()> {
     let mut w = world();

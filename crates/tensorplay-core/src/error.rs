@@ -226,7 +226,7 @@ pub fn fmt_error_chain(
     Ok(())
 }
 
-/// The `Display` message and its sources (see [`fmt_error_chain`]); match on the variants to
+/// The `Display` message and its sources (see `fmt_error_chain`); match on the variants to
 /// get at the fields.
 impl std::fmt::Debug for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
