@@ -82,9 +82,11 @@ pub enum Error {
     /// A store, rendezvous or process-group error during `init_rpc`/`shutdown`.
     #[error(transparent)]
     Collectives(#[from] tensorplay_collectives::Error),
-    /// A tensor-level error.
+    /// A tensor-level error. Converting a core error gives this, except for an RPC error
+    /// carried in [`tp::Error::External`](tensorplay_core::Error::External) (as
+    /// [`RRef::to_here`](crate::RRef::to_here) returns it), which comes back as itself.
     #[error(transparent)]
-    Core(#[from] tensorplay_core::Error),
+    Core(tensorplay_core::Error),
     /// The transport failed locally (socket, TLS configuration).
     #[error("transport: {0}")]
     Transport(String),
@@ -140,6 +142,20 @@ impl From<Error> for tensorplay_core::Error {
         match e {
             Error::Core(c) => c,
             other => tensorplay_core::Error::external(other),
+        }
+    }
+}
+
+/// A core error as an RPC error: an RPC error carried in
+/// [`tp::Error::External`](tensorplay_core::Error::External) (by the conversion above, e.g. an
+/// [`RRef::to_here`](crate::RRef::to_here) error) is unwrapped back to itself, so `?` round-trips
+/// it (`Timeout` stays `Timeout`, not `Core(External(Timeout))`); every other core error is
+/// [`Error::Core`].
+impl From<tensorplay_core::Error> for Error {
+    fn from(e: tensorplay_core::Error) -> Self {
+        match e.downcast_ref::<Error>() {
+            Some(rpc) => rpc.clone(),
+            None => Error::Core(e),
         }
     }
 }

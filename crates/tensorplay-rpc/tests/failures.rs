@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{TestResult, barrier, opts, register_common};
+use common::{TestResult, barrier, opts, register_common, rpc_error};
 use tensorplay_collectives::spawn::spawn;
 use tensorplay_core::Tensor;
 use tensorplay_rpc::{self as rpc, RRef};
@@ -184,7 +184,7 @@ fn world3_errors_and_timeouts() -> TestResult {
             rpc::set_rpc_timeout(Duration::from_secs(20))?;
             let slow: RRef<u64> = rpc::remote(1usize, "sleep_ms", 1000u64, None)?;
             let e = slow.to_here(Some(Duration::from_millis(200))).unwrap_err();
-            assert!(is_timeout(&e, "worker1"), "{e:?}");
+            assert!(is_timeout(rpc_error(&e), "worker1"), "{e:?}");
             assert_eq!(slow.to_here(None)?, 1000);
             let e = slow
                 .rpc_sync::<u64, u64>("sleep_then_get", 2000, Some(Duration::from_millis(300)))
@@ -231,7 +231,7 @@ fn world3_errors_and_timeouts() -> TestResult {
                 t0.elapsed()
             );
             assert!(
-                matches!(&e, rpc::Error::Timeout { worker, timeout, .. } if worker == "worker2" && *timeout == Duration::from_millis(100)),
+                matches!(rpc_error(&e), rpc::Error::Timeout { worker, timeout, .. } if worker == "worker2" && *timeout == Duration::from_millis(100)),
                 "{e:?}"
             );
             drop(late);

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestResult, barrier, debug_counts, eventually, opts, register_common};
+use common::{TestResult, barrier, debug_counts, eventually, opts, register_common, rpc_error};
 use tensorplay_collectives::spawn::spawn;
 use tensorplay_core::Tensor;
 use tensorplay_rpc::{self as rpc, RRef, WorkerInfo};
@@ -204,24 +204,24 @@ fn world3_rrefs() -> TestResult {
         let rf: RRef<f64> = rpc::remote(next, "fail", (), None)?;
         let e = rf.to_here(None).unwrap_err();
         assert!(
-            matches!(&e, rpc::Error::Remote { worker, kind, message } if *worker == format!("worker{next}") && kind == "InvalidArgument" && message.contains("expected failure")),
+            matches!(rpc_error(&e), rpc::Error::Remote { worker, kind, message } if *worker == format!("worker{next}") && kind == "InvalidArgument" && message.contains("expected failure")),
             "{e:?}"
         );
         let e = rf.to_here(None).unwrap_err();
         assert!(
-            matches!(&e, rpc::Error::Remote { kind, .. } if kind == "InvalidArgument"),
+            matches!(rpc_error(&e), rpc::Error::Remote { kind, .. } if kind == "InvalidArgument"),
             "{e:?}"
         );
         let rs: RRef<f64> = rpc::remote(rank, "fail", (), None)?; // owned by this worker
         let e = rs.to_here(None).unwrap_err();
         assert!(
-            matches!(&e, rpc::Error::Remote { worker, kind, .. } if *worker == me.name && kind == "InvalidArgument"),
+            matches!(rpc_error(&e), rpc::Error::Remote { worker, kind, .. } if *worker == me.name && kind == "InvalidArgument"),
             "{e:?}"
         );
         let ru: RRef<f64> = rpc::remote(next, "no_such_function", (), None)?;
         let e = ru.to_here(None).unwrap_err();
         assert!(
-            matches!(&e, rpc::Error::Remote { kind, .. } if kind == "UnknownFunction"),
+            matches!(rpc_error(&e), rpc::Error::Remote { kind, .. } if kind == "UnknownFunction"),
             "{e:?}"
         );
 

@@ -34,7 +34,7 @@ pub use client::{
 pub use init::init_rpc;
 pub use options::{RpcBackendOptions, To, WorkerInfo};
 pub use registry::register;
-pub(crate) use registry::{CallCtx, from_core, lookup, signature};
+pub(crate) use registry::{CallCtx, lookup, signature};
 pub(crate) use server::{panic_message, run_blocking};
 pub use shutdown::shutdown;
 

@@ -70,7 +70,7 @@ where
             ctx.caller,
             &format!("arguments of {fname}"),
         )?;
-        let r = f(args).map_err(from_core)?;
+        let r = f(args)?;
         encode_value(&r, ctx.caller)
     });
     let remote: RemoteHandler = Arc::new(move |ctx: &CallCtx, payload: &[u8], tensors| {
@@ -80,7 +80,7 @@ where
             ctx.caller,
             &format!("arguments of {fname2}"),
         )?;
-        Ok(crate::rref::Stored::new(f2(args).map_err(from_core)?))
+        Ok(crate::rref::Stored::new(f2(args)?))
     });
     REGISTRY.write().unwrap_or_else(|e| e.into_inner()).insert(
         name.to_string(),
@@ -90,14 +90,6 @@ where
             remote,
         }),
     );
-}
-
-/// A core error back into an RPC error, unwrapping RPC errors carried as `External`.
-pub(crate) fn from_core(e: tensorplay_core::Error) -> Error {
-    if let Some(inner) = e.downcast_ref::<Error>() {
-        return inner.clone();
-    }
-    Error::Core(e)
 }
 
 /// Looks up a registered function and checks the caller's signature.

@@ -279,23 +279,45 @@ impl<T: Wire + Clone + Sync> RRef<T> {
     /// A copy of the value, fetched from the owner (`to_here`); on the owner, the value itself.
     /// `timeout`: `None` for the default, `Some(ZERO)` for none.
     ///
-    /// The error is this crate's [`Error`]; `?` converts it into `tensorplay::Error`, but a
-    /// closure's result is not converted, so in a `collect` or an `and_then` into
-    /// `tp::Result` put the `?` inside the closure,
-    /// `rrefs.iter().map(|r| Ok(r.to_here(None)?)).collect::<tp::Result<Vec<_>>>()`, or write
-    /// `r.to_here(None).map_err(tp::Error::from)`.
+    /// Returns the core's (the facade's) `Result`, `tp::Result<T>`, as RemoteModule's methods
+    /// do, so that it composes with the rest of a program inside closures as well as with `?`:
+    /// `rrefs.iter().map(|r| r.to_here(None)).collect::<tp::Result<Vec<_>>>()`,
+    /// `x.and_then(|_| r.to_here(None))`. The RPC error is carried whole in
+    /// [`tp::Error::External`](tensorplay_core::Error::External): `downcast_ref` gets it back,
+    /// and `?` into this crate's [`Result`] unwraps it to itself.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use tensorplay_rpc::{self as rpc, RRef};
+    /// # fn f(r: RRef<f32>) {
+    /// match r.to_here(Some(Duration::from_secs(5))) {
+    ///     Ok(v) => println!("{v}"),
+    ///     Err(e) => match e.downcast_ref::<rpc::Error>() {
+    ///         Some(rpc::Error::Timeout { worker, .. }) => println!("{worker} is slow"),
+    ///         Some(rpc::Error::WorkerUnreachable { worker, .. }) => println!("{worker} is gone"),
+    ///         _ => println!("failed: {e}"),
+    ///     },
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`tp::Error::External`](tensorplay_core::Error::External) holding this crate's
+    /// [`Error`]: the creating call's error ([`Error::Remote`]); [`Error::Timeout`];
+    /// [`Error::WorkerUnreachable`]; [`Error::NotInitialized`]. [`RRef::to_here_async`] returns
+    /// the same errors unwrapped.
+    pub fn to_here(&self, timeout: Option<Duration>) -> tensorplay_core::Result<T> {
+        self.to_here_async(timeout)
+            .and_then(|f| f.wait())
+            .map_err(tensorplay_core::Error::from)
+    }
+
+    /// [`RRef::to_here`] as a future; its errors are this crate's [`Error`].
     ///
     /// # Errors
     /// The creating call's error ([`Error::Remote`]); [`Error::Timeout`];
-    /// [`Error::WorkerUnreachable`]; [`Error::NotInitialized`].
-    pub fn to_here(&self, timeout: Option<Duration>) -> Result<T> {
-        self.to_here_async(timeout)?.wait()
-    }
-
-    /// [`RRef::to_here`] as a future.
-    ///
-    /// # Errors
-    /// As [`RRef::to_here`].
+    /// [`Error::WorkerUnreachable`]; [`Error::NotInitialized`] (from the future's `wait`, or at
+    /// once when RPC is not initialised or the creation already failed).
     pub fn to_here_async(&self, timeout: Option<Duration>) -> Result<RpcFuture<T>> {
         let a = self.agent("to_here")?;
         self.check_created()?;

@@ -6,7 +6,6 @@ use std::sync::{Arc, LazyLock, RwLock};
 use tensorplay_core::Tensor;
 
 use super::*;
-use crate::agent::from_core;
 use crate::wire::{Encoder, Wire, decode_args, encode_value};
 use crate::{Error, Result};
 
@@ -61,7 +60,7 @@ where
             caller,
             &format!("arguments of method {mname}"),
         )?;
-        let r = f(v, args).map_err(from_core)?;
+        let r = f(v, args)?;
         encode_value(&r, caller)
     });
     METHODS

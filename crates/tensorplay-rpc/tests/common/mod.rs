@@ -83,3 +83,10 @@ pub(crate) fn eventually(
 pub(crate) fn debug_counts(worker: usize) -> rpc::Result<(usize, usize, usize, usize)> {
     rpc::rpc_sync(worker, "test_debug_info", (), None)
 }
+
+/// The RPC error carried in a core error's `External` (as `RRef::to_here` returns it); panics
+/// naming the error when it carries none.
+pub(crate) fn rpc_error(e: &tensorplay_core::Error) -> &rpc::Error {
+    e.downcast_ref::<rpc::Error>()
+        .unwrap_or_else(|| panic!("not an RPC error: {e:?}"))
+}
