@@ -69,7 +69,7 @@ mod page {
             if step == 0 {
                 let after = params
                     .iter()
-                    .map(|p| Ok(p.to_here(None)?))
+                    .map(|p| p.to_here(None))
                     .collect::<tp::Result<Vec<_>>>()?;
                 for (a, e) in after.iter().zip(&expected) {
                     let diff = a.sub(e)?.abs()?.max()?.item_f64()?;
@@ -221,55 +221,85 @@ fn module_rref_to_here_gives_the_module() -> tp::Result<()> {
     })
 }
 
-/// RRef fetches inside closures that return `tp::Result` (`collect`, `and_then`): the values,
-/// and the owner's error carried whole (`downcast_ref` gives `rpc::Error::Remote` back).
+/// RRef fetches inside closures (`collect`, `and_then`), in each form a program may write:
+/// `to_here`'s `tp::Result` as it is, `?` into `rpc::Result` (the RPC error comes back as
+/// itself, not `Core(External(..))`), and `to_here_async`'s RPC error converted by `?` into
+/// `tp::Result`. The values, or the owner's error carried whole, naming the worker.
 #[test]
 fn rpc_errors_convert_inside_closures() -> tp::Result<()> {
-    fn fetch_all(rrefs: &[RRef<f64>]) -> tp::Result<Vec<f64>> {
-        rrefs.iter().map(|r| Ok(r.to_here(None)?)).collect()
-    }
-    fn value_of(r: tp::Result<RRef<f64>>) -> tp::Result<f64> {
-        r.and_then(|r| r.to_here(None).map_err(tp::Error::from))
-    }
-    /// What a result shows: its values, or the kind and worker of an RPC error.
-    fn shown<T: std::fmt::Debug>(r: tp::Result<T>) -> String {
-        match r {
-            Ok(v) => format!("{v:?}"),
-            Err(e) => match e.downcast_ref::<rpc::Error>() {
-                Some(rpc::Error::Remote {
-                    worker,
-                    kind,
-                    message,
-                }) => {
-                    format!("{kind} on {worker}: {}", message.contains("on purpose"))
-                }
-                _ => format!("other error: {e}"),
-            },
+    /// What a result shows: its values, or the kind and worker of the RPC error it carries
+    /// (an `rpc::Error` itself, or inside a `tp::Error`).
+    fn shown<T: std::fmt::Debug, E: std::fmt::Display + 'static>(r: Result<T, E>) -> String {
+        let e = match r {
+            Ok(v) => return format!("{v:?}"),
+            Err(e) => e,
+        };
+        let any = &e as &dyn std::any::Any;
+        let carried = any.downcast_ref::<rpc::Error>().or_else(|| {
+            any.downcast_ref::<tp::Error>()
+                .and_then(|e| e.downcast_ref::<rpc::Error>())
+        });
+        match carried {
+            Some(rpc::Error::Remote {
+                worker,
+                kind,
+                message,
+            }) => format!("{kind} on {worker}: {}", message.contains("on purpose")),
+            _ => format!("other error: {e}"),
         }
     }
     on_driver(|| {
+        type Form = fn(&[RRef<f64>]) -> String;
+        let forms: [(&str, Form); 4] = [
+            ("collect into tp::Result", |rrefs| {
+                shown(
+                    rrefs
+                        .iter()
+                        .map(|r| r.to_here(None))
+                        .collect::<tp::Result<Vec<_>>>(),
+                )
+            }),
+            ("and_then on a tp::Result", |rrefs| {
+                let started: tp::Result<()> = Ok(());
+                let first = started.and_then(|_| rrefs[0].to_here(None));
+                shown(first.and_then(|a| rrefs[1].to_here(None).map(|b| vec![a, b])))
+            }),
+            ("? into rpc::Result", |rrefs| {
+                shown(
+                    rrefs
+                        .iter()
+                        .map(|r| Ok(r.to_here(None)?))
+                        .collect::<rpc::Result<Vec<_>>>(),
+                )
+            }),
+            ("to_here_async, ? into tp::Result", |rrefs| {
+                shown(
+                    rrefs
+                        .iter()
+                        .map(|r| Ok(r.to_here_async(None)?.wait()?))
+                        .collect::<tp::Result<Vec<_>>>(),
+                )
+            }),
+        ];
         let good = |v: f64| rpc::remote::<f64, f64>("worker1", "ident", v, None);
         let bad = || rpc::remote::<(), f64>("worker1", "fail", (), None);
-        let cases: Vec<(&str, String, &str)> = vec![
-            (
-                "collect, all fetched",
-                shown(fetch_all(&[good(1.5)?, good(-2.0)?])),
-                "[1.5, -2.0]",
-            ),
-            (
-                "collect, one failed",
-                shown(fetch_all(&[good(1.5)?, bad()?])),
-                "InvalidArgument on worker1: true",
-            ),
-            ("and_then, fetched", shown(value_of(Ok(good(4.0)?))), "4.0"),
-            (
-                "and_then, failed",
-                shown(value_of(Ok(bad()?))),
-                "InvalidArgument on worker1: true",
-            ),
-        ];
-        for (name, got, want) in cases {
-            assert_eq!(got, want, "{name}");
+        for (form, fetch) in forms {
+            let cases = [
+                ("all fetched", [good(1.5)?, good(-2.0)?], "[1.5, -2.0]"),
+                (
+                    "the second failed",
+                    [good(1.5)?, bad()?],
+                    "InvalidArgument on worker1: true",
+                ),
+                (
+                    "the first failed",
+                    [bad()?, good(3.0)?],
+                    "InvalidArgument on worker1: true",
+                ),
+            ];
+            for (name, rrefs, want) in cases {
+                assert_eq!(fetch(&rrefs), want, "{form}, {name}");
+            }
         }
         Ok(())
     })
