@@ -181,7 +181,9 @@ pub mod utils {
 /// ```
 pub mod distributed {
     pub use tensorplay_collectives::rendezvous::{InitMethod, RendezvousInfo};
-    pub use tensorplay_collectives::spawn::{SpawnError, SpawnOptions, spawn_with};
+    pub use tensorplay_collectives::spawn::{
+        SpawnError, SpawnOptions, is_spawned_child, spawn_with,
+    };
     pub use tensorplay_collectives::{
         DEFAULT_TIMEOUT, Error, InitOptions, ProcessGroup, ReduceOp, Work, all_gather,
         all_gather_into_tensor, all_gather_into_tensor_async, all_gather_object, all_reduce,

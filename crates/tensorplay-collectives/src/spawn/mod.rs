@@ -41,6 +41,11 @@
 //! [`Error::InvalidArgument`] naming both numbers. A `spawn` inside `f` starts grandchildren
 //! as in any child.
 //!
+//! **Several calls.** A program may call `spawn` more than once, one call after another, as
+//! with `mp.spawn`: the children of its `k`-th call ([`SPAWN_CALLS_ENV`]) return `Ok(())` at
+//! once from the calls before it (the parent has run those) and run `f` at their own, so code
+//! between the calls runs in those children too, as code before the first call does.
+//!
 //! **Nesting.** `f` may itself call `spawn` (at most once per run of `f`): the grandchildren
 //! carry the whole rank path in `TENSORPLAY_SPAWN_PATH` (for example `1,0`), re-run the outer
 //! `f` with their parent's rank up to the inner call, and run the inner `f` there. Each
@@ -69,6 +74,10 @@ use self::parent::run_parent;
 pub const SPAWN_RANK_ENV: &str = "TENSORPLAY_SPAWN_RANK";
 /// Environment variable holding the comma-separated rank path of nested spawns.
 pub const SPAWN_PATH_ENV: &str = "TENSORPLAY_SPAWN_PATH";
+/// Environment variable holding, for each level of the rank path, which `spawn` call of its
+/// process at that level started the child (0 for the first): a program may call `spawn`
+/// several times, and a child re-running it skips the calls before its own.
+pub const SPAWN_CALLS_ENV: &str = "TENSORPLAY_SPAWN_CALLS";
 /// The children's output is forwarded live to this process's stdout/stderr, each line
 /// prefixed with `[rank N] ` (and also kept for failure reports); set this variable to `0` to
 /// only keep it.
@@ -121,6 +130,23 @@ impl SpawnOptions {
 
 /// Number of `f`s of enclosing `spawn` calls currently running in this (child) process.
 static LEVEL: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    /// How many `spawn` calls this thread has made at each level so far. Per thread, not per
+    /// process: a child re-runs the calling code on one thread (libtest runs each test on a
+    /// thread of its own, and a child re-runs only that test).
+    static CALLS: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The index of this `spawn` call among this thread's calls at `level` (0 for the first).
+fn next_call(level: usize) -> usize {
+    CALLS.with_borrow_mut(|calls| {
+        if calls.len() <= level {
+            calls.resize(level + 1, 0);
+        }
+        calls[level] += 1;
+        calls[level] - 1
+    })
+}
 
 /// The thread running `f` in this child: its panics are reported by `spawn`, not by the hook.
 static F_THREAD: Mutex<Option<ThreadId>> = Mutex::new(None);
@@ -192,10 +218,24 @@ where
         return Err(Error::invalid("spawn", -1, "nprocs", "at least 1", 0));
     }
     let level = LEVEL.load(Ordering::SeqCst);
+    let call = next_call(level);
     let mut path = rank_path()?;
+    // which call at each level started this process (empty outside spawn's children)
+    let mut calls = parse_ranks(
+        SPAWN_CALLS_ENV,
+        &std::env::var(SPAWN_CALLS_ENV).unwrap_or_default(),
+    )?;
     if path.len() > level {
+        if call < calls.get(level).copied().unwrap_or(0) {
+            // an earlier spawn call of the program: the parent has run it already, this child
+            // belongs to a later one (code between the calls runs here as in the parent)
+            return Ok(());
+        }
         return run_child(&opts, &path, level, f);
     }
+    // the children of this call: the calls that led to this process, then this one
+    calls.resize(level, 0);
+    calls.push(call);
     if path.is_empty()
         && let Some((rank, world)) = launcher_rank()?
     {
@@ -203,7 +243,7 @@ where
         // level of the rank path (a spawn inside `f` then starts grandchildren as usual)
         path = vec![rank];
         if level > 0 {
-            return run_parent(&opts, &path);
+            return run_parent(&opts, &path, &calls);
         }
         if opts.nprocs != world {
             return Err(Error::invalid(
@@ -220,7 +260,7 @@ where
         }
         return run_child(&opts, &[rank], 0, f);
     }
-    run_parent(&opts, &path)
+    run_parent(&opts, &path, &calls)
 }
 
 /// `Some((RANK, WORLD_SIZE))` in a process started by `tensorplay-run` (`TENSORPLAY_RUN=1`)
@@ -254,21 +294,32 @@ fn launcher_rank() -> Result<Option<(usize, usize)>> {
     Ok(Some((rank, world)))
 }
 
+/// The comma-separated whole numbers of environment variable `var` (empty when `s` is).
+fn parse_ranks(var: &str, s: &str) -> Result<Vec<usize>> {
+    if s.is_empty() {
+        return Ok(Vec::new());
+    }
+    s.split(',')
+        .map(|p| p.trim().parse::<usize>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| {
+            Error::invalid(
+                "spawn",
+                -1,
+                var,
+                "comma-separated whole numbers",
+                format!("{s:?}"),
+            )
+        })
+}
+
 /// The rank path from the environment (empty in a process not started by `spawn`).
 fn rank_path() -> Result<Vec<usize>> {
-    let parse = |var: &str, s: &str| -> Result<Vec<usize>> {
-        s.split(',')
-            .map(|p| p.trim().parse::<usize>())
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|_| {
-                Error::invalid("spawn", -1, var, "comma-separated ranks", format!("{s:?}"))
-            })
-    };
     if let Ok(p) = std::env::var(SPAWN_PATH_ENV) {
-        return parse(SPAWN_PATH_ENV, &p);
+        return parse_ranks(SPAWN_PATH_ENV, &p);
     }
     match std::env::var(SPAWN_RANK_ENV) {
-        Ok(r) => parse(SPAWN_RANK_ENV, &r),
+        Ok(r) => parse_ranks(SPAWN_RANK_ENV, &r),
         Err(_) => Ok(Vec::new()),
     }
 }
@@ -352,7 +403,10 @@ fn exit_now(code: i32) -> ! {
     std::process::exit(code)
 }
 
-/// Whether this process is a child started by [`spawn`] (`TENSORPLAY_SPAWN_RANK` is set).
+/// Whether this process is a child started by `spawn` (`TENSORPLAY_SPAWN_RANK` is set): code
+/// outside the spawned functions runs in the children too (before the first `spawn` call and
+/// between calls), so parent-only work (checking results, printing a summary) goes behind
+/// `if !is_spawned_child()`.
 pub fn is_spawned_child() -> bool {
     std::env::var_os(SPAWN_RANK_ENV).is_some()
 }

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use super::blame::{self, Ended, Exit};
 use super::{
-    FAIL_MARKER, MAX_OUTPUT, SPAWN_PATH_ENV, SPAWN_RANK_ENV, SPAWN_VERBOSE_ENV, SpawnOptions,
+    FAIL_MARKER, MAX_OUTPUT, SPAWN_CALLS_ENV, SPAWN_PATH_ENV, SPAWN_RANK_ENV, SPAWN_VERBOSE_ENV,
+    SpawnOptions,
 };
 use crate::{Error, Result};
 
@@ -46,7 +47,7 @@ struct Running {
     wait_error: Option<String>,
 }
 
-pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
+pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize], calls: &[usize]) -> Result<()> {
     let spawn_err = |reason: String| Error::Spawn {
         rank: 0,
         reason,
@@ -86,6 +87,14 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize]) -> Result<()> {
         cmd.args(&args)
             .env(SPAWN_RANK_ENV, rank.to_string())
             .env(SPAWN_PATH_ENV, full_path.join(","))
+            .env(
+                SPAWN_CALLS_ENV,
+                calls
+                    .iter()
+                    .map(|c| c.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+            )
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
