@@ -580,6 +580,26 @@ fn threshold_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
 }
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
+    // an int64 tensor keeps its dtype with a whole scalar, which must then be an int64 (it was
+    // saturated, then wrapped: `+ 1e20` gave -2^63; PyTorch refuses such a Python int too)
+    if let UnaryKind::AddScalar(c) | UnaryKind::MulScalar(c) = kind
+        && x.dtype() == DType::I64
+        && c.fract() == 0.0
+        && !(-(2f64.powi(63))..2f64.powi(63)).contains(&c)
+    {
+        return Err(Error::InvalidArgument {
+            op: if matches!(kind, UnaryKind::AddScalar(_)) {
+                "add_scalar"
+            } else {
+                "mul_scalar"
+            },
+            arg: "value",
+            expected: "a whole number in int64's range for an int64 tensor (or convert the \
+                       tensor to a float dtype first)"
+                .into(),
+            got: format!("{c:e}"),
+        });
+    }
     // integer tensors with a fractional scalar promote to float32, as in PyTorch
     if let UnaryKind::AddScalar(c) | UnaryKind::MulScalar(c) | UnaryKind::DivScalar(c) = kind
         && !x.dtype().is_float()

@@ -6,10 +6,12 @@
 //! [`Tensor::mul_scalar`], `-&a` is [`Tensor::neg`], with the same broadcasting, type promotion
 //! and autograd history. A scalar on the left: `2.0 + a` and `2.0 * a` are `a.add_scalar(2.0)` and
 //! `a.mul_scalar(2.0)`; `2.0 - a` is `a.neg().add_scalar(2.0)`; `2.0 / a` is a true division of
-//! a 0-dim tensor holding 2.0 by `a` (`Tensor::div`; an integer or bool `a` is converted to
-//! float32 first, as `div_scalar` does), so its gradient is `-2 / a²`. A scalar keeps the
-//! tensor's dtype (PyTorch's rule for Python scalars): a float32 tensor times `2.0` is float32,
-//! an int64 tensor plus `2.0` is int64, an int64 tensor plus `0.5` is float32.
+//! a 0-dim tensor holding 2.0 by `a` (`Tensor::div`), so its gradient is `-2 / a²`. The `f64`
+//! scalar is a Python float in PyTorch's promotion rule: a float tensor keeps its dtype (a
+//! float32 tensor times `2.0` is float32, not float64), and an int64 or bool tensor becomes
+//! float32 first (`int64 + 2.0` is float32, as `torch.tensor([1]) + 2.0`). For int64 arithmetic that stays int64, call the named
+//! method: `a.add_scalar(2.0)` keeps int64 for a whole scalar in int64's range and refuses one
+//! outside it.
 //!
 //! An operator cannot return a `Result`, so where the named method returns an error (shapes
 //! that do not broadcast, a dtype the operation does not take, operands on two devices) the
@@ -65,12 +67,22 @@ fn tensor_tensor(
     )
 }
 
+/// `a`, or `a` as float32 when it is an integer or bool tensor: an `f64` operand is a Python
+/// float, which promotes those to the default float dtype in PyTorch.
+fn as_float(a: &Tensor) -> Result<Tensor> {
+    if a.dtype().is_float() {
+        Ok(a.clone())
+    } else {
+        a.to_dtype(DType::F32)
+    }
+}
+
 /// `a <op> s` through the named scalar method `f`.
 fn tensor_scalar(sym: &str, a: &Tensor, s: f64, f: fn(&Tensor, f64) -> Result<Tensor>) -> Tensor {
     or_panic(
         sym,
-        || format!("lhs {}, rhs scalar {s}", describe(a)),
-        f(a, s),
+        || format!("lhs {}, rhs scalar {s:?}", describe(a)),
+        as_float(a).and_then(|a| f(&a, s)),
     )
 }
 
@@ -78,8 +90,8 @@ fn tensor_scalar(sym: &str, a: &Tensor, s: f64, f: fn(&Tensor, f64) -> Result<Te
 fn scalar_tensor(sym: &str, s: f64, a: &Tensor, f: fn(&Tensor, f64) -> Result<Tensor>) -> Tensor {
     or_panic(
         sym,
-        || format!("lhs scalar {s}, rhs {}", describe(a)),
-        f(a, s),
+        || format!("lhs scalar {s:?}, rhs {}", describe(a)),
+        as_float(a).and_then(|a| f(&a, s)),
     )
 }
 
@@ -89,16 +101,11 @@ fn rsub(a: &Tensor, s: f64) -> Result<Tensor> {
     Tensor::add_scalar(&Tensor::neg(a)?, s)
 }
 
-/// `s / a` as a true division of a 0-dim tensor holding `s` by `a` (gradient `-s / a²`); an
-/// integer or bool `a` is converted to float32 first, as `div_scalar` does.
+/// `s / a` as a true division of a 0-dim tensor holding `s` by `a` (gradient `-s / a²`; `a`
+/// is a float tensor: [`scalar_tensor`] converts the others).
 fn rdiv(a: &Tensor, s: f64) -> Result<Tensor> {
-    let a = if a.dtype().is_float() {
-        a.clone()
-    } else {
-        a.to_dtype(DType::F32)?
-    };
     // (the path, not `.div`: with `std::ops::Div` in scope an owned receiver picks the operator)
-    Tensor::div(&Tensor::full(&[], s, (a.dtype(), a.device()))?, &a)
+    Tensor::div(&Tensor::full(&[], s, (a.dtype(), a.device()))?, a)
 }
 
 /// Every owned/borrowed combination of two tensors and of a tensor and an `f64` scalar, for
@@ -137,10 +144,10 @@ macro_rules! operator {
                 tensor_tensor($sym, self, &rhs, Tensor::$named)
             }
         }
-        #[doc = concat!("`&a ", $sym, " s` with an `f64` scalar, the tensor's dtype kept (an integer ",
-            "tensor and a fractional scalar, or a division, give float32), as the named scalar ",
-            "method. Panics where that method returns an error (e.g. a bool tensor), naming the ",
-            "operator, the shape and dtype.")]
+        #[doc = concat!("`&a ", $sym, " s` with an `f64` scalar (a Python float: a float tensor ",
+            "keeps its dtype, an int64 or bool tensor becomes float32 first), through the named ",
+            "scalar method. Panics where that method returns an error, naming the operator, the ",
+            "shape and dtype.")]
         impl $Trait<f64> for &Tensor {
             type Output = Tensor;
             fn $method(self, rhs: f64) -> Tensor {
@@ -207,8 +214,7 @@ operator!(
     div,
     Tensor::div_scalar,
     rdiv,
-    "a true division of a 0-dim tensor holding `s` by `a` (gradient `-s / a²`; an integer `a` is \
-     converted to float32 first)"
+    "a true division of a 0-dim tensor holding `s` by `a` (gradient `-s / a²`)"
 );
 
 /// `-&a` is [`Tensor::neg`] (autograd recorded; int64 wraps as in PyTorch). Panics where that
