@@ -76,18 +76,33 @@ def main():
             json.dump(want, f, indent=1)
             f.write("\n")
         return
-    with open(sys.argv[2]) as f:
-        got = json.load(f)
+    try:
+        with open(sys.argv[2]) as f:
+            got = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"gpt_batches: cannot read the fixture {sys.argv[2]}: {e}")
+    if not isinstance(got, dict):
+        sys.exit(f"gpt_batches: the fixture is a JSON {type(got).__name__}, expected an object")
+
+    def whole(v):
+        # a JSON whole number: not a float, not a bool (True == 1 in Python)
+        return isinstance(v, int) and not isinstance(v, bool)
+
     for key in ("seed", "stream", "rows_per_step", "positions"):
-        if got.get(key) != want[key]:
-            sys.exit(f"gpt_batches: fixture {key} is {got.get(key)}, the rule gives {want[key]}")
-    if len(got["offsets"]) != len(want["offsets"]):
-        sys.exit(f"gpt_batches: fixture has {len(got['offsets'])} offsets, expected 64")
-    for i, (g, w) in enumerate(zip(got["offsets"], want["offsets"])):
-        if g != w:
-            sys.exit(f"gpt_batches: offset {i} (step {i // BATCH}, row {i % BATCH}) is {g} "
+        if key not in got:
+            sys.exit(f"gpt_batches: the fixture has no {key!r}")
+        if not whole(got[key]) or got[key] != want[key]:
+            sys.exit(f"gpt_batches: fixture {key} is {got[key]!r}, the rule gives {want[key]}")
+    offsets = got.get("offsets")
+    if not isinstance(offsets, list):
+        sys.exit(f"gpt_batches: fixture offsets is {offsets!r}, expected a list of 64 offsets")
+    if len(offsets) != len(want["offsets"]):
+        sys.exit(f"gpt_batches: fixture has {len(offsets)} offsets, expected 64")
+    for i, (g, w) in enumerate(zip(offsets, want["offsets"])):
+        if not whole(g) or g != w:
+            sys.exit(f"gpt_batches: offset {i} (step {i // BATCH}, row {i % BATCH}) is {g!r} "
                      f"in the fixture, the rule gives {w}")
-    print(f"gpt_batches: the {len(want['offsets'])} fixture offsets match the rule")
+    print(f"gpt_batches: the {len(offsets)} fixture offsets match the rule")
 
 
 if __name__ == "__main__":

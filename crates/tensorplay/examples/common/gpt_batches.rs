@@ -82,20 +82,34 @@ mod tests {
             env!("CARGO_MANIFEST_DIR"),
             "/data/gpt_batch_offsets.json"
         ));
-        let f: serde_json::Value = serde_json::from_str(text).unwrap();
+        let f: serde_json::Value =
+            serde_json::from_str(text).unwrap_or_else(|e| panic!("the fixture is not JSON: {e}"));
         let c = Corpus::load().unwrap();
         let positions = (c.train.len() - CONTEXT) as u64;
-        assert_eq!(f["positions"].as_u64(), Some(positions), "positions");
-        assert_eq!(f["seed"].as_u64(), Some(0), "seed");
-        assert_eq!(f["stream"].as_u64(), Some(TRAIN), "stream");
-        assert_eq!(f["rows_per_step"].as_u64(), Some(BATCH as u64), "rows");
+        for (key, want) in [
+            ("positions", positions),
+            ("seed", 0),
+            ("stream", TRAIN),
+            ("rows_per_step", BATCH as u64),
+        ] {
+            assert_eq!(
+                f[key].as_u64(),
+                Some(want),
+                "the fixture's {key}: {}",
+                f[key]
+            );
+        }
         let want: Vec<u64> = f["offsets"]
             .as_array()
-            .unwrap()
+            .unwrap_or_else(|| panic!("the fixture's offsets: {}, expected a list", f["offsets"]))
             .iter()
-            .map(|v| v.as_u64().unwrap())
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_u64()
+                    .unwrap_or_else(|| panic!("the fixture's offset {i}: {v}, expected a number"))
+            })
             .collect();
-        assert_eq!(want.len(), 64);
+        assert_eq!(want.len(), 64, "the fixture's number of offsets");
         for (i, &w) in want.iter().enumerate() {
             let (step, row) = (i / BATCH, i % BATCH);
             let got = batch_offsets(c.train.len(), CONTEXT, 0, TRAIN, step, BATCH)[row] as u64;
