@@ -42,6 +42,10 @@ fn a_killed_rank_is_blamed_not_the_survivors() -> TestResult {
             dist::all_reduce(&t, ReduceOp::Sum, None)?;
             Ok(())
         });
+        if dist::spawn::is_spawned_child() {
+            // the children of run k pass runs 0..k (spawn returns Ok there): parent-only check
+            continue;
+        }
         match r {
             Err(dist::Error::Spawn {
                 rank: 2, reason, ..
@@ -183,6 +187,10 @@ fn a_rank_with_a_bad_argument_is_blamed_not_the_ranks_that_report_it() -> TestRe
             dist::broadcast(&t, if rank == 1 { 99 } else { 0 }, None)?;
             Ok(())
         });
+        if dist::spawn::is_spawned_child() {
+            // the children of run k pass runs 0..k (spawn returns Ok there): parent-only check
+            continue;
+        }
         let Err(dist::Error::Spawn { rank, reason, .. }) = r else {
             return Err(format!("run {run}: expected the job to fail, got {r:?}").into());
         };
