@@ -475,6 +475,9 @@ fn run_world(cases: &[Case], w: usize, opts: &RunOptions, dir: &Path) -> dist::R
         env: vec![
             (WORLD_ENV.into(), w.to_string()),
             (OUT_ENV.into(), dir.display().to_string()),
+            // the children route themselves to their world's call (the first `spawn` they
+            // reach, in `run_file`), so that call is theirs whichever world this is
+            (dist::spawn::SPAWN_CALLS_ENV.into(), "0".into()),
         ],
         ..SpawnOptions::new(w)
     };

@@ -182,7 +182,7 @@ pub mod utils {
 pub mod distributed {
     pub use tensorplay_collectives::rendezvous::{InitMethod, RendezvousInfo};
     pub use tensorplay_collectives::spawn::{
-        SpawnError, SpawnOptions, is_spawned_child, spawn_with,
+        SPAWN_CALLS_ENV, SpawnError, SpawnOptions, is_spawned_child, spawn_with,
     };
     pub use tensorplay_collectives::{
         DEFAULT_TIMEOUT, Error, InitOptions, ProcessGroup, ReduceOp, Work, all_gather,

@@ -76,7 +76,9 @@ pub const SPAWN_RANK_ENV: &str = "TENSORPLAY_SPAWN_RANK";
 pub const SPAWN_PATH_ENV: &str = "TENSORPLAY_SPAWN_PATH";
 /// Environment variable holding, for each level of the rank path, which `spawn` call of its
 /// process at that level started the child (0 for the first): a program may call `spawn`
-/// several times, and a child re-running it skips the calls before its own.
+/// several times, and a child re-running it skips the calls before its own. A program that
+/// routes its children to their call itself (by a variable of its own, calling `spawn` first
+/// thing in the child) sets this to `0` in [`SpawnOptions::env`], which overrides it.
 pub const SPAWN_CALLS_ENV: &str = "TENSORPLAY_SPAWN_CALLS";
 /// The children's output is forwarded live to this process's stdout/stderr, each line
 /// prefixed with `[rank N] ` (and also kept for failure reports); set this variable to `0` to

@@ -75,7 +75,12 @@ const SPAWNED: [(&str, &str, usize); 5] = [
 
 fn spawned(which: &str, world: usize) -> Res {
     let opts = dist::SpawnOptions {
-        env: vec![(CHILD.into(), which.into())],
+        // the children route themselves to this call (the first `spawn` they reach, from
+        // `main`), whichever check of the list it is
+        env: vec![
+            (CHILD.into(), which.into()),
+            (dist::SPAWN_CALLS_ENV.into(), "0".into()),
+        ],
         timeout: Some(Duration::from_secs(120)),
         ..dist::SpawnOptions::new(world)
     };
