@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use tensorplay_collectives::spawn::is_spawned_child;
 use tensorplay_collectives::{Error, SpawnOptions, spawn, spawn_with};
 
 /// Set in the process that plays the user's program (the job's parent and, inherited, its
@@ -156,7 +157,7 @@ fn ranks_that_fail_on_their_own_are_not_consequences() {
             ..SpawnOptions::new(2)
         };
         let r = spawn_with(opts, job);
-        if tensorplay_collectives::spawn::is_spawned_child() {
+        if is_spawned_child() {
             // the second case's children pass the first call (Ok there): parent-only check
             continue;
         }
