@@ -172,11 +172,16 @@ pub fn is_consequence(message: &str) -> bool {
     SIGNS.iter().any(|s| message.contains(s))
 }
 
-/// Whether `e` failed on its own account: killed by a signal, or a message that is not a
-/// consequence of another rank's failure ([`is_consequence`]); a rank the parent stopped never
+/// Whether `e`'s own exit reads as a failure of its own: killed by a signal, or a message that
+/// is not a consequence of another rank's failure ([`is_consequence`]).
+fn own_account(e: &Exit) -> bool {
+    matches!(e.how, Ended::Signal(_)) || !is_consequence(&e.message)
+}
+
+/// Whether `e` failed on its own account ([`own_account`]); a rank the parent stopped never
 /// is.
 fn on_its_own(e: &Exit) -> bool {
-    !e.stopped && (matches!(e.how, Ended::Signal(_)) || !is_consequence(&e.message))
+    !e.stopped && own_account(e)
 }
 
 /// How `spawn` and `tensorplay-run` label the list of `n` [`Verdict::own_failures`]: "also
@@ -196,10 +201,7 @@ pub fn root_cause(exits: &[Exit]) -> Option<Verdict> {
     if failed.is_empty() {
         return None;
     }
-    let key = |e: &Exit| {
-        let own = matches!(e.how, Ended::Signal(_)) || !is_consequence(&e.message);
-        (e.stopped, !own, e.at, e.rank)
-    };
+    let key = |e: &Exit| (e.stopped, !own_account(e), e.at, e.rank);
     let root = failed.iter().min_by_key(|e| key(e)).map(|e| e.rank)?;
     failed.sort_by_key(|e| (e.at, e.rank));
     let (own, consequences): (Vec<&Exit>, Vec<&Exit>) = failed
