@@ -1,7 +1,7 @@
 """The batch offsets of `gpt_distributed`, written from the rule in docs/models.md ("Batches"),
 standard library only. `torch_gpt.py` draws its batches with `offset`; `.ci/run` runs
 
-    python3 benchmarks/gpt_batches.py --check crates/tensorplay/data/gpt_batch_offsets.json
+    python3 benchmarks/gpt_batches.py --check crates/tensorplay-examples/data/gpt_batch_offsets.json
 
 which recomputes the committed fixture (the first 64 training offsets at seed 0) from the text
 and exits 1 naming the first offset that differs. The Rust job's test
@@ -66,7 +66,7 @@ def fixture(text_len, seed=0, count=64):
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
-    text = os.path.join(here, "..", "crates", "tensorplay", "data", "tinyshakespeare.txt")
+    text = os.path.join(here, "..", "crates", "tensorplay-models", "data", "tinyshakespeare.txt")
     text_len = os.path.getsize(text)
     if len(sys.argv) != 3 or sys.argv[1] not in ("--check", "--write"):
         sys.exit("usage: gpt_batches.py --check FIXTURE | --write FIXTURE")

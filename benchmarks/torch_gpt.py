@@ -8,7 +8,7 @@ Usage:
 The model is nanoGPT's layout (token + position embedding, pre-norm blocks of causal
 self-attention and a tanh-GELU MLP, final LayerNorm, head tied to the token embedding) with
 4 layers, width 128, 4 heads, context 64, float32, dropout 0, GPT-2's initialisation. The data
-is crates/tensorplay/data/tinyshakespeare.txt, split 90/10, with the same batch offsets as the
+is crates/tensorplay-models/data/tinyshakespeare.txt, split 90/10, with the same batch offsets as the
 Rust job (the rule of docs/models.md, "Batches", in gpt_batches.py); AdamW (lr 1e-3, betas 0.9/0.99, weight decay 0.01 on every
 parameter), 100 warm-up steps, cosine decay to a tenth. The initial weights differ (PyTorch's
 generator), so losses are compared as values, not step by step.
@@ -76,7 +76,7 @@ class Gpt(nn.Module):
 
 def load():
     here = os.path.dirname(os.path.abspath(__file__))
-    raw = open(os.path.join(here, "..", "crates", "tensorplay", "data", "tinyshakespeare.txt"), "rb").read()
+    raw = open(os.path.join(here, "..", "crates", "tensorplay-models", "data", "tinyshakespeare.txt"), "rb").read()
     vocab = sorted(set(raw))
     table = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([table[c] for c in raw], dtype=torch.long)

@@ -32,9 +32,11 @@ pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
             "build",
             "--release",
             "-p",
-            "tensorplay",
+            "tensorplay-gpu-check",
             "--bin",
             "tensorplay-gpu-check",
+            "-p",
+            "tensorplay-examples",
             "--example",
             "wine_quality",
         ])

@@ -21,7 +21,7 @@
 //!   ratios (ours / PyTorch's) against the goals, and our hidden fraction and exposed wait.
 //! - `bench-core`: runs the core benchmark (`cargo bench -p tensorplay-core --bench core_step`)
 //!   and PyTorch's anchor script `torch_core_step.py` in one run on this machine, then the GPT
-//!   training step of `gpt_distributed` (`cargo bench -p tensorplay --bench gpt_step`) beside
+//!   training step of `gpt_distributed` (`cargo bench -p tensorplay-examples --bench gpt_step`) beside
 //!   `benchmarks/torch_gpt.py step`, and prints both sides with the ratios (ours / PyTorch's
 //!   time; ours / PyTorch's GFLOP/s).
 //! - `bench-rpc`: the RPC benchmark (`tensorplay-rpc`'s `bench_rpc` example) and PyTorch's
@@ -299,7 +299,7 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
     run_capture(Command::new("cargo").args([
         "bench",
         "-p",
-        "tensorplay",
+        "tensorplay-examples",
         "--bench",
         "gpt_step",
         "--no-run",
@@ -321,7 +321,7 @@ fn bench_core(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String
         let g = run_capture(Command::new("cargo").args([
             "bench",
             "-p",
-            "tensorplay",
+            "tensorplay-examples",
             "--bench",
             "gpt_step",
         ]))?;
@@ -784,7 +784,7 @@ fn bench_rpc(anchors: &Path, python: &Path, rounds: usize) -> Result<(), String>
         "-q",
         "--release",
         "-p",
-        "tensorplay-distributed-nn",
+        "tensorplay-remote-module",
         "--example",
         "bench_remote_module",
     ];

@@ -27,7 +27,7 @@ use syn::{
 ///
 /// The generated code names the runtime through `::tensorplay::distributed::nn`; code that
 /// depends on `tensorplay-distributed-nn` directly writes
-/// `#[interface(crate = "tensorplay_distributed_nn")]`.
+/// `#[interface(crate = "tensorplay_remote_module")]`.
 #[proc_macro_attribute]
 pub fn interface(attr: TokenStream, item: TokenStream) -> TokenStream {
     let trait_item = parse_macro_input!(item as ItemTrait);

@@ -286,6 +286,7 @@ pub mod distributed {
     /// - **Distributed autograd** and the **distributed optimizer**: [`rpc::autograd`] (also
     ///   [`distributed::autograd`](autograd)) and [`rpc::DistributedOptimizer`] (also
     ///   [`distributed::optim`](optim)).
+    #[cfg(feature = "rpc")]
     pub mod rpc {
         pub use tensorplay_rpc::*;
     }
@@ -293,23 +294,35 @@ pub mod distributed {
     /// `torch.distributed.autograd`: contexts, the distributed backward pass and the
     /// gradients it leaves on each worker (the same items as
     /// [`rpc::autograd`], whose page has the overview).
+    #[cfg(feature = "rpc")]
     pub mod autograd {
         pub use tensorplay_rpc::autograd::*;
     }
 
     /// `torch.distributed.optim`: the optimizer of parameters held by other workers.
+    #[cfg(feature = "rpc")]
     pub mod optim {
         pub use tensorplay_rpc::{DistributedOptimizer, OptimizerKind};
     }
 
-    /// `torch.distributed.nn`: the differentiable collectives (`functional`) and `RemoteModule`.
+    /// `torch.distributed.nn`: the differentiable collectives (`functional`) and, with the
+    /// feature `rpc`, `RemoteModule`.
     pub mod nn {
         #[doc(inline)]
         pub use tensorplay_distributed_nn::*;
+        #[cfg(feature = "rpc")]
+        #[doc(inline)]
+        pub use tensorplay_remote_module::*;
     }
 }
 
-pub mod models;
+/// Ready-made models (feature `models`): the GPT of the second main job and its
+/// tensor-parallel form.
+#[cfg(feature = "models")]
+pub mod models {
+    #[doc(inline)]
+    pub use tensorplay_models::*;
+}
 
 /// The one error of the stack: the core's error, into which every layer's error converts
 /// (higher layers' errors are carried as [`Error::External`]; use [`Error::downcast_ref`] to
@@ -328,16 +341,16 @@ pub struct CheckpointsDoctests;
 
 /// The RPC page's examples, compiled as doc tests.
 #[doc = include_str!("../../../docs/rpc.md")]
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "rpc"))]
 pub struct RpcDoctests;
 
 /// The remote-training page's program, compiled as a doc test (and run, compared with the
 /// page, by `tests/remote_training_page.rs`).
 #[doc = include_str!("../../../docs/remote-training.md")]
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "rpc"))]
 pub struct RemoteTrainingDoctests;
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../../../README.md")]
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "rpc"))]
 pub struct ReadmeDoctests;

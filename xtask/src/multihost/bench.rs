@@ -36,7 +36,7 @@ fn parse(text: &str) -> Vec<Row> {
 fn release_executables() -> Result<(PathBuf, PathBuf), String> {
     let st = Command::new("cargo")
         .args(["build", "--release", "-q", "-p", "tensorplay-collectives"])
-        .args(["--example", "bench_collectives", "-p", "tensorplay"])
+        .args(["--example", "bench_collectives", "-p", "tensorplay-launch"])
         .args(["--bin", "tensorplay-run"])
         .status()
         .map_err(|e| format!("could not run cargo: {e}"))?;

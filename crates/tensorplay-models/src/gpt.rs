@@ -1,0 +1,686 @@
+//! A decoder-only transformer in GPT-2's shape (Radford et al. 2019; the layout of Karpathy's
+//! nanoGPT), and its Megatron-style tensor-parallel form (Shoeybi et al. 2019).
+
+use std::fmt;
+
+use tensorplay_collectives::{self as dist, ProcessGroup};
+use tensorplay_core::nn::functional::{
+    cross_entropy, dropout, linear, scaled_dot_product_attention,
+};
+use tensorplay_core::nn::{Embedding, LayerNorm, Linear, Module, ModuleCore, ModuleList};
+use tensorplay_core::{DType, Error, Result, Tensor};
+use tensorplay_distributed_nn::functional::{copy_to_group, reduce_from_group};
+
+/// The shape of a [`Gpt`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptConfig {
+    /// Tokens in the vocabulary (`V`).
+    pub vocab_size: usize,
+    /// The longest sequence (context) the position embedding covers (`block_size`).
+    pub block_size: usize,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block; divides `n_embd`.
+    pub n_head: usize,
+    /// The model width (`E`).
+    pub n_embd: usize,
+    /// Dropout on the embeddings, the attention weights and each residual branch (0 for none).
+    pub dropout: f64,
+    /// The parameters' dtype (float32 or float64).
+    pub dtype: DType,
+}
+
+impl GptConfig {
+    /// Checks the configuration; `world` is the tensor-parallel group size it will be split
+    /// over (1 for none). Errors ([`Error::InvalidArgument`]) name the field: a zero size,
+    /// `n_head` not dividing `n_embd`, `world` not dividing `n_head`, `dropout` outside
+    /// `[0, 1)`, an integer dtype.
+    pub fn validate(&self, world: usize) -> Result<()> {
+        let bad = |arg: &'static str, expected: String, got: String| {
+            Err(invalid("GptConfig", arg, expected, got))
+        };
+        for (arg, v) in [
+            ("vocab_size", self.vocab_size),
+            ("block_size", self.block_size),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+        ] {
+            if v == 0 {
+                return bad(arg, "at least 1".into(), "0".into());
+            }
+        }
+        if !self.n_embd.is_multiple_of(self.n_head) {
+            return bad(
+                "n_head",
+                format!("a divisor of n_embd = {}", self.n_embd),
+                self.n_head.to_string(),
+            );
+        }
+        if world == 0 || !self.n_head.is_multiple_of(world) {
+            return bad(
+                "world size",
+                format!(
+                    "a divisor of n_head = {} (heads are split across ranks)",
+                    self.n_head
+                ),
+                world.to_string(),
+            );
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(
+                "dropout",
+                "a probability in [0, 1)".into(),
+                self.dropout.to_string(),
+            );
+        }
+        if !self.dtype.is_float() {
+            return bad("dtype", "float32 or float64".into(), self.dtype.to_string());
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// the tensor-parallel layout
+
+/// How one parameter of a [`Gpt`] is laid out across the ranks of a tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds all of it (embeddings, LayerNorms, the row-parallel biases).
+    Replicated,
+    /// Rank `r` of `W` holds rows `r*n/W .. (r+1)*n/W` (column-parallel weights and biases:
+    /// `mlp.c_fc`).
+    Rows,
+    /// Rank `r` holds columns `r*n/W .. (r+1)*n/W` of the weight (row-parallel: both
+    /// `c_proj` weights).
+    Columns,
+    /// `attn.c_attn`: the query, key and value blocks of `n_embd` rows each, every block split
+    /// by rows (so rank `r` holds the query, key and value rows of heads `r*H/W .. (r+1)*H/W`).
+    QkvRows,
+}
+
+/// The [`Split`] of the parameter named `name` (as [`Module::named_parameters`] names it).
+pub fn split_of(name: &str) -> Split {
+    if name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
+        Split::QkvRows
+    } else if name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
+        Split::Rows
+    } else if name.ends_with("c_proj.weight") {
+        Split::Columns
+    } else {
+        Split::Replicated
+    }
+}
+
+/// Rank `rank`'s shard (of `world`) of the full parameter `full` named `name`, by
+/// [`split_of`]: a new contiguous tensor, not requiring grad. Also shards gradients (to compare
+/// a tensor-parallel run's with a single process's).
+///
+/// Errors ([`Error::InvalidArgument`]) when `world` does not divide the split dimension (for the
+/// stacked query-key-value rows, when `3 * world` does not divide them), `full` lacks the split
+/// dimension, or `rank >= world`.
+pub fn shard_parameter(name: &str, full: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
+    let split = split_of(name);
+    if rank >= world {
+        return Err(invalid(
+            "shard_parameter",
+            "rank",
+            format!("less than the world size {world}"),
+            rank,
+        ));
+    }
+    let full = full.detach();
+    let needs = match split {
+        Split::Replicated => 0,
+        Split::Rows | Split::QkvRows => 1,
+        Split::Columns => 2,
+    };
+    if full.ndim() < needs {
+        return Err(invalid(
+            "shard_parameter",
+            "full",
+            format!("at least {needs} dimensions for {name} (split {split:?})"),
+            format!("shape {:?}", full.shape()),
+        ));
+    }
+    let take = |t: &Tensor, dim: usize| -> Result<Tensor> {
+        let n = t.shape()[dim];
+        if !n.is_multiple_of(world) {
+            return Err(invalid(
+                "shard_parameter",
+                "world",
+                format!("a divisor of {n} (dimension {dim} of {name})"),
+                world,
+            ));
+        }
+        t.narrow(dim as isize, rank * n / world, n / world)
+    };
+    let out = match split {
+        Split::Replicated => full,
+        Split::Rows => take(&full, 0)?,
+        Split::Columns => take(&full, 1)?,
+        Split::QkvRows => {
+            let rows = full.shape()[0];
+            if !rows.is_multiple_of(3 * world) {
+                return Err(invalid(
+                    "shard_parameter",
+                    "full",
+                    format!(
+                        "query, key and value stacked in dimension 0 of {name}: rows a \
+                         multiple of 3 x world = {}",
+                        3 * world
+                    ),
+                    format!("shape {:?}", full.shape()),
+                ));
+            }
+            let e = rows / 3;
+            let parts = (0..3)
+                .map(|i| take(&full.narrow(0, i * e, e)?, 0))
+                .collect::<Result<Vec<_>>>()?;
+            tensorplay_core::cat(&parts, 0)?
+        }
+    };
+    out.contiguous()?.deep_clone()
+}
+
+fn invalid(
+    op: &'static str,
+    arg: &'static str,
+    expected: impl Into<String>,
+    got: impl fmt::Display,
+) -> Error {
+    Error::InvalidArgument {
+        op,
+        arg,
+        expected: expected.into(),
+        got: got.to_string(),
+    }
+}
+
+/// The rank and size of `group` (the default group for `None`).
+fn rank_and_world(group: Option<&ProcessGroup>) -> Result<(usize, usize)> {
+    Ok((dist::get_rank(group)?, dist::get_world_size(group)?))
+}
+
+// ---------------------------------------------------------------------------------------------
+// layers
+
+/// `N(0, std)` of `shape`, drawn from the default generator.
+fn normal(shape: &[usize], std: f64, dtype: DType) -> Result<Tensor> {
+    Ok(Tensor::randn(shape, dtype)?
+        .mul_scalar(std)?
+        .detach()
+        .requires_grad_(true))
+}
+
+fn linear_init(i: usize, o: usize, std: f64, dtype: DType) -> Result<Linear> {
+    let b = Tensor::zeros(&[o], dtype)?.requires_grad_(true);
+    Linear::from_weights(normal(&[o, i], std, dtype)?, Some(b))
+}
+
+/// A layer built from this rank's shards of `full`'s parameters (names prefixed by `prefix`).
+fn shard_linear(full: &Linear, prefix: &str, rank: usize, world: usize) -> Result<Linear> {
+    let w = shard_parameter(&format!("{prefix}.weight"), &full.weight, rank, world)?;
+    let b = full
+        .bias
+        .as_ref()
+        .map(|b| shard_parameter(&format!("{prefix}.bias"), b, rank, world))
+        .transpose()?;
+    Linear::from_weights(w.requires_grad_(true), b.map(|b| b.requires_grad_(true)))
+}
+
+fn fresh_layer_norm(full: &LayerNorm) -> Result<LayerNorm> {
+    let mut ln = LayerNorm::with_dtype(full.normalized_shape(), full.eps(), full.weight.dtype())?;
+    ln.weight = full.weight.detach().deep_clone()?.requires_grad_(true);
+    ln.bias = full.bias.detach().deep_clone()?.requires_grad_(true);
+    Ok(ln)
+}
+
+/// `x @ W^T` summed over the group when split, then `+ b` once (a row-parallel layer; the
+/// plain `Linear` without a group).
+fn row_parallel(x: &Tensor, layer: &Linear, group: Option<&ProcessGroup>) -> Result<Tensor> {
+    let mut y = linear(x, &layer.weight, None)?;
+    if let Some(g) = group {
+        y = reduce_from_group(&y, Some(g))?;
+    }
+    match &layer.bias {
+        Some(b) => y.add(b),
+        None => Ok(y),
+    }
+}
+
+/// The input of column-parallel layers: copied into the group when split.
+fn enter(x: &Tensor, group: Option<&ProcessGroup>) -> Result<Tensor> {
+    match group {
+        Some(g) => copy_to_group(x, Some(g)),
+        None => Ok(x.clone()),
+    }
+}
+
+fn maybe_dropout(x: Tensor, p: f64, training: bool) -> Result<Tensor> {
+    if p > 0.0 && training {
+        dropout(&x, p, true)
+    } else {
+        Ok(x)
+    }
+}
+
+/// Causal multi-head self-attention: `c_attn` (`E -> 3E`: query, key, value), the heads,
+/// `c_proj` (`E -> E`). Split over a group, this rank holds `n_head / W` heads: `c_attn` is
+/// column-parallel ([`Split::QkvRows`]), `c_proj` row-parallel.
+pub struct CausalSelfAttention {
+    /// The query, key and value projection (`[3E, E]`, or `[3E/W, E]` on a rank).
+    pub c_attn: Linear,
+    /// The output projection (`[E, E]`, or `[E, E/W]` on a rank; its bias is whole).
+    pub c_proj: Linear,
+    heads: usize,
+    dropout: f64,
+    group: Option<ProcessGroup>,
+    core: ModuleCore,
+}
+
+impl CausalSelfAttention {
+    fn new(c: &GptConfig) -> Result<CausalSelfAttention> {
+        let e = c.n_embd;
+        Ok(CausalSelfAttention {
+            c_attn: linear_init(e, 3 * e, 0.02, c.dtype)?,
+            c_proj: linear_init(e, e, 0.02 / (2.0 * c.n_layer as f64).sqrt(), c.dtype)?,
+            heads: c.n_head,
+            dropout: c.dropout,
+            group: None,
+            core: ModuleCore::new(),
+        })
+    }
+
+    fn shard(&self, group: &ProcessGroup) -> Result<CausalSelfAttention> {
+        let (rank, world) = rank_and_world(Some(group))?;
+        if !self.heads.is_multiple_of(world) {
+            return Err(invalid(
+                "tensor_parallel (Gpt or Block)",
+                "group",
+                format!("a size dividing the {} heads", self.heads),
+                world,
+            ));
+        }
+        Ok(CausalSelfAttention {
+            c_attn: shard_linear(&self.c_attn, "attn.c_attn", rank, world)?,
+            c_proj: shard_linear(&self.c_proj, "attn.c_proj", rank, world)?,
+            heads: self.heads / world,
+            dropout: self.dropout,
+            group: Some(group.clone()),
+            core: ModuleCore::new(),
+        })
+    }
+}
+
+impl Module for CausalSelfAttention {
+    /// `[B, T, E]` -> `[B, T, E]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.group.as_ref();
+        let (b, t) = (x.shape()[0], x.shape()[1]);
+        let qkv = linear(
+            &enter(x, g)?,
+            &self.c_attn.weight,
+            self.c_attn.bias.as_ref(),
+        )?;
+        let local = qkv.shape()[2] / 3;
+        let d = local / self.heads;
+        let heads = |i: usize| -> Result<Tensor> {
+            qkv.narrow(2, i * local, local)?
+                .reshape(&[b, t, self.heads, d])?
+                .permute(&[0, 2, 1, 3])
+        };
+        let p = if self.is_training() {
+            self.dropout
+        } else {
+            0.0
+        };
+        let y =
+            scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, None, p, true, None)?;
+        let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, local])?;
+        maybe_dropout(
+            row_parallel(&y, &self.c_proj, g)?,
+            self.dropout,
+            self.is_training(),
+        )
+    }
+    fn core(&self) -> &ModuleCore {
+        &self.core
+    }
+    fn core_mut(&mut self) -> &mut ModuleCore {
+        &mut self.core
+    }
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("c_attn".into(), &self.c_attn),
+            ("c_proj".into(), &self.c_proj),
+        ]
+    }
+    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("c_attn".into(), &mut self.c_attn),
+            ("c_proj".into(), &mut self.c_proj),
+        ]
+    }
+}
+
+/// The MLP of a block: `c_fc` (`E -> 4E`), tanh-GELU, `c_proj` (`4E -> E`). Split over a
+/// group, `c_fc` is column-parallel and `c_proj` row-parallel.
+pub struct Mlp {
+    /// `[4E, E]`, or `[4E/W, E]` on a rank.
+    pub c_fc: Linear,
+    /// `[E, 4E]`, or `[E, 4E/W]` on a rank (its bias is whole).
+    pub c_proj: Linear,
+    dropout: f64,
+    group: Option<ProcessGroup>,
+    core: ModuleCore,
+}
+
+impl Mlp {
+    fn new(c: &GptConfig) -> Result<Mlp> {
+        let e = c.n_embd;
+        Ok(Mlp {
+            c_fc: linear_init(e, 4 * e, 0.02, c.dtype)?,
+            c_proj: linear_init(4 * e, e, 0.02 / (2.0 * c.n_layer as f64).sqrt(), c.dtype)?,
+            dropout: c.dropout,
+            group: None,
+            core: ModuleCore::new(),
+        })
+    }
+
+    fn shard(&self, group: &ProcessGroup) -> Result<Mlp> {
+        let (rank, world) = rank_and_world(Some(group))?;
+        Ok(Mlp {
+            c_fc: shard_linear(&self.c_fc, "mlp.c_fc", rank, world)?,
+            c_proj: shard_linear(&self.c_proj, "mlp.c_proj", rank, world)?,
+            dropout: self.dropout,
+            group: Some(group.clone()),
+            core: ModuleCore::new(),
+        })
+    }
+}
+
+impl Module for Mlp {
+    /// `[B, T, E]` -> `[B, T, E]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.group.as_ref();
+        let h = self.c_fc.forward(&enter(x, g)?)?.gelu_tanh()?;
+        maybe_dropout(
+            row_parallel(&h, &self.c_proj, g)?,
+            self.dropout,
+            self.is_training(),
+        )
+    }
+    fn core(&self) -> &ModuleCore {
+        &self.core
+    }
+    fn core_mut(&mut self) -> &mut ModuleCore {
+        &mut self.core
+    }
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("c_fc".into(), &self.c_fc), ("c_proj".into(), &self.c_proj)]
+    }
+    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("c_fc".into(), &mut self.c_fc),
+            ("c_proj".into(), &mut self.c_proj),
+        ]
+    }
+}
+
+/// A pre-norm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+pub struct Block {
+    /// The LayerNorm before attention (replicated).
+    pub ln_1: LayerNorm,
+    /// Causal self-attention.
+    pub attn: CausalSelfAttention,
+    /// The LayerNorm before the MLP (replicated).
+    pub ln_2: LayerNorm,
+    /// The MLP.
+    pub mlp: Mlp,
+    core: ModuleCore,
+}
+
+impl Block {
+    /// A block of `config`'s width, heads and dtype, initialised as [`Gpt::new`] does (from the
+    /// default generator). Errors as [`GptConfig::validate`].
+    pub fn new(config: &GptConfig) -> Result<Block> {
+        config.validate(1)?;
+        Ok(Block {
+            ln_1: LayerNorm::with_dtype(&[config.n_embd], 1e-5, config.dtype)?,
+            attn: CausalSelfAttention::new(config)?,
+            ln_2: LayerNorm::with_dtype(&[config.n_embd], 1e-5, config.dtype)?,
+            mlp: Mlp::new(config)?,
+            core: ModuleCore::new(),
+        })
+    }
+
+    /// This rank's part of the block split over `group` (its heads and MLP columns; see
+    /// [`Split`]), as new leaf tensors. Every rank of `group` must call it with the same
+    /// block, and run the forward and backward passes together.
+    ///
+    /// Errors: the group's size does not divide the heads; collective errors.
+    pub fn tensor_parallel(&self, group: &ProcessGroup) -> Result<Block> {
+        Ok(Block {
+            ln_1: fresh_layer_norm(&self.ln_1)?,
+            attn: self.attn.shard(group)?,
+            ln_2: fresh_layer_norm(&self.ln_2)?,
+            mlp: self.mlp.shard(group)?,
+            core: ModuleCore::new(),
+        })
+    }
+}
+
+impl Module for Block {
+    /// `[B, T, E]` -> `[B, T, E]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.add(&self.attn.call(&self.ln_1.call(x)?)?)?;
+        x.add(&self.mlp.call(&self.ln_2.call(&x)?)?)
+    }
+    fn core(&self) -> &ModuleCore {
+        &self.core
+    }
+    fn core_mut(&mut self) -> &mut ModuleCore {
+        &mut self.core
+    }
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("ln_1".into(), &self.ln_1),
+            ("attn".into(), &self.attn),
+            ("ln_2".into(), &self.ln_2),
+            ("mlp".into(), &self.mlp),
+        ]
+    }
+    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("ln_1".into(), &mut self.ln_1),
+            ("attn".into(), &mut self.attn),
+            ("ln_2".into(), &mut self.ln_2),
+            ("mlp".into(), &mut self.mlp),
+        ]
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// the model
+
+/// A GPT: token and position embeddings, `n_layer` pre-norm [`Block`]s, a final LayerNorm and
+/// a language-model head **tied** to the token embedding (logits `= x @ wte.weight^T`, no
+/// bias).
+///
+/// Input: token ids, int64 `[B, T]` with `T <= block_size`; output: logits `[B, T, V]` of the
+/// config's dtype. Parameters are named as in nanoGPT without its `transformer.` prefix
+/// (`wte.weight`, `wpe.weight`, `h.0.ln_1.weight`, `h.0.attn.c_attn.weight`, ...,
+/// `ln_f.bias`); the head has no parameter of its own. Initialisation follows GPT-2: weights
+/// `N(0, 0.02)`, the residual projections (`c_proj`) `N(0, 0.02 / sqrt(2 n_layer))`, biases
+/// zero, LayerNorms one and zero, drawn from the default generator in parameter order.
+///
+/// [`Gpt::tensor_parallel`] splits it over a process group in Megatron's layout: each rank
+/// holds `n_head / W` heads of every attention and `4E / W` columns of every MLP; embeddings,
+/// LayerNorms and the head are replicated. See [`Split`] and `docs/models.md`.
+///
+/// ```
+/// use tensorplay::{self as tp, models::{Gpt, GptConfig}, nn::Module};
+/// tp::manual_seed(0);
+/// let config = GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 2, n_embd: 16,
+///                          dropout: 0.0, dtype: tp::DType::F32 };
+/// let gpt = Gpt::new(config)?;
+/// let idx = tp::Tensor::from_vec(vec![1i64, 2, 3, 4, 5, 6], &[2, 3])?;
+/// assert_eq!(gpt.call(&idx)?.shape(), [2, 3, 11]);
+/// let loss = gpt.loss(&idx, &idx)?; // next-token targets, [B, T]
+/// loss.backward()?;
+/// assert!(gpt.wte.weight.grad().is_some()); // the embedding and the tied head
+/// # Ok::<(), tp::Error>(())
+/// ```
+pub struct Gpt {
+    /// The token embedding `[V, E]`, also the output head.
+    pub wte: Embedding,
+    /// The position embedding `[block_size, E]`.
+    pub wpe: Embedding,
+    /// The blocks.
+    pub h: ModuleList<Block>,
+    /// The final LayerNorm.
+    pub ln_f: LayerNorm,
+    config: GptConfig,
+    core: ModuleCore,
+}
+
+impl Gpt {
+    /// A model of `config`, initialised as described on [`Gpt`]. Errors as
+    /// [`GptConfig::validate`].
+    pub fn new(config: GptConfig) -> Result<Gpt> {
+        config.validate(1)?;
+        let (v, e) = (config.vocab_size, config.n_embd);
+        let wte = Embedding::from_weights(normal(&[v, e], 0.02, config.dtype)?)?;
+        let wpe = Embedding::from_weights(normal(&[config.block_size, e], 0.02, config.dtype)?)?;
+        let mut h = ModuleList::new();
+        for _ in 0..config.n_layer {
+            h.push(Block::new(&config)?);
+        }
+        Ok(Gpt {
+            wte,
+            wpe,
+            h,
+            ln_f: LayerNorm::with_dtype(&[e], 1e-5, config.dtype)?,
+            config,
+            core: ModuleCore::new(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// This rank's part of the model split over `group` (tensor parallelism, Megatron's
+    /// layout): every block as [`Block::tensor_parallel`], the embeddings and the final
+    /// LayerNorm copied whole. The parameters are new leaf tensors. Every rank of `group` calls
+    /// it with the same model (for instance built from the same seed), then runs every forward
+    /// and backward together, computes the full loss and calls `backward` on it; each shard's
+    /// gradient is then its slice of the single-process gradient, and replicated parameters get
+    /// the full gradient on every rank (no further synchronisation).
+    ///
+    /// Errors: the group's size does not divide `n_head`; collective errors.
+    pub fn tensor_parallel(&self, group: &ProcessGroup) -> Result<Gpt> {
+        let world = dist::get_world_size(Some(group))?;
+        self.config.validate(world)?;
+        let copy =
+            |t: &Tensor| -> Result<Tensor> { Ok(t.detach().deep_clone()?.requires_grad_(true)) };
+        let mut h = ModuleList::new();
+        for b in &self.h {
+            h.push(b.tensor_parallel(group)?);
+        }
+        Ok(Gpt {
+            wte: Embedding::from_weights(copy(&self.wte.weight)?)?,
+            wpe: Embedding::from_weights(copy(&self.wpe.weight)?)?,
+            h,
+            ln_f: fresh_layer_norm(&self.ln_f)?,
+            config: self.config,
+            core: ModuleCore::new(),
+        })
+    }
+
+    /// The mean next-token cross-entropy of `idx` (`[B, T]` token ids) against `targets`
+    /// (`[B, T]`, int64): a 0-d tensor of the model's dtype.
+    ///
+    /// Errors: as [`Module::forward`], and targets of another shape or out of range.
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        if targets.shape() != idx.shape() {
+            return Err(invalid(
+                "Gpt::loss",
+                "targets",
+                format!("shape {:?}, as idx", idx.shape()),
+                format!("{:?}", targets.shape()),
+            ));
+        }
+        let logits = self.call(idx)?;
+        let n = targets.numel();
+        cross_entropy(
+            &logits.reshape(&[n, self.config.vocab_size])?,
+            &targets.reshape(&[n])?,
+        )
+    }
+}
+
+impl fmt::Debug for Gpt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Gpt({:?})", self.config)
+    }
+}
+
+impl Module for Gpt {
+    /// Logits `[B, T, V]` for token ids `[B, T]` (int64). Errors
+    /// ([`Error::InvalidArgument`]): not 2-d int64, or `T` is 0 or longer than `block_size`;
+    /// [`Error::IndexOutOfBounds`] for a token id outside `0..V`.
+    fn forward(&self, idx: &Tensor) -> Result<Tensor> {
+        if idx.ndim() != 2 || idx.dtype() != DType::I64 {
+            return Err(invalid(
+                "Gpt::forward",
+                "idx",
+                "int64 token ids [batch, sequence]",
+                format!("{} of shape {:?}", idx.dtype(), idx.shape()),
+            ));
+        }
+        let t = idx.shape()[1];
+        if t == 0 || t > self.config.block_size {
+            return Err(invalid(
+                "Gpt::forward",
+                "idx",
+                format!("1 to block_size = {} positions", self.config.block_size),
+                t,
+            ));
+        }
+        let pos = Tensor::arange(0.0, t as f64, 1.0, DType::I64)?.to_device(idx.device())?;
+        let x = self.wte.call(idx)?.add(&self.wpe.call(&pos)?)?;
+        let mut x = maybe_dropout(x, self.config.dropout, self.is_training())?;
+        for block in &self.h {
+            x = block.call(&x)?;
+        }
+        let x = self.ln_f.call(&x)?;
+        // the head, tied to the token embedding
+        linear(&x, &self.wte.weight, None)
+    }
+    fn core(&self) -> &ModuleCore {
+        &self.core
+    }
+    fn core_mut(&mut self) -> &mut ModuleCore {
+        &mut self.core
+    }
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("wte".into(), &self.wte),
+            ("wpe".into(), &self.wpe),
+            ("h".into(), &self.h),
+            ("ln_f".into(), &self.ln_f),
+        ]
+    }
+    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("wte".into(), &mut self.wte),
+            ("wpe".into(), &mut self.wpe),
+            ("h".into(), &mut self.h),
+            ("ln_f".into(), &mut self.ln_f),
+        ]
+    }
+}
