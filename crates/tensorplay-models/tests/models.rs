@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::time::Duration;
+use tensorplay_testkit::cpu_world;
 
 use tensorplay as tp;
 use tp::distributed as dist;
@@ -286,23 +287,9 @@ fn gpt_logits_loss_and_gradients_equal_a_hand_written_reference() -> R<()> {
 // ---------------------------------------------------------------------------------------------
 // tensor parallelism in real processes
 
+/// Runs `f` on every rank of a world of `n` processes ([`cpu_world`]).
 fn world(n: usize, f: impl Fn(usize) -> R<()>) {
-    let res = dist::spawn(n, |rank| -> R<()> {
-        dist::init_process_group(
-            "cpu",
-            dist::InitOptions {
-                timeout: Duration::from_secs(60),
-                ..Default::default()
-            },
-        )?;
-        f(rank)?;
-        dist::barrier(None)?;
-        dist::destroy_process_group()?;
-        Ok(())
-    });
-    if let Err(e) = res {
-        panic!("{e}");
-    }
+    cpu_world(n, Duration::from_secs(60), f);
 }
 
 /// `(output, input gradient, parameter gradients by name)` of `Σ y ⊙ c` for a module.

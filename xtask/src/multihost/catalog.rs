@@ -31,7 +31,15 @@ pub(crate) fn executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, 
         let Some(name) = field(line, "\"name\":\"") else {
             continue;
         };
-        if names.contains(&name.as_str()) {
+        // a target is asked for by its name, or as `PACKAGE:NAME` where several packages
+        // have a target of that name (each crate's integration tests are its target `it`)
+        let package = field(line, "\"package_id\":\"")
+            .and_then(|id| Some(id.rsplit('/').next()?.split('#').next()?.to_string()))
+            .unwrap_or_default();
+        let qualified = format!("{package}:{name}");
+        if names.contains(&qualified.as_str()) {
+            found.push((qualified, PathBuf::from(exe)));
+        } else if names.contains(&name.as_str()) {
             found.push((name, PathBuf::from(exe)));
         }
     }
@@ -65,11 +73,14 @@ pub(crate) fn libtest(bin: &Path, test: &str) -> Vec<String> {
     ]
 }
 
+/// The modules of `tensorplay-rpc`'s test binary whose worlds run spread over the hosts.
+const RPC_MODULES: [&str; 3] = ["rpc", "rref", "dist_autograd"];
+
 /// The scenarios: the project's multi-process tests with their ranks spread over the hosts.
 pub(crate) fn scenarios(
     multiprocess: &Path,
     conformance: &Path,
-    rpc: &[(String, PathBuf)],
+    rpc: &Path,
     wine: &Path,
     fault_loop: &Path,
     rpc_fault_loop: &Path,
@@ -126,13 +137,13 @@ pub(crate) fn scenarios(
             fault: None,
         });
     }
-    for (file, bin) in rpc {
-        for (test, world) in list_tests(bin) {
+    for module in RPC_MODULES {
+        for (test, world) in list_tests(rpc, module) {
             v.push(Scenario {
-                name: format!("rpc {file}::{test}, {world} hosts x 1 worker"),
+                name: format!("rpc {test}, {world} hosts x 1 worker"),
                 hosts: world,
                 per_host: 1,
-                program: libtest(bin, &test),
+                program: libtest(rpc, &test),
                 deadline: minutes(3),
                 is_libtest: true,
                 start: Start::Flags,
@@ -265,8 +276,9 @@ pub(crate) fn scenarios(
     v
 }
 
-/// The tests of a libtest binary named `world<N>_...` with N of 2 or 3 (one spawn each).
-pub(crate) fn list_tests(bin: &Path) -> Vec<(String, usize)> {
+/// The tests of a libtest binary in module `module` (`module::world<N>_...`) with N of 2 or 3
+/// (one spawn each).
+pub(crate) fn list_tests(bin: &Path, module: &str) -> Vec<(String, usize)> {
     let out = Command::new(bin).args(["--list", "-q"]).output();
     let text = out
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
@@ -274,7 +286,13 @@ pub(crate) fn list_tests(bin: &Path) -> Vec<(String, usize)> {
     text.lines()
         .filter_map(|l| l.strip_suffix(": test"))
         .filter_map(|t| {
-            let n = t.strip_prefix("world")?.split('_').next()?.parse().ok()?;
+            let test = t.strip_prefix(module)?.strip_prefix("::")?;
+            let n = test
+                .strip_prefix("world")?
+                .split('_')
+                .next()?
+                .parse()
+                .ok()?;
             (n == 2 || n == 3).then(|| (t.to_string(), n))
         })
         .collect()

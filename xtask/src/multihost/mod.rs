@@ -22,7 +22,6 @@ mod catalog;
 mod hosts;
 mod run;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -67,15 +66,11 @@ pub(crate) fn test_multihost(filter: Option<&str>) -> Result<(), String> {
             "--test",
             "multiprocess",
             "--test",
-            "rpc",
-            "--test",
-            "rref",
-            "--test",
-            "dist_autograd",
+            "it",
             "--test",
             "vectors",
         ],
-        &["multiprocess", "rpc", "rref", "dist_autograd", "vectors"],
+        &["multiprocess", "tensorplay-rpc:it", "vectors"],
     )?;
     let bins = executables(
         &[
@@ -103,15 +98,11 @@ pub(crate) fn test_multihost(filter: Option<&str>) -> Result<(), String> {
     let wine = &find(&bins, "wine_distributed")?;
     let fault_loop = &find(&bins, "fault_loop")?;
     let rpc_fault_loop = &find(&bins, "rpc_fault_loop")?;
-    let rpc: Vec<(String, PathBuf)> = tests
-        .iter()
-        .filter(|(n, _)| ["rpc", "rref", "dist_autograd"].contains(&n.as_str()))
-        .cloned()
-        .collect();
+    let rpc = &find(&tests, "tensorplay-rpc:it")?;
     let mut all = scenarios(
         multiprocess,
         conformance,
-        &rpc,
+        rpc,
         wine,
         fault_loop,
         rpc_fault_loop,

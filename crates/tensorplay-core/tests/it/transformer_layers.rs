@@ -30,13 +30,7 @@ fn check(name: &str, f: impl Fn(&[Tensor]) -> tp::Result<Vec<Tensor>>, inputs: &
 }
 
 fn close(what: &str, got: &[f64], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (a - b).abs() <= tol * (1.0 + b.abs()),
-            "{what}: element {i}: got {a}, want {b}"
-        );
-    }
+    tensorplay_testkit::assert_close(what, got, want, tensorplay_testkit::Tol::scaled(tol));
 }
 
 fn invalid_arg(e: Error) -> &'static str {

@@ -424,13 +424,7 @@ fn summed_w(ks: impl Iterator<Item = usize>, j: usize, i: usize) -> f64 {
 }
 
 fn close(what: &str, got: &[f64], want: &[f64]) {
-    assert_eq!(got.len(), want.len(), "{what}: {got:?} vs {want:?}");
-    for (a, b) in got.iter().zip(want) {
-        assert!(
-            (a - b).abs() <= 1e-14 * (1.0 + b.abs()),
-            "{what}: got {got:?}, want {want:?}"
-        );
-    }
+    tensorplay_testkit::assert_close(what, got, want, tensorplay_testkit::Tol::scaled(1e-14));
 }
 
 fn linear_loss(rank: usize, ys: &[Tensor]) -> tp::Result<Tensor> {

@@ -49,10 +49,7 @@ fn check2(name: &str, f: impl Fn(&[Tensor]) -> tp::Result<Vec<Tensor>>, inputs: 
 }
 
 fn close(a: &[f64], b: &[f64]) {
-    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
-    for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() < 1e-9 * (1.0 + y.abs()), "{a:?} vs {b:?}");
-    }
+    tensorplay_testkit::assert_close("gradient", a, b, tensorplay_testkit::Tol::scaled(1e-9));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 //! (float64, integer-valued data so that every sum is exact), contexts, retain_graph,
 //! failures, the unused-output case, cleanup on every worker, and `RRef::backward`.
 
-mod common;
+use crate::common;
 
 use std::sync::mpsc;
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //! nesting on one transport thread. Every case must give a typed error (or the right value)
 //! quickly, never a panic or a hang, and leave every owner table empty.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

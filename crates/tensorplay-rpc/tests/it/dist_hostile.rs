@@ -4,7 +4,7 @@
 //! twice, integer tensors, a worker that dies mid-backward, and optimizers over bad parameter
 //! lists, dead owners and after shutdown. Every case ends with no context left on any worker.
 
-mod common;
+use crate::common;
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};

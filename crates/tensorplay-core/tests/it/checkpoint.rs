@@ -10,26 +10,9 @@ use tensorplay_core::optim::{
 };
 use tensorplay_core::serialize::{CHECKSUM_KEY, load_with_metadata, save_with_metadata};
 use tensorplay_core::{self as tp, DType, Error, Tensor};
+use tensorplay_testkit::TempDir;
 
 /// A temporary folder of this test, removed when dropped.
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("tp-ckpt-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("temp dir");
-        TempDir(d)
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// The tensor's elements as bit patterns (NaN payloads and -0.0 compared exactly).
 fn bits(t: &Tensor) -> (DType, Vec<usize>, Vec<u64>) {
     let v: Vec<u64> = match t.dtype() {
@@ -590,13 +573,12 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint() {
     for round in 0..6u64 {
         let _ = std::fs::remove_file(dir.path("ready"));
         let mut child = std::process::Command::new(&exe)
-            .args([
+            .arg(tensorplay_testkit::test_name(
+                module_path!(),
                 "atomic_save_child",
-                "--exact",
-                "--ignored",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, &dir.0)
+            ))
+            .args(["--exact", "--ignored", "--test-threads=1"])
+            .env(CHILD_ENV, dir.dir())
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
@@ -620,7 +602,7 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint() {
     }
     // the temporary files of the killed saves go at the next save
     tp::save(&BTreeMap::new(), dir.path("ckpt.safetensors")).unwrap();
-    let left: Vec<String> = std::fs::read_dir(&dir.0)
+    let left: Vec<String> = std::fs::read_dir(dir.dir())
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())

@@ -4,7 +4,7 @@
 //! a call, `NotInitialized` before `init_rpc` and after `shutdown`, worker-name validation,
 //! duplicate names, and `shutdown` followed by `init_rpc` in the same processes.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -17,8 +17,9 @@
 //! rank `r` is `d(Σ_k loss_k)/dx_r`.
 
 use std::time::{Duration, Instant};
+use tensorplay_testkit::cpu_world;
 
-use tensorplay_collectives::{self as dist, InitOptions, ProcessGroup, ReduceOp};
+use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 use tensorplay_distributed_nn::functional as df;
 
@@ -38,25 +39,9 @@ const DIFF_OPS: [ReduceOp; 5] = [
     ReduceOp::Product,
 ];
 
-/// Runs `f` on every rank of a world of `n` processes (init before, a barrier and teardown
-/// after: rank 0 hosts the store, so no rank may leave while others still work).
+/// Runs `f` on every rank of a world of `n` processes ([`cpu_world`]).
 fn world(n: usize, f: impl Fn(usize) -> TestResult) {
-    let res = dist::spawn(n, |rank| -> TestResult {
-        dist::init_process_group(
-            "cpu",
-            InitOptions {
-                timeout: TIMEOUT,
-                ..Default::default()
-            },
-        )?;
-        f(rank)?;
-        dist::barrier(None)?;
-        dist::destroy_process_group()?;
-        Ok(())
-    });
-    if let Err(e) = res {
-        panic!("{e}");
-    }
+    cpu_world(n, TIMEOUT, f);
 }
 
 /// `new_group(ranks)` (every rank of the world calls it); `Some` on members only.
@@ -103,15 +88,12 @@ fn dot(y: &Tensor, w: &[f64]) -> R<Tensor> {
 
 /// Equal (NaN equals NaN), up to a relative 1e-12 for the values that are not integers.
 fn close(what: &str, got: &[f64], want: &[f64]) -> TestResult {
-    let ok = got.len() == want.len()
-        && got.iter().zip(want).all(|(a, b)| {
-            a == b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-12 * b.abs().max(1.0)
-        });
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("{what}: got {got:?}, want {want:?}").into())
-    }
+    Ok(tensorplay_testkit::check_close(
+        what,
+        got,
+        want,
+        tensorplay_testkit::Tol::scaled(1e-12),
+    )?)
 }
 
 /// Every element of a list of tensors, in order.

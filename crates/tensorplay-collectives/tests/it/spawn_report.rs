@@ -20,7 +20,8 @@ const ERROR_TEXT: &str = "the-error-message of rank one";
 fn run_as_program(test: &str, kind: &str, env: &[(&str, &str)]) -> String {
     let exe = std::env::current_exe().expect("the test binary");
     let out = std::process::Command::new(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .arg(tensorplay_testkit::test_name(module_path!(), test))
+        .args(["--exact", "--nocapture", "--test-threads=1", "-q"])
         .env(INNER, kind)
         .env_remove("TENSORPLAY_SPAWN_VERBOSE")
         .env_remove("RUST_BACKTRACE")
@@ -54,7 +55,7 @@ fn a_failing_rank_is_printed_once() {
         eprintln!("Error: {err:?}");
         return;
     }
-    let here = "panicked at crates/tensorplay-collectives/tests/spawn_report.rs:";
+    let here = concat!("panicked at ", file!(), ":");
     // (case, how rank 1 fails, environment, times its message is printed, texts that must be
     // in the output, texts that must not)
     type Case = (

@@ -26,8 +26,9 @@
 //! - **full loss on every rank** (no scaling): shards and input get `W·dL/dθ`, `b2` `dL/db2`.
 
 use std::time::Duration;
+use tensorplay_testkit::cpu_world;
 
-use tensorplay_collectives::{self as dist, InitOptions, ProcessGroup, ReduceOp};
+use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp};
 use tensorplay_core::Tensor;
 use tensorplay_core::nn::functional::linear;
 use tensorplay_distributed_nn::functional as df;
@@ -217,23 +218,9 @@ fn check_tp(p: &Problem, rf: &Reference, group: Option<&ProcessGroup>, loss: Los
     Ok(())
 }
 
+/// Runs `f` on every rank of a world of `n` processes ([`cpu_world`]).
 fn world(n: usize, f: impl Fn(usize) -> TestResult) {
-    let res = dist::spawn(n, |rank| -> TestResult {
-        dist::init_process_group(
-            "cpu",
-            InitOptions {
-                timeout: TIMEOUT,
-                ..Default::default()
-            },
-        )?;
-        f(rank)?;
-        dist::barrier(None)?;
-        dist::destroy_process_group()?;
-        Ok(())
-    });
-    if let Err(e) = res {
-        panic!("{e}");
-    }
+    cpu_world(n, TIMEOUT, f);
 }
 
 /// The three losses over the default group of a world of `n`.

@@ -3,7 +3,7 @@
 //! weights as the same model trained in one process (float64, 1e-6), for SGD with momentum,
 //! Adam and AdamW; owners' errors surface on the caller.
 
-mod common;
+use crate::common;
 
 use common::{TestResult, barrier, init, register_common};
 use tensorplay_collectives::spawn::spawn;

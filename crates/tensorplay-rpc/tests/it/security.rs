@@ -2,7 +2,7 @@
 //! self-signed certificate (or none) is refused by a worker, and the function it asked for never
 //! runs; the job's own calls keep working.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -14,10 +14,7 @@ fn t64(v: &[f64], shape: &[usize]) -> Tensor {
 }
 
 fn close(a: &[f64], b: &[f64], tol: f64) {
-    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
-    for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() <= tol, "{a:?} vs {b:?}");
-    }
+    tensorplay_testkit::assert_close("values", a, b, tensorplay_testkit::Tol::abs(tol));
 }
 
 fn mlp() -> tp::Result<nn::Sequential> {

@@ -4,7 +4,7 @@
 //! the reference counting: once every user dropped its RRefs every owner table is empty
 //! (`debug_info`), before a graceful shutdown that succeeds.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

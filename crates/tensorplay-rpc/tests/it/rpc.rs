@@ -4,7 +4,7 @@
 //! callbacks that make RPCs, 1000 concurrent calls, tensors of every dtype and layout, and a
 //! 64 MiB echo.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

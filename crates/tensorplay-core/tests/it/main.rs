@@ -1,0 +1,15 @@
+//! The integration tests of `tensorplay-core`: the core: tensors, autograd, nn, optim, checkpoints, devices. One binary, one module per
+//! concern (`cargo test -p tensorplay-core --test it MODULE::`).
+
+mod autograd_engine;
+mod bad_input;
+mod checkpoint;
+mod cuda_kernels;
+mod devices;
+mod nn;
+mod operators;
+mod ops_gradcheck;
+mod optim;
+mod promotion;
+mod proptests;
+mod transformer_layers;

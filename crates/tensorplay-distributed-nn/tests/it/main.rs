@@ -1,0 +1,10 @@
+//! The integration tests of `tensorplay-distributed-nn`: the differentiable collectives, DDP and tensor parallelism. One binary, one module per
+//! concern (`cargo test -p tensorplay-distributed-nn --test it MODULE::`).
+
+mod bad_arguments;
+mod ddp;
+mod gradcheck;
+mod hostile;
+mod semantics;
+mod tensor_parallel;
+mod worked_examples;
