@@ -11,16 +11,23 @@
 //! transport (QUIC, TLS, tokio). The facade re-exports it, with its feature `rpc`, beside the
 //! functional collectives under `tensorplay::distributed::nn`.
 
+mod constructible;
+mod hosted;
+mod layers;
+mod registry;
 mod remote_device;
 mod remote_module;
 
-pub use remote_device::{REMOTE_DEVICE_FORMS, RemoteDevice, WorkerRef};
-pub use remote_module::{
-    Hosted, Interface, LayerSpec, LinearArgs, RemoteConstructible, RemoteModule,
-    register_interface, register_module,
-};
+pub use constructible::{Interface, RemoteConstructible};
+pub use hosted::Hosted;
+pub use layers::{LayerSpec, LinearArgs};
 #[doc(hidden)]
-pub use remote_module::{interface_method_name, method_name};
+pub use registry::method_name;
+pub use registry::{register_interface, register_module};
+pub use remote_device::{REMOTE_DEVICE_FORMS, RemoteDevice, WorkerRef};
+pub use remote_module::RemoteModule;
+#[doc(hidden)]
+pub use remote_module::interface_method_name;
 /// Defines the method set of a [`RemoteModule`] from a trait (see the macro's docs).
 pub use tensorplay_macros::interface;
 

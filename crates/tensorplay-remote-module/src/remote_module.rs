@@ -3,7 +3,7 @@
 //!
 //! Rust cannot ship a class, so a module type that can be built remotely implements
 //! [`RemoteConstructible`] (its constructor arguments, a serializable type, and a stable name)
-//! and every worker registers it with [`register_module`]; workers built from the same code know
+//! and every worker registers it with [`register_module`](crate::register_module); workers built from the same code know
 //! the same types. The core's `Linear`, `Embedding` and `Sequential` (of core layers, described
 //! by [`LayerSpec`]s) are constructible out of the box.
 //!
@@ -16,386 +16,18 @@
 //! constructor; `train(mode)` honours `mode`; `Debug` prints the owner and device; a local
 //! model holding a RemoteModule lists its local parameters (the RemoteModule contributes none).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, LazyLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use tensorplay_core::nn::{
-    Dropout, Embedding, ForwardHook, GELU, Linear, Module, ModuleCore, ReLU, Sequential, Sigmoid,
-    Tanh,
-};
+use tensorplay_core::nn::{ForwardHook, Module, ModuleCore};
 use tensorplay_core::{Device, Error, Result, Tensor};
 use tensorplay_rpc::{self as rpc, Decoder, Encoder, RRef, RpcFuture, Wire};
 
+use crate::constructible::{Interface, RemoteConstructible};
+use crate::hosted::Hosted;
+use crate::registry::{InterfaceCheck, create_fn, method_name};
 use crate::remote_device::RemoteDevice;
-
-/// A module type that a remote worker can build from serializable constructor arguments.
-///
-/// ```
-/// use tensorplay as tp;
-/// use tp::nn::{Linear, Module, ModuleCore};
-/// use tp::{Result, Tensor};
-/// use tp::distributed::nn::RemoteConstructible;
-///
-/// /// y = x * w, with w set from the arguments.
-/// struct Scale { w: Tensor, core: ModuleCore }
-///
-/// impl Module for Scale {
-///     fn forward(&self, x: &Tensor) -> Result<Tensor> { x.mul(&self.w) }
-///     fn core(&self) -> &ModuleCore { &self.core }
-///     fn core_mut(&mut self) -> &mut ModuleCore { &mut self.core }
-///     fn local_parameters(&self) -> Vec<(String, Tensor)> { vec![("w".into(), self.w.clone())] }
-///     fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> { vec![("w".into(), &mut self.w)] }
-/// }
-///
-/// impl RemoteConstructible for Scale {
-///     type Args = Vec<f64>;
-///     const TYPE_NAME: &'static str = "example::Scale";
-///     fn construct(args: &Vec<f64>) -> Result<Scale> {
-///         let w = Tensor::from_vec(args.clone(), &[args.len()])?.requires_grad_(true);
-///         Ok(Scale { w, core: ModuleCore::new() })
-///     }
-/// }
-/// // on every worker, before init_rpc:
-/// tp::distributed::nn::register_module::<Scale>();
-/// ```
-pub trait RemoteConstructible: Module + Sized + 'static {
-    /// The constructor's arguments, sent to the owner.
-    type Args: Wire + Clone + Send + Sync;
-    /// The name the type is registered under on every worker (unique in the job).
-    const TYPE_NAME: &'static str;
-    /// Builds the module (on CPU; it is moved to its device afterwards).
-    ///
-    /// # Errors
-    /// Whatever the constructor refuses; returned by [`RemoteModule::new`].
-    fn construct(args: &Self::Args) -> Result<Self>;
-    /// The forward of several inputs ([`RemoteModule::forward_many`]); the default accepts
-    /// exactly one and calls [`Module::call`].
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for another number of inputs; the forward's errors.
-    fn forward_many(&self, inputs: &[Tensor]) -> Result<Tensor> {
-        match inputs {
-            [x] => self.call(x),
-            _ => Err(Error::InvalidArgument {
-                op: "RemoteModule::forward_many",
-                arg: "inputs",
-                expected: format!("one input for {}", Self::TYPE_NAME),
-                got: format!("{} inputs", inputs.len()),
-            }),
-        }
-    }
-}
-
-/// A set of remote methods defined by `#[interface]` on a trait (`_module_interface_cls`).
-/// Implemented by the macro for each module type that implements the trait; not by hand.
-pub trait Interface<M: RemoteConstructible>: 'static {
-    /// The trait's name.
-    const NAME: &'static str;
-    /// Each method's name and argument/result types, compared between the caller's and the
-    /// owner's binaries when a module is created.
-    fn methods() -> Vec<(String, String)>;
-    /// Registers the methods for `M` on this worker.
-    fn register_methods();
-}
-
-/// The owner's copy of a remote module: the module (behind a lock), its constructor arguments
-/// and its device.
-///
-/// `get_module_rref().to_here(None)` returns a `Hosted<M>`, not the module: on another worker,
-/// a new one holding an equal module on the CPU (the owner sends the arguments, the training
-/// flag and the state dict, and the receiver rebuilds the module from them); on the owner, the
-/// owner's own (a handle sharing the live module). [`read`](Hosted::read) and
-/// [`write`](Hosted::write) lock the module in place; [`into_inner`](Hosted::into_inner) gives
-/// the module itself:
-///
-/// ```no_run
-/// use tensorplay as tp;
-/// use tp::distributed::nn::{LinearArgs, RemoteModule};
-/// use tp::nn::Module;
-///
-/// # fn main() -> tp::Result<()> {
-/// let remote = RemoteModule::<tp::nn::Linear>::new(
-///     "worker1/cpu",
-///     LinearArgs { in_features: 4, out_features: 2, bias: true },
-/// )?;
-/// let copy: tp::nn::Linear = remote.get_module_rref().to_here(None)?.into_inner()?;
-/// assert_eq!(copy.forward(&tp::ones(&[1, 4])?)?.shape(), &[1, 2]); // runs here, on the copy
-/// # Ok(()) }
-/// ```
-pub struct Hosted<M: RemoteConstructible> {
-    inner: Arc<HostedInner<M>>,
-}
-
-struct HostedInner<M: RemoteConstructible> {
-    args: M::Args,
-    device: Device,
-    module: RwLock<M>,
-}
-
-impl<M: RemoteConstructible> Clone for Hosted<M> {
-    fn clone(&self) -> Self {
-        Hosted {
-            inner: self.inner.clone(),
-        }
-    }
-}
-
-impl<M: RemoteConstructible> fmt::Debug for Hosted<M> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Hosted")
-            .field("type", &M::TYPE_NAME)
-            .field("device", &self.inner.device)
-            .finish()
-    }
-}
-
-impl<M: RemoteConstructible> Hosted<M> {
-    fn new(args: M::Args, device: Device, module: M) -> Hosted<M> {
-        Hosted {
-            inner: Arc::new(HostedInner {
-                args,
-                device,
-                module: RwLock::new(module),
-            }),
-        }
-    }
-    /// Read access to the module.
-    pub fn read(&self) -> RwLockReadGuard<'_, M> {
-        self.inner.module.read().unwrap_or_else(|e| e.into_inner())
-    }
-    /// Write access to the module.
-    pub fn write(&self) -> RwLockWriteGuard<'_, M> {
-        self.inner.module.write().unwrap_or_else(|e| e.into_inner())
-    }
-    /// The device the module lives on.
-    pub fn device(&self) -> Device {
-        self.inner.device
-    }
-    /// The constructor arguments it was built from.
-    pub fn args(&self) -> &M::Args {
-        &self.inner.args
-    }
-
-    /// The module itself. When this is its only handle (the copy that
-    /// `get_module_rref().to_here()` fetched from another worker, not cloned since), the
-    /// module is taken out as it is, on its device; otherwise (the owner's own value, or a
-    /// clone) a new module is built from the same constructor arguments, state dict and
-    /// training flag, on the CPU, as sending it would, and the shared one is left alone.
-    ///
-    /// # Errors
-    /// Only when rebuilding: `M::construct`'s error, or the module's `state_dict` /
-    /// `load_state_dict` error.
-    pub fn into_inner(self) -> Result<M> {
-        match Arc::try_unwrap(self.inner) {
-            Ok(inner) => Ok(inner.module.into_inner().unwrap_or_else(|e| e.into_inner())),
-            Err(shared) => {
-                let hosted = Hosted { inner: shared };
-                let m = hosted.read();
-                let state = m.state_dict()?;
-                let entries = state
-                    .into_iter()
-                    .map(|(k, v)| Ok((k, v.to_device(Device::Cpu)?.detach().deep_clone()?)))
-                    .collect::<Result<Vec<_>>>()?;
-                rebuild(&hosted.inner.args, entries, m.is_training())
-            }
-        }
-    }
-}
-
-/// A module built from `args` with the state `entries` and the training flag `training` (what
-/// a receiver of a [`Hosted`] holds).
-fn rebuild<M: RemoteConstructible>(
-    args: &M::Args,
-    entries: Vec<(String, Tensor)>,
-    training: bool,
-) -> Result<M> {
-    let mut m = M::construct(args)?;
-    let state: BTreeMap<String, Tensor> = entries.into_iter().collect();
-    {
-        let _g = tensorplay_core::no_grad();
-        m.load_state_dict(&state, true)?;
-    }
-    m.train(training)?;
-    Ok(m)
-}
-
-impl<M: RemoteConstructible> Wire for Hosted<M> {
-    fn encode(&self, e: &mut Encoder) -> rpc::Result<()> {
-        let m = self.read();
-        let state = m.state_dict()?;
-        self.inner.args.encode(e)?;
-        self.inner.device.to_string().encode(e)?;
-        m.is_training().encode(e)?;
-        let entries: Vec<(String, Tensor)> = state
-            .into_iter()
-            .map(|(k, v)| Ok((k, v.to_device(Device::Cpu)?.detach())))
-            .collect::<Result<_>>()?;
-        entries.encode(e)
-    }
-
-    fn decode(d: &mut Decoder) -> rpc::Result<Self> {
-        let args = M::Args::decode(d)?;
-        let device: String = Wire::decode(d)?;
-        let training = bool::decode(d)?;
-        let entries: Vec<(String, Tensor)> = Wire::decode(d)?;
-        let m = rebuild::<M>(&args, entries, training)?;
-        // the copy lives where it arrived: on the CPU
-        let _ = device;
-        Ok(Hosted::new(args, Device::Cpu, m))
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// the per-worker registry of module types and their interfaces
-
-/// Interfaces registered per type name: interface name -> its methods.
-/// Interface name -> its methods, per module type name.
-type TypeTable = HashMap<&'static str, HashMap<&'static str, Vec<(String, String)>>>;
-
-static TYPES: LazyLock<RwLock<TypeTable>> = LazyLock::new(|| RwLock::new(HashMap::new()));
-
-fn create_fn<M: RemoteConstructible>() -> String {
-    format!("tensorplay::remote_module::create::{}", M::TYPE_NAME)
-}
-
-/// The registered name of method `method` of `M`'s hosted value.
-#[doc(hidden)]
-pub fn method_name<M: RemoteConstructible>(method: &str) -> String {
-    format!("tensorplay::remote_module::{}::{method}", M::TYPE_NAME)
-}
-
-/// What a creation request checks on the owner: an interface's name and methods.
-type InterfaceCheck = Option<(String, Vec<(String, String)>)>;
-
-/// Whether this worker has `device`.
-fn check_device(device: Device) -> Result<()> {
-    match device {
-        Device::Cpu => Ok(()),
-        Device::Cuda(i) => {
-            let n = tensorplay_core::cuda::device_count();
-            if i < n {
-                Ok(())
-            } else {
-                Err(Error::InvalidArgument {
-                    op: "RemoteModule::new",
-                    arg: "remote_device",
-                    expected: format!("a device of this worker (it has {n} CUDA devices)"),
-                    got: format!("cuda:{i}: no such device"),
-                })
-            }
-        }
-    }
-}
-
-/// Registers module type `M` on this worker, so that other workers can build it here
-/// ([`RemoteModule::new`]). Call it on every worker, before `init_rpc` (or at least before a
-/// peer creates one). Registering again is harmless.
-pub fn register_module<M: RemoteConstructible>() {
-    TYPES
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .entry(M::TYPE_NAME)
-        .or_default();
-    rpc::register(
-        &create_fn::<M>(),
-        |(args, device, iface): (M::Args, String, InterfaceCheck)| -> Result<Hosted<M>> {
-            let device = Device::parse(&device)?;
-            check_device(device)?;
-            if let Some((name, methods)) = iface {
-                let types = TYPES.read().unwrap_or_else(|e| e.into_inner());
-                let have = types.get(M::TYPE_NAME).and_then(|t| t.get(name.as_str()));
-                match have {
-                    Some(m) if *m == methods => {}
-                    Some(m) => {
-                        return Err(Error::InvalidArgument {
-                            op: "RemoteModule::new",
-                            arg: "interface",
-                            expected: format!("the methods {methods:?} of interface {name}"),
-                            got: format!("{} implements it here as {m:?}", M::TYPE_NAME),
-                        });
-                    }
-                    None => {
-                        return Err(Error::InvalidArgument {
-                            op: "RemoteModule::new",
-                            arg: "interface",
-                            expected: format!(
-                                "a module type that implements interface {name} on this worker"
-                            ),
-                            got: format!(
-                                "{}, registered here without it (register_interface::<{name}, _>() was not called for it)",
-                                M::TYPE_NAME
-                            ),
-                        });
-                    }
-                }
-            }
-            let mut m = M::construct(&args)?;
-            if device != Device::Cpu {
-                m.to(device)?;
-            }
-            Ok(Hosted::new(args, device, m))
-        },
-    );
-    rpc::register_method(
-        &method_name::<M>("forward"),
-        |h: &Hosted<M>, inputs: Vec<Tensor>| {
-            let dev = h.device();
-            let inputs = inputs
-                .iter()
-                .map(|x| x.to_device(dev))
-                .collect::<Result<Vec<_>>>()?;
-            let y = h.read().forward_many(&inputs)?;
-            y.to_device(Device::Cpu)
-        },
-    );
-    rpc::register_method(&method_name::<M>("save"), |h: &Hosted<M>, path: String| {
-        tensorplay_core::save(&h.read().state_dict()?, &path)
-    });
-    rpc::register_method(&method_name::<M>("load"), |h: &Hosted<M>, path: String| {
-        let state = tensorplay_core::load(&path)?;
-        h.write().load_state_dict(&state, true)
-    });
-    rpc::register_method(&method_name::<M>("train"), |h: &Hosted<M>, mode: bool| {
-        h.write().train(mode)?;
-        Ok(h.read().is_training())
-    });
-    rpc::register_method(&method_name::<M>("is_training"), |h: &Hosted<M>, (): ()| {
-        Ok(h.read().is_training())
-    });
-    rpc::register_method(&method_name::<M>("device"), |h: &Hosted<M>, (): ()| {
-        Ok(h.device().to_string())
-    });
-    rpc::register_method(
-        &method_name::<M>("parameters"),
-        |h: &Hosted<M>, recurse: bool| {
-            let m = h.read();
-            let ps: Vec<Tensor> = if recurse {
-                m.parameters()
-            } else {
-                m.local_parameters().into_iter().map(|(_, p)| p).collect()
-            };
-            ps.into_iter()
-                .map(|p| RRef::new(p).map_err(Error::from))
-                .collect::<Result<Vec<_>>>()
-        },
-    );
-}
-
-/// Registers interface `I` for module type `M` on this worker: its methods become callable on
-/// `RemoteModule<M>` handles created with [`RemoteModule::new_with_interface`], and creations
-/// that ask for `I` pass the owner's check. Call it on every worker, like [`register_module`].
-pub fn register_interface<I: Interface<M>, M: RemoteConstructible>() {
-    register_module::<M>();
-    I::register_methods();
-    TYPES
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .entry(M::TYPE_NAME)
-        .or_default()
-        .insert(I::NAME, I::methods());
-}
 
 // ---------------------------------------------------------------------------------------------
 // the handle
@@ -456,7 +88,7 @@ impl<M: RemoteConstructible> fmt::Debug for RemoteModule<M> {
 }
 
 /// An RPC error as the stack's error, with an unknown creation function explained.
-fn creation_error<M: RemoteConstructible>(e: rpc::Error, worker: &str) -> Error {
+pub(crate) fn creation_error<M: RemoteConstructible>(e: rpc::Error, worker: &str) -> Error {
     match &e {
         // the owner knows neither the type's constructor nor its methods
         rpc::Error::Remote { kind, .. } if kind == "UnknownFunction" || kind == "UnknownMethod" => {
@@ -486,7 +118,7 @@ impl<M: RemoteConstructible> RemoteModule<M> {
     }
 
     /// As [`RemoteModule::new`], with the method set of interface `I` (`_module_interface_cls`):
-    /// the owner checks that it registered `M` with `I` ([`register_interface`]) and with the
+    /// the owner checks that it registered `M` with `I` ([`register_interface`](crate::register_interface)) and with the
     /// same method signatures, and the handle gets `I`'s methods (the `<Trait>Remote` trait the
     /// macro generates).
     ///
@@ -704,7 +336,7 @@ pub fn interface_method_name<M: RemoteConstructible>(iface: &str, method: &str) 
     )
 }
 
-fn unsupported(method: &'static str, hint: &str) -> Error {
+pub(crate) fn unsupported(method: &'static str, hint: &str) -> Error {
     Error::Unsupported {
         method,
         hint: format!("RemoteModule holds no local state; {hint}"),
@@ -803,133 +435,5 @@ impl<M: RemoteConstructible> Wire for RemoteModule<M> {
             core,
             _m: PhantomData,
         })
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// the core's layers
-
-/// The constructor arguments of [`Linear`] (`nn.Linear(in_features, out_features, bias)`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LinearArgs {
-    /// Input features.
-    pub in_features: usize,
-    /// Output features.
-    pub out_features: usize,
-    /// Whether the layer has a bias.
-    pub bias: bool,
-}
-
-impl Wire for LinearArgs {
-    fn encode(&self, e: &mut Encoder) -> rpc::Result<()> {
-        (self.in_features, self.out_features, self.bias).encode(e)
-    }
-    fn decode(d: &mut Decoder) -> rpc::Result<Self> {
-        let (in_features, out_features, bias) = Wire::decode(d)?;
-        Ok(LinearArgs {
-            in_features,
-            out_features,
-            bias,
-        })
-    }
-}
-
-impl RemoteConstructible for Linear {
-    type Args = LinearArgs;
-    const TYPE_NAME: &'static str = "tensorplay::nn::Linear";
-    fn construct(a: &LinearArgs) -> Result<Linear> {
-        Linear::new(a.in_features, a.out_features, a.bias)
-    }
-}
-
-impl RemoteConstructible for Embedding {
-    /// `(num_embeddings, embedding_dim)`.
-    type Args = (usize, usize);
-    const TYPE_NAME: &'static str = "tensorplay::nn::Embedding";
-    fn construct(&(n, d): &(usize, usize)) -> Result<Embedding> {
-        Embedding::new(n, d)
-    }
-}
-
-/// One layer of a remotely built [`Sequential`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum LayerSpec {
-    /// `Linear(in, out, bias)`.
-    Linear(LinearArgs),
-    /// `ReLU`.
-    ReLU,
-    /// `Tanh`.
-    Tanh,
-    /// `Embedding(num, dim)`.
-    Embedding(usize, usize),
-    /// `Sigmoid`.
-    Sigmoid,
-    /// `GELU` (the exact, erf form).
-    GELU,
-    /// `Dropout(p)`: zeroes each element with probability `p` in training mode, scaling the
-    /// rest by `1 / (1 - p)`; `p` in `[0, 1)`, checked on the owner.
-    Dropout(f64),
-}
-
-impl Wire for LayerSpec {
-    fn encode(&self, e: &mut Encoder) -> rpc::Result<()> {
-        match *self {
-            LayerSpec::Linear(a) => {
-                0u8.encode(e)?;
-                a.encode(e)
-            }
-            LayerSpec::ReLU => 1u8.encode(e),
-            LayerSpec::Tanh => 2u8.encode(e),
-            LayerSpec::Embedding(n, d) => {
-                3u8.encode(e)?;
-                (n, d).encode(e)
-            }
-            LayerSpec::Sigmoid => 4u8.encode(e),
-            LayerSpec::GELU => 5u8.encode(e),
-            LayerSpec::Dropout(p) => {
-                6u8.encode(e)?;
-                p.encode(e)
-            }
-        }
-    }
-    fn decode(d: &mut Decoder) -> rpc::Result<Self> {
-        Ok(match u8::decode(d)? {
-            0 => LayerSpec::Linear(LinearArgs::decode(d)?),
-            1 => LayerSpec::ReLU,
-            2 => LayerSpec::Tanh,
-            3 => {
-                let (n, dim) = Wire::decode(d)?;
-                LayerSpec::Embedding(n, dim)
-            }
-            4 => LayerSpec::Sigmoid,
-            5 => LayerSpec::GELU,
-            6 => LayerSpec::Dropout(f64::decode(d)?),
-            k => {
-                return Err(rpc::Error::Serialization(format!(
-                    "unknown layer kind {k} (expected 0 Linear, 1 ReLU, 2 Tanh, 3 Embedding, 4 Sigmoid, 5 GELU, 6 Dropout)"
-                )));
-            }
-        })
-    }
-}
-
-impl RemoteConstructible for Sequential {
-    /// The layers, in order.
-    type Args = Vec<LayerSpec>;
-    const TYPE_NAME: &'static str = "tensorplay::nn::Sequential";
-    fn construct(layers: &Vec<LayerSpec>) -> Result<Sequential> {
-        let mut s = Sequential::new();
-        for l in layers {
-            s.push(match *l {
-                LayerSpec::Linear(a) => Box::new(Linear::construct(&a)?),
-                LayerSpec::ReLU => Box::new(ReLU::new()),
-                LayerSpec::Tanh => Box::new(Tanh::new()),
-                LayerSpec::Embedding(n, d) => Box::new(Embedding::new(n, d)?),
-                LayerSpec::Sigmoid => Box::new(Sigmoid::new()),
-                LayerSpec::GELU => Box::new(GELU::new()),
-                LayerSpec::Dropout(p) => Box::new(Dropout::new(p)?),
-            });
-        }
-        Ok(s)
     }
 }
