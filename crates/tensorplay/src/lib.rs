@@ -107,7 +107,11 @@ pub use tensorplay_core::{
 /// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`
 /// (`DistributedDataParallel`).
 pub mod nn {
-    pub use tensorplay_core::nn::*;
+    pub use tensorplay_core::nn::{
+        CrossEntropyLoss, Dropout, Embedding, ForwardHook, GELU, LayerNorm, Linear, MSELoss,
+        Module, ModuleCore, ModuleList, MultiheadAttention, ReLU, Sequential, Sigmoid, Tanh,
+        functional, utils,
+    };
 
     /// `torch.nn.parallel`: data-parallel training
     /// ([`DistributedDataParallel`](parallel::DistributedDataParallel)); the module page
@@ -148,7 +152,10 @@ pub mod nn {
     /// ```
     pub mod parallel {
         #[doc(inline)]
-        pub use tensorplay_distributed_nn::parallel::*;
+        pub use tensorplay_distributed_nn::parallel::{
+            CommFuture, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket,
+            NoSync, StepStats, default_hooks,
+        };
     }
 }
 
@@ -158,9 +165,11 @@ pub mod utils {
     /// [`DataLoader`](data::DataLoader), samplers, and
     /// [`DistributedSampler`](data::DistributedSampler) (`torch.utils.data.distributed`).
     pub mod data {
-        pub use tensorplay_core::utils::data::*;
+        pub use tensorplay_core::utils::data::{
+            Batches, DataLoader, RandomSampler, Sampler, SequentialSampler, TensorDataset,
+        };
         #[doc(inline)]
-        pub use tensorplay_distributed_nn::data::*;
+        pub use tensorplay_distributed_nn::data::DistributedSampler;
     }
 }
 
@@ -288,7 +297,35 @@ pub mod distributed {
     ///   [`distributed::optim`](optim)).
     #[cfg(feature = "rpc")]
     pub mod rpc {
-        pub use tensorplay_rpc::*;
+        pub use tensorplay_rpc::{
+            Decoder, Encoder, Error, GloballyUniqueId, RRef, RRefDebugInfo, Result,
+            RpcBackendOptions, RpcFuture, To, Wire, WorkerInfo, bytes_sent, current_worker,
+            debug_info, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc,
+            is_initialized, local_addr, register, register_method, remote, rpc_async, rpc_sync,
+            set_rpc_timeout, shutdown, wait_all,
+        };
+
+        /// Deprecated path: distributed autograd is [`tp::distributed::autograd`](super::autograd)
+        /// (`torch.distributed.autograd`).
+        #[deprecated(since = "0.1.0", note = "use tp::distributed::autograd")]
+        pub mod autograd {
+            #[doc(no_inline)]
+            pub use tensorplay_rpc::autograd::{
+                ContextGuard, ContextId, ContextInfo, DebugInfo, Gradients, backward, context,
+                context_info, current_context, debug_info, get_gradients, is_valid_context,
+            };
+        }
+
+        /// Deprecated path: use [`tp::distributed::optim::DistributedOptimizer`](super::optim::DistributedOptimizer).
+        #[deprecated(
+            since = "0.1.0",
+            note = "use tp::distributed::optim::DistributedOptimizer"
+        )]
+        pub type DistributedOptimizer = tensorplay_rpc::DistributedOptimizer;
+
+        /// Deprecated path: use [`tp::distributed::optim::OptimizerKind`](super::optim::OptimizerKind).
+        #[deprecated(since = "0.1.0", note = "use tp::distributed::optim::OptimizerKind")]
+        pub type OptimizerKind = tensorplay_rpc::OptimizerKind;
     }
 
     /// `torch.distributed.autograd`: contexts, the distributed backward pass and the
@@ -296,7 +333,10 @@ pub mod distributed {
     /// [`rpc::autograd`], whose page has the overview).
     #[cfg(feature = "rpc")]
     pub mod autograd {
-        pub use tensorplay_rpc::autograd::*;
+        pub use tensorplay_rpc::autograd::{
+            ContextGuard, ContextId, ContextInfo, DebugInfo, Gradients, backward, context,
+            context_info, current_context, debug_info, get_gradients, is_valid_context,
+        };
     }
 
     /// `torch.distributed.optim`: the optimizer of parameters held by other workers.
@@ -309,10 +349,47 @@ pub mod distributed {
     /// feature `rpc`, `RemoteModule`.
     pub mod nn {
         #[doc(inline)]
-        pub use tensorplay_distributed_nn::*;
+        pub use tensorplay_distributed_nn::functional;
+        #[cfg(feature = "rpc")]
+        #[doc(hidden)]
+        pub use tensorplay_remote_module::{__private, interface_method_name, method_name};
         #[cfg(feature = "rpc")]
         #[doc(inline)]
-        pub use tensorplay_remote_module::*;
+        pub use tensorplay_remote_module::{
+            Hosted, Interface, LayerSpec, LinearArgs, REMOTE_DEVICE_FORMS, RemoteConstructible,
+            RemoteDevice, RemoteModule, WorkerRef, interface, register_interface, register_module,
+        };
+
+        /// Deprecated path: data parallelism is [`tp::nn::parallel`](crate::nn::parallel)
+        /// (`torch.nn.parallel`).
+        #[deprecated(since = "0.1.0", note = "use tp::nn::parallel")]
+        pub mod parallel {
+            #[doc(no_inline)]
+            pub use crate::nn::parallel::{
+                CommFuture, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket,
+                NoSync, StepStats, default_hooks,
+            };
+        }
+
+        /// Deprecated path: distributed checkpoints are
+        /// [`tp::distributed::checkpoint`](crate::distributed::checkpoint)
+        /// (`torch.distributed.checkpoint`).
+        #[deprecated(since = "0.1.0", note = "use tp::distributed::checkpoint")]
+        pub mod checkpoint {
+            #[doc(no_inline)]
+            pub use crate::distributed::checkpoint::{
+                Shard, load_sharded, save_replicated, save_sharded, sharded_exists,
+            };
+        }
+
+        /// Deprecated path: `DistributedSampler` is
+        /// [`tp::utils::data::DistributedSampler`](crate::utils::data::DistributedSampler)
+        /// (`torch.utils.data.distributed`).
+        #[deprecated(since = "0.1.0", note = "use tp::utils::data::DistributedSampler")]
+        pub mod data {
+            #[doc(no_inline)]
+            pub use crate::utils::data::DistributedSampler;
+        }
     }
 }
 
@@ -321,7 +398,7 @@ pub mod distributed {
 #[cfg(feature = "models")]
 pub mod models {
     #[doc(inline)]
-    pub use tensorplay_models::*;
+    pub use tensorplay_models::{Block, Gpt, GptConfig, TINY_SHAKESPEARE, gpt};
 }
 
 /// The one error of the stack: the core's error, into which every layer's error converts

@@ -83,3 +83,45 @@ fn debug_form_of_errors_is_the_message() {
     let rpc = tp::distributed::rpc::rpc_sync::<(), ()>("nobody", "f", (), None).unwrap_err();
     assert_eq!(format!("{rpc:?}"), rpc.to_string());
 }
+
+/// Today's other paths stay one release as deprecated aliases of the one path each item has:
+/// each names the same item (same type, same function).
+#[test]
+#[allow(deprecated)]
+fn deprecated_paths_name_the_same_items() {
+    use std::any::TypeId;
+    type M = tp::nn::Linear;
+    let cases: [(&str, TypeId, TypeId); 5] = [
+        (
+            "distributed::nn::parallel::DistributedDataParallel",
+            TypeId::of::<tp::distributed::nn::parallel::DistributedDataParallel<M>>(),
+            TypeId::of::<tp::nn::parallel::DistributedDataParallel<M>>(),
+        ),
+        (
+            "distributed::nn::data::DistributedSampler",
+            TypeId::of::<tp::distributed::nn::data::DistributedSampler>(),
+            TypeId::of::<tp::utils::data::DistributedSampler>(),
+        ),
+        (
+            "distributed::nn::checkpoint::Shard",
+            TypeId::of::<tp::distributed::nn::checkpoint::Shard>(),
+            TypeId::of::<tp::distributed::checkpoint::Shard>(),
+        ),
+        (
+            "distributed::rpc::DistributedOptimizer",
+            TypeId::of::<tp::distributed::rpc::DistributedOptimizer>(),
+            TypeId::of::<tp::distributed::optim::DistributedOptimizer>(),
+        ),
+        (
+            "distributed::rpc::autograd::ContextGuard",
+            TypeId::of::<tp::distributed::rpc::autograd::ContextGuard>(),
+            TypeId::of::<tp::distributed::autograd::ContextGuard>(),
+        ),
+    ];
+    for (case, old, new) in cases {
+        assert_eq!(
+            old, new,
+            "case {case}: the deprecated path names another item"
+        );
+    }
+}
