@@ -13,6 +13,7 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
@@ -101,10 +102,25 @@ fn report_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"))
 }
 
+/// Collective bandwidth of the "cpu" backend, in the lines of nccl-tests.
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench_collectives",
+    about = "Bus bandwidth of all_reduce, all_gather, reduce_scatter and broadcast on the \"cpu\" \
+             backend, in nccl-tests' conventions (the lines `cargo xtask bench-collectives` reads)."
+)]
+struct Args {
+    /// Ranks (processes) on this machine.
+    #[arg(default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    world: u64,
+    /// The largest size, in MiB (sizes double from 4 KiB up to it).
+    #[arg(default_value_t = 64)]
+    max_mib: usize,
+}
+
 fn main() -> R {
-    let args: Vec<String> = std::env::args().collect();
-    let world: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let max_mib: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(64);
+    let args = Args::parse();
+    let (world, max_mib) = (args.world as usize, args.max_mib);
     tensorplay_core::set_num_threads(1);
     let parent = std::process::id().to_string();
     let report = std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"));
