@@ -111,16 +111,24 @@ fn report_path() -> std::path::PathBuf {
 )]
 struct Args {
     /// Ranks (processes) on this machine.
-    #[arg(default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
-    world: u64,
+    #[arg(default_value_t = 2, value_parser = at_least_one)]
+    world: usize,
     /// The largest size, in MiB (sizes double from 4 KiB up to it).
     #[arg(default_value_t = 64)]
     max_mib: usize,
 }
 
+/// A whole number >= 1.
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("expected a whole number >= 1".into()),
+    }
+}
+
 fn main() -> R {
     let args = Args::parse();
-    let (world, max_mib) = (args.world as usize, args.max_mib);
+    let (world, max_mib) = (args.world, args.max_mib);
     tensorplay_core::set_num_threads(1);
     let parent = std::process::id().to_string();
     let report = std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"));
