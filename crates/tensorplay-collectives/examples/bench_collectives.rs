@@ -13,6 +13,7 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
@@ -101,10 +102,33 @@ fn report_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"))
 }
 
+/// Collective bandwidth of the "cpu" backend, in the lines of nccl-tests.
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench_collectives",
+    about = "Bus bandwidth of all_reduce, all_gather, reduce_scatter and broadcast on the \"cpu\" \
+             backend, in nccl-tests' conventions (the lines `cargo xtask bench-collectives` reads)."
+)]
+struct Args {
+    /// Ranks (processes) on this machine.
+    #[arg(default_value_t = 2, value_parser = at_least_one)]
+    world: usize,
+    /// The largest size, in MiB (sizes double from 4 KiB up to it).
+    #[arg(default_value_t = 64)]
+    max_mib: usize,
+}
+
+/// A whole number >= 1.
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("expected a whole number >= 1".into()),
+    }
+}
+
 fn main() -> R {
-    let args: Vec<String> = std::env::args().collect();
-    let world: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let max_mib: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(64);
+    let args = Args::parse();
+    let (world, max_mib) = (args.world, args.max_mib);
     tensorplay_core::set_num_threads(1);
     let parent = std::process::id().to_string();
     let report = std::env::temp_dir().join(format!("tensorplay-bench-collectives-{parent}.txt"));

@@ -9,23 +9,29 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
 use tensorplay_core::{DType, Tensor};
 
-fn arg(name: &str, default: u64) -> Result<u64, String> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| format!("{name} takes a whole number")),
-        None => Ok(default),
-    }
+/// The fault job's command line.
+#[derive(Parser, Debug)]
+#[command(
+    name = "fault_loop",
+    about = "A job for fault scenarios (`cargo xtask test-multihost`): all-reduces over and over, \
+             one process per rank under tensorplay-run, until --seconds pass or one fails."
+)]
+struct Args {
+    /// How long to go on without a fault, in seconds.
+    #[arg(long, value_name = "N", default_value_t = 60)]
+    seconds: u64,
+    /// The timeout of each collective, in seconds.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    timeout_secs: u64,
 }
 
-fn run() -> Result<(), String> {
-    let seconds = arg("--seconds", 60)?;
-    let timeout = arg("--timeout-secs", 10)?;
+fn run(args: &Args) -> Result<(), String> {
+    let seconds = args.seconds;
+    let timeout = args.timeout_secs;
     dist::init_process_group(
         "cpu",
         InitOptions {
@@ -54,7 +60,8 @@ fn run() -> Result<(), String> {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
+    let args = Args::parse();
+    match run(&args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             println!("fault_loop: failed: {e}");

@@ -9,6 +9,7 @@
 
 use std::time::Instant;
 
+use clap::{Parser, ValueEnum};
 use tensorplay_core::nn::{self, Module};
 use tensorplay_core::optim::{Optimizer, SGD, SgdOptions};
 use tensorplay_core::{self as tp};
@@ -67,10 +68,32 @@ fn matmul_gflops(n: usize) -> tp::Result<f64> {
     Ok(2.0 * (n as f64).powi(3) / dt / 1e9)
 }
 
+/// What to measure.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Only {
+    /// Only the MLP training step (for profiling).
+    Mlp,
+}
+
+/// The core benchmark's command line (`cargo bench -p tensorplay-core --bench core_step [-- mlp]`).
+#[derive(Parser, Debug)]
+#[command(
+    name = "core_step",
+    about = "An MLP training step and f32 matmuls on one thread, in the lines `cargo xtask \
+             bench-core` reads."
+)]
+struct Args {
+    /// Measure only this (`mlp`: the training step, for profiling).
+    only: Option<Only>,
+    /// Given by `cargo bench` to every benchmark; nothing changes.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn main() -> tp::Result<()> {
+    let args = Args::parse();
     tp::set_num_threads(1);
-    // `cargo bench ... -- mlp` runs only the training step (for profiling)
-    let only_mlp = std::env::args().any(|a| a == "mlp");
+    let only_mlp = args.only == Some(Only::Mlp);
     println!(
         "tensorplay-core mlp_step batch64  {:8.1} us/step",
         mlp_step_us()?

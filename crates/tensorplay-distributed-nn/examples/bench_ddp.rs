@@ -31,6 +31,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use tensorplay as tp;
 use tp::distributed as dist;
 use tp::nn::parallel::{DdpOptions, DistributedDataParallel as Ddp, StepStats};
@@ -46,38 +47,31 @@ const BATCH: usize = 32;
 const INPUT: usize = 784;
 const CLASSES: usize = 10;
 
-const USAGE: &str = "usage: bench_ddp [world] [hidden] [steps]  (defaults 2 1024 30)";
-
-/// The command line: `[world] [hidden] [steps]`.
-#[derive(Debug, Clone, Copy)]
+/// The command line: `[world] [hidden] [steps]`, each at least 1.
+#[derive(Parser, Debug, Clone, Copy)]
+#[command(
+    name = "bench_ddp",
+    about = "One data-parallel training step of DistributedDataParallel on the \"cpu\" backend, \
+             beside the local step, in the lines `cargo xtask bench-ddp` reads."
+)]
 struct Args {
+    /// Ranks (processes) on this machine.
+    #[arg(default_value_t = 2, value_parser = at_least_one)]
     world: usize,
+    /// Width of the MLP's hidden layers.
+    #[arg(default_value_t = 1024, value_parser = at_least_one)]
     hidden: usize,
+    /// Timed steps (after 5 warm-up steps).
+    #[arg(default_value_t = 30, value_parser = at_least_one)]
     steps: usize,
 }
 
-fn parse_args(args: &[String]) -> Result<Args, String> {
-    if args.len() > 3 {
-        return Err(format!(
-            "expected at most 3 arguments, got {}: {}",
-            args.len(),
-            args.join(" ")
-        ));
+/// A whole number >= 1.
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("expected a whole number >= 1".into()),
     }
-    let num = |i: usize, name: &str, default: usize| -> Result<usize, String> {
-        match args.get(i) {
-            None => Ok(default),
-            Some(s) => match s.parse::<usize>() {
-                Ok(v) if v >= 1 => Ok(v),
-                _ => Err(format!("{name} must be a whole number >= 1, got {s:?}")),
-            },
-        }
-    };
-    Ok(Args {
-        world: num(0, "world", 2)?,
-        hidden: num(1, "hidden", 1024)?,
-        steps: num(2, "steps", 30)?,
-    })
 }
 
 /// The anchor's model, initialised from seed 0 on every rank.
@@ -313,18 +307,7 @@ fn report_path() -> std::path::PathBuf {
 }
 
 fn main() -> ExitCode {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    if argv.iter().any(|a| a == "-h" || a == "--help") {
-        println!("{USAGE}");
-        return ExitCode::SUCCESS;
-    }
-    let args = match parse_args(&argv) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("bench_ddp: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Args::parse();
     tp::set_num_threads(1);
     let parent = std::process::id().to_string();
     let report = std::env::temp_dir().join(format!("tensorplay-bench-ddp-{parent}.txt"));

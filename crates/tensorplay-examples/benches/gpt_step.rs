@@ -5,13 +5,31 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use tensorplay as tp;
 use tp::models::{Gpt, GptConfig};
 use tp::nn::Module;
 use tp::optim::{AdamW, AdamWOptions, Optimizer};
 use tp::{DType, Tensor};
 
+/// The GPT step benchmark's command line
+/// (`cargo bench -p tensorplay-examples --bench gpt_step [-- STEPS]`).
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpt_step",
+    about = "The GPT training step of gpt_distributed (batch 16 x 64, one thread), in the line \
+             `cargo xtask bench-core` reads."
+)]
+struct Args {
+    /// Run this many steps and print nothing (for profiling).
+    steps: Option<usize>,
+    /// Given by `cargo bench` to every benchmark; nothing changes.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn main() -> tp::Result<()> {
+    let args = Args::parse();
     tp::set_num_threads(1);
     tp::manual_seed(0);
     let model = Gpt::new(GptConfig {
@@ -41,10 +59,7 @@ fn main() -> tp::Result<()> {
         opt.step()
     };
     // `cargo bench ... -- N` runs N steps only (for profiling)
-    if let Some(n) = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse::<usize>().ok())
-    {
+    if let Some(n) = args.steps {
         for _ in 0..n {
             step()?;
         }

@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::Parser;
 use tensorplay as tp;
 use tp::distributed as dist;
 use tp::{DType, Tensor};
@@ -28,6 +29,25 @@ mod ops;
 mod training;
 
 type Res = Result<(), String>;
+
+/// The GPU check's command line.
+#[derive(Parser, Debug)]
+#[command(
+    name = "tensorplay-gpu-check",
+    version,
+    about = "Checks this machine's GPU path of tensorplay on cuda:0 (kernels, every core \
+             operation and gradient against the CPU, the fused optimizers, wine_quality --device \
+             cuda, NCCL and RPC of CUDA tensors), then shows the core benchmark's GPU rows beside \
+             PyTorch's. Exits 0 only when nothing failed, 2 without a GPU or driver."
+)]
+struct Args {
+    /// Skip the benchmark after the checks.
+    #[arg(long)]
+    no_bench: bool,
+    /// The Python interpreter with PyTorch, for the benchmark's other side.
+    #[arg(long, value_name = "PATH", default_value = "python3")]
+    python: String,
+}
 
 fn e(x: impl std::fmt::Display) -> String {
     x.to_string()
@@ -99,6 +119,8 @@ fn spawned(which: &str, world: usize) -> Res {
 }
 
 fn main() -> ExitCode {
+    // (the ranks of the multi-process checks are run with the same arguments)
+    let args = Args::parse();
     if let Ok(which) = std::env::var(CHILD) {
         // a rank of one of the multi-process checks: spawn re-ran this binary, and the same
         // spawn call runs the check for this rank and exits
@@ -192,16 +214,10 @@ fn main() -> ExitCode {
         report(name, spawned(which, world));
     }
     println!("{passed} passed, {failed} failed, {skipped} skipped");
-    let args: Vec<String> = std::env::args().collect();
-    if !args.iter().any(|a| a == "--no-bench") {
-        let python = args
-            .iter()
-            .position(|a| a == "--python")
-            .and_then(|i| args.get(i + 1).cloned())
-            .unwrap_or_else(|| "python3".into());
-        if let Err(why) = bench::run(&python, &here.join("torch_cuda_step.py")) {
-            println!("bench   not measured: {why}");
-        }
+    if !args.no_bench
+        && let Err(why) = bench::run(&args.python, &here.join("torch_cuda_step.py"))
+    {
+        println!("bench   not measured: {why}");
     }
     if failed == 0 {
         ExitCode::SUCCESS

@@ -115,6 +115,161 @@ fn bad_arguments_are_refused() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("could not start rank 0"));
 }
 
+/// One launcher command line: the lines its ranks print (sorted), or the exit status and the
+/// words of its refusal.
+struct ArgsCase {
+    name: &'static str,
+    args: Vec<String>,
+    want: Result<Vec<String>, (i32, &'static str)>,
+}
+
+fn check_args(case: &ArgsCase) {
+    let out = launcher()
+        .args(&case.args)
+        .env_remove("SLURM_PROCID")
+        .env_remove("OMPI_COMM_WORLD_SIZE")
+        .output()
+        .expect("runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    match &case.want {
+        Ok(want) => {
+            assert!(out.status.success(), "{}: {out:?}", case.name);
+            let mut lines: Vec<&str> = stdout.lines().collect();
+            lines.sort_unstable();
+            assert_eq!(lines, *want, "{}", case.name);
+        }
+        Err((code, says)) => {
+            assert_eq!(out.status.code(), Some(*code), "{}: {stderr}", case.name);
+            assert!(stderr.contains(says), "{}: {stderr}", case.name);
+            // refused before any rank started
+            assert_eq!(stdout, "", "{}", case.name);
+            assert!(!stderr.contains("[rank"), "{}: {stderr}", case.name);
+        }
+    }
+}
+
+/// torchrun's spellings are aliases; an unknown flag before the program is refused with the
+/// closest flag (not run as the program); flags after the program are the program's.
+#[test]
+fn torchrun_spellings_unknown_flags_and_the_program_s_flags() {
+    let port = free_port().to_string();
+    let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let env = "echo $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR $MASTER_PORT";
+    let cases = [
+        ArgsCase {
+            name: "torchrun's spellings with separate values",
+            args: v(&[
+                "--nproc_per_node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                &port,
+                "--max_restarts",
+                "0",
+                "sh",
+                "-c",
+                env,
+            ]),
+            want: Ok(vec![
+                format!("[rank 2] 2 4 0 127.0.0.1 {port}"),
+                format!("[rank 3] 3 4 1 127.0.0.1 {port}"),
+            ]),
+        },
+        ArgsCase {
+            name: "torchrun's spellings with =",
+            args: v(&[
+                "--nproc_per_node=2",
+                "--nnodes=2",
+                "--node_rank=0",
+                &format!("--rdzv_endpoint=127.0.0.1:{port}"),
+                "sh",
+                "-c",
+                env,
+            ]),
+            want: Ok(vec![
+                format!("[rank 0] 0 4 0 127.0.0.1 {port}"),
+                format!("[rank 1] 1 4 1 127.0.0.1 {port}"),
+            ]),
+        },
+        ArgsCase {
+            name: "--standalone: one node on a local port",
+            args: v(&[
+                "--standalone",
+                "--nnodes=1",
+                "--nproc_per_node=2",
+                "sh",
+                "-c",
+                "echo $RANK $WORLD_SIZE $MASTER_ADDR",
+            ]),
+            want: Ok(vec![
+                "[rank 0] 0 2 127.0.0.1".into(),
+                "[rank 1] 1 2 127.0.0.1".into(),
+            ]),
+        },
+        ArgsCase {
+            name: "the launcher's flags after the program are the program's",
+            args: v(&[
+                "sh",
+                "-c",
+                "echo \"$WORLD_SIZE $*\"",
+                "x",
+                "--nproc-per-node",
+                "3",
+                "--bogus",
+                "--",
+                "-v",
+            ]),
+            want: Ok(vec!["[rank 0] 1 --nproc-per-node 3 --bogus -- -v".into()]),
+        },
+        ArgsCase {
+            name: "-- ends the launcher's flags",
+            args: v(&["--nproc-per-node", "2", "--", "sh", "-c", "echo $RANK"]),
+            want: Ok(vec!["[rank 0] 0".into(), "[rank 1] 1".into()]),
+        },
+        ArgsCase {
+            name: "a misspelt flag is refused with the closest one",
+            args: v(&["--nproc-per-nodes", "2", "true"]),
+            want: Err((2, "tip: a similar argument exists: '--nproc-per-node'")),
+        },
+        ArgsCase {
+            name: "a misspelt torchrun flag is refused with the closest one",
+            args: v(&["--master_adr", "127.0.0.1", "true"]),
+            want: Err((2, "tip: a similar argument exists: '--master_addr'")),
+        },
+        ArgsCase {
+            name: "an unknown flag is refused, never run as the program",
+            args: v(&["--nprocs", "2", "true"]),
+            want: Err((2, "unexpected argument '--nprocs' found")),
+        },
+        ArgsCase {
+            name: "a bad value is refused by clap",
+            args: v(&["--nproc_per_node", "two", "true"]),
+            want: Err((2, "invalid value 'two' for '--nproc-per-node <N>'")),
+        },
+        ArgsCase {
+            name: "--standalone places the node itself",
+            args: v(&["--standalone", "--rdzv_endpoint", "127.0.0.1:29400", "true"]),
+            want: Err((2, "'--standalone' cannot be used with")),
+        },
+        ArgsCase {
+            name: "--standalone is one node",
+            args: v(&["--standalone", "--nnodes", "2", "true"]),
+            want: Err((1, "--standalone runs a single-node job")),
+        },
+    ];
+    for case in &cases {
+        check_args(case);
+    }
+}
+
 /// Ctrl-C, and the stop signals of schedulers and terminals (SIGTERM, SIGHUP), reach every rank
 /// (as SIGINT) instead of leaving the ranks running without their launcher.
 #[test]

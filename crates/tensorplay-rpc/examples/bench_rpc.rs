@@ -14,6 +14,7 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use tensorplay_core::{DType, Tensor};
 use tensorplay_rpc as rpc;
 
@@ -119,10 +120,33 @@ fn report_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("tensorplay-bench-rpc-{parent}.txt"))
 }
 
+/// RPC latency and throughput between two workers on this machine.
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench_rpc",
+    about = "RPC latency and throughput between two workers on 127.0.0.1, in the lines of \
+             PyTorch's anchor torch_rpc_latency.py (`cargo xtask bench-rpc` reads them)."
+)]
+struct Args {
+    /// The largest echoed tensor, in MiB (of 1, 16 and 64).
+    #[arg(default_value_t = 64)]
+    max_mib: usize,
+    /// Which measurements: a comma-separated subset of sync,async,echo,remote, or all.
+    #[arg(default_value = "all", value_parser = parse_parts)]
+    parts: String,
+}
+
+/// `parts`: names from `sync,async,echo,remote,all`, comma-separated.
+fn parse_parts(v: &str) -> Result<String, String> {
+    const NAMES: [&str; 5] = ["sync", "async", "echo", "remote", "all"];
+    match v.split(',').find(|p| !NAMES.contains(p)) {
+        Some(p) => Err(format!("{p:?} is not one of {}", NAMES.join(","))),
+        None => Ok(v.to_string()),
+    }
+}
+
 fn main() -> R {
-    let args: Vec<String> = std::env::args().collect();
-    let max_mib: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(64);
-    let parts = args.get(2).cloned().unwrap_or_else(|| "all".into());
+    let Args { max_mib, parts } = Args::parse();
     tensorplay_core::set_num_threads(1);
     let parent = std::process::id().to_string();
     let report = std::env::temp_dir().join(format!("tensorplay-bench-rpc-{parent}.txt"));

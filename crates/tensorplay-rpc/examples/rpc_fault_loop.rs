@@ -10,18 +10,24 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use tensorplay_core::{DType, Tensor};
 use tensorplay_rpc as rpc;
 
-fn arg(name: &str, default: u64) -> Result<u64, String> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| format!("{name} takes a whole number")),
-        None => Ok(default),
-    }
+/// The fault job's command line.
+#[derive(Parser, Debug)]
+#[command(
+    name = "rpc_fault_loop",
+    about = "A job for fault scenarios (`cargo xtask test-multihost`): rpc_sync calls over and over, \
+             one process per rank under tensorplay-run, until --seconds pass or one fails."
+)]
+struct Args {
+    /// How long to go on without a fault, in seconds.
+    #[arg(long, value_name = "N", default_value_t = 60)]
+    seconds: u64,
+    /// The timeout of each call, in seconds.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    timeout_secs: u64,
 }
 
 fn env(name: &str) -> Result<usize, String> {
@@ -31,9 +37,9 @@ fn env(name: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{name} must be set to a whole number (start under tensorplay-run)"))
 }
 
-fn run() -> Result<(), String> {
-    let seconds = arg("--seconds", 60)?;
-    let timeout = Duration::from_secs(arg("--timeout-secs", 10)?);
+fn run(args: &Args) -> Result<(), String> {
+    let seconds = args.seconds;
+    let timeout = Duration::from_secs(args.timeout_secs);
     let (rank, world) = (env("RANK")?, env("WORLD_SIZE")?);
     rpc::register("echo", |t: Tensor| Ok(t));
     rpc::init_rpc(
@@ -70,7 +76,8 @@ fn run() -> Result<(), String> {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
+    let args = Args::parse();
+    match run(&args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             println!("rpc_fault_loop: failed: {e}");

@@ -5,6 +5,7 @@
 //! tensorplay-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \
 //!     --nproc-per-node 4 ./train -- --epochs 10
 //! tensorplay-run --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29500 --nproc-per-node 4 ./train
+//! tensorplay-run --standalone --nproc_per_node=4 ./train      # torchrun's spellings work too
 //! srun --ntasks-per-node=1 tensorplay-run --nproc-per-node 4 ./train   # Slurm places the node
 //! ```
 //!
@@ -26,97 +27,24 @@
 //! launchers restart together through their own rendezvous, which also runs elastic jobs
 //! (`--nnodes MIN:MAX`). See `docs/restarts.md`.
 //!
-//! The files: `group.rs` runs and watches one round of the local children, `rounds.rs` the
-//! rounds of a job, `elastic.rs` the launchers' rendezvous, `node.rs` this node's place.
+//! The files: `args.rs` the command line, `group.rs` runs and watches one round of the local
+//! children, `rounds.rs` the rounds of a job, `elastic/` the launchers' rendezvous, `node.rs`
+//! this node's place.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+mod args;
 mod elastic;
 mod group;
 mod node;
 mod rounds;
 
+use args::{Args, seconds};
 use clap::Parser;
 use node::Nodes;
-
-/// Starts the processes of a distributed tensorplay job on this node (like `torchrun`).
-#[derive(Parser, Debug)]
-#[command(
-    name = "tensorplay-run",
-    version,
-    about = "Start N processes of a program with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, \
-             MASTER_ADDR and MASTER_PORT set (the env:// rendezvous), like torchrun. Exits 1 when \
-             a rank fails, naming it; with --max-restarts, starts them again first."
-)]
-struct Args {
-    /// Processes to start on this node (one per GPU, typically).
-    #[arg(long, default_value_t = 1)]
-    nproc_per_node: usize,
-    /// Nodes in the job: N, or MIN:MAX for an elastic job (rounds of MIN to MAX nodes, node
-    /// ranks given by the launchers' rendezvous). Default: `SLURM_NNODES` or
-    /// `OMPI_COMM_WORLD_SIZE` under `srun` or `mpirun` with one launcher per node, else 1.
-    #[arg(long)]
-    nnodes: Option<String>,
-    /// This node's index in 0..nnodes (default: `SLURM_NODEID` or `OMPI_COMM_WORLD_RANK`,
-    /// else 0). Refused with an elastic --nnodes MIN:MAX.
-    #[arg(long)]
-    node_rank: Option<usize>,
-    /// Address of the node that runs rank 0 (it hosts the store). Default: `127.0.0.1`; under
-    /// Slurm `MASTER_ADDR` or the first host of `SLURM_JOB_NODELIST`; under Open MPI
-    /// `MASTER_ADDR`. With several nodes and restarts, or elastic: where the launchers'
-    /// rendezvous store is (the children get another port, and node rank 0's address).
-    #[arg(long)]
-    master_addr: Option<String>,
-    /// Port of the store on the master node. Default: a free port (one node only); under
-    /// Slurm `MASTER_PORT` or 20000 + `SLURM_JOB_ID` % 20000; under Open MPI `MASTER_PORT` or
-    /// 29500.
-    #[arg(long)]
-    master_port: Option<u16>,
-    /// The master's `HOST[:PORT]` in one flag, as torchrun spells it (port 29400 when absent;
-    /// IPv6 in brackets). Instead of --master-addr and --master-port.
-    #[arg(long)]
-    rdzv_endpoint: Option<String>,
-    /// Seconds between SIGTERM and SIGKILL when the children are stopped.
-    #[arg(long, default_value_t = 5)]
-    kill_grace: u64,
-    /// How many times the local group is started again after a rank failed (a new round for
-    /// every node of the job). Interrupts never restart; an elastic membership change does
-    /// not count.
-    #[arg(long, default_value_t = 0)]
-    max_restarts: usize,
-    /// Seconds a round of the launchers' rendezvous waits for at least MIN nodes (and a
-    /// launcher waits for a round with room) before the job fails.
-    #[arg(long, default_value_t = 60.0)]
-    rdzv_timeout: f64,
-    /// Seconds an elastic round waits for more nodes once MIN have joined (it closes at once
-    /// when MAX have).
-    #[arg(long, default_value_t = 3.0)]
-    rdzv_last_call: f64,
-    /// The program to run, then its arguments (after `--` if they start with `-`).
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
-    command: Vec<String>,
-}
-
-/// `v` seconds of `flag` (a finite number, above 0 unless `zero_ok`).
-fn seconds(flag: &str, v: f64, zero_ok: bool) -> Result<Duration, String> {
-    let ok = v > 0.0 || (zero_ok && v == 0.0);
-    let expected = if zero_ok { "0 or more" } else { "more than 0" };
-    if !ok {
-        return Err(format!("{flag} {v}: expected {expected} seconds"));
-    }
-    // a day at most: infinite or astronomically long waits are typing errors, and would
-    // overflow the deadlines computed from them
-    const MAX_SECS: f64 = 86_400.0;
-    if v > MAX_SECS {
-        return Err(format!(
-            "{flag} {v}: expected at most {MAX_SECS} seconds (a day)"
-        ));
-    }
-    Duration::try_from_secs_f64(v).map_err(|_| format!("{flag} {v}: expected {expected} seconds"))
-}
 
 fn run(args: Args) -> Result<(), String> {
     let nodes = args.nnodes.as_deref().map(node::parse_nnodes).transpose()?;
@@ -140,6 +68,12 @@ fn run(args: Args) -> Result<(), String> {
             args.rdzv_last_call, args.rdzv_timeout
         ));
     }
+    if args.standalone && !matches!(nodes, None | Some(Nodes::Fixed(1))) {
+        return Err(format!(
+            "--standalone runs a single-node job: drop --nnodes {} (or give --nnodes 1)",
+            args.nnodes.as_deref().unwrap_or_default()
+        ));
+    }
     let flags = node::Flags {
         nnodes: match nodes {
             Some(Nodes::Fixed(n)) => Some(n),
@@ -156,7 +90,18 @@ fn run(args: Args) -> Result<(), String> {
         master_port: args.master_port,
         rdzv_endpoint: args.rdzv_endpoint.clone(),
     };
-    let node = node::resolve(&flags, &|v| std::env::var(v).ok())?;
+    let node = if args.standalone {
+        // torchrun's --standalone: one node on this host, a free port; a scheduler's
+        // variables are not read (clap refused the flags that would place the node)
+        let one = node::Flags {
+            nnodes: Some(1),
+            node_rank: Some(0),
+            ..flags
+        };
+        node::resolve(&one, &|_| None)?
+    } else {
+        node::resolve(&flags, &|v| std::env::var(v).ok())?
+    };
     if args.nproc_per_node == 0 || node.nnodes == 0 {
         return Err("--nproc-per-node and --nnodes must be at least 1".into());
     }

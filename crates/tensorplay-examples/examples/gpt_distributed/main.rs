@@ -44,7 +44,6 @@
 // built as a test harness too (its argument tests): the training code then goes unused
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -61,6 +60,9 @@ use tp::{DType, Tensor, no_grad};
 use tensorplay_examples::gpt_batches as batches;
 use tensorplay_examples::gpt_checks::{COMPARE_STEPS, learning_check, max_diff};
 use tensorplay_examples::{launch, plot};
+
+mod args;
+use args::Opts;
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -93,97 +95,6 @@ fn adamw() -> AdamWOptions {
         weight_decay: 0.01,
         ..Default::default()
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// arguments
-
-const HELP: &str = "gpt_distributed: trains a character-level GPT (4 layers, width 128, 4 heads, \
-context 64) on Shakespeare three times from the same weights and batches: tensor-parallel on 2 \
-ranks, data-parallel on 2 ranks, then in one process. Prints each run's validation loss and, \
-for the distributed runs, the largest difference from the single-process losses over the \
-first 100 steps (exit 1 if one reaches 1e-4), then a sample of generated text.
-
-  --steps N         optimizer steps per run, 100 to 1000000 (default 600); the warm-up is \
-always 100 steps
-  --seed N          initial weights, batches and sampling (default 0)
-  --sample CHARS    characters of generated text, 0 for none (default 300)
-  --plot PATH.svg   draw the loss curves
-
-Started by hand it starts its second rank itself; under tensorplay-run (or torchrun's, \
-Slurm's or Open MPI's variables) it takes RANK and WORLD_SIZE=2 from the environment.";
-
-struct Opts {
-    seed: u64,
-    steps: usize,
-    sample: usize,
-    plot: Option<PathBuf>,
-}
-
-fn parse_args(args: &[String]) -> Result<Opts, String> {
-    let usage = "usage: gpt_distributed [--steps N (default 600)] [--seed N] \
-                 [--sample CHARS (default 300)] [--plot PATH.svg]";
-    let mut o = Opts {
-        seed: 0,
-        steps: 600,
-        sample: 300,
-        plot: None,
-    };
-    let mut i = 0;
-    while i < args.len() {
-        let (key, inline) = match args[i].split_once('=') {
-            Some((k, v)) => (k.to_string(), Some(v.to_string())),
-            None => (args[i].clone(), None),
-        };
-        let mut value = || -> Result<String, String> {
-            if let Some(v) = &inline {
-                return Ok(v.clone());
-            }
-            i += 1;
-            args.get(i)
-                .cloned()
-                .ok_or_else(|| format!("{key} needs a value ({usage})"))
-        };
-        match key.as_str() {
-            // the end of a launcher's own options (`tensorplay-run ... gpt_distributed -- ...`)
-            "--" => {}
-            "--seed" => {
-                let v = value()?;
-                o.seed = v.parse().map_err(|e| format!("bad --seed {v:?}: {e}"))?;
-            }
-            "--steps" => {
-                let v = value()?;
-                o.steps = v.parse().map_err(|e| format!("bad --steps {v:?}: {e}"))?;
-                if !(COMPARE_STEPS..=MAX_STEPS).contains(&o.steps) {
-                    return Err(format!(
-                        "--steps must be from {COMPARE_STEPS} (the compared steps) to \
-                         {MAX_STEPS}, got {v}"
-                    ));
-                }
-            }
-            "--sample" => {
-                let v = value()?;
-                o.sample = v.parse().map_err(|e| format!("bad --sample {v:?}: {e}"))?;
-                if o.sample > 100_000 {
-                    return Err(format!(
-                        "--sample must be at most 100000 characters, got {v}"
-                    ));
-                }
-            }
-            "--plot" => {
-                let p = PathBuf::from(value()?);
-                plot::check_path(&p)?;
-                o.plot = Some(p);
-            }
-            "-h" | "--help" => {
-                println!("{HELP}\n\n{usage}");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other:?} ({usage})")),
-        }
-        i += 1;
-    }
-    Ok(o)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,14 +459,7 @@ fn smooth(losses: &[f64], w: usize) -> Vec<(usize, f64)> {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let o = match parse_args(&args) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Opts::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     match run(&o) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -569,28 +473,6 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(a: &[&str]) -> Vec<String> {
-        a.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn arguments_are_checked_up_front() {
-        let o = parse_args(&args(&["--steps", "200", "--seed=3", "--sample", "0"])).unwrap();
-        assert_eq!((o.steps, o.seed, o.sample), (200, 3, 0));
-        for (bad, says) in [
-            (vec!["--steps", "99"], "--steps must be from 100"),
-            (vec!["--steps", "x"], "bad --steps"),
-            (vec!["--seed"], "needs a value"),
-            (vec!["--sample", "100001"], "at most 100000"),
-            (vec!["--plot", ""], "file name"),
-            (vec!["--plot", "loss.png"], "ending in .svg"),
-            (vec!["--bogus"], "unknown argument"),
-        ] {
-            let e = parse_args(&args(&bad)).err().unwrap_or_default();
-            assert!(e.contains(says), "{bad:?}: {e}");
-        }
-    }
 
     #[test]
     fn the_text_is_real_and_large_enough() {

@@ -1,0 +1,184 @@
+//! The program's command line (clap): `--steps`, `--seed`, `--sample`, `--plot`, each checked
+//! before any training starts.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::Parser;
+use tensorplay_examples::gpt_checks::COMPARE_STEPS;
+use tensorplay_examples::plot;
+
+use crate::MAX_STEPS;
+
+/// Trains a character-level GPT three times from the same weights and batches.
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpt_distributed",
+    about = "Trains a character-level GPT (4 layers, width 128, 4 heads, context 64) on \
+             Shakespeare three times from the same weights and batches: tensor-parallel on 2 \
+             ranks, data-parallel on 2 ranks, then in one process. Prints each run's validation \
+             loss and, for the distributed runs, the largest difference from the single-process \
+             losses over the first 100 steps (exit 1 if one reaches 1e-4), then a sample of \
+             generated text.",
+    after_help = "Started by hand it starts its second rank itself; under tensorplay-run (or \
+                  torchrun's, Slurm's or Open MPI's variables) it takes RANK and WORLD_SIZE=2 \
+                  from the environment."
+)]
+pub(crate) struct Opts {
+    /// Optimizer steps per run, 100 to 1000000; the warm-up is always 100 steps.
+    #[arg(long, value_name = "N", default_value_t = 600, value_parser = parse_steps)]
+    pub(crate) steps: usize,
+    /// Seed of the initial weights, the batches and the sampling.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Characters of generated text, 0 for none (at most 100000).
+    #[arg(long, value_name = "CHARS", default_value_t = 300, value_parser = parse_sample)]
+    pub(crate) sample: usize,
+    /// Draw the loss curves into this SVG file.
+    #[arg(long, value_name = "PATH.svg", value_parser = parse_plot)]
+    pub(crate) plot: Option<PathBuf>,
+}
+
+impl Opts {
+    /// Parses `argv` (the program's name first). A `--` is skipped: it ends a launcher's own
+    /// options (`tensorplay-run ... gpt_distributed -- --steps 100` passes it on), and this
+    /// program takes no positional arguments it could announce.
+    pub(crate) fn try_parse_args<I, T>(argv: I) -> Result<Opts, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString>,
+    {
+        Opts::try_parse_from(argv.into_iter().map(Into::into).filter(|a| a != "--"))
+    }
+}
+
+/// `--steps`: a whole number from the compared steps to `MAX_STEPS`.
+fn parse_steps(v: &str) -> Result<usize, String> {
+    let steps: usize = v.parse().map_err(|e| format!("bad --steps {v:?}: {e}"))?;
+    if !(COMPARE_STEPS..=MAX_STEPS).contains(&steps) {
+        return Err(format!(
+            "--steps must be from {COMPARE_STEPS} (the compared steps) to {MAX_STEPS}, got {v}"
+        ));
+    }
+    Ok(steps)
+}
+
+/// `--sample`: at most 100000 characters.
+fn parse_sample(v: &str) -> Result<usize, String> {
+    let chars: usize = v.parse().map_err(|e| format!("bad --sample {v:?}: {e}"))?;
+    if chars > 100_000 {
+        return Err(format!(
+            "--sample must be at most 100000 characters, got {v}"
+        ));
+    }
+    Ok(chars)
+}
+
+/// `--plot`: a file name ending in `.svg` (checked before hours of training, not after).
+fn parse_plot(v: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(v);
+    plot::check_path(&p)?;
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One command line: the values it gives, or the words its refusal says.
+    struct Case {
+        args: &'static [&'static str],
+        want: Result<(usize, u64, usize, Option<&'static str>), &'static str>,
+    }
+
+    fn check(case: &Case) {
+        let argv = std::iter::once("gpt_distributed").chain(case.args.iter().copied());
+        let got = Opts::try_parse_args(argv);
+        match (&got, &case.want) {
+            (Ok(o), Ok((steps, seed, sample, plot))) => assert_eq!(
+                (o.steps, o.seed, o.sample, o.plot.as_deref()),
+                (*steps, *seed, *sample, plot.map(std::path::Path::new)),
+                "{:?}",
+                case.args
+            ),
+            (Err(e), Err(says)) => {
+                let e = e.to_string();
+                assert!(e.contains(says), "{:?}: {e}", case.args);
+            }
+            _ => panic!("{:?}: got {got:?}", case.args),
+        }
+    }
+
+    #[test]
+    fn arguments_are_checked_up_front() {
+        let cases = [
+            Case {
+                args: &[],
+                want: Ok((600, 0, 300, None)),
+            },
+            Case {
+                args: &["--steps", "200", "--seed=3", "--sample", "0"],
+                want: Ok((200, 3, 0, None)),
+            },
+            Case {
+                args: &["--steps=100", "--sample", "200", "--plot", "loss.svg"],
+                want: Ok((100, 0, 200, Some("loss.svg"))),
+            },
+            Case {
+                args: &["--", "--steps", "100", "--seed", "7"],
+                want: Ok((100, 7, 300, None)),
+            },
+            Case {
+                args: &["--steps", "1000000"],
+                want: Ok((1_000_000, 0, 300, None)),
+            },
+            Case {
+                args: &["--steps", "99"],
+                want: Err("--steps must be from 100"),
+            },
+            Case {
+                args: &["--steps", "1000001"],
+                want: Err("to 1000000, got 1000001"),
+            },
+            Case {
+                args: &["--steps", "x"],
+                want: Err("bad --steps"),
+            },
+            Case {
+                args: &["--seed"],
+                want: Err("a value is required for '--seed <N>'"),
+            },
+            Case {
+                args: &["--seed", "-1"],
+                want: Err("unexpected argument '-1' found"),
+            },
+            Case {
+                args: &["--seed", "x"],
+                want: Err("invalid value 'x' for '--seed <N>'"),
+            },
+            Case {
+                args: &["--sample", "100001"],
+                want: Err("at most 100000"),
+            },
+            Case {
+                args: &["--plot", ""],
+                want: Err("file name"),
+            },
+            Case {
+                args: &["--plot", "loss.png"],
+                want: Err("ending in .svg"),
+            },
+            Case {
+                args: &["--bogus"],
+                want: Err("unexpected argument '--bogus'"),
+            },
+            Case {
+                args: &["--step", "200"],
+                want: Err("a similar argument exists: '--steps'"),
+            },
+        ];
+        for case in &cases {
+            check(case);
+        }
+    }
+}
