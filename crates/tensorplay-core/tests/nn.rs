@@ -950,20 +950,16 @@ fn module_to_accepts_strings_and_devices() -> tp::Result<()> {
 }
 
 /// A module that records the devices it is asked to move to.
+#[derive(Module)]
 struct Recorder {
     core: nn::ModuleCore,
+    #[module(skip)]
     seen: Arc<std::sync::Mutex<Vec<Device>>>,
 }
 
 impl Module for Recorder {
     fn forward(&self, input: &Tensor) -> tp::Result<Tensor> {
         Ok(input.clone())
-    }
-    fn core(&self) -> &nn::ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut nn::ModuleCore {
-        &mut self.core
     }
     fn to_device(&mut self, device: Device) -> tp::Result<()> {
         self.seen.lock().unwrap().push(device);

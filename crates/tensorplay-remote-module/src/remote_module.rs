@@ -22,8 +22,8 @@ use std::marker::PhantomData;
 use std::sync::{Arc, LazyLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tensorplay_core::nn::{
-    Dropout, Embedding, ForwardHook, GELU, Linear, Module, ModuleCore, ReLU, Sequential, Sigmoid,
-    Tanh,
+    Dropout, Embedding, ForwardHook, ForwardPreHook, GELU, Linear, Module, ModuleCore, ReLU,
+    RemovableHandle, Sequential, Sigmoid, Tanh,
 };
 use tensorplay_core::{Device, Error, Result, Tensor};
 use tensorplay_rpc::{self as rpc, Decoder, Encoder, RRef, RpcFuture, Wire};
@@ -39,14 +39,11 @@ use crate::remote_device::RemoteDevice;
 /// use tp::distributed::nn::RemoteConstructible;
 ///
 /// /// y = x * w, with w set from the arguments.
+/// #[derive(Module)]
 /// struct Scale { w: Tensor, core: ModuleCore }
 ///
 /// impl Module for Scale {
 ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { x.mul(&self.w) }
-///     fn core(&self) -> &ModuleCore { &self.core }
-///     fn core_mut(&mut self) -> &mut ModuleCore { &mut self.core }
-///     fn local_parameters(&self) -> Vec<(String, Tensor)> { vec![("w".into(), self.w.clone())] }
-///     fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> { vec![("w".into(), &mut self.w)] }
 /// }
 ///
 /// impl RemoteConstructible for Scale {
@@ -416,8 +413,11 @@ pub fn register_interface<I: Interface<M>, M: RemoteConstructible>() {
 /// let params = fc.remote_parameters(true)?; // for a DistributedOptimizer
 /// # Ok(()) }
 /// ```
+#[derive(Module)]
 pub struct RemoteModule<M: RemoteConstructible> {
+    #[module(skip)]
     rref: RRef<Hosted<M>>,
+    #[module(skip)]
     remote_device: RemoteDevice,
     owner_name: String,
     interface: Option<String>,
@@ -715,12 +715,6 @@ impl<M: RemoteConstructible> Module for RemoteModule<M> {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         RemoteModule::forward(self, input)
     }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
     fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
         Err(unsupported(
             "state_dict",
@@ -770,9 +764,15 @@ impl<M: RemoteConstructible> Module for RemoteModule<M> {
             "choose the device when creating it (\"worker/cuda:0\")",
         ))
     }
-    fn register_forward_hook(&mut self, _: ForwardHook) -> Result<()> {
+    fn register_forward_hook(&mut self, _: ForwardHook) -> Result<RemovableHandle> {
         Err(unsupported(
             "register_forward_hook",
+            "register hooks on the owner's module, through a method of an #[interface]",
+        ))
+    }
+    fn register_forward_pre_hook(&mut self, _: ForwardPreHook) -> Result<RemovableHandle> {
+        Err(unsupported(
+            "register_forward_pre_hook",
             "register hooks on the owner's module, through a method of an #[interface]",
         ))
     }
