@@ -334,6 +334,11 @@ pub use tensorplay_core::Error;
 /// return, and what `fn main() -> tp::Result<()>` and custom modules write.
 pub use tensorplay_core::Result;
 
+/// The core page's examples (modules: derive, visitors, hooks), compiled as doc tests.
+#[doc = include_str!("../../../docs/core.md")]
+#[cfg(doctest)]
+pub struct CoreDoctests;
+
 /// The checkpoints page's examples, compiled as doc tests.
 #[doc = include_str!("../../../docs/checkpoints.md")]
 #[cfg(doctest)]

@@ -15,6 +15,84 @@ use crate::Tensor;
 /// module whose children are not fields, such as [`crate::nn::Sequential`]. The methods are
 /// callable on any `dyn Module`; on a concrete type, bring this trait into scope
 /// (`use tensorplay::nn::ModuleFields`).
+///
+/// # Compile errors of the derive
+///
+/// A field whose type is not a module, not a tensor, not plain data and not marked
+/// `#[module(skip)]` (here an options enum) is refused at the field:
+///
+/// ```compile_fail,E0277
+/// use tensorplay::nn::{self, Module, ModuleCore};
+///
+/// #[derive(Module)]
+/// struct Gelu {
+///     approximate: nn::functional::Approximate, // needs #[module(skip)]
+///     core: ModuleCore,
+/// }
+/// ```
+///
+/// A module without its `ModuleCore`:
+///
+/// ```compile_fail
+/// use tensorplay::{Tensor, nn::Module};
+///
+/// #[derive(Module)]
+/// struct Scale {
+///     w: Tensor,
+/// }
+/// ```
+///
+/// A `Vec` of modules (hold them in an `nn::ModuleList`):
+///
+/// ```compile_fail
+/// use tensorplay::nn::{Linear, Module, ModuleCore};
+///
+/// #[derive(Module)]
+/// struct Stack {
+///     layers: Vec<Linear>,
+///     core: ModuleCore,
+/// }
+/// ```
+///
+/// A buffer that is not a tensor, and a tuple struct (fields name the parameters):
+///
+/// ```compile_fail
+/// use tensorplay::nn::{Module, ModuleCore};
+///
+/// #[derive(Module)]
+/// struct Counter {
+///     #[module(buffer)]
+///     steps: usize,
+///     core: ModuleCore,
+/// }
+/// ```
+///
+/// ```compile_fail
+/// use tensorplay::{Tensor, nn::{Module, ModuleCore}};
+///
+/// #[derive(Module)]
+/// struct Pair(Tensor, ModuleCore);
+/// ```
+///
+/// The same structs compile once fixed:
+///
+/// ```
+/// use tensorplay::{Tensor, nn::{self, Linear, Module, ModuleCore, ModuleList}};
+///
+/// #[derive(Module)]
+/// struct Gelu {
+///     #[module(skip)]
+///     approximate: nn::functional::Approximate,
+///     core: ModuleCore,
+/// }
+/// #[derive(Module)]
+/// struct Stack {
+///     layers: ModuleList<Linear>,
+///     #[module(buffer)]
+///     steps: Tensor,
+///     core: ModuleCore,
+/// }
+/// ```
 pub trait ModuleFields {
     /// The training flag and hooks of this module.
     fn core(&self) -> &ModuleCore;
