@@ -74,12 +74,14 @@ use crate::Tensor;
 /// struct Pair(Tensor, ModuleCore);
 /// ```
 ///
-/// The same structs compile once fixed:
+/// The same structs compile once fixed (`crate = ".."` names the root the generated code
+/// uses; here the facade's, which a crate depending on `tensorplay` alone gets by default):
 ///
 /// ```
 /// use tensorplay::{Tensor, nn::{self, Linear, Module, ModuleCore, ModuleList}};
 ///
 /// #[derive(Module)]
+/// #[module(crate = "tensorplay")]
 /// struct Gelu {
 ///     #[module(skip)]
 ///     approximate: nn::functional::Approximate,
