@@ -19,6 +19,9 @@
 //! trait that every differentiable op (and every distributed collective of the higher crates)
 //! is written with.
 
+// `#[derive(Module)]` names this crate `::tensorplay_core`, inside it too
+extern crate self as tensorplay_core;
+
 pub mod autograd;
 mod backend;
 pub mod cuda;

@@ -269,6 +269,7 @@ fn maybe_dropout(x: Tensor, p: f64, training: bool) -> Result<Tensor> {
 /// Causal multi-head self-attention: `c_attn` (`E -> 3E`: query, key, value), the heads,
 /// `c_proj` (`E -> E`). Split over a group, this rank holds `n_head / W` heads: `c_attn` is
 /// column-parallel ([`Split::QkvRows`]), `c_proj` row-parallel.
+#[derive(Module)]
 pub struct CausalSelfAttention {
     /// The query, key and value projection (`[3E, E]`, or `[3E/W, E]` on a rank).
     pub c_attn: Linear,
@@ -276,6 +277,7 @@ pub struct CausalSelfAttention {
     pub c_proj: Linear,
     heads: usize,
     dropout: f64,
+    #[module(skip)]
     group: Option<ProcessGroup>,
     core: ModuleCore,
 }
@@ -345,34 +347,18 @@ impl Module for CausalSelfAttention {
             self.is_training(),
         )
     }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![
-            ("c_attn".into(), &self.c_attn),
-            ("c_proj".into(), &self.c_proj),
-        ]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![
-            ("c_attn".into(), &mut self.c_attn),
-            ("c_proj".into(), &mut self.c_proj),
-        ]
-    }
 }
 
 /// The MLP of a block: `c_fc` (`E -> 4E`), tanh-GELU, `c_proj` (`4E -> E`). Split over a
 /// group, `c_fc` is column-parallel and `c_proj` row-parallel.
+#[derive(Module)]
 pub struct Mlp {
     /// `[4E, E]`, or `[4E/W, E]` on a rank.
     pub c_fc: Linear,
     /// `[E, 4E]`, or `[E, 4E/W]` on a rank (its bias is whole).
     pub c_proj: Linear,
     dropout: f64,
+    #[module(skip)]
     group: Option<ProcessGroup>,
     core: ModuleCore,
 }
@@ -412,24 +398,10 @@ impl Module for Mlp {
             self.is_training(),
         )
     }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![("c_fc".into(), &self.c_fc), ("c_proj".into(), &self.c_proj)]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![
-            ("c_fc".into(), &mut self.c_fc),
-            ("c_proj".into(), &mut self.c_proj),
-        ]
-    }
 }
 
 /// A pre-norm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+#[derive(Module)]
 pub struct Block {
     /// The LayerNorm before attention (replicated).
     pub ln_1: LayerNorm,
@@ -478,28 +450,6 @@ impl Module for Block {
         let x = x.add(&self.attn.call(&self.ln_1.call(x)?)?)?;
         x.add(&self.mlp.call(&self.ln_2.call(&x)?)?)
     }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![
-            ("ln_1".into(), &self.ln_1),
-            ("attn".into(), &self.attn),
-            ("ln_2".into(), &self.ln_2),
-            ("mlp".into(), &self.mlp),
-        ]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![
-            ("ln_1".into(), &mut self.ln_1),
-            ("attn".into(), &mut self.attn),
-            ("ln_2".into(), &mut self.ln_2),
-            ("mlp".into(), &mut self.mlp),
-        ]
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -533,6 +483,7 @@ impl Module for Block {
 /// assert!(gpt.wte.weight.grad().is_some()); // the embedding and the tied head
 /// # Ok::<(), tp::Error>(())
 /// ```
+#[derive(Module)]
 pub struct Gpt {
     /// The token embedding `[V, E]`, also the output head.
     pub wte: Embedding,
@@ -542,6 +493,7 @@ pub struct Gpt {
     pub h: ModuleList<Block>,
     /// The final LayerNorm.
     pub ln_f: LayerNorm,
+    #[module(skip)]
     config: GptConfig,
     core: ModuleCore,
 }
@@ -660,27 +612,5 @@ impl Module for Gpt {
         let x = self.ln_f.call(&x)?;
         // the head, tied to the token embedding
         linear(&x, &self.wte.weight, None)
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![
-            ("wte".into(), &self.wte),
-            ("wpe".into(), &self.wpe),
-            ("h".into(), &self.h),
-            ("ln_f".into(), &self.ln_f),
-        ]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![
-            ("wte".into(), &mut self.wte),
-            ("wpe".into(), &mut self.wpe),
-            ("h".into(), &mut self.h),
-            ("ln_f".into(), &mut self.ln_f),
-        ]
     }
 }

@@ -14,14 +14,11 @@ use tensorplay_rpc::Wire;
 /// use tp::distributed::nn::RemoteConstructible;
 ///
 /// /// y = x * w, with w set from the arguments.
+/// #[derive(Module)]
 /// struct Scale { w: Tensor, core: ModuleCore }
 ///
 /// impl Module for Scale {
 ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { x.mul(&self.w) }
-///     fn core(&self) -> &ModuleCore { &self.core }
-///     fn core_mut(&mut self) -> &mut ModuleCore { &mut self.core }
-///     fn local_parameters(&self) -> Vec<(String, Tensor)> { vec![("w".into(), self.w.clone())] }
-///     fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> { vec![("w".into(), &mut self.w)] }
 /// }
 ///
 /// impl RemoteConstructible for Scale {

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
-use tensorplay_core::nn::{ForwardHook, Module, ModuleCore};
+use tensorplay_core::nn::{ForwardHook, ForwardPreHook, Module, ModuleCore, RemovableHandle};
 use tensorplay_core::{Device, Error, Result, Tensor};
 use tensorplay_rpc::{self as rpc, Decoder, Encoder, RRef, RpcFuture, Wire};
 
@@ -48,8 +48,11 @@ use crate::remote_device::RemoteDevice;
 /// let params = fc.remote_parameters(true)?; // for a DistributedOptimizer
 /// # Ok(()) }
 /// ```
+#[derive(Module)]
 pub struct RemoteModule<M: RemoteConstructible> {
+    #[module(skip)]
     rref: RRef<Hosted<M>>,
+    #[module(skip)]
     remote_device: RemoteDevice,
     owner_name: String,
     interface: Option<String>,
@@ -347,12 +350,6 @@ impl<M: RemoteConstructible> Module for RemoteModule<M> {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         RemoteModule::forward(self, input)
     }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
     fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
         Err(unsupported(
             "state_dict",
@@ -402,9 +399,15 @@ impl<M: RemoteConstructible> Module for RemoteModule<M> {
             "choose the device when creating it (\"worker/cuda:0\")",
         ))
     }
-    fn register_forward_hook(&mut self, _: ForwardHook) -> Result<()> {
+    fn register_forward_hook(&mut self, _: ForwardHook) -> Result<RemovableHandle> {
         Err(unsupported(
             "register_forward_hook",
+            "register hooks on the owner's module, through a method of an #[interface]",
+        ))
+    }
+    fn register_forward_pre_hook(&mut self, _: ForwardPreHook) -> Result<RemovableHandle> {
+        Err(unsupported(
+            "register_forward_pre_hook",
             "register hooks on the owner's module, through a method of an #[interface]",
         ))
     }

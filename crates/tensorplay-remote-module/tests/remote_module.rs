@@ -21,6 +21,7 @@ use tensorplay_rpc::{self as rpc, DistributedOptimizer, OptimizerKind, RRef, aut
 type TestResult = std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// A float64 linear layer with deterministic weights: `y = x W^T + b * scale`.
+#[derive(Module)]
 struct DetLinear {
     inner: Linear,
     scale: f64,
@@ -39,18 +40,6 @@ fn det_values(n: usize, seed: u64) -> Vec<f64> {
 impl Module for DetLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.inner.forward(x)
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![("inner".into(), &self.inner)]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![("inner".into(), &mut self.inner)]
     }
 }
 
@@ -341,23 +330,22 @@ fn creation_errors() -> TestResult {
     let e = RemoteModule::<DetLinear>::new("worker1", (0, 2, 3)).unwrap_err();
     assert!(e.to_string().contains("in_features"), "{e}");
     // a type the owner never registered
-    struct Unknown(ModuleCore);
+    #[derive(Module)]
+    struct Unknown {
+        core: ModuleCore,
+    }
     impl Module for Unknown {
         fn forward(&self, x: &Tensor) -> Result<Tensor> {
             Ok(x.clone())
-        }
-        fn core(&self) -> &ModuleCore {
-            &self.0
-        }
-        fn core_mut(&mut self) -> &mut ModuleCore {
-            &mut self.0
         }
     }
     impl RemoteConstructible for Unknown {
         type Args = ();
         const TYPE_NAME: &'static str = "tests::Unknown";
         fn construct(_: &()) -> Result<Unknown> {
-            Ok(Unknown(ModuleCore::new()))
+            Ok(Unknown {
+                core: ModuleCore::new(),
+            })
         }
     }
     let e = RemoteModule::<Unknown>::new("worker1", ()).unwrap_err();

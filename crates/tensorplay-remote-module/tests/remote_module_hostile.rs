@@ -17,6 +17,7 @@ use tensorplay_rpc::{self as rpc, autograd};
 type TestResult = std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// `y = x * w` with `w = [1, 2, 3]`; `Args = mode`: 0 builds, 1 panics, 2 fails.
+#[derive(Module)]
 struct Touchy {
     w: Tensor,
     core: ModuleCore,
@@ -25,18 +26,6 @@ struct Touchy {
 impl Module for Touchy {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.mul(&self.w)
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        vec![("w".into(), self.w.clone())]
-    }
-    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        vec![("w".into(), &mut self.w)]
     }
 }
 

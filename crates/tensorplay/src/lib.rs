@@ -19,7 +19,7 @@
 //! | `torch.distributed.nn` | [`distributed::nn`] |
 //! | `torch.multiprocessing.spawn` | [`distributed::spawn()`] |
 //! | `torchrun` | the `tensorplay-run` binary of this crate (see the README) |
-//! | (nanoGPT, Megatron-LM) | [`models`]: a GPT and its tensor-parallel form |
+//! | (nanoGPT, Megatron-LM) | `models` (feature `models`): a GPT and its tensor-parallel form |
 //!
 //! ```
 //! use tensorplay as tp;
@@ -108,9 +108,9 @@ pub use tensorplay_core::{
 /// (`DistributedDataParallel`).
 pub mod nn {
     pub use tensorplay_core::nn::{
-        CrossEntropyLoss, Dropout, Embedding, ForwardHook, GELU, LayerNorm, Linear, MSELoss,
-        Module, ModuleCore, ModuleList, MultiheadAttention, ReLU, Sequential, Sigmoid, Tanh,
-        functional, utils,
+        AsModule, CrossEntropyLoss, Dropout, Embedding, ForwardHook, ForwardPreHook, GELU,
+        LayerNorm, Linear, MSELoss, Module, ModuleCore, ModuleFields, ModuleList,
+        MultiheadAttention, ReLU, RemovableHandle, Sequential, Sigmoid, Tanh, functional, utils,
     };
 
     /// `torch.nn.parallel`: data-parallel training
@@ -410,6 +410,11 @@ pub use tensorplay_core::Error;
 /// `std::result::Result<T, E>` with `E` defaulting to [`Error`]: what the facade's functions
 /// return, and what `fn main() -> tp::Result<()>` and custom modules write.
 pub use tensorplay_core::Result;
+
+/// The core page's examples (modules: derive, visitors, hooks), compiled as doc tests.
+#[doc = include_str!("../../../docs/core.md")]
+#[cfg(doctest)]
+pub struct CoreDoctests;
 
 /// The checkpoints page's examples, compiled as doc tests.
 #[doc = include_str!("../../../docs/checkpoints.md")]

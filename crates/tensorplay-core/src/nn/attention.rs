@@ -6,7 +6,7 @@ use std::fmt;
 
 use super::functional;
 use super::layers::Linear;
-use super::module::{Module, ModuleCore};
+use super::{Module, ModuleCore};
 use crate::ops::mask::causal_bias;
 use crate::random::default_generator;
 use crate::{DType, Error, Result, Tensor};
@@ -195,6 +195,7 @@ fn merge_heads(x: &Tensor) -> Result<Tensor> {
 /// assert_eq!(names, ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]);
 /// # Ok::<(), tp::Error>(())
 /// ```
+#[derive(Module)]
 pub struct MultiheadAttention {
     /// The stacked query, key and value projections, `[3 * embed_dim, embed_dim]`.
     pub in_proj_weight: Tensor,
@@ -376,31 +377,5 @@ impl Module for MultiheadAttention {
     /// [`MultiheadAttention::causal`].
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         self.attend(input, input, input, None, self.is_causal)
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut v = vec![("in_proj_weight".to_string(), self.in_proj_weight.clone())];
-        if let Some(b) = &self.in_proj_bias {
-            v.push(("in_proj_bias".to_string(), b.clone()));
-        }
-        v
-    }
-    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        let mut v = vec![("in_proj_weight".to_string(), &mut self.in_proj_weight)];
-        if let Some(b) = &mut self.in_proj_bias {
-            v.push(("in_proj_bias".to_string(), b));
-        }
-        v
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![("out_proj".to_string(), &self.out_proj)]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![("out_proj".to_string(), &mut self.out_proj)]
     }
 }

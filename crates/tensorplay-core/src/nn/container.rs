@@ -3,7 +3,7 @@
 use std::fmt;
 use std::ops::Index;
 
-use super::module::{Module, ModuleCore};
+use super::{Module, ModuleCore, ModuleFields};
 use crate::{Error, Result, Tensor};
 
 /// Sub-modules held in a list (`torch.nn.ModuleList`): registered as children named `"0"`,
@@ -124,6 +124,9 @@ impl<M: Module> Module for ModuleList<M> {
             hint: "a ModuleList is not chained: call its modules in the order you need".into(),
         })
     }
+}
+
+impl<M: Module> ModuleFields for ModuleList<M> {
     fn core(&self) -> &ModuleCore {
         &self.core
     }

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::functional;
-use super::module::{Module, ModuleCore};
+use super::{Module, ModuleCore, ModuleFields};
 use crate::autograd::{Context, Function, apply};
 use crate::backend::{self, DeviceStorage as _, IndexKind};
 use crate::layout::checked_numel;
@@ -19,6 +19,7 @@ use crate::{DType, Error, Result, Tensor};
 ///
 /// `weight` has shape `[out_features, in_features]`, `bias` `[out_features]`; inputs are
 /// `[.., in_features]` and outputs `[.., out_features]`.
+#[derive(Module)]
 pub struct Linear {
     /// The weight, `[out_features, in_features]`.
     pub weight: Tensor,
@@ -125,26 +126,6 @@ impl Module for Linear {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         functional::linear(input, &self.weight, self.bias.as_ref())
     }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut v = vec![("weight".to_string(), self.weight.clone())];
-        if let Some(b) = &self.bias {
-            v.push(("bias".to_string(), b.clone()));
-        }
-        v
-    }
-    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        let mut v = vec![("weight".to_string(), &mut self.weight)];
-        if let Some(b) = &mut self.bias {
-            v.push(("bias".to_string(), b));
-        }
-        v
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -153,7 +134,7 @@ impl Module for Linear {
 macro_rules! activation {
     ($name:ident, $method:ident, $doc:literal) => {
         #[doc = $doc]
-        #[derive(Debug, Default)]
+        #[derive(Debug, Default, Module)]
         pub struct $name {
             core: ModuleCore,
         }
@@ -168,12 +149,6 @@ macro_rules! activation {
         impl Module for $name {
             fn forward(&self, input: &Tensor) -> Result<Tensor> {
                 input.$method()
-            }
-            fn core(&self) -> &ModuleCore {
-                &self.core
-            }
-            fn core_mut(&mut self) -> &mut ModuleCore {
-                &mut self.core
             }
         }
     };
@@ -221,8 +196,9 @@ activation!(
 /// assert!((t[1] - 0.841_191_990_608_276_8).abs() < 1e-12);
 /// # Ok::<(), tp::Error>(())
 /// ```
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Module)]
 pub struct GELU {
+    #[module(skip)]
     approximate: functional::Approximate,
     core: ModuleCore,
 }
@@ -248,12 +224,6 @@ impl GELU {
 impl Module for GELU {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         functional::gelu(input, self.approximate)
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
     }
 }
 
@@ -331,6 +301,9 @@ impl Module for Sequential {
         }
         Ok(x)
     }
+}
+
+impl ModuleFields for Sequential {
     fn core(&self) -> &ModuleCore {
         &self.core
     }
@@ -358,6 +331,7 @@ impl Module for Sequential {
 
 /// A lookup table (`torch.nn.Embedding`): `weight` is `[num_embeddings, embedding_dim]`, the
 /// input holds int64 indices of any shape, the output is `[.., embedding_dim]`.
+#[derive(Module)]
 pub struct Embedding {
     /// The table, `[num_embeddings, embedding_dim]`.
     pub weight: Tensor,
@@ -410,18 +384,6 @@ impl Module for Embedding {
     /// `0..num_embeddings`.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         functional::embedding(input, &self.weight)
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        vec![("weight".to_string(), self.weight.clone())]
-    }
-    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        vec![("weight".to_string(), &mut self.weight)]
     }
 }
 
@@ -576,6 +538,7 @@ impl Function for EmbeddingDenseBackward {
 /// Randomly zeroes elements with probability `p` in training mode and scales the rest by
 /// `1 / (1 - p)` (`torch.nn.Dropout`); the identity in evaluation mode. Uses the default
 /// generator.
+#[derive(Module)]
 pub struct Dropout {
     p: f64,
     core: ModuleCore,
@@ -606,11 +569,5 @@ impl fmt::Debug for Dropout {
 impl Module for Dropout {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         functional::dropout(input, self.p, self.is_training())
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
     }
 }

@@ -19,8 +19,11 @@
 //! ```
 
 mod attention;
+mod boxed;
 mod container;
+mod fields;
 pub mod functional;
+mod hooks;
 mod layers;
 mod loss;
 mod module;
@@ -29,7 +32,12 @@ pub mod utils;
 
 pub use attention::MultiheadAttention;
 pub use container::ModuleList;
+pub use fields::{AsModule, ModuleFields};
+pub use hooks::{ForwardHook, ForwardPreHook, ModuleCore, RemovableHandle};
 pub use layers::{Dropout, Embedding, GELU, Linear, ReLU, Sequential, Sigmoid, Tanh};
 pub use loss::{CrossEntropyLoss, MSELoss};
-pub use module::{ForwardHook, Module, ModuleCore};
+pub use module::Module;
 pub use normalization::LayerNorm;
+/// `#[derive(Module)]`: writes [`ModuleFields`] (the core, parameters, buffers and children)
+/// from a struct's fields; see [`trait@Module`] for an example.
+pub use tensorplay_macros::Module;

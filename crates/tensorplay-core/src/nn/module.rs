@@ -1,118 +1,65 @@
 //! The [`Module`] trait (`torch.nn.Module`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 
+use super::fields::{AsModule, ModuleFields};
+use super::hooks::{ForwardHook, ForwardPreHook, RemovableHandle};
 use crate::{Device, Error, IntoDevice, Result, Tensor};
-
-/// A forward hook: sees a module's input and output after `forward` and may replace the
-/// output by returning `Some` (`register_forward_hook`).
-pub type ForwardHook = Box<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
-
-/// The per-module state every layer keeps: the training flag and the forward hooks.
-///
-/// Layers hold one and hand it out through [`Module::core`] / [`Module::core_mut`]; the
-/// provided methods of [`Module`] (`train`, `is_training`, `register_forward_hook`, `call`)
-/// work on it.
-pub struct ModuleCore {
-    training: bool,
-    hooks: Vec<ForwardHook>,
-}
-
-impl ModuleCore {
-    /// A core in training mode without hooks (a new module is in training mode, as in
-    /// PyTorch).
-    pub fn new() -> ModuleCore {
-        ModuleCore {
-            training: true,
-            hooks: Vec::new(),
-        }
-    }
-    /// Whether the module is in training mode.
-    pub fn training(&self) -> bool {
-        self.training
-    }
-    /// Sets the training flag of this module only.
-    pub fn set_training(&mut self, mode: bool) {
-        self.training = mode;
-    }
-    /// The registered forward hooks, in registration order.
-    pub fn hooks(&self) -> &[ForwardHook] {
-        &self.hooks
-    }
-    /// Appends a forward hook.
-    pub fn push_hook(&mut self, hook: ForwardHook) {
-        self.hooks.push(hook);
-    }
-}
-
-impl Default for ModuleCore {
-    fn default() -> Self {
-        ModuleCore::new()
-    }
-}
-
-impl fmt::Debug for ModuleCore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ModuleCore")
-            .field("training", &self.training)
-            .field("hooks", &self.hooks.len())
-            .finish()
-    }
-}
 
 /// A layer or a model made of layers, like `torch.nn.Module`.
 ///
-/// Implementors write [`Module::forward`], hand out their [`ModuleCore`], and list their own
-/// parameters (`local_parameters` / `local_parameters_mut`), buffers and children; everything
-/// else (recursive `named_parameters` with dotted names, `state_dict`, `train`/`eval`,
-/// `zero_grad`, `to`, hooks) is provided. The trait is object-safe: `Box<dyn Module>` is what
-/// [`crate::nn::Sequential`] holds. To change how a module moves between devices, override
-/// [`Module::to_device`]; [`Module::to`] (which takes a [`Device`] or a string) calls it.
+/// A module is a struct with `#[derive(Module)]`, which writes what it holds (its
+/// [`ModuleCore`](super::ModuleCore), parameters, buffers and children: the supertrait
+/// [`ModuleFields`]) from its fields, and an `impl Module` that writes [`Module::forward`].
+/// Everything else is provided: recursive `named_parameters` with dotted names, `state_dict`,
+/// `train`/`eval`, `zero_grad`, `to`, the visitors ([`Module::named_modules`],
+/// [`Module::apply`], [`Module::modules_mut`]) and the forward hooks run by [`Module::call`].
+/// The trait is object-safe: `Box<dyn Module>` is what [`crate::nn::Sequential`] holds. To
+/// change how a module moves between devices, override [`Module::to_device`]; [`Module::to`]
+/// (which takes a [`Device`] or a string) calls it.
 ///
 /// Methods that change a module's state return `Result`, because a module that only proxies
 /// a remote one implements this trait too and refuses them with [`Error::Unsupported`].
-pub trait Module: Send + Sync {
+///
+/// ```
+/// use tensorplay::{self as tp, nn::{self, Module}, Tensor};
+///
+/// #[derive(Module)]
+/// struct Mlp {
+///     fc1: nn::Linear,
+///     fc2: nn::Linear,
+///     scale: Tensor,         // a parameter
+///     dropout: f64,          // plain data, not listed
+///     core: nn::ModuleCore,
+/// }
+///
+/// impl Module for Mlp {
+///     fn forward(&self, x: &Tensor) -> tp::Result<Tensor> {
+///         self.fc2.call(&self.fc1.call(x)?.relu()?)?.mul(&self.scale)
+///     }
+/// }
+///
+/// let mlp = Mlp {
+///     fc1: nn::Linear::new(4, 8, true)?,
+///     fc2: nn::Linear::new(8, 2, false)?,
+///     scale: tp::ones(&[2])?.requires_grad_(true),
+///     dropout: 0.1,
+///     core: nn::ModuleCore::new(),
+/// };
+/// let names: Vec<String> = mlp.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["scale", "fc1.weight", "fc1.bias", "fc2.weight"]);
+/// assert_eq!(mlp.call(&tp::randn(&[3, 4])?)?.shape(), [3, 2]);
+/// # Ok::<(), tp::Error>(())
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a module (it does not implement `nn::Module`)",
+    note = "#[derive(Module)] makes every field a child module unless it is the `ModuleCore`, a \
+            `Tensor` (a parameter), plain data (numbers, bool, String) or marked #[module(skip)]"
+)]
+pub trait Module: ModuleFields + AsModule + Send + Sync {
     /// Computes the output from `input`. Prefer [`Module::call`], which also runs the forward
     /// hooks (as `module(x)` does in PyTorch).
     fn forward(&self, input: &Tensor) -> Result<Tensor>;
-
-    /// The training flag and hooks of this module.
-    fn core(&self) -> &ModuleCore;
-
-    /// Mutable access to the training flag and hooks of this module.
-    fn core_mut(&mut self) -> &mut ModuleCore;
-
-    /// This module's own parameters (not its children's), with their attribute names.
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        Vec::new()
-    }
-
-    /// Mutable slots of this module's own parameters, in the order of
-    /// [`Module::local_parameters`]; used by [`Module::to_device`] to replace them.
-    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        Vec::new()
-    }
-
-    /// This module's own buffers (state that is saved but not trained, like running means).
-    fn local_buffers(&self) -> Vec<(String, Tensor)> {
-        Vec::new()
-    }
-
-    /// Mutable slots of this module's own buffers, in the order of [`Module::local_buffers`].
-    fn local_buffers_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        Vec::new()
-    }
-
-    /// The direct sub-modules with their names (`named_children`).
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        Vec::new()
-    }
-
-    /// Mutable access to the direct sub-modules, in the order of [`Module::named_children`].
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        Vec::new()
-    }
 
     /// Every parameter of this module and its descendants with dotted names such as
     /// `"0.weight"` (`named_parameters`): own parameters first, then each child's in order.
@@ -326,106 +273,114 @@ pub trait Module: Send + Sync {
         self.to_device(Device::Cuda(ordinal))
     }
 
-    /// Registers a hook run after every [`Module::call`] with the input and the output; a hook
-    /// returning `Some(t)` replaces the output (`register_forward_hook`). Hooks run in
-    /// registration order.
-    fn register_forward_hook(&mut self, hook: ForwardHook) -> Result<()> {
-        self.core_mut().push_hook(hook);
+    /// Registers a hook run by every [`Module::call`] after `forward`, with the input (as the
+    /// pre-hooks left it) and the output; a hook returning `Some(t)` replaces the output for
+    /// the hooks after it and the caller (`register_forward_hook`). Hooks run in registration
+    /// order; the handle's [`RemovableHandle::remove`] takes this one off.
+    fn register_forward_hook(&mut self, hook: ForwardHook) -> Result<RemovableHandle> {
+        Ok(self.core_mut().push_hook(hook))
+    }
+
+    /// Registers a hook run by every [`Module::call`] before `forward`, with the input; a hook
+    /// returning `Some(t)` replaces the input for the hooks after it and `forward`
+    /// (`register_forward_pre_hook`). Hooks run in registration order; the handle's
+    /// [`RemovableHandle::remove`] takes this one off.
+    fn register_forward_pre_hook(&mut self, hook: ForwardPreHook) -> Result<RemovableHandle> {
+        Ok(self.core_mut().push_pre_hook(hook))
+    }
+
+    /// Runs the forward pre-hooks, [`Module::forward`] and then the forward hooks
+    /// (`module(input)`); errors with the first error of any of them.
+    fn call(&self, input: &Tensor) -> Result<Tensor> {
+        let core = self.core();
+        let replaced = core.run_forward_pre_hooks(input)?;
+        let input = replaced.as_ref().unwrap_or(input);
+        let out = self.forward(input)?;
+        core.run_forward_hooks(input, out)
+    }
+
+    /// The direct sub-modules (`children()`), in the order of
+    /// [`ModuleFields::named_children`].
+    fn children(&self) -> Vec<&dyn Module> {
+        self.named_children().into_iter().map(|(_, m)| m).collect()
+    }
+
+    /// This module and every descendant, in pre-order (a module before its children, children
+    /// in order), with dotted names: this module is `""`, a grandchild `"h.0"`
+    /// (`named_modules()`). A module held twice is listed twice (Rust modules have one owner).
+    fn named_modules(&self) -> Vec<(String, &dyn Module)> {
+        let mut out = vec![(String::new(), self.as_module())];
+        for (name, child) in self.named_children() {
+            for (n, m) in child.named_modules() {
+                out.push((join(&name, &n), m));
+            }
+        }
+        out
+    }
+
+    /// The modules of [`Module::named_modules`] without their names (`modules()`).
+    fn modules(&self) -> Vec<&dyn Module> {
+        self.named_modules().into_iter().map(|(_, m)| m).collect()
+    }
+
+    /// Calls `f` on this module and every descendant with its dotted name, in the order of
+    /// [`Module::named_modules`], with mutable access: the visitor that rewrites a tree
+    /// (sharding parameters, replacing children). A module's children are listed after `f`
+    /// has seen the module, so `f` may replace them. Stops at the first error of `f`.
+    fn named_modules_mut(
+        &mut self,
+        f: &mut dyn FnMut(&str, &mut dyn Module) -> Result<()>,
+    ) -> Result<()> {
+        f("", self.as_module_mut())?;
+        for (name, child) in self.named_children_mut() {
+            child.named_modules_mut(&mut |n, m| f(&join(&name, n), m))?;
+        }
         Ok(())
     }
 
-    /// Runs [`Module::forward`] and then the forward hooks (`module(input)`).
-    fn call(&self, input: &Tensor) -> Result<Tensor> {
-        let mut out = self.forward(input)?;
-        for hook in self.core().hooks() {
-            if let Some(o) = hook(input, &out)? {
-                out = o;
-            }
+    /// [`Module::named_modules_mut`] without the names.
+    fn modules_mut(&mut self, f: &mut dyn FnMut(&mut dyn Module) -> Result<()>) -> Result<()> {
+        self.named_modules_mut(&mut |_, m| f(m))
+    }
+
+    /// Calls `f` on every descendant and then on this module (post-order: children first, as
+    /// PyTorch's `module.apply(fn)`), typically to initialise parameters. Stops at the first
+    /// error of `f`.
+    ///
+    /// ```
+    /// use tensorplay::{self as tp, nn::{self, Module}};
+    ///
+    /// let mut model = nn::Sequential::new()
+    ///     .add(nn::Linear::new(3, 4, true)?)
+    ///     .add(nn::ReLU::new())
+    ///     .add(nn::Linear::new(4, 2, true)?);
+    /// // zero every bias
+    /// model.apply(&mut |m| {
+    ///     for (name, p) in m.local_parameters() {
+    ///         if name == "bias" {
+    ///             let _g = tp::no_grad();
+    ///             p.fill_(0.0)?;
+    ///         }
+    ///     }
+    ///     Ok(())
+    /// })?;
+    /// assert_eq!(model.state_dict()?["2.bias"].to_vec::<f32>()?, [0.0, 0.0]);
+    /// # Ok::<(), tp::Error>(())
+    /// ```
+    fn apply(&mut self, f: &mut dyn FnMut(&mut dyn Module) -> Result<()>) -> Result<()> {
+        for (_, child) in self.named_children_mut() {
+            child.apply(f)?;
         }
-        Ok(out)
+        f(self.as_module_mut())
     }
 }
 
-/// A boxed module is a module: every method is forwarded to the boxed one (so its overrides,
-/// such as a [`Module::to_device`] that refuses, are kept). This is what makes
-/// `boxed.to("cpu")` work on a `Box<dyn Module>`: [`Module::to`] needs `Self: Sized`, which
-/// the box is and `dyn Module` is not.
-impl<M: Module + ?Sized> Module for Box<M> {
-    fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        (**self).forward(input)
-    }
-    fn core(&self) -> &ModuleCore {
-        (**self).core()
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        (**self).core_mut()
-    }
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        (**self).local_parameters()
-    }
-    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        (**self).local_parameters_mut()
-    }
-    fn local_buffers(&self) -> Vec<(String, Tensor)> {
-        (**self).local_buffers()
-    }
-    fn local_buffers_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        (**self).local_buffers_mut()
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        (**self).named_children()
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        (**self).named_children_mut()
-    }
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        (**self).named_parameters()
-    }
-    fn parameters(&self) -> Vec<Tensor> {
-        (**self).parameters()
-    }
-    fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        (**self).named_buffers()
-    }
-    fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
-        (**self).state_dict()
-    }
-    fn load_state_dict(
-        &mut self,
-        state_dict: &BTreeMap<String, Tensor>,
-        strict: bool,
-    ) -> Result<()> {
-        (**self).load_state_dict(state_dict, strict)
-    }
-    fn train(&mut self, mode: bool) -> Result<()> {
-        (**self).train(mode)
-    }
-    fn eval(&mut self) -> Result<()> {
-        (**self).eval()
-    }
-    fn is_training(&self) -> bool {
-        (**self).is_training()
-    }
-    fn zero_grad(&self) -> Result<()> {
-        (**self).zero_grad()
-    }
-    fn requires_grad_(&mut self, requires_grad: bool) -> Result<()> {
-        (**self).requires_grad_(requires_grad)
-    }
-    fn to_device(&mut self, device: Device) -> Result<()> {
-        (**self).to_device(device)
-    }
-    fn cpu(&mut self) -> Result<()> {
-        (**self).cpu()
-    }
-    fn cuda(&mut self, ordinal: usize) -> Result<()> {
-        (**self).cuda(ordinal)
-    }
-    fn register_forward_hook(&mut self, hook: ForwardHook) -> Result<()> {
-        (**self).register_forward_hook(hook)
-    }
-    fn call(&self, input: &Tensor) -> Result<Tensor> {
-        (**self).call(input)
+/// `prefix.name`, or the one that is not empty.
+fn join(prefix: &str, name: &str) -> String {
+    match (prefix.is_empty(), name.is_empty()) {
+        (_, true) => prefix.to_string(),
+        (true, false) => name.to_string(),
+        (false, false) => format!("{prefix}.{name}"),
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use super::module::{Module, ModuleCore};
+use super::{Module, ModuleCore};
 use crate::autograd::{Context, Function, apply};
 use crate::dtype::FloatElement;
 use crate::ops::float_dispatch;
@@ -300,6 +300,7 @@ pub fn layer_norm(
 /// assert_eq!(names, ["weight", "bias"]);
 /// # Ok::<(), tp::Error>(())
 /// ```
+#[derive(Module)]
 pub struct LayerNorm {
     /// The scale, `normalized_shape`, initialised to ones.
     pub weight: Tensor,
@@ -382,23 +383,5 @@ impl Module for LayerNorm {
             Some(&self.bias),
             self.eps,
         )
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        vec![
-            ("weight".to_string(), self.weight.clone()),
-            ("bias".to_string(), self.bias.clone()),
-        ]
-    }
-    fn local_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        vec![
-            ("weight".to_string(), &mut self.weight),
-            ("bias".to_string(), &mut self.bias),
-        ]
     }
 }

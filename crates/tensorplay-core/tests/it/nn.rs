@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tensorplay_core::autograd::{GradcheckOptions, gradcheck, gradgradcheck};
-use tensorplay_core::nn::{self, Module, functional as F};
+use tensorplay_core::nn::{self, Module, ModuleFields, functional as F};
 use tensorplay_core::{self as tp, DType, Device, Error, Tensor};
 
 fn t64(v: &[f64], shape: &[usize]) -> Tensor {
@@ -947,20 +947,16 @@ fn module_to_accepts_strings_and_devices() -> tp::Result<()> {
 }
 
 /// A module that records the devices it is asked to move to.
+#[derive(Module)]
 struct Recorder {
     core: nn::ModuleCore,
+    #[module(skip)]
     seen: Arc<std::sync::Mutex<Vec<Device>>>,
 }
 
 impl Module for Recorder {
     fn forward(&self, input: &Tensor) -> tp::Result<Tensor> {
         Ok(input.clone())
-    }
-    fn core(&self) -> &nn::ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut nn::ModuleCore {
-        &mut self.core
     }
     fn to_device(&mut self, device: Device) -> tp::Result<()> {
         self.seen.lock().unwrap().push(device);
@@ -1002,5 +998,305 @@ fn module_to_cpu_and_cuda_go_through_to_device() -> tp::Result<()> {
         seen.lock().unwrap()[4..],
         [Device::Cuda(0), Device::Cpu, Device::Cuda(7)]
     );
+    Ok(())
+}
+
+/// One change a hook makes to the tensor it sees.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Scale(f64),
+    Add(f64),
+    Keep,
+}
+
+impl Op {
+    fn run(self, t: &Tensor) -> tp::Result<Option<Tensor>> {
+        Ok(match self {
+            Op::Scale(s) => Some(t.mul_scalar(s)?),
+            Op::Add(a) => Some(t.add_scalar(a)?),
+            Op::Keep => None,
+        })
+    }
+}
+
+/// Hooks on `y = 2x` called with `x = 3`: pre-hooks and post-hooks in registration order (pre
+/// first), the handles of `remove` (indices in registration order) removed before the call.
+struct HookCase {
+    name: &'static str,
+    pre: &'static [Op],
+    post: &'static [Op],
+    remove: &'static [usize],
+    want: f64,
+}
+
+fn check_hooks(case: &HookCase) -> tp::Result<()> {
+    let mut lin = nn::Linear::from_weights(t64(&[2.0], &[1, 1]), None)?;
+    let mut handles = Vec::new();
+    for &op in case.pre {
+        handles.push(lin.register_forward_pre_hook(Box::new(move |x| op.run(x)))?);
+    }
+    for &op in case.post {
+        handles.push(lin.register_forward_hook(Box::new(move |_, y| op.run(y)))?);
+    }
+    for &i in case.remove {
+        handles[i].remove();
+    }
+    let got = lin.call(&t64(&[3.0], &[1, 1]))?.to_vec::<f64>()?;
+    assert_eq!(got, [case.want], "case {}", case.name);
+    // forward alone runs no hook
+    let plain = lin.forward(&t64(&[3.0], &[1, 1]))?.to_vec::<f64>()?;
+    assert_eq!(plain, [6.0], "case {}: forward", case.name);
+    Ok(())
+}
+
+#[test]
+fn forward_pre_and_post_hooks_in_order_and_removed() -> tp::Result<()> {
+    use Op::*;
+    let cases = [
+        HookCase {
+            name: "no hooks",
+            pre: &[],
+            post: &[],
+            remove: &[],
+            want: 6.0,
+        },
+        HookCase {
+            name: "a pre-hook scales the input",
+            pre: &[Scale(10.0)],
+            post: &[],
+            remove: &[],
+            want: 60.0,
+        },
+        HookCase {
+            name: "pre-hooks chain in registration order (scale, then add)",
+            pre: &[Scale(10.0), Add(1.0)],
+            post: &[],
+            remove: &[],
+            want: 62.0,
+        },
+        HookCase {
+            name: "pre-hooks chain in registration order (add, then scale)",
+            pre: &[Add(1.0), Scale(10.0)],
+            post: &[],
+            remove: &[],
+            want: 80.0,
+        },
+        HookCase {
+            name: "a pre-hook returning None keeps the input",
+            pre: &[Keep, Add(1.0), Keep],
+            post: &[],
+            remove: &[],
+            want: 8.0,
+        },
+        HookCase {
+            name: "post-hooks chain in registration order",
+            pre: &[],
+            post: &[Scale(10.0), Add(1.0)],
+            remove: &[],
+            want: 61.0,
+        },
+        HookCase {
+            name: "pre then forward then post",
+            pre: &[Add(1.0)],
+            post: &[Scale(10.0)],
+            remove: &[],
+            want: 80.0,
+        },
+        HookCase {
+            name: "removing the pre-hook restores the output",
+            pre: &[Scale(10.0)],
+            post: &[],
+            remove: &[0],
+            want: 6.0,
+        },
+        HookCase {
+            name: "removing one of several keeps the others in order",
+            pre: &[Add(1.0), Scale(10.0)],
+            post: &[Add(1.0), Scale(10.0)],
+            remove: &[1, 2],
+            want: 80.0,
+        },
+        HookCase {
+            name: "removing twice is harmless",
+            pre: &[Add(1.0)],
+            post: &[Add(1.0)],
+            remove: &[1, 1],
+            want: 8.0,
+        },
+    ];
+    for case in &cases {
+        check_hooks(case)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn forward_hooks_see_the_replaced_input_and_errors_stop_the_call() -> tp::Result<()> {
+    let mut lin = nn::Linear::from_weights(t64(&[2.0], &[1, 1]), None)?;
+    lin.register_forward_pre_hook(Box::new(|x| Ok(Some(x.mul_scalar(10.0)?))))?;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    lin.register_forward_hook(Box::new(move |x, y| {
+        s.lock()
+            .unwrap()
+            .push((x.to_vec::<f64>()?, y.to_vec::<f64>()?));
+        Ok(None)
+    }))?;
+    assert_eq!(lin.call(&t64(&[3.0], &[1, 1]))?.to_vec::<f64>()?, [60.0]);
+    assert_eq!(*seen.lock().unwrap(), [(vec![30.0], vec![60.0])]);
+    // a failing pre-hook: neither forward nor the post-hook runs
+    let failing = lin.register_forward_pre_hook(Box::new(|_| {
+        Err(Error::Custom {
+            context: "pre-hook".into(),
+            message: "no".into(),
+        })
+    }))?;
+    assert!(matches!(
+        lin.call(&t64(&[3.0], &[1, 1])),
+        Err(Error::Custom { .. })
+    ));
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    failing.remove();
+    assert_eq!(lin.core().hook_counts(), (1, 1));
+    // a handle outliving its module does nothing
+    let h = lin.register_forward_hook(Box::new(|_, _| Ok(None)))?;
+    drop(lin);
+    h.remove();
+    Ok(())
+}
+
+/// A derived module with every kind of field.
+#[derive(Module)]
+struct Everything {
+    scale: Tensor,
+    shift: Option<Tensor>,
+    absent: Option<Tensor>,
+    #[module(buffer)]
+    steps: Tensor,
+    #[module(skip)]
+    cache: Tensor,
+    first: nn::Linear,
+    extra: Option<nn::Linear>,
+    missing: Option<nn::Linear>,
+    blocks: nn::ModuleList<nn::Linear>,
+    width: usize,
+    shape: Vec<usize>,
+    core: nn::ModuleCore,
+}
+
+impl Module for Everything {
+    fn forward(&self, x: &Tensor) -> tp::Result<Tensor> {
+        self.first.call(x)?.mul(&self.scale)
+    }
+}
+
+fn everything() -> tp::Result<Everything> {
+    let mut blocks = nn::ModuleList::new();
+    blocks.push(nn::Linear::new(2, 2, false)?);
+    blocks.push(nn::Linear::new(2, 2, true)?);
+    Ok(Everything {
+        scale: t64(&[1.0, 2.0], &[2]).requires_grad_(true),
+        shift: Some(t64(&[0.5], &[1]).requires_grad_(true)),
+        absent: None,
+        steps: t64(&[0.0], &[1]),
+        cache: t64(&[9.0], &[1]),
+        first: nn::Linear::from_weights(t64(&[1.0, 0.0, 0.0, 1.0], &[2, 2]), None)?,
+        extra: Some(nn::Linear::new(2, 2, true)?),
+        missing: None,
+        blocks,
+        width: 2,
+        shape: vec![2],
+        core: nn::ModuleCore::new(),
+    })
+}
+
+#[test]
+fn derived_module_names_buffers_children_and_state() -> tp::Result<()> {
+    let mut m = everything()?;
+    let names: Vec<String> = m.named_parameters().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        [
+            "scale",
+            "shift",
+            "first.weight",
+            "extra.weight",
+            "extra.bias",
+            "blocks.0.weight",
+            "blocks.1.weight",
+            "blocks.1.bias",
+        ]
+    );
+    let buffers: Vec<String> = m.named_buffers().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(buffers, ["steps"]);
+    let kids: Vec<String> = m.named_children().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(kids, ["first", "extra", "blocks"]);
+    assert_eq!(m.state_dict()?.len(), 9);
+    assert_eq!(m.width + m.shape[0], 4);
+    assert_eq!(m.cache.to_vec::<f64>()?, [9.0]);
+    let y = m.call(&t64(&[3.0, 4.0], &[1, 2]))?;
+    assert_eq!(y.to_vec::<f64>()?, [3.0, 8.0]);
+    // train/eval reach every child, the optional one and the list's items
+    m.eval()?;
+    let modes: Vec<bool> = m.modules().iter().map(|c| c.is_training()).collect();
+    assert_eq!(modes, [false; 6]);
+    // to() replaces every parameter and buffer slot, optional ones included
+    m.to("cpu")?;
+    assert_eq!(m.named_parameters().len(), 8);
+    assert_eq!(m.state_dict()?["shift"].to_vec::<f64>()?, [0.5]);
+    Ok(())
+}
+
+#[test]
+fn module_visitors_walk_the_tree_in_order() -> tp::Result<()> {
+    let mut m = everything()?;
+    let names: Vec<String> = m.named_modules().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        ["", "first", "extra", "blocks", "blocks.0", "blocks.1"]
+    );
+    let counts: Vec<usize> = m.children().iter().map(|c| c.parameters().len()).collect();
+    assert_eq!(counts, [1, 2, 3]);
+    // apply: children first (post-order), as PyTorch's module.apply
+    let mut seen = Vec::new();
+    m.apply(&mut |c| {
+        seen.push(c.named_parameters().len());
+        Ok(())
+    })?;
+    assert_eq!(seen, [1, 2, 1, 2, 3, 8]);
+    // the mutable visitor rewrites parameters in place: every weight becomes a tensor of 7s
+    let mut visited = Vec::new();
+    m.named_modules_mut(&mut |name, c| {
+        visited.push(name.to_string());
+        for (pname, slot) in c.local_parameters_mut() {
+            if pname == "weight" {
+                *slot = slot.ones_like()?.mul_scalar(7.0)?;
+            }
+        }
+        Ok(())
+    })?;
+    assert_eq!(
+        visited,
+        ["", "first", "extra", "blocks", "blocks.0", "blocks.1"]
+    );
+    for (n, p) in m.named_parameters() {
+        if n.ends_with("weight") {
+            assert!(p.to_vec_f64()?.iter().all(|&v| v == 7.0), "{n}");
+        }
+    }
+    // modules_mut visits the same modules; an error stops the walk
+    let mut count = 0;
+    let r = m.modules_mut(&mut |_| {
+        count += 1;
+        if count == 3 {
+            return Err(Error::Custom {
+                context: "visitor".into(),
+                message: "stop".into(),
+            });
+        }
+        Ok(())
+    });
+    assert!(matches!(r, Err(Error::Custom { .. })));
+    assert_eq!(count, 3);
     Ok(())
 }

@@ -639,6 +639,7 @@ fn module_list_registers_children_and_refuses_forward() -> tp::Result<()> {
 }
 
 /// A toy language model whose output head is the embedding table (tied).
+#[derive(Module)]
 struct Tied {
     emb: nn::Embedding,
     head: nn::Linear,
@@ -648,21 +649,6 @@ struct Tied {
 impl Module for Tied {
     fn forward(&self, idx: &Tensor) -> tp::Result<Tensor> {
         self.head.call(&self.emb.call(idx)?.tanh()?)
-    }
-    fn core(&self) -> &nn::ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut nn::ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![("emb".into(), &self.emb), ("head".into(), &self.head)]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![
-            ("emb".into(), &mut self.emb),
-            ("head".into(), &mut self.head),
-        ]
     }
 }
 

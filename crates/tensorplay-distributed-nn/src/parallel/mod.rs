@@ -159,10 +159,14 @@ pub struct StepStats {
 /// [`DdpError::Misuse`] on a rank that broke the protocol (two training forwards before one
 /// backward) and with [`DdpError::PeerMisuse`] on the others, all at the same point; a failed
 /// all-reduce (a rank that died, a timeout) fails `backward` with [`DdpError::Communication`].
+#[derive(Module)]
 pub struct DistributedDataParallel<M: Module> {
     module: M,
+    #[module(skip)]
     reducer: Arc<Reducer>,
+    #[module(skip)]
     hooks: Vec<HookHandle>,
+    #[module(skip)]
     sync: AtomicBool,
     broadcast_buffers: bool,
     core: ModuleCore,
@@ -385,18 +389,6 @@ impl<M: Module> Module for DistributedDataParallel<M> {
             self.reducer.abandon_after_forward_error();
         }
         out
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![("module".to_string(), &self.module as &dyn Module)]
-    }
-    fn named_children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
-        vec![("module".to_string(), &mut self.module as &mut dyn Module)]
     }
     /// Refused: the reducer holds the parameters; move the module before wrapping it.
     fn to_device(&mut self, _device: Device) -> Result<()> {

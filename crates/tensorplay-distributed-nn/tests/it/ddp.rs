@@ -401,10 +401,12 @@ fn launch_order_overlap_and_comm_hooks() {
 // unused parameters and no_sync
 
 /// A trunk, a branch used only on some steps and some ranks, and a head nobody uses.
+#[derive(Module)]
 struct Branchy {
     trunk: Linear,
     branch: Linear,
     never: Linear,
+    #[module(skip)]
     use_branch: Mutex<bool>,
     core: ModuleCore,
 }
@@ -430,19 +432,6 @@ impl Module for Branchy {
         } else {
             Ok(h)
         }
-    }
-    fn core(&self) -> &ModuleCore {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        vec![
-            ("trunk".into(), &self.trunk as &dyn Module),
-            ("branch".into(), &self.branch),
-            ("never".into(), &self.never),
-        ]
     }
 }
 
