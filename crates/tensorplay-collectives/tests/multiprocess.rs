@@ -2,6 +2,7 @@
 //! 127.0.0.1 with the "cpu" backend. Every result is compared with the same computation done in
 //! one process. Many checks are batched into each spawned world to keep the suite fast.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use tensorplay_collectives::{self as dist, InitOptions, ReduceOp};
@@ -91,7 +92,105 @@ fn check(what: &str, got: Vec<f64>, want: Vec<f64>) -> TestResult {
     Ok(())
 }
 
-/// Every collective, dtype and op in one world, against single-process results.
+/// The dtypes every collective case runs in.
+const DTYPES: [DType; 3] = [DType::F32, DType::F64, DType::I64];
+
+/// Where a world's case runs: this rank, the world size, the group and its members.
+#[derive(Clone, Copy)]
+struct Ctx<'a> {
+    /// The global rank.
+    rank: usize,
+    /// The world size.
+    n: usize,
+    /// The group the collectives run on (`None`: the world).
+    group: Option<&'a dist::ProcessGroup>,
+    /// The group's global ranks.
+    members: &'a [usize],
+    /// This rank's position in `members`.
+    me: usize,
+    /// The group's size.
+    k: usize,
+}
+
+/// One named check of a world scenario, run on every rank of the world.
+struct Case {
+    /// What it checks; a failure names it.
+    name: &'static str,
+    /// The check.
+    run: fn(&Ctx<'_>) -> TestResult,
+}
+
+/// Runs `case`: [`check_named`] with its name.
+fn check_case(case: &Case, cx: &Ctx<'_>) -> TestResult {
+    check_named(case.name, || (case.run)(cx))
+}
+
+/// Runs `f`; its error, or a panic of an assertion in it, becomes an error naming `name`.
+fn check_named(name: &str, f: impl FnOnce() -> TestResult) -> TestResult {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("case {name:?}: {e}").into()),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!("case {name:?}: panicked: {msg}").into())
+        }
+    }
+}
+
+/// Every collective, dtype and op, against single-process results.
+const COLLECTIVE_CASES: &[Case] = &[
+    Case {
+        name: "all_reduce, reduce, broadcast",
+        run: reduce_ops,
+    },
+    Case {
+        name: "all_gather",
+        run: all_gather_uneven,
+    },
+    Case {
+        name: "all_gather_into_tensor",
+        run: all_gather_into_tensor,
+    },
+    Case {
+        name: "reduce_scatter",
+        run: reduce_scatter,
+    },
+    Case {
+        name: "gather, scatter",
+        run: gather_scatter,
+    },
+    Case {
+        name: "all_to_all",
+        run: all_to_all_uneven,
+    },
+    Case {
+        name: "all_to_all_single",
+        run: all_to_all_single_uneven,
+    },
+    Case {
+        name: "column view",
+        run: strided_views,
+    },
+    Case {
+        name: "mixed layouts",
+        run: mixed_layouts,
+    },
+    Case {
+        name: "async order",
+        run: async_order,
+    },
+    Case {
+        name: "isend/irecv ring",
+        run: p2p_ring,
+    },
+];
+
+/// Every collective, dtype and op in one world (or group), against single-process results:
+/// [`COLLECTIVE_CASES`] in order, stopping at the first that fails.
 fn all_collectives(
     rank: usize,
     n: usize,
@@ -100,7 +199,33 @@ fn all_collectives(
 ) -> TestResult {
     let me = members.iter().position(|&m| m == rank).expect("member");
     let k = members.len();
-    for dt in [DType::F32, DType::F64, DType::I64] {
+    let cx = Ctx {
+        rank,
+        n,
+        group,
+        members,
+        me,
+        k,
+    };
+    for case in COLLECTIVE_CASES {
+        check_case(case, &cx)?;
+    }
+    dist::barrier(group)?;
+    Ok(())
+}
+
+/// All_reduce, reduce and broadcast: every op, length and root.
+fn reduce_ops(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        n,
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
+    for dt in DTYPES {
         for &len in &[0usize, 1, 7, 1000] {
             for op in ops_for(dt) {
                 let xs: Vec<Vec<f64>> = (0..k).map(|r| values(members[r], len, 1)).collect();
@@ -134,6 +259,21 @@ fn all_collectives(
                 )?;
             }
         }
+    }
+    Ok(())
+}
+
+/// All_gather, uneven shapes.
+fn all_gather_uneven(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
+    for dt in DTYPES {
         // all_gather with uneven shapes: rank r has r+1 rows of 3
         let rows = |r: usize| r + 1;
         let mine = tensor(&values(rank, rows(me) * 3, 3), &[rows(me), 3], dt);
@@ -148,6 +288,21 @@ fn all_collectives(
                 values(members[r], rows(r) * 3, 3),
             )?;
         }
+    }
+    Ok(())
+}
+
+/// All_gather_into_tensor, also in place.
+fn all_gather_into_tensor(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
+    for dt in DTYPES {
         // all_gather_into_tensor, also in place (input is a view of the output)
         let out = Tensor::zeros(&[k * 2, 2], dt)?;
         dist::all_gather_into_tensor(&out, &tensor(&values(rank, 4, 4), &[2, 2], dt), group)?;
@@ -166,6 +321,20 @@ fn all_collectives(
             as_f64(&out2),
             want,
         )?;
+    }
+    Ok(())
+}
+
+/// Reduce_scatter, list and tensor.
+fn reduce_scatter(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
+    for dt in DTYPES {
         // reduce_scatter (list and tensor)
         for op in ops_for(dt) {
             let xs: Vec<Vec<f64>> = (0..k).map(|r| values(members[r], 3 * k, 5)).collect();
@@ -188,6 +357,21 @@ fn all_collectives(
                 full[me * 3..me * 3 + 3].to_vec(),
             )?;
         }
+    }
+    Ok(())
+}
+
+/// Gather and scatter, every root.
+fn gather_scatter(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
+    for dt in DTYPES {
         // gather / scatter with every root
         for (root_idx, &root) in members.iter().enumerate() {
             let x = tensor(&values(rank, 2, 6), &[2], dt);
@@ -220,6 +404,21 @@ fn all_collectives(
                 values(me * 10, 2, 7),
             )?;
         }
+    }
+    Ok(())
+}
+
+/// All_to_all, uneven sizes.
+fn all_to_all_uneven(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
+    for dt in DTYPES {
         // all_to_all with uneven sizes: rank r sends (r + s + 1) elements to s
         let sizes = |from: usize, to: usize| from + to + 1;
         let inputs: Vec<Tensor> = (0..k)
@@ -242,6 +441,22 @@ fn all_collectives(
                 values(members[r] * 100 + me, sizes(r, me), 8),
             )?;
         }
+    }
+    Ok(())
+}
+
+/// All_to_all_single, uneven splits.
+fn all_to_all_single_uneven(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
+    for dt in DTYPES {
+        let sizes = |from: usize, to: usize| from + to + 1;
         // all_to_all_single with uneven splits (rows of 2)
         let in_splits: Vec<usize> = (0..k).map(|s| sizes(me, s)).collect();
         let out_splits: Vec<usize> = (0..k).map(|r| sizes(r, me)).collect();
@@ -259,6 +474,17 @@ fn all_collectives(
         }
         check(&format!("all_to_all_single {dt}"), as_f64(&output), want)?;
     }
+    Ok(())
+}
+
+/// A column view; the other column untouched.
+fn strided_views(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        group,
+        members,
+        ..
+    } = cx;
     // strided views: a column of a (3, 2) matrix; the other column must stay untouched
     let base = Tensor::from_vec(
         (0..6).map(|i| (i + 10 * rank) as f32).collect::<Vec<f32>>(),
@@ -276,6 +502,14 @@ fn all_collectives(
         as_f64(&base.select(1, 1)?),
         other,
     )?;
+    Ok(())
+}
+
+/// A transposed tensor on one rank, row-major on the others.
+fn mixed_layouts(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        group, members, me, ..
+    } = cx;
     // a transposed tensor on one rank, row-major on the others: logical values agree
     let logical: Vec<f32> = (0..6).map(|i| i as f32).collect();
     let t = if me == 0 {
@@ -292,6 +526,12 @@ fn all_collectives(
         as_f64(&t),
         logical.iter().map(|&v| v as f64).collect(),
     )?;
+    Ok(())
+}
+
+/// An async op and issue order.
+fn async_order(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx { group, k, .. } = cx;
     // async op and issue order
     let a = tensor(&[1.0, 2.0], &[2], DType::F64);
     let w = dist::all_reduce_async(&a, ReduceOp::Sum, group)?;
@@ -304,6 +544,19 @@ fn all_collectives(
         vec![k as f64, 2.0 * k as f64],
     )?;
     check("blocking after async", as_f64(&b), vec![k as f64])?;
+    Ok(())
+}
+
+/// Isend/irecv around a ring.
+fn p2p_ring(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx {
+        rank,
+        group,
+        members,
+        me,
+        k,
+        ..
+    } = cx;
     // point to point around a ring
     if k > 1 {
         let next = members[(me + 1) % k];
@@ -316,7 +569,6 @@ fn all_collectives(
         wr.wait(None)?;
         check("isend/irecv ring", as_f64(&inp), values(prev, 5, 11))?;
     }
-    dist::barrier(group)?;
     Ok(())
 }
 
@@ -357,8 +609,55 @@ impl<'de> serde::Deserialize<'de> for Unserializable {
     }
 }
 
-/// all_gather_object and broadcast_object_list against the values every rank can compute.
+/// `all_gather_object` and `broadcast_object_list` against the values every rank can compute.
+const OBJECT_CASES: &[Case] = &[
+    Case {
+        name: "all_gather_object",
+        run: gather_objects,
+    },
+    Case {
+        name: "empty objects",
+        run: empty_objects,
+    },
+    Case {
+        name: "broadcast_object_list",
+        run: broadcast_objects,
+    },
+    Case {
+        name: "empty object list",
+        run: broadcast_empty_list,
+    },
+    Case {
+        name: "objects of other types",
+        run: objects_of_other_types,
+    },
+    Case {
+        name: "unserializable object",
+        run: unserializable_object,
+    },
+];
+
+/// all_gather_object and broadcast_object_list against the values every rank can compute:
+/// [`OBJECT_CASES`] in order, stopping at the first that fails.
 fn object_collectives(rank: usize, n: usize) -> TestResult {
+    let members: Vec<usize> = (0..n).collect();
+    let cx = Ctx {
+        rank,
+        n,
+        group: None,
+        members: &members,
+        me: rank,
+        k: n,
+    };
+    for case in OBJECT_CASES {
+        check_case(case, &cx)?;
+    }
+    Ok(())
+}
+
+/// All_gather_object of values JSON would lose.
+fn gather_objects(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx { rank, n, .. } = cx;
     let got = dist::all_gather_object(&obj(rank), None)?;
     assert_eq!(got.len(), n);
     for (r, g) in got.iter().enumerate() {
@@ -373,10 +672,22 @@ fn object_collectives(rank: usize, n: usize) -> TestResult {
             "rank {rank}: from {r}"
         );
     }
+    Ok(())
+}
+
+/// An empty value and a unit value.
+fn empty_objects(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx { n, .. } = cx;
     // an empty value and a unit value
     assert_eq!(dist::all_gather_object(&(), None)?.len(), n);
     let empty: Vec<Vec<u8>> = dist::all_gather_object(&Vec::new(), None)?;
     assert_eq!(empty, vec![Vec::<u8>::new(); n]);
+    Ok(())
+}
+
+/// Broadcast_object_list from the last rank.
+fn broadcast_objects(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx { rank, n, .. } = cx;
     // broadcast from the last rank; the others start with lists of other lengths
     let src = n - 1;
     let mut list: Vec<Obj> = if rank == src {
@@ -388,10 +699,22 @@ fn object_collectives(rank: usize, n: usize) -> TestResult {
     assert_eq!(list.len(), 2, "rank {rank}");
     assert_eq!((list[0].rank, list[1].rank), (src, 0), "rank {rank}");
     assert_eq!(list[1].name, obj(0).name);
+    Ok(())
+}
+
+/// An empty list broadcasts as an empty list.
+fn broadcast_empty_list(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx { rank, .. } = cx;
     // an empty list broadcasts as an empty list
     let mut none: Vec<String> = if rank == 0 { vec![] } else { vec!["x".into()] };
     dist::broadcast_object_list(&mut none, 0, None)?;
     assert!(none.is_empty(), "rank {rank}: {none:?}");
+    Ok(())
+}
+
+/// A rank sending another type.
+fn objects_of_other_types(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx { rank, n, .. } = cx;
     if n > 1 {
         // a rank sending another type: a Mismatch naming the rank, not a wrong value
         let r = if rank == 0 {
@@ -404,6 +727,14 @@ fn object_collectives(rank: usize, n: usize) -> TestResult {
             e.contains("all_gather_object") && e.contains("decode"),
             "{e}"
         );
+    }
+    Ok(())
+}
+
+/// A value the last rank cannot serialize.
+fn unserializable_object(cx: &Ctx<'_>) -> TestResult {
+    let &Ctx { rank, n, .. } = cx;
+    if n > 1 {
         // a value the last rank cannot serialize: every rank fails at once, none waits
         let r = if rank == n - 1 {
             dist::all_gather_object(&Unserializable, None).map(|_| ())
@@ -425,9 +756,12 @@ fn world(n: usize) -> TestResult {
     dist::spawn::spawn(n, move |rank| -> TestResult {
         init(30)?;
         all_collectives(rank, n, None, &(0..n).collect::<Vec<_>>())?;
-        assert_eq!(dist::get_world_size(None)?, n);
-        assert_eq!(dist::get_rank(None)?, rank);
-        assert_eq!(dist::get_backend(None)?, "cpu");
+        check_named("world size, rank and backend", || {
+            assert_eq!(dist::get_world_size(None)?, n);
+            assert_eq!(dist::get_rank(None)?, rank);
+            assert_eq!(dist::get_backend(None)?, "cpu");
+            Ok(())
+        })?;
         object_collectives(rank, n)?;
         dist::destroy_process_group()?;
         Ok(())
@@ -459,40 +793,49 @@ fn world_size_4_with_subgroups() -> TestResult {
         let g123 = dist::new_group(&[1, 2, 3], None, None)?;
         let g02 = dist::new_group(&[0, 2], None, None)?;
         let g13 = dist::new_group(&[1, 3], None, None)?;
-        if rank >= 1 {
-            assert_eq!(g123.rank(), Some(rank - 1));
-            assert_eq!(dist::get_rank(Some(&g123))?, rank - 1);
-            assert_eq!(g123.global_rank(0)?, 1);
-            all_collectives(rank, 4, Some(&g123), &[1, 2, 3])?;
-        } else {
-            assert_eq!(g123.rank(), None);
-            let e = dist::get_rank(Some(&g123)).unwrap_err().to_string();
-            assert!(e.contains("get_rank") && e.contains("[1, 2, 3]"), "{e}");
-            let t = Tensor::zeros(&[1], DType::F32)?;
-            assert!(dist::all_reduce(&t, ReduceOp::Sum, Some(&g123)).is_err());
-        }
+        check_named("subgroup [1, 2, 3]", || {
+            if rank >= 1 {
+                assert_eq!(g123.rank(), Some(rank - 1));
+                assert_eq!(dist::get_rank(Some(&g123))?, rank - 1);
+                assert_eq!(g123.global_rank(0)?, 1);
+                all_collectives(rank, 4, Some(&g123), &[1, 2, 3])?;
+            } else {
+                assert_eq!(g123.rank(), None);
+                let e = dist::get_rank(Some(&g123)).unwrap_err().to_string();
+                assert!(e.contains("get_rank") && e.contains("[1, 2, 3]"), "{e}");
+                let t = Tensor::zeros(&[1], DType::F32)?;
+                assert!(dist::all_reduce(&t, ReduceOp::Sum, Some(&g123)).is_err());
+            }
+            Ok(())
+        })?;
         // two overlapping groups used alternately: the world and the pairs
-        let pair = if rank % 2 == 0 { &g02 } else { &g13 };
-        for i in 0..3 {
-            let t = tensor(&[rank as f64 + i as f64], &[1], DType::F64);
-            dist::all_reduce(&t, ReduceOp::Sum, Some(pair))?;
-            let partner = rank ^ 2;
-            check(
-                "pair group",
-                as_f64(&t),
-                vec![(rank + partner) as f64 + 2.0 * i as f64],
-            )?;
-            let w = tensor(&[1.0], &[1], DType::F64);
-            dist::all_reduce(&w, ReduceOp::Sum, None)?;
-            check("world between pair ops", as_f64(&w), vec![4.0])?;
-        }
+        check_named("overlapping pair groups", || {
+            let pair = if rank % 2 == 0 { &g02 } else { &g13 };
+            for i in 0..3 {
+                let t = tensor(&[rank as f64 + i as f64], &[1], DType::F64);
+                dist::all_reduce(&t, ReduceOp::Sum, Some(pair))?;
+                let partner = rank ^ 2;
+                check(
+                    "pair group",
+                    as_f64(&t),
+                    vec![(rank + partner) as f64 + 2.0 * i as f64],
+                )?;
+                let w = tensor(&[1.0], &[1], DType::F64);
+                dist::all_reduce(&w, ReduceOp::Sum, None)?;
+                check("world between pair ops", as_f64(&w), vec![4.0])?;
+            }
+            Ok(())
+        })?;
         // src is a global rank; one outside the group is an error
-        let t = Tensor::zeros(&[2], DType::F32)?;
-        if rank % 2 == 1 {
-            let e = dist::broadcast(&t, 0, Some(&g13)).unwrap_err();
-            assert!(e.to_string().contains("src"), "{e}");
-            dist::broadcast(&t, 3, Some(&g13))?;
-        }
+        check_named("global src outside the group", || {
+            let t = Tensor::zeros(&[2], DType::F32)?;
+            if rank % 2 == 1 {
+                let e = dist::broadcast(&t, 0, Some(&g13)).unwrap_err();
+                assert!(e.to_string().contains("src"), "{e}");
+                dist::broadcast(&t, 3, Some(&g13))?;
+            }
+            Ok(())
+        })?;
         dist::destroy_process_group()?;
         Ok(())
     })?;

@@ -154,6 +154,41 @@ fn bits(t: &Tensor) -> R<Vec<u64>> {
     })
 }
 
+/// One section of a worked example, run on every rank of its world.
+struct Case {
+    /// What it checks; a failure names it.
+    name: &'static str,
+    /// The section, given this rank.
+    run: fn(usize) -> TestResult,
+}
+
+/// Runs `case` on this rank; its error names it.
+fn check(case: &Case, rank: usize) -> TestResult {
+    (case.run)(rank).map_err(|e| format!("case {:?}: {e}", case.name).into())
+}
+
+/// Issue #192920's (3,2) base on rank `r`: `[[10r+1, 100+r], [10r+2, 200+r], [10r+3, 300+r]]`;
+/// column 0 is the view, column 1 the neighbouring memory that must survive.
+fn column_base(r: f64) -> Tensor {
+    t64(
+        &[
+            10.0 * r + 1.0,
+            100.0 + r,
+            10.0 * r + 2.0,
+            200.0 + r,
+            10.0 * r + 3.0,
+            300.0 + r,
+        ],
+        &[3, 2],
+    )
+}
+
+/// The logical (2,3) row-major `v` stored as the transpose of a (3,2), viewed as (2,3).
+fn transposed(v: &[f64]) -> R<Tensor> {
+    let s = [v[0], v[3], v[1], v[4], v[2], v[5]];
+    Ok(t64(&s, &[3, 2]).t()?)
+}
+
 // ---------------------------------------------------------------------------------------------
 // section 3: issues
 
@@ -712,305 +747,7 @@ fn issue_156627_uneven_all_gather() {
 #[test]
 fn issue_192920_strided_and_transposed_tensors() {
     world(2, |rank| {
-        let r = rank as f64;
-        // base (3,2) = [[10r+1, 100+r], [10r+2, 200+r], [10r+3, 300+r]]; column 0 is the view,
-        // column 1 is the neighbouring memory that must survive
-        let base = || {
-            t64(
-                &[
-                    10.0 * r + 1.0,
-                    100.0 + r,
-                    10.0 * r + 2.0,
-                    200.0 + r,
-                    10.0 * r + 3.0,
-                    300.0 + r,
-                ],
-                &[3, 2],
-            )
-        };
-        let with_col0 = |c: [f64; 3]| [c[0], 100.0 + r, c[1], 200.0 + r, c[2], 300.0 + r];
-        let mine = [10.0 * r + 1.0, 10.0 * r + 2.0, 10.0 * r + 3.0];
-
-        // broadcast from 0 into column views
-        let b = base();
-        dist::broadcast(&b.select(1, 0)?, 0, None)?;
-        close("broadcast column", &vals(&b)?, &with_col0([1.0, 2.0, 3.0]))?;
-        // all_reduce of column views: [12, 14, 16]
-        let b = base();
-        dist::all_reduce(&b.select(1, 0)?, ReduceOp::Sum, None)?;
-        close(
-            "all_reduce column",
-            &vals(&b)?,
-            &with_col0([12.0, 14.0, 16.0]),
-        )?;
-        // reduce to 1
-        let b = base();
-        dist::reduce(&b.select(1, 0)?, 1, ReduceOp::Sum, None)?;
-        let want = if rank == 1 { [12.0, 14.0, 16.0] } else { mine };
-        close("reduce column", &vals(&b)?, &with_col0(want))?;
-
-        // all_gather from a column view into columns 0 and 2 of a (3,3) buffer (column 1 kept)
-        let out = t64(&full(9, -7.0), &[3, 3]);
-        let list = [out.select(1, 0)?, out.select(1, 2)?];
-        dist::all_gather(&list, &base().select(1, 0)?, None)?;
-        close(
-            "all_gather into columns",
-            &vals(&out)?,
-            &[1., -7., 11., 2., -7., 12., 3., -7., 13.],
-        )?;
-
-        // reduce_scatter: transposed inputs, output a transposed narrow view of a (3,4) buffer.
-        // input_list_r[i] (2,3) = 100r + 10i + arange(6), stored as the transpose of a (3,2)
-        let tr = |v: &[f64]| -> R<Tensor> {
-            // v is the logical (2,3) row-major; build its (3,2) transpose, then view it as (2,3)
-            let s = [v[0], v[3], v[1], v[4], v[2], v[5]];
-            Ok(t64(&s, &[3, 2]).t()?)
-        };
-        let inputs = (0..2)
-            .map(|i| tr(&arange(6, 100.0 * r + 10.0 * i as f64)))
-            .collect::<R<Vec<_>>>()?;
-        let obuf = t64(&full(12, -5.0), &[3, 4]);
-        let ov = obuf.narrow(1, 1, 2)?.t()?; // (2,3), strides (1,4)
-        dist::reduce_scatter(&ov, &inputs, ReduceOp::Sum, None)?;
-        let want: Vec<f64> = arange(6, 0.0)
-            .iter()
-            .map(|a| 100.0 + 20.0 * r + 2.0 * a)
-            .collect();
-        close("reduce_scatter into a transposed view", &vals(&ov)?, &want)?;
-        for row in 0..3 {
-            let edge = vals(&obuf.select(0, row)?)?;
-            close(
-                "reduce_scatter neighbours",
-                &[edge[0], edge[3]],
-                &[-5.0, -5.0],
-            )?;
-        }
-
-        // scatter from 1 of transposed (2,3) tensors into column views (6 elements each,
-        // received in logical order)
-        let list = (0..2)
-            .map(|i| tr(&arange(6, 50.0 * i as f64)))
-            .collect::<R<Vec<_>>>()?;
-        let out = t64(&full(12, -3.0), &[6, 2]);
-        dist::scatter(
-            &out.select(1, 1)?,
-            (rank == 1).then_some(&list[..]),
-            1,
-            None,
-        )?;
-        let mut want = Vec::new();
-        for a in arange(6, 50.0 * r) {
-            want.extend([-3.0, a]);
-        }
-        close("scatter into a column", &vals(&out)?, &want)?;
-
-        // gather to 0 into column views
-        let out = t64(&full(9, -9.0), &[3, 3]);
-        let list = [out.select(1, 0)?, out.select(1, 1)?];
-        let dst_list = (rank == 0).then_some(&list[..]);
-        dist::gather(&base().select(1, 0)?, dst_list, 0, None)?;
-        let want = if rank == 0 {
-            vec![1., 11., -9., 2., 12., -9., 3., 13., -9.]
-        } else {
-            vec![-9.0; 9]
-        };
-        close("gather into columns", &vals(&out)?, &want)?;
-
-        // all_to_all_single from a column view into a column view (gloo wrote 4 contiguous
-        // elements over the neighbouring column)
-        let inb = t64(
-            &[
-                10.0 * r,
-                -1.0,
-                10.0 * r + 1.0,
-                -1.0,
-                10.0 * r + 2.0,
-                -1.0,
-                10.0 * r + 3.0,
-                -1.0,
-            ],
-            &[4, 2],
-        );
-        let outb = t64(&full(8, -2.0), &[4, 2]);
-        dist::all_to_all_single(&outb.select(1, 0)?, &inb.select(1, 0)?, None, None, None)?;
-        let y: [f64; 4] = if rank == 0 {
-            [0.0, 1.0, 10.0, 11.0]
-        } else {
-            [2.0, 3.0, 12.0, 13.0]
-        };
-        close(
-            "all_to_all_single into a column",
-            &vals(&outb)?,
-            &[y[0], -2., y[1], -2., y[2], -2., y[3], -2.],
-        )?;
-
-        // all_to_all between strided views: x_r[j] = rows 2j, 2j+1 of column 0 of a (4,2)
-        // buffer, received into rows of column 1 of another; y_r[j] = x_j[r]
-        let inb = t64(
-            &[0., -4., 1., -4., 2., -4., 3., -4.].map(|v| if v < 0.0 { v } else { v + 10.0 * r }),
-            &[4, 2],
-        );
-        let inputs = [
-            inb.select(1, 0)?.narrow(0, 0, 2)?,
-            inb.select(1, 0)?.narrow(0, 2, 2)?,
-        ];
-        let outb = t64(&full(8, -6.0), &[4, 2]);
-        let outputs = [
-            outb.select(1, 1)?.narrow(0, 0, 2)?,
-            outb.select(1, 1)?.narrow(0, 2, 2)?,
-        ];
-        dist::all_to_all(&outputs, &inputs, None)?;
-        let (a, b) = (2.0 * r, 10.0 + 2.0 * r);
-        close(
-            "all_to_all between strided views",
-            &vals(&outb)?,
-            &[-6., a, -6., a + 1.0, -6., b, -6., b + 1.0],
-        )?;
-        close(
-            "all_to_all: input untouched",
-            &vals(&inb.select(1, 1)?)?,
-            &[-4.0; 4],
-        )?;
-
-        // ranks holding the same logical (2,3) tensor in different layouts: rank 0 transposed,
-        // rank 1 contiguous. L_r = [[0,1,2],[3,4,5]] + 10r
-        let logical = arange(6, 10.0 * r);
-        let mk = || -> R<Tensor> {
-            if rank == 0 {
-                tr(&logical)
-            } else {
-                Ok(t64(&logical, &[2, 3]))
-            }
-        };
-        let t = mk()?;
-        dist::all_reduce(&t, ReduceOp::Sum, None)?;
-        close(
-            "all_reduce, mixed layouts",
-            &vals(&t)?,
-            &[10., 12., 14., 16., 18., 20.],
-        )?;
-        for src in 0..2 {
-            let t = mk()?;
-            dist::broadcast(&t, src, None)?;
-            close(
-                &format!("broadcast from {src}, mixed layouts"),
-                &vals(&t)?,
-                &arange(6, 10.0 * src as f64),
-            )?;
-        }
-
-        // functional broadcast, src 0 transposed, receiver contiguous: the logical values
-        // arrive; the gradient reaches the transposed leaf in its own layout
-        let leaf_base = if rank == 0 {
-            // (3,2) storage of the transposed (2,3) view
-            let s = [0., 3., 1., 4., 2., 5.];
-            leaf(&s, &[3, 2])
-        } else {
-            leaf(&arange(6, 10.0), &[2, 3])
-        };
-        let x = if rank == 0 {
-            leaf_base.t()?
-        } else {
-            leaf_base.clone()
-        };
-        let y = df::broadcast(&x, 0, None)?;
-        close(
-            "functional broadcast, mixed layouts",
-            &vals(&y)?,
-            &arange(6, 0.0),
-        )?;
-        let w = arange(6, 1.0);
-        dot(&y, &w.iter().map(|v| v * (r + 1.0)).collect::<Vec<_>>())?.backward()?;
-        if rank == 0 {
-            // dL/dx = 3w (logical (2,3)); the leaf is its (3,2) transpose
-            close(
-                "functional broadcast dx (transposed leaf)",
-                &grad(&leaf_base)?,
-                &[3., 12., 6., 15., 9., 18.],
-            )?;
-        } else {
-            close(
-                "functional broadcast dx (receiver)",
-                &grad(&leaf_base)?,
-                &[0.0; 6],
-            )?;
-        }
-
-        // functional all_reduce of a column view: the gradient lands in column 0 of the leaf
-        let lb = leaf(&base().to_vec_f64()?, &[3, 2]);
-        let y = df::all_reduce(&lb.select(1, 0)?, ReduceOp::Sum, None)?;
-        close(
-            "functional all_reduce column",
-            &vals(&y)?,
-            &[12.0, 14.0, 16.0],
-        )?;
-        wsum(&y, r + 1.0)?.backward()?;
-        close(
-            "functional all_reduce column dx",
-            &grad(&lb)?,
-            &[3., 0., 3., 0., 3., 0.],
-        )?;
-        close(
-            "functional all_reduce column: input untouched",
-            &vals(&lb)?,
-            &vals(&base())?,
-        )?;
-
-        // functional all_gather of a transposed view, all_to_all_single of a column view
-        let lb = leaf(&[0., 3., 1., 4., 2., 5.].map(|v| v + 10.0 * r), &[3, 2]);
-        let ys = df::all_gather(&lb.t()?, None)?;
-        close(
-            "functional all_gather of a transpose",
-            &flat(&ys)?,
-            &[&arange(6, 0.0)[..], &arange(6, 10.0)].concat(),
-        )?;
-        // loss_r = (r + 1) Σ_i Σ y[i] ⊙ w, w = [1..6]: dx = 3w in logical order
-        let w = arange(6, 1.0);
-        dot(&ys[0], &w)?
-            .add(&dot(&ys[1], &w)?)?
-            .mul_scalar(r + 1.0)?
-            .backward()?;
-        close(
-            "functional all_gather dx (transposed leaf)",
-            &grad(&lb)?,
-            &[3., 12., 6., 15., 9., 18.],
-        )?;
-
-        let lb = leaf(
-            &[
-                10.0 * r,
-                -1.0,
-                10.0 * r + 1.0,
-                -1.0,
-                10.0 * r + 2.0,
-                -1.0,
-                10.0 * r + 3.0,
-                -1.0,
-            ],
-            &[4, 2],
-        );
-        let y = df::all_to_all_single(&lb.select(1, 0)?, None, None, None)?;
-        let want: [f64; 4] = if rank == 0 {
-            [0., 1., 10., 11.]
-        } else {
-            [2., 3., 12., 13.]
-        };
-        close(
-            "functional all_to_all_single of a column",
-            &vals(&y)?,
-            &want,
-        )?;
-        dot(&y, &arange(4, 1.0 + 100.0 * r))?.backward()?;
-        // element i of rank r's column went to rank i / 2, position 2r + i % 2
-        let dx: Vec<f64> = (0..4)
-            .map(|i| (100 * (i / 2) + 2 * rank + i % 2 + 1) as f64)
-            .collect();
-        close(
-            "functional all_to_all_single dx",
-            &grad(&lb)?,
-            &[dx[0], 0., dx[1], 0., dx[2], 0., dx[3], 0.],
-        )?;
-        Ok(())
+        STRIDED_CASES.iter().try_for_each(|c| check(c, rank))
     });
 }
 
@@ -1079,174 +816,7 @@ fn issue_84566_scatter_unequal_sizes() {
 #[test]
 fn appendix_a_w3_table() {
     world(3, |rank| {
-        let r = rank as f64;
-        let rows = |what: &str, got: &[Tensor], want: &[&[f64]]| -> TestResult {
-            close(what, &flat(got)?, &want.concat())
-        };
-
-        // broadcast src 2: x_r = [r+1, 10(r+1)] -> [3, 30]; dx r2 [6, 6], others 0
-        let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
-        let y = df::broadcast(&x, 2, None)?;
-        close("broadcast src 2 y", &vals(&y)?, &[3.0, 30.0])?;
-        wsum(&y, r + 1.0)?.backward()?;
-        close(
-            "broadcast src 2 dx",
-            &grad(&x)?,
-            &full(2, if rank == 2 { 6.0 } else { 0.0 }),
-        )?;
-
-        // gather, loss_r = Σ_i (10r+i+1)·Σ y[i], x_r = full(2, r+1)
-        for (dst, dx) in [(0usize, r + 1.0), (2, 21.0 + r)] {
-            let x = leaf(&full(2, r + 1.0), &[2]);
-            let ys = df::gather(&x, dst, None)?;
-            if rank == dst {
-                rows("gather y", &ys, &[&[1., 1.], &[2., 2.], &[3., 3.]])?;
-            } else {
-                rows("gather y (non-dst)", &ys, &[&[0.0; 6]])?;
-            }
-            list_loss(&ys, |i| 10.0 * r + i as f64 + 1.0)?.backward()?;
-            close(&format!("gather dst {dst} dx"), &grad(&x)?, &full(2, dx))?;
-        }
-
-        // scatter src 0: xs_r[i] = full(2, 10r+i); receivers pass placeholders (zero grads)
-        let xs: Vec<Tensor> = (0..3)
-            .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
-            .collect();
-        let y = df::scatter(Some(&xs), 0, None)?;
-        close("scatter y", &vals(&y)?, &full(2, r))?;
-        wsum(&y, r + 1.0)?.backward()?;
-        for (i, x) in xs.iter().enumerate() {
-            let want = if rank == 0 { i as f64 + 1.0 } else { 0.0 };
-            close(&format!("scatter dxs[{i}]"), &grad(x)?, &full(2, want))?;
-        }
-
-        // reduce SUM dst 0: x_r = [r+2, -(r+2), 0.5(r+1)] -> r0 [9, -9, 3]; others zeros
-        // (ours; PyTorch unspecified); dx 1 everywhere
-        let xr = [r + 2.0, -(r + 2.0), 0.5 * (r + 1.0)];
-        let x = leaf(&xr, &[3]);
-        let y = df::reduce(&x, 0, ReduceOp::Sum, None)?;
-        close(
-            "reduce SUM dst 0 y",
-            &vals(&y)?,
-            &if rank == 0 {
-                [9.0, -9.0, 3.0]
-            } else {
-                [0.0; 3]
-            },
-        )?;
-        wsum(&y, r + 1.0)?.backward()?;
-        close("reduce SUM dst 0 dx", &grad(&x)?, &full(3, 1.0))?;
-
-        // reduce, every op, dst 2 (g_dst = 3). PyTorch gives 3 everywhere for every op; the
-        // true adjoints: SUM 3; AVG 1; MAX/MIN 3 at the holder; PRODUCT 3·Π_{k≠r} x_k.
-        // Holders: elem 0 (2,3,4) max r2 min r0; elem 1 (-2,-3,-4) max r0 min r2;
-        // elem 2 (0.5,1,1.5) max r2 min r0.
-        let reduce_cases: [(ReduceOp, [f64; 3], [[f64; 3]; 3]); 5] = [
-            (ReduceOp::Sum, [9., -9., 3.], [[3.; 3], [3.; 3], [3.; 3]]),
-            (ReduceOp::Avg, [3., -3., 1.], [[1.; 3], [1.; 3], [1.; 3]]),
-            (
-                ReduceOp::Max,
-                [4., -2., 1.5],
-                [[0., 3., 0.], [0.; 3], [3., 0., 3.]],
-            ),
-            (
-                ReduceOp::Min,
-                [2., -4., 0.5],
-                [[3., 0., 3.], [0.; 3], [0., 3., 0.]],
-            ),
-            (
-                ReduceOp::Product,
-                [24., -24., 0.75],
-                [[36., 36., 4.5], [24., 24., 2.25], [18., 18., 1.5]],
-            ),
-        ];
-        for (op, y2, dx) in reduce_cases {
-            let x = leaf(&xr, &[3]);
-            let y = df::reduce(&x, 2, op, None)?;
-            close(
-                &format!("reduce {op:?} dst 2 y"),
-                &vals(&y)?,
-                &if rank == 2 { y2 } else { [0.0; 3] },
-            )?;
-            wsum(&y, r + 1.0)?.backward()?;
-            close(&format!("reduce {op:?} dst 2 dx"), &grad(&x)?, &dx[rank])?;
-        }
-
-        // reduce_scatter SUM: list_r[i] = full(2, 10r+i) -> 30, 33, 36; list[i] grad = i+1
-        let xs: Vec<Tensor> = (0..3)
-            .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
-            .collect();
-        let y = df::reduce_scatter(&xs, ReduceOp::Sum, None)?;
-        close("reduce_scatter y", &vals(&y)?, &full(2, 30.0 + 3.0 * r))?;
-        wsum(&y, r + 1.0)?.backward()?;
-        for (i, x) in xs.iter().enumerate() {
-            close(
-                &format!("reduce_scatter dxs[{i}]"),
-                &grad(x)?,
-                &full(2, i as f64 + 1.0),
-            )?;
-        }
-
-        // all_gather, loss Σ_i (10r+i+1)·Σ y[i]: x_r = [r+1, 2(r+1)] -> dx 33, 36, 39
-        let x = leaf(&[r + 1.0, 2.0 * (r + 1.0)], &[2]);
-        let ys = df::all_gather(&x, None)?;
-        rows("all_gather y", &ys, &[&[1., 2.], &[2., 4.], &[3., 6.]])?;
-        list_loss(&ys, |i| 10.0 * r + i as f64 + 1.0)?.backward()?;
-        close("all_gather dx", &grad(&x)?, &full(2, 33.0 + 3.0 * r))?;
-
-        // all_to_all equal, loss Σ stack(y): x_r[j] = full(2, 10r+j) -> y_r[j] = 10j + r
-        let xs: Vec<Tensor> = (0..3)
-            .map(|j| leaf(&full(2, 10.0 * r + j as f64), &[2]))
-            .collect();
-        let ys = df::all_to_all(&xs, None)?;
-        rows(
-            "all_to_all y",
-            &ys,
-            &[&full(2, r), &full(2, 10.0 + r), &full(2, 20.0 + r)],
-        )?;
-        Tensor::stack(&ys, 0)?.sum()?.backward()?;
-        for (j, x) in xs.iter().enumerate() {
-            close(&format!("all_to_all dxs[{j}]"), &grad(x)?, &full(2, 1.0))?;
-        }
-
-        // all_to_all_single equal, loss Σ y·(arange + 1000r): x_r = arange(6) + 100r
-        let x = leaf(&arange(6, 100.0 * r), &[6]);
-        let y = df::all_to_all_single(&x, None, None, None)?;
-        let y_want: Vec<f64> = (0..6)
-            .map(|i| (100 * (i / 2) + 2 * rank + i % 2) as f64)
-            .collect();
-        close("all_to_all_single y", &vals(&y)?, &y_want)?;
-        dot(&y, &arange(6, 1000.0 * r))?.backward()?;
-        let dx: Vec<f64> = (0..6)
-            .map(|i| (1000 * (i / 2) + 2 * rank + i % 2) as f64)
-            .collect();
-        close("all_to_all_single dx", &grad(&x)?, &dx)?;
-
-        // all_reduce, x_r = [r+1, 2(r+1), -(r+1)], g_r = r+1 (G = 6)
-        let ar_cases: [(ReduceOp, [f64; 3], [[f64; 3]; 3]); 4] = [
-            (ReduceOp::Sum, [6., 12., -6.], [[6.; 3], [6.; 3], [6.; 3]]),
-            (ReduceOp::Avg, [2., 4., -2.], [[2.; 3], [2.; 3], [2.; 3]]),
-            // PyTorch: 3 everywhere (max of g)
-            (
-                ReduceOp::Max,
-                [3., 6., -1.],
-                [[0., 0., 6.], [0.; 3], [6., 6., 0.]],
-            ),
-            // PyTorch: 6 everywhere (product of g); correct: 6·Π_{k≠r} x_k
-            (
-                ReduceOp::Product,
-                [6., 48., -6.],
-                [[36., 144., 36.], [18., 72., 18.], [12., 48., 12.]],
-            ),
-        ];
-        for (op, yw, dx) in ar_cases {
-            let x = leaf(&[r + 1.0, 2.0 * (r + 1.0), -(r + 1.0)], &[3]);
-            let y = df::all_reduce(&x, op, None)?;
-            close(&format!("all_reduce {op:?} y"), &vals(&y)?, &yw)?;
-            wsum(&y, r + 1.0)?.backward()?;
-            close(&format!("all_reduce {op:?} dx"), &grad(&x)?, &dx[rank])?;
-        }
-        Ok(())
+        APPENDIX_A_W3_CASES.iter().try_for_each(|c| check(c, rank))
     });
 }
 
@@ -1254,293 +824,7 @@ fn appendix_a_w3_table() {
 #[test]
 fn section_1_3_w3_examples() {
     world(3, |rank| {
-        let r = rank as f64;
-
-        // broadcast src 0: rank 0 gets [6, 6]
-        let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
-        let y = df::broadcast(&x, 0, None)?;
-        close("broadcast src 0 y", &vals(&y)?, &[1.0, 10.0])?;
-        wsum(&y, r + 1.0)?.backward()?;
-        close(
-            "broadcast src 0 dx",
-            &grad(&x)?,
-            &full(2, if rank == 0 { 6.0 } else { 0.0 }),
-        )?;
-
-        // scatter src 2: y = [20+r, 20+r]; rank 2's grads 1, 2, 3
-        let xs: Vec<Tensor> = (0..3)
-            .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
-            .collect();
-        let y = df::scatter((rank == 2).then_some(&xs[..]), 2, None)?;
-        close("scatter src 2 y", &vals(&y)?, &full(2, 20.0 + r))?;
-        wsum(&y, r + 1.0)?.backward()?;
-        if rank == 2 {
-            for (i, x) in xs.iter().enumerate() {
-                close(
-                    &format!("scatter src 2 dxs[{i}]"),
-                    &grad(x)?,
-                    &full(2, i as f64 + 1.0),
-                )?;
-            }
-        }
-
-        // reduce dst 0, g_dst = 1: SUM 1; AVG 1/3 (PyTorch 1); MAX 1 at the holder (r2: elems
-        // 0, 2; r0: elem 1); MIN mirrored; PRODUCT Π_{k≠r} x_k (PyTorch 1 everywhere)
-        let xr = [r + 2.0, -(r + 2.0), 0.5 * (r + 1.0)];
-        let third = 1.0 / 3.0;
-        let cases: [(ReduceOp, [[f64; 3]; 3]); 5] = [
-            (ReduceOp::Sum, [[1.; 3], [1.; 3], [1.; 3]]),
-            (ReduceOp::Avg, [[third; 3], [third; 3], [third; 3]]),
-            (ReduceOp::Max, [[0., 1., 0.], [0.; 3], [1., 0., 1.]]),
-            (ReduceOp::Min, [[1., 0., 1.], [0.; 3], [0., 1., 0.]]),
-            (
-                ReduceOp::Product,
-                [[12., 12., 1.5], [8., 8., 0.75], [6., 6., 0.5]],
-            ),
-        ];
-        for (op, dx) in cases {
-            let x = leaf(&xr, &[3]);
-            let y = df::reduce(&x, 0, op, None)?;
-            wsum(&y, r + 1.0)?.backward()?;
-            close(&format!("reduce {op:?} dst 0 dx"), &grad(&x)?, &dx[rank])?;
-        }
-        // reduce AVG dst 0, x_r = [r+1], loss y.sum(): y_dst = 2, dx = 1/3 (PyTorch 1)
-        let x = leaf(&[r + 1.0], &[1]);
-        let y = df::reduce(&x, 0, ReduceOp::Avg, None)?;
-        close(
-            "reduce AVG y",
-            &vals(&y)?,
-            &[if rank == 0 { 2.0 } else { 0.0 }],
-        )?;
-        y.sum()?.backward()?;
-        close("reduce AVG dx", &grad(&x)?, &[third])?;
-
-        // reduce_scatter MAX -> y_r = 20 + r, only rank 2's inputs get gradient (i+1);
-        // AVG -> y_r = 10 + r, grads (i+1)/3 (PyTorch: i+1 for both)
-        for (op, y_want, on) in [
-            (ReduceOp::Max, 20.0 + r, rank == 2),
-            (ReduceOp::Avg, 10.0 + r, true),
-        ] {
-            let xs: Vec<Tensor> = (0..3)
-                .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
-                .collect();
-            let y = df::reduce_scatter(&xs, op, None)?;
-            close(
-                &format!("reduce_scatter {op:?} y"),
-                &vals(&y)?,
-                &full(2, y_want),
-            )?;
-            wsum(&y, r + 1.0)?.backward()?;
-            for (i, x) in xs.iter().enumerate() {
-                let g = match (op, on) {
-                    (ReduceOp::Avg, _) => (i as f64 + 1.0) / 3.0,
-                    (_, true) => i as f64 + 1.0,
-                    _ => 0.0,
-                };
-                close(
-                    &format!("reduce_scatter {op:?} dxs[{i}]"),
-                    &grad(x)?,
-                    &full(2, g),
-                )?;
-            }
-        }
-
-        // reduce_scatter PRODUCT (PyTorch: i+1 everywhere): y_r = Π_k (10k + r) = 0, 231, 528;
-        // dxs[i] on rank q = (i+1)·Π_{k≠q} (10k + i), exact with the zero on rank 0
-        let xs: Vec<Tensor> = (0..3)
-            .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
-            .collect();
-        let y = df::reduce_scatter(&xs, ReduceOp::Product, None)?;
-        close(
-            "reduce_scatter Product y",
-            &vals(&y)?,
-            &full(2, [0.0, 231.0, 528.0][rank]),
-        )?;
-        wsum(&y, r + 1.0)?.backward()?;
-        let dxs: [[f64; 3]; 3] = [[200., 462., 792.], [0., 42., 132.], [0., 22., 72.]];
-        for (i, x) in xs.iter().enumerate() {
-            close(
-                &format!("reduce_scatter Product dxs[{i}]"),
-                &grad(x)?,
-                &full(2, dxs[rank][i]),
-            )?;
-        }
-
-        // all_gather, only y[0] used with weight r+1: dx_0 = 6, others 0
-        let x = leaf(&[r + 1.0, 2.0 * (r + 1.0)], &[2]);
-        let ys = df::all_gather(&x, None)?;
-        wsum(&ys[0], r + 1.0)?.backward()?;
-        close(
-            "all_gather y[0] only dx",
-            &grad(&x)?,
-            &full(2, if rank == 0 { 6.0 } else { 0.0 }),
-        )?;
-
-        // all_reduce MIN -> [1, 2, -3]; and a fourth element 5 tied on all three ranks
-        // (funcol's measured routing: 6 split three ways)
-        let xr = [r + 1.0, 2.0 * (r + 1.0), -(r + 1.0), 5.0];
-        for (op, yw, dx) in [
-            (
-                ReduceOp::Min,
-                [1., 2., -3., 5.],
-                [[6., 6., 0., 2.], [0., 0., 0., 2.], [0., 0., 6., 2.]],
-            ),
-            (
-                ReduceOp::Max,
-                [3., 6., -1., 5.],
-                [[0., 0., 6., 2.], [0., 0., 0., 2.], [6., 6., 0., 2.]],
-            ),
-        ] {
-            let x = leaf(&xr, &[4]);
-            let y = df::all_reduce(&x, op, None)?;
-            close(&format!("all_reduce {op:?} y"), &vals(&y)?, &yw)?;
-            wsum(&y, r + 1.0)?.backward()?;
-            close(&format!("all_reduce {op:?} dx"), &grad(&x)?, &dx[rank])?;
-        }
-        // all_reduce NaN-aware: rank 0's element 0 is NaN -> MAX/MIN are NaN there, rank 0
-        // holds it and gets the whole gradient, no NaN gradients
-        for op in [ReduceOp::Max, ReduceOp::Min] {
-            let v0 = if rank == 0 { f64::NAN } else { r };
-            let x = leaf(&[v0, r], &[2]);
-            let y = df::all_reduce(&x, op, None)?;
-            let e1 = if op == ReduceOp::Max { 2.0 } else { 0.0 };
-            close(
-                &format!("all_reduce {op:?} NaN y"),
-                &vals(&y)?,
-                &[f64::NAN, e1],
-            )?;
-            wsum(&y, r + 1.0)?.backward()?;
-            let holder1 = if op == ReduceOp::Max { 2 } else { 0 };
-            let want = [
-                if rank == 0 { 6.0 } else { 0.0 },
-                if rank == holder1 { 6.0 } else { 0.0 },
-            ];
-            close(&format!("all_reduce {op:?} NaN dx"), &grad(&x)?, &want)?;
-        }
-
-        // all_to_all_single with zero-size splits (nothing sent to self):
-        // x_r = [10r, 10r+1] -> y_0 = [10, 20], y_1 = [0, 21], y_2 = [1, 11]
-        let x = leaf(&[10.0 * r, 10.0 * r + 1.0], &[2]);
-        let splits: Vec<usize> = (0..3).map(|j| usize::from(j != rank)).collect();
-        let y = df::all_to_all_single(&x, Some(&splits), Some(&splits), None)?;
-        let yw: [[f64; 2]; 3] = [[10., 20.], [0., 21.], [1., 11.]];
-        close("all_to_all_single zero splits y", &vals(&y)?, &yw[rank])?;
-        wsum(&y, r + 1.0)?.backward()?;
-        let dx: [[f64; 2]; 3] = [[2., 3.], [1., 3.], [1., 2.]];
-        close("all_to_all_single zero splits dx", &grad(&x)?, &dx[rank])?;
-        // all-zero splits with empty tensors
-        let e = leaf(&[], &[0]);
-        let y = df::all_to_all_single(&e, Some(&[0, 0, 0]), Some(&[0, 0, 0]), None)?;
-        if y.shape() != [0] {
-            return Err(format!("empty all_to_all_single shape {:?}", y.shape()).into());
-        }
-        // output_split_sizes None, input_split_sizes [2, 2, 2]: the equal exchange
-        let x = leaf(&arange(6, 100.0 * r), &[6]);
-        let y = df::all_to_all_single(&x, None, Some(&[2, 2, 2]), None)?;
-        let y_want: Vec<f64> = (0..6)
-            .map(|i| (100 * (i / 2) + 2 * rank + i % 2) as f64)
-            .collect();
-        close("all_to_all_single None out y", &vals(&y)?, &y_want)?;
-        wsum(&y, r + 1.0)?.backward()?;
-        let dx: Vec<f64> = (0..6).map(|i| (i / 2 + 1) as f64).collect();
-        close("all_to_all_single None out dx", &grad(&x)?, &dx)?;
-        // funcol's example: in_splits [1,2,3], out_splits [r+1]*3, x_r = arange(6) + 100r
-        let x = leaf(&arange(6, 100.0 * r), &[6]);
-        let outs = [rank + 1; 3];
-        let y = df::all_to_all_single(&x, Some(&outs), Some(&[1, 2, 3]), None)?;
-        let yw: [&[f64]; 3] = [
-            &[0., 100., 200.],
-            &[1., 2., 101., 102., 201., 202.],
-            &[3., 4., 5., 103., 104., 105., 203., 204., 205.],
-        ];
-        close("all_to_all_single [1,2,3] y", &vals(&y)?, yw[rank])?;
-        wsum(&y, r + 1.0)?.backward()?;
-        close(
-            "all_to_all_single [1,2,3] dx",
-            &grad(&x)?,
-            &[1., 2., 2., 3., 3., 3.],
-        )?;
-
-        // all_to_all list form with uneven sizes (section 2.6): x_r[i] = (i+1)×3 of r ->
-        // y_r[j] = (r+1)×3 of j; loss (r+1)·Σ cat(y) -> dxs[i] = i + 1 (the receiver's weight)
-        let xs: Vec<Tensor> = (0..3)
-            .map(|i| leaf(&full(3 * (i + 1), r), &[i + 1, 3]))
-            .collect();
-        let ys = df::all_to_all(&xs, None)?;
-        for (j, y) in ys.iter().enumerate() {
-            if y.shape() != [rank + 1, 3] {
-                return Err(format!("all_to_all uneven y[{j}] shape {:?}", y.shape()).into());
-            }
-            close(
-                &format!("all_to_all uneven y[{j}]"),
-                &vals(y)?,
-                &full(3 * (rank + 1), j as f64),
-            )?;
-        }
-        wsum(&Tensor::cat(&ys, 0)?, r + 1.0)?.backward()?;
-        for (i, x) in xs.iter().enumerate() {
-            close(
-                &format!("all_to_all uneven dxs[{i}]"),
-                &grad(x)?,
-                &full(3 * (i + 1), i as f64 + 1.0),
-            )?;
-        }
-
-        // chaining: all_reduce(all_reduce(x)), x_r = [r+1] -> 18, dx 9
-        let x = leaf(&[r + 1.0], &[1]);
-        let y = df::all_reduce(
-            &df::all_reduce(&x, ReduceOp::Sum, None)?,
-            ReduceOp::Sum,
-            None,
-        )?;
-        close("chained y", &vals(&y)?, &[18.0])?;
-        y.sum()?.backward()?;
-        close("chained dx", &grad(&x)?, &[9.0])?;
-        // 0-d tensor: y = 6, dx = 3 (loss y)
-        let x = Tensor::scalar(r + 1.0).requires_grad_(true);
-        let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
-        close("0-d y", &vals(&y)?, &[6.0])?;
-        y.backward()?;
-        close("0-d dx", &grad(&x)?, &[3.0])?;
-        // x_r = r + 0.5: y = 4.5, dx = 3 (loss y.sum())
-        let x = leaf(&[r + 0.5], &[1]);
-        let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
-        close("half y", &vals(&y)?, &[4.5])?;
-        y.sum()?.backward()?;
-        close("half dx", &grad(&x)?, &[3.0])?;
-
-        // integer ops, forward only: x_r = [15 ^ (1<<r), 1<<r, 6+r]
-        let xi = t64(
-            &[f64::from(15 ^ (1 << rank)), f64::from(1 << rank), 6.0 + r],
-            &[3],
-        )
-        .to_dtype(DType::I64)?;
-        for (op, want) in [
-            (ReduceOp::BAnd, [8., 0., 0.]),
-            (ReduceOp::BOr, [15., 7., 15.]),
-            (ReduceOp::BXor, [8., 7., 9.]),
-            (ReduceOp::Sum, [38., 7., 21.]),
-            (ReduceOp::Max, [14., 4., 8.]),
-        ] {
-            let y = df::all_reduce(&xi, op, None)?;
-            close(&format!("int64 all_reduce {op:?}"), &vals(&y)?, &want)?;
-        }
-        // section 1.4's op table: x_r = [r+1, -(r+1), 2^r]
-        let x = t64(&[r + 1.0, -(r + 1.0), f64::from(1 << rank)], &[3]);
-        for (op, want) in [
-            (ReduceOp::Sum, [6., -6., 7.]),
-            (ReduceOp::Avg, [2., -2., 7.0 / 3.0]),
-            (ReduceOp::Product, [6., -6., 8.]),
-            (ReduceOp::Min, [1., -3., 1.]),
-            (ReduceOp::Max, [3., -1., 4.]),
-        ] {
-            close(
-                &format!("all_reduce {op:?} (1.4)"),
-                &vals(&df::all_reduce(&x, op, None)?)?,
-                &want,
-            )?;
-        }
-        Ok(())
+        SECTION_1_3_W3_CASES.iter().try_for_each(|c| check(c, rank))
     });
 }
 
@@ -1548,96 +832,7 @@ fn section_1_3_w3_examples() {
 #[test]
 fn section_1_3_w2_examples() {
     world(2, |rank| {
-        let r = rank as f64;
-        // broadcast src 0: x_r = [r+1, 10(r+1)] -> [1, 10]; dx r0 [3, 3], r1 [0, 0]
-        let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
-        let y = df::broadcast(&x, 0, None)?;
-        close("broadcast y", &vals(&y)?, &[1.0, 10.0])?;
-        wsum(&y, r + 1.0)?.backward()?;
-        close(
-            "broadcast dx",
-            &grad(&x)?,
-            &full(2, if rank == 0 { 3.0 } else { 0.0 }),
-        )?;
-        // partial use: loss = (r+1)·y[0] -> r0 [3, 0], r1 [0, 0]
-        let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
-        let y = df::broadcast(&x, 0, None)?;
-        y.select(0, 0)?.mul_scalar(r + 1.0)?.backward()?;
-        close(
-            "broadcast partial dx",
-            &grad(&x)?,
-            &[if rank == 0 { 3.0 } else { 0.0 }, 0.0],
-        )?;
-        // empty (0, 3) input: empty output and gradient
-        let x = leaf(&[], &[0, 3]);
-        let y = df::broadcast(&x, 0, None)?;
-        if y.shape() != [0, 3] {
-            return Err(format!("empty broadcast shape {:?}", y.shape()).into());
-        }
-        y.sum()?.backward()?;
-        close("empty broadcast dx", &grad(&x)?, &[])?;
-        // int64 forward
-        let xi = t64(&[r + 1.0, 7.0], &[2]).to_dtype(DType::I64)?;
-        close(
-            "int64 broadcast",
-            &vals(&df::broadcast(&xi, 1, None)?)?,
-            &[2.0, 7.0],
-        )?;
-
-        // gather with the loss ×1000(r+1) on every rank, dst 0: dx = 1000 on both
-        let x = leaf(&full(2, r + 1.0), &[2]);
-        let ys = df::gather(&x, 0, None)?;
-        list_loss(&ys, |_| 1000.0 * (r + 1.0))?.backward()?;
-        close("gather ×1000 dx", &grad(&x)?, &full(2, 1000.0))?;
-
-        // all_gather, the same output used twice: loss Σ(2·y[0] + 3·y[-1]) -> dx 4, 6
-        let x = leaf(&[r + 1.0], &[1]);
-        let ys = df::all_gather(&x, None)?;
-        let loss = wsum(&ys[0], 2.0)?.add(&wsum(&ys[1], 3.0)?)?;
-        loss.backward()?;
-        close(
-            "all_gather twice dx",
-            &grad(&x)?,
-            &[if rank == 0 { 4.0 } else { 6.0 }],
-        )?;
-        // 2-D: loss Σ cat(y)² -> dx = 2W·x
-        let xv = [r + 1.0, -2.0 * r, 0.5, 3.0 + r];
-        let x = leaf(&xv, &[2, 2]);
-        let ys = df::all_gather(&x, None)?;
-        let c = Tensor::cat(&ys, 0)?;
-        c.mul(&c)?.sum()?.backward()?;
-        close("all_gather 2-D dx", &grad(&x)?, &xv.map(|v| 4.0 * v))?;
-
-        // ties, MAX, x_r = [5, r]: dx r0 [1.5, 0], r1 [1.5, 3] (PyTorch [2, 2] on both)
-        let x = leaf(&[5.0, r], &[2]);
-        let y = df::all_reduce(&x, ReduceOp::Max, None)?;
-        close("ties y", &vals(&y)?, &[5.0, 1.0])?;
-        wsum(&y, r + 1.0)?.backward()?;
-        close(
-            "ties dx",
-            &grad(&x)?,
-            &if rank == 0 { [1.5, 0.0] } else { [1.5, 3.0] },
-        )?;
-
-        // double backward: y = all_reduce(x), x_r = [r+1], loss y²: first-order g = 12; then
-        // g.backward() gives 8 = Σ_r 2W
-        let x = leaf(&[r + 1.0], &[1]);
-        let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
-        let g = tensorplay_core::autograd::grad(
-            &[y.mul(&y)?.sum()?],
-            std::slice::from_ref(&x),
-            &[],
-            tensorplay_core::autograd::GradOptions {
-                create_graph: true,
-                ..Default::default()
-            },
-        )?
-        .remove(0)
-        .ok_or("no first-order gradient")?;
-        close("first-order g", &vals(&g)?, &[12.0])?;
-        g.sum()?.backward()?;
-        close("second-order dx", &grad(&x)?, &[8.0])?;
-        Ok(())
+        SECTION_1_3_W2_CASES.iter().try_for_each(|c| check(c, rank))
     });
 }
 
@@ -1670,4 +865,1141 @@ fn section_1_3_w4_all_to_all_single_docstring() {
         close("dx", &grad(&x)?, dxs[rank])?;
         Ok(())
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// the tables of the long examples and their sections
+
+/// Sections of #192920: column views, transposes and mixed layouts (world of 2).
+const STRIDED_CASES: &[Case] = &[
+    Case {
+        name: "broadcast from 0 into column views",
+        run: s_broadcast_from_0_into_column_views,
+    },
+    Case {
+        name: "all_gather from a column view into columns 0 and 2",
+        run: s_all_gather_from_a_column_view_into_colum,
+    },
+    Case {
+        name: "reduce_scatter",
+        run: s_reduce_scatter,
+    },
+    Case {
+        name: "scatter from 1 of transposed tensors into column views",
+        run: s_scatter_from_1_of_transposed_tensors_int,
+    },
+    Case {
+        name: "gather to 0 into column views",
+        run: s_gather_to_0_into_column_views,
+    },
+    Case {
+        name: "all_to_all_single from a column view into a column view",
+        run: s_all_to_all_single_from_a_column_view_int,
+    },
+    Case {
+        name: "all_to_all between strided views",
+        run: s_all_to_all_between_strided_views,
+    },
+    Case {
+        name: "ranks holding one logical tensor in different layouts",
+        run: s_ranks_holding_one_logical_tensor_in_diff,
+    },
+    Case {
+        name: "functional broadcast, src 0 transposed, receiver contiguous",
+        run: s_functional_broadcast_src_0_transposed_re,
+    },
+    Case {
+        name: "functional all_reduce of a column view",
+        run: s_functional_all_reduce_of_a_column_view,
+    },
+    Case {
+        name: "functional all_gather of a transposed view, all_to_all_single of a column view",
+        run: s_functional_all_gather_of_a_transposed_vi,
+    },
+];
+
+/// The rows of appendix A (world of 3).
+const APPENDIX_A_W3_CASES: &[Case] = &[
+    Case {
+        name: "broadcast src 2",
+        run: a_broadcast_src_2,
+    },
+    Case {
+        name: "gather to 0 and to 2",
+        run: a_gather_to_0_and_to_2,
+    },
+    Case {
+        name: "scatter src 0",
+        run: a_scatter_src_0,
+    },
+    Case {
+        name: "reduce SUM dst 0",
+        run: a_reduce_sum_dst_0,
+    },
+    Case {
+        name: "reduce_scatter SUM",
+        run: a_reduce_scatter_sum,
+    },
+    Case {
+        name: "all_gather",
+        run: a_all_gather,
+    },
+    Case {
+        name: "all_to_all equal",
+        run: a_all_to_all_equal,
+    },
+    Case {
+        name: "all_to_all_single equal",
+        run: a_all_to_all_single_equal,
+    },
+    Case {
+        name: "all_reduce",
+        run: a_all_reduce,
+    },
+];
+
+/// The measured examples of section 1.3 (world of 3).
+const SECTION_1_3_W3_CASES: &[Case] = &[
+    Case {
+        name: "broadcast src 0",
+        run: w3_broadcast_src_0,
+    },
+    Case {
+        name: "scatter src 2",
+        run: w3_scatter_src_2,
+    },
+    Case {
+        name: "reduce dst 0, g_dst = 1",
+        run: w3_reduce_dst_0_g_dst_1,
+    },
+    Case {
+        name: "reduce_scatter MAX",
+        run: w3_reduce_scatter_max,
+    },
+    Case {
+        name: "reduce_scatter PRODUCT",
+        run: w3_reduce_scatter_product,
+    },
+    Case {
+        name: "all_gather, only y[0] used with weight r+1",
+        run: w3_all_gather_only_y_0_used_with_weight_r_1,
+    },
+    Case {
+        name: "all_reduce MIN",
+        run: w3_all_reduce_min,
+    },
+    Case {
+        name: "all_to_all_single with zero-size splits",
+        run: w3_all_to_all_single_with_zero_size_splits,
+    },
+    Case {
+        name: "all_to_all list form with uneven sizes",
+        run: w3_all_to_all_list_form_with_uneven_sizes,
+    },
+    Case {
+        name: "chaining",
+        run: w3_chaining,
+    },
+    Case {
+        name: "integer ops, forward only",
+        run: w3_integer_ops_forward_only,
+    },
+];
+
+/// The measured examples of section 1.3 (world of 2).
+const SECTION_1_3_W2_CASES: &[Case] = &[
+    Case {
+        name: "broadcast src 0",
+        run: w2_broadcast_src_0,
+    },
+    Case {
+        name: "gather with the loss ×1000(r+1) on every rank, dst 0",
+        run: w2_gather_with_the_loss_1000_r_1_on_every_r,
+    },
+    Case {
+        name: "all_gather, the same output used twice",
+        run: w2_all_gather_the_same_output_used_twice,
+    },
+    Case {
+        name: "ties, MAX",
+        run: w2_ties_max,
+    },
+    Case {
+        name: "double backward",
+        run: w2_double_backward,
+    },
+];
+
+fn s_broadcast_from_0_into_column_views(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let with_col0 = |c: [f64; 3]| [c[0], 100.0 + r, c[1], 200.0 + r, c[2], 300.0 + r];
+    let mine = [10.0 * r + 1.0, 10.0 * r + 2.0, 10.0 * r + 3.0];
+    let base = || column_base(r);
+    // broadcast from 0 into column views
+    let b = base();
+    dist::broadcast(&b.select(1, 0)?, 0, None)?;
+    close("broadcast column", &vals(&b)?, &with_col0([1.0, 2.0, 3.0]))?;
+    // all_reduce of column views: [12, 14, 16]
+    let b = base();
+    dist::all_reduce(&b.select(1, 0)?, ReduceOp::Sum, None)?;
+    close(
+        "all_reduce column",
+        &vals(&b)?,
+        &with_col0([12.0, 14.0, 16.0]),
+    )?;
+    // reduce to 1
+    let b = base();
+    dist::reduce(&b.select(1, 0)?, 1, ReduceOp::Sum, None)?;
+    let want = if rank == 1 { [12.0, 14.0, 16.0] } else { mine };
+    close("reduce column", &vals(&b)?, &with_col0(want))?;
+    Ok(())
+}
+
+fn s_all_gather_from_a_column_view_into_colum(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let base = || column_base(r);
+    // all_gather from a column view into columns 0 and 2 of a (3,3) buffer (column 1 kept)
+    let out = t64(&full(9, -7.0), &[3, 3]);
+    let list = [out.select(1, 0)?, out.select(1, 2)?];
+    dist::all_gather(&list, &base().select(1, 0)?, None)?;
+    close(
+        "all_gather into columns",
+        &vals(&out)?,
+        &[1., -7., 11., 2., -7., 12., 3., -7., 13.],
+    )?;
+    Ok(())
+}
+
+fn s_reduce_scatter(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let tr = transposed;
+    // reduce_scatter: transposed inputs, output a transposed narrow view of a (3,4) buffer.
+    // input_list_r[i] (2,3) = 100r + 10i + arange(6), stored as the transpose of a (3,2)
+    let inputs = (0..2)
+        .map(|i| tr(&arange(6, 100.0 * r + 10.0 * i as f64)))
+        .collect::<R<Vec<_>>>()?;
+    let obuf = t64(&full(12, -5.0), &[3, 4]);
+    let ov = obuf.narrow(1, 1, 2)?.t()?; // (2,3), strides (1,4)
+    dist::reduce_scatter(&ov, &inputs, ReduceOp::Sum, None)?;
+    let want: Vec<f64> = arange(6, 0.0)
+        .iter()
+        .map(|a| 100.0 + 20.0 * r + 2.0 * a)
+        .collect();
+    close("reduce_scatter into a transposed view", &vals(&ov)?, &want)?;
+    for row in 0..3 {
+        let edge = vals(&obuf.select(0, row)?)?;
+        close(
+            "reduce_scatter neighbours",
+            &[edge[0], edge[3]],
+            &[-5.0, -5.0],
+        )?;
+    }
+    Ok(())
+}
+
+fn s_scatter_from_1_of_transposed_tensors_int(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let tr = transposed;
+    // scatter from 1 of transposed (2,3) tensors into column views (6 elements each,
+    // received in logical order)
+    let list = (0..2)
+        .map(|i| tr(&arange(6, 50.0 * i as f64)))
+        .collect::<R<Vec<_>>>()?;
+    let out = t64(&full(12, -3.0), &[6, 2]);
+    dist::scatter(
+        &out.select(1, 1)?,
+        (rank == 1).then_some(&list[..]),
+        1,
+        None,
+    )?;
+    let mut want = Vec::new();
+    for a in arange(6, 50.0 * r) {
+        want.extend([-3.0, a]);
+    }
+    close("scatter into a column", &vals(&out)?, &want)?;
+    Ok(())
+}
+
+fn s_gather_to_0_into_column_views(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let base = || column_base(r);
+    // gather to 0 into column views
+    let out = t64(&full(9, -9.0), &[3, 3]);
+    let list = [out.select(1, 0)?, out.select(1, 1)?];
+    let dst_list = (rank == 0).then_some(&list[..]);
+    dist::gather(&base().select(1, 0)?, dst_list, 0, None)?;
+    let want = if rank == 0 {
+        vec![1., 11., -9., 2., 12., -9., 3., 13., -9.]
+    } else {
+        vec![-9.0; 9]
+    };
+    close("gather into columns", &vals(&out)?, &want)?;
+    Ok(())
+}
+
+fn s_all_to_all_single_from_a_column_view_int(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_to_all_single from a column view into a column view (gloo wrote 4 contiguous
+    // elements over the neighbouring column)
+    let inb = t64(
+        &[
+            10.0 * r,
+            -1.0,
+            10.0 * r + 1.0,
+            -1.0,
+            10.0 * r + 2.0,
+            -1.0,
+            10.0 * r + 3.0,
+            -1.0,
+        ],
+        &[4, 2],
+    );
+    let outb = t64(&full(8, -2.0), &[4, 2]);
+    dist::all_to_all_single(&outb.select(1, 0)?, &inb.select(1, 0)?, None, None, None)?;
+    let y: [f64; 4] = if rank == 0 {
+        [0.0, 1.0, 10.0, 11.0]
+    } else {
+        [2.0, 3.0, 12.0, 13.0]
+    };
+    close(
+        "all_to_all_single into a column",
+        &vals(&outb)?,
+        &[y[0], -2., y[1], -2., y[2], -2., y[3], -2.],
+    )?;
+    Ok(())
+}
+
+fn s_all_to_all_between_strided_views(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_to_all between strided views: x_r[j] = rows 2j, 2j+1 of column 0 of a (4,2)
+    // buffer, received into rows of column 1 of another; y_r[j] = x_j[r]
+    let inb = t64(
+        &[0., -4., 1., -4., 2., -4., 3., -4.].map(|v| if v < 0.0 { v } else { v + 10.0 * r }),
+        &[4, 2],
+    );
+    let inputs = [
+        inb.select(1, 0)?.narrow(0, 0, 2)?,
+        inb.select(1, 0)?.narrow(0, 2, 2)?,
+    ];
+    let outb = t64(&full(8, -6.0), &[4, 2]);
+    let outputs = [
+        outb.select(1, 1)?.narrow(0, 0, 2)?,
+        outb.select(1, 1)?.narrow(0, 2, 2)?,
+    ];
+    dist::all_to_all(&outputs, &inputs, None)?;
+    let (a, b) = (2.0 * r, 10.0 + 2.0 * r);
+    close(
+        "all_to_all between strided views",
+        &vals(&outb)?,
+        &[-6., a, -6., a + 1.0, -6., b, -6., b + 1.0],
+    )?;
+    close(
+        "all_to_all: input untouched",
+        &vals(&inb.select(1, 1)?)?,
+        &[-4.0; 4],
+    )?;
+    Ok(())
+}
+
+fn s_ranks_holding_one_logical_tensor_in_diff(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let tr = transposed;
+    // ranks holding the same logical (2,3) tensor in different layouts: rank 0 transposed,
+    // rank 1 contiguous. L_r = [[0,1,2],[3,4,5]] + 10r
+    let logical = arange(6, 10.0 * r);
+    let mk = || -> R<Tensor> {
+        if rank == 0 {
+            tr(&logical)
+        } else {
+            Ok(t64(&logical, &[2, 3]))
+        }
+    };
+    let t = mk()?;
+    dist::all_reduce(&t, ReduceOp::Sum, None)?;
+    close(
+        "all_reduce, mixed layouts",
+        &vals(&t)?,
+        &[10., 12., 14., 16., 18., 20.],
+    )?;
+    for src in 0..2 {
+        let t = mk()?;
+        dist::broadcast(&t, src, None)?;
+        close(
+            &format!("broadcast from {src}, mixed layouts"),
+            &vals(&t)?,
+            &arange(6, 10.0 * src as f64),
+        )?;
+    }
+    Ok(())
+}
+
+fn s_functional_broadcast_src_0_transposed_re(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // functional broadcast, src 0 transposed, receiver contiguous: the logical values
+    // arrive; the gradient reaches the transposed leaf in its own layout
+    let leaf_base = if rank == 0 {
+        // (3,2) storage of the transposed (2,3) view
+        let s = [0., 3., 1., 4., 2., 5.];
+        leaf(&s, &[3, 2])
+    } else {
+        leaf(&arange(6, 10.0), &[2, 3])
+    };
+    let x = if rank == 0 {
+        leaf_base.t()?
+    } else {
+        leaf_base.clone()
+    };
+    let y = df::broadcast(&x, 0, None)?;
+    close(
+        "functional broadcast, mixed layouts",
+        &vals(&y)?,
+        &arange(6, 0.0),
+    )?;
+    let w = arange(6, 1.0);
+    dot(&y, &w.iter().map(|v| v * (r + 1.0)).collect::<Vec<_>>())?.backward()?;
+    if rank == 0 {
+        // dL/dx = 3w (logical (2,3)); the leaf is its (3,2) transpose
+        close(
+            "functional broadcast dx (transposed leaf)",
+            &grad(&leaf_base)?,
+            &[3., 12., 6., 15., 9., 18.],
+        )?;
+    } else {
+        close(
+            "functional broadcast dx (receiver)",
+            &grad(&leaf_base)?,
+            &[0.0; 6],
+        )?;
+    }
+    Ok(())
+}
+
+fn s_functional_all_reduce_of_a_column_view(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let base = || column_base(r);
+    // functional all_reduce of a column view: the gradient lands in column 0 of the leaf
+    let lb = leaf(&base().to_vec_f64()?, &[3, 2]);
+    let y = df::all_reduce(&lb.select(1, 0)?, ReduceOp::Sum, None)?;
+    close(
+        "functional all_reduce column",
+        &vals(&y)?,
+        &[12.0, 14.0, 16.0],
+    )?;
+    wsum(&y, r + 1.0)?.backward()?;
+    close(
+        "functional all_reduce column dx",
+        &grad(&lb)?,
+        &[3., 0., 3., 0., 3., 0.],
+    )?;
+    close(
+        "functional all_reduce column: input untouched",
+        &vals(&lb)?,
+        &vals(&base())?,
+    )?;
+    Ok(())
+}
+
+fn s_functional_all_gather_of_a_transposed_vi(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // functional all_gather of a transposed view, all_to_all_single of a column view
+    let lb = leaf(&[0., 3., 1., 4., 2., 5.].map(|v| v + 10.0 * r), &[3, 2]);
+    let ys = df::all_gather(&lb.t()?, None)?;
+    close(
+        "functional all_gather of a transpose",
+        &flat(&ys)?,
+        &[&arange(6, 0.0)[..], &arange(6, 10.0)].concat(),
+    )?;
+    // loss_r = (r + 1) Σ_i Σ y[i] ⊙ w, w = [1..6]: dx = 3w in logical order
+    let w = arange(6, 1.0);
+    dot(&ys[0], &w)?
+        .add(&dot(&ys[1], &w)?)?
+        .mul_scalar(r + 1.0)?
+        .backward()?;
+    close(
+        "functional all_gather dx (transposed leaf)",
+        &grad(&lb)?,
+        &[3., 12., 6., 15., 9., 18.],
+    )?;
+
+    let lb = leaf(
+        &[
+            10.0 * r,
+            -1.0,
+            10.0 * r + 1.0,
+            -1.0,
+            10.0 * r + 2.0,
+            -1.0,
+            10.0 * r + 3.0,
+            -1.0,
+        ],
+        &[4, 2],
+    );
+    let y = df::all_to_all_single(&lb.select(1, 0)?, None, None, None)?;
+    let want: [f64; 4] = if rank == 0 {
+        [0., 1., 10., 11.]
+    } else {
+        [2., 3., 12., 13.]
+    };
+    close(
+        "functional all_to_all_single of a column",
+        &vals(&y)?,
+        &want,
+    )?;
+    dot(&y, &arange(4, 1.0 + 100.0 * r))?.backward()?;
+    // element i of rank r's column went to rank i / 2, position 2r + i % 2
+    let dx: Vec<f64> = (0..4)
+        .map(|i| (100 * (i / 2) + 2 * rank + i % 2 + 1) as f64)
+        .collect();
+    close(
+        "functional all_to_all_single dx",
+        &grad(&lb)?,
+        &[dx[0], 0., dx[1], 0., dx[2], 0., dx[3], 0.],
+    )?;
+    Ok(())
+}
+
+fn a_broadcast_src_2(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // broadcast src 2: x_r = [r+1, 10(r+1)] -> [3, 30]; dx r2 [6, 6], others 0
+    let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
+    let y = df::broadcast(&x, 2, None)?;
+    close("broadcast src 2 y", &vals(&y)?, &[3.0, 30.0])?;
+    wsum(&y, r + 1.0)?.backward()?;
+    close(
+        "broadcast src 2 dx",
+        &grad(&x)?,
+        &full(2, if rank == 2 { 6.0 } else { 0.0 }),
+    )?;
+    Ok(())
+}
+
+fn a_gather_to_0_and_to_2(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let rows = |what: &str, got: &[Tensor], want: &[&[f64]]| -> TestResult {
+        close(what, &flat(got)?, &want.concat())
+    };
+    // gather, loss_r = Σ_i (10r+i+1)·Σ y[i], x_r = full(2, r+1)
+    for (dst, dx) in [(0usize, r + 1.0), (2, 21.0 + r)] {
+        let x = leaf(&full(2, r + 1.0), &[2]);
+        let ys = df::gather(&x, dst, None)?;
+        if rank == dst {
+            rows("gather y", &ys, &[&[1., 1.], &[2., 2.], &[3., 3.]])?;
+        } else {
+            rows("gather y (non-dst)", &ys, &[&[0.0; 6]])?;
+        }
+        list_loss(&ys, |i| 10.0 * r + i as f64 + 1.0)?.backward()?;
+        close(&format!("gather dst {dst} dx"), &grad(&x)?, &full(2, dx))?;
+    }
+    Ok(())
+}
+
+fn a_scatter_src_0(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // scatter src 0: xs_r[i] = full(2, 10r+i); receivers pass placeholders (zero grads)
+    let xs: Vec<Tensor> = (0..3)
+        .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
+        .collect();
+    let y = df::scatter(Some(&xs), 0, None)?;
+    close("scatter y", &vals(&y)?, &full(2, r))?;
+    wsum(&y, r + 1.0)?.backward()?;
+    for (i, x) in xs.iter().enumerate() {
+        let want = if rank == 0 { i as f64 + 1.0 } else { 0.0 };
+        close(&format!("scatter dxs[{i}]"), &grad(x)?, &full(2, want))?;
+    }
+    Ok(())
+}
+
+fn a_reduce_sum_dst_0(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // reduce SUM dst 0: x_r = [r+2, -(r+2), 0.5(r+1)] -> r0 [9, -9, 3]; others zeros
+    // (ours; PyTorch unspecified); dx 1 everywhere
+    let xr = [r + 2.0, -(r + 2.0), 0.5 * (r + 1.0)];
+    let x = leaf(&xr, &[3]);
+    let y = df::reduce(&x, 0, ReduceOp::Sum, None)?;
+    close(
+        "reduce SUM dst 0 y",
+        &vals(&y)?,
+        &if rank == 0 {
+            [9.0, -9.0, 3.0]
+        } else {
+            [0.0; 3]
+        },
+    )?;
+    wsum(&y, r + 1.0)?.backward()?;
+    close("reduce SUM dst 0 dx", &grad(&x)?, &full(3, 1.0))?;
+
+    // reduce, every op, dst 2 (g_dst = 3). PyTorch gives 3 everywhere for every op; the
+    // true adjoints: SUM 3; AVG 1; MAX/MIN 3 at the holder; PRODUCT 3·Π_{k≠r} x_k.
+    // Holders: elem 0 (2,3,4) max r2 min r0; elem 1 (-2,-3,-4) max r0 min r2;
+    // elem 2 (0.5,1,1.5) max r2 min r0.
+    let reduce_cases: [(ReduceOp, [f64; 3], [[f64; 3]; 3]); 5] = [
+        (ReduceOp::Sum, [9., -9., 3.], [[3.; 3], [3.; 3], [3.; 3]]),
+        (ReduceOp::Avg, [3., -3., 1.], [[1.; 3], [1.; 3], [1.; 3]]),
+        (
+            ReduceOp::Max,
+            [4., -2., 1.5],
+            [[0., 3., 0.], [0.; 3], [3., 0., 3.]],
+        ),
+        (
+            ReduceOp::Min,
+            [2., -4., 0.5],
+            [[3., 0., 3.], [0.; 3], [0., 3., 0.]],
+        ),
+        (
+            ReduceOp::Product,
+            [24., -24., 0.75],
+            [[36., 36., 4.5], [24., 24., 2.25], [18., 18., 1.5]],
+        ),
+    ];
+    for (op, y2, dx) in reduce_cases {
+        let x = leaf(&xr, &[3]);
+        let y = df::reduce(&x, 2, op, None)?;
+        close(
+            &format!("reduce {op:?} dst 2 y"),
+            &vals(&y)?,
+            &if rank == 2 { y2 } else { [0.0; 3] },
+        )?;
+        wsum(&y, r + 1.0)?.backward()?;
+        close(&format!("reduce {op:?} dst 2 dx"), &grad(&x)?, &dx[rank])?;
+    }
+    Ok(())
+}
+
+fn a_reduce_scatter_sum(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // reduce_scatter SUM: list_r[i] = full(2, 10r+i) -> 30, 33, 36; list[i] grad = i+1
+    let xs: Vec<Tensor> = (0..3)
+        .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
+        .collect();
+    let y = df::reduce_scatter(&xs, ReduceOp::Sum, None)?;
+    close("reduce_scatter y", &vals(&y)?, &full(2, 30.0 + 3.0 * r))?;
+    wsum(&y, r + 1.0)?.backward()?;
+    for (i, x) in xs.iter().enumerate() {
+        close(
+            &format!("reduce_scatter dxs[{i}]"),
+            &grad(x)?,
+            &full(2, i as f64 + 1.0),
+        )?;
+    }
+    Ok(())
+}
+
+fn a_all_gather(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let rows = |what: &str, got: &[Tensor], want: &[&[f64]]| -> TestResult {
+        close(what, &flat(got)?, &want.concat())
+    };
+    // all_gather, loss Σ_i (10r+i+1)·Σ y[i]: x_r = [r+1, 2(r+1)] -> dx 33, 36, 39
+    let x = leaf(&[r + 1.0, 2.0 * (r + 1.0)], &[2]);
+    let ys = df::all_gather(&x, None)?;
+    rows("all_gather y", &ys, &[&[1., 2.], &[2., 4.], &[3., 6.]])?;
+    list_loss(&ys, |i| 10.0 * r + i as f64 + 1.0)?.backward()?;
+    close("all_gather dx", &grad(&x)?, &full(2, 33.0 + 3.0 * r))?;
+    Ok(())
+}
+
+fn a_all_to_all_equal(rank: usize) -> TestResult {
+    let r = rank as f64;
+    let rows = |what: &str, got: &[Tensor], want: &[&[f64]]| -> TestResult {
+        close(what, &flat(got)?, &want.concat())
+    };
+    // all_to_all equal, loss Σ stack(y): x_r[j] = full(2, 10r+j) -> y_r[j] = 10j + r
+    let xs: Vec<Tensor> = (0..3)
+        .map(|j| leaf(&full(2, 10.0 * r + j as f64), &[2]))
+        .collect();
+    let ys = df::all_to_all(&xs, None)?;
+    rows(
+        "all_to_all y",
+        &ys,
+        &[&full(2, r), &full(2, 10.0 + r), &full(2, 20.0 + r)],
+    )?;
+    Tensor::stack(&ys, 0)?.sum()?.backward()?;
+    for (j, x) in xs.iter().enumerate() {
+        close(&format!("all_to_all dxs[{j}]"), &grad(x)?, &full(2, 1.0))?;
+    }
+    Ok(())
+}
+
+fn a_all_to_all_single_equal(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_to_all_single equal, loss Σ y·(arange + 1000r): x_r = arange(6) + 100r
+    let x = leaf(&arange(6, 100.0 * r), &[6]);
+    let y = df::all_to_all_single(&x, None, None, None)?;
+    let y_want: Vec<f64> = (0..6)
+        .map(|i| (100 * (i / 2) + 2 * rank + i % 2) as f64)
+        .collect();
+    close("all_to_all_single y", &vals(&y)?, &y_want)?;
+    dot(&y, &arange(6, 1000.0 * r))?.backward()?;
+    let dx: Vec<f64> = (0..6)
+        .map(|i| (1000 * (i / 2) + 2 * rank + i % 2) as f64)
+        .collect();
+    close("all_to_all_single dx", &grad(&x)?, &dx)?;
+    Ok(())
+}
+
+fn a_all_reduce(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_reduce, x_r = [r+1, 2(r+1), -(r+1)], g_r = r+1 (G = 6)
+    let ar_cases: [(ReduceOp, [f64; 3], [[f64; 3]; 3]); 4] = [
+        (ReduceOp::Sum, [6., 12., -6.], [[6.; 3], [6.; 3], [6.; 3]]),
+        (ReduceOp::Avg, [2., 4., -2.], [[2.; 3], [2.; 3], [2.; 3]]),
+        // PyTorch: 3 everywhere (max of g)
+        (
+            ReduceOp::Max,
+            [3., 6., -1.],
+            [[0., 0., 6.], [0.; 3], [6., 6., 0.]],
+        ),
+        // PyTorch: 6 everywhere (product of g); correct: 6·Π_{k≠r} x_k
+        (
+            ReduceOp::Product,
+            [6., 48., -6.],
+            [[36., 144., 36.], [18., 72., 18.], [12., 48., 12.]],
+        ),
+    ];
+    for (op, yw, dx) in ar_cases {
+        let x = leaf(&[r + 1.0, 2.0 * (r + 1.0), -(r + 1.0)], &[3]);
+        let y = df::all_reduce(&x, op, None)?;
+        close(&format!("all_reduce {op:?} y"), &vals(&y)?, &yw)?;
+        wsum(&y, r + 1.0)?.backward()?;
+        close(&format!("all_reduce {op:?} dx"), &grad(&x)?, &dx[rank])?;
+    }
+    Ok(())
+}
+
+fn w3_broadcast_src_0(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // broadcast src 0: rank 0 gets [6, 6]
+    let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
+    let y = df::broadcast(&x, 0, None)?;
+    close("broadcast src 0 y", &vals(&y)?, &[1.0, 10.0])?;
+    wsum(&y, r + 1.0)?.backward()?;
+    close(
+        "broadcast src 0 dx",
+        &grad(&x)?,
+        &full(2, if rank == 0 { 6.0 } else { 0.0 }),
+    )?;
+    Ok(())
+}
+
+fn w3_scatter_src_2(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // scatter src 2: y = [20+r, 20+r]; rank 2's grads 1, 2, 3
+    let xs: Vec<Tensor> = (0..3)
+        .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
+        .collect();
+    let y = df::scatter((rank == 2).then_some(&xs[..]), 2, None)?;
+    close("scatter src 2 y", &vals(&y)?, &full(2, 20.0 + r))?;
+    wsum(&y, r + 1.0)?.backward()?;
+    if rank == 2 {
+        for (i, x) in xs.iter().enumerate() {
+            close(
+                &format!("scatter src 2 dxs[{i}]"),
+                &grad(x)?,
+                &full(2, i as f64 + 1.0),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn w3_reduce_dst_0_g_dst_1(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // reduce dst 0, g_dst = 1: SUM 1; AVG 1/3 (PyTorch 1); MAX 1 at the holder (r2: elems
+    // 0, 2; r0: elem 1); MIN mirrored; PRODUCT Π_{k≠r} x_k (PyTorch 1 everywhere)
+    let xr = [r + 2.0, -(r + 2.0), 0.5 * (r + 1.0)];
+    let third = 1.0 / 3.0;
+    let cases: [(ReduceOp, [[f64; 3]; 3]); 5] = [
+        (ReduceOp::Sum, [[1.; 3], [1.; 3], [1.; 3]]),
+        (ReduceOp::Avg, [[third; 3], [third; 3], [third; 3]]),
+        (ReduceOp::Max, [[0., 1., 0.], [0.; 3], [1., 0., 1.]]),
+        (ReduceOp::Min, [[1., 0., 1.], [0.; 3], [0., 1., 0.]]),
+        (
+            ReduceOp::Product,
+            [[12., 12., 1.5], [8., 8., 0.75], [6., 6., 0.5]],
+        ),
+    ];
+    for (op, dx) in cases {
+        let x = leaf(&xr, &[3]);
+        let y = df::reduce(&x, 0, op, None)?;
+        wsum(&y, r + 1.0)?.backward()?;
+        close(&format!("reduce {op:?} dst 0 dx"), &grad(&x)?, &dx[rank])?;
+    }
+    // reduce AVG dst 0, x_r = [r+1], loss y.sum(): y_dst = 2, dx = 1/3 (PyTorch 1)
+    let x = leaf(&[r + 1.0], &[1]);
+    let y = df::reduce(&x, 0, ReduceOp::Avg, None)?;
+    close(
+        "reduce AVG y",
+        &vals(&y)?,
+        &[if rank == 0 { 2.0 } else { 0.0 }],
+    )?;
+    y.sum()?.backward()?;
+    close("reduce AVG dx", &grad(&x)?, &[third])?;
+    Ok(())
+}
+
+fn w3_reduce_scatter_max(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // reduce_scatter MAX -> y_r = 20 + r, only rank 2's inputs get gradient (i+1);
+    // AVG -> y_r = 10 + r, grads (i+1)/3 (PyTorch: i+1 for both)
+    for (op, y_want, on) in [
+        (ReduceOp::Max, 20.0 + r, rank == 2),
+        (ReduceOp::Avg, 10.0 + r, true),
+    ] {
+        let xs: Vec<Tensor> = (0..3)
+            .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
+            .collect();
+        let y = df::reduce_scatter(&xs, op, None)?;
+        close(
+            &format!("reduce_scatter {op:?} y"),
+            &vals(&y)?,
+            &full(2, y_want),
+        )?;
+        wsum(&y, r + 1.0)?.backward()?;
+        for (i, x) in xs.iter().enumerate() {
+            let g = match (op, on) {
+                (ReduceOp::Avg, _) => (i as f64 + 1.0) / 3.0,
+                (_, true) => i as f64 + 1.0,
+                _ => 0.0,
+            };
+            close(
+                &format!("reduce_scatter {op:?} dxs[{i}]"),
+                &grad(x)?,
+                &full(2, g),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn w3_reduce_scatter_product(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // reduce_scatter PRODUCT (PyTorch: i+1 everywhere): y_r = Π_k (10k + r) = 0, 231, 528;
+    // dxs[i] on rank q = (i+1)·Π_{k≠q} (10k + i), exact with the zero on rank 0
+    let xs: Vec<Tensor> = (0..3)
+        .map(|i| leaf(&full(2, 10.0 * r + i as f64), &[2]))
+        .collect();
+    let y = df::reduce_scatter(&xs, ReduceOp::Product, None)?;
+    close(
+        "reduce_scatter Product y",
+        &vals(&y)?,
+        &full(2, [0.0, 231.0, 528.0][rank]),
+    )?;
+    wsum(&y, r + 1.0)?.backward()?;
+    let dxs: [[f64; 3]; 3] = [[200., 462., 792.], [0., 42., 132.], [0., 22., 72.]];
+    for (i, x) in xs.iter().enumerate() {
+        close(
+            &format!("reduce_scatter Product dxs[{i}]"),
+            &grad(x)?,
+            &full(2, dxs[rank][i]),
+        )?;
+    }
+    Ok(())
+}
+
+fn w3_all_gather_only_y_0_used_with_weight_r_1(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_gather, only y[0] used with weight r+1: dx_0 = 6, others 0
+    let x = leaf(&[r + 1.0, 2.0 * (r + 1.0)], &[2]);
+    let ys = df::all_gather(&x, None)?;
+    wsum(&ys[0], r + 1.0)?.backward()?;
+    close(
+        "all_gather y[0] only dx",
+        &grad(&x)?,
+        &full(2, if rank == 0 { 6.0 } else { 0.0 }),
+    )?;
+    Ok(())
+}
+
+fn w3_all_reduce_min(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_reduce MIN -> [1, 2, -3]; and a fourth element 5 tied on all three ranks
+    // (funcol's measured routing: 6 split three ways)
+    let xr = [r + 1.0, 2.0 * (r + 1.0), -(r + 1.0), 5.0];
+    for (op, yw, dx) in [
+        (
+            ReduceOp::Min,
+            [1., 2., -3., 5.],
+            [[6., 6., 0., 2.], [0., 0., 0., 2.], [0., 0., 6., 2.]],
+        ),
+        (
+            ReduceOp::Max,
+            [3., 6., -1., 5.],
+            [[0., 0., 6., 2.], [0., 0., 0., 2.], [6., 6., 0., 2.]],
+        ),
+    ] {
+        let x = leaf(&xr, &[4]);
+        let y = df::all_reduce(&x, op, None)?;
+        close(&format!("all_reduce {op:?} y"), &vals(&y)?, &yw)?;
+        wsum(&y, r + 1.0)?.backward()?;
+        close(&format!("all_reduce {op:?} dx"), &grad(&x)?, &dx[rank])?;
+    }
+    // all_reduce NaN-aware: rank 0's element 0 is NaN -> MAX/MIN are NaN there, rank 0
+    // holds it and gets the whole gradient, no NaN gradients
+    for op in [ReduceOp::Max, ReduceOp::Min] {
+        let v0 = if rank == 0 { f64::NAN } else { r };
+        let x = leaf(&[v0, r], &[2]);
+        let y = df::all_reduce(&x, op, None)?;
+        let e1 = if op == ReduceOp::Max { 2.0 } else { 0.0 };
+        close(
+            &format!("all_reduce {op:?} NaN y"),
+            &vals(&y)?,
+            &[f64::NAN, e1],
+        )?;
+        wsum(&y, r + 1.0)?.backward()?;
+        let holder1 = if op == ReduceOp::Max { 2 } else { 0 };
+        let want = [
+            if rank == 0 { 6.0 } else { 0.0 },
+            if rank == holder1 { 6.0 } else { 0.0 },
+        ];
+        close(&format!("all_reduce {op:?} NaN dx"), &grad(&x)?, &want)?;
+    }
+    Ok(())
+}
+
+fn w3_all_to_all_single_with_zero_size_splits(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_to_all_single with zero-size splits (nothing sent to self):
+    // x_r = [10r, 10r+1] -> y_0 = [10, 20], y_1 = [0, 21], y_2 = [1, 11]
+    let x = leaf(&[10.0 * r, 10.0 * r + 1.0], &[2]);
+    let splits: Vec<usize> = (0..3).map(|j| usize::from(j != rank)).collect();
+    let y = df::all_to_all_single(&x, Some(&splits), Some(&splits), None)?;
+    let yw: [[f64; 2]; 3] = [[10., 20.], [0., 21.], [1., 11.]];
+    close("all_to_all_single zero splits y", &vals(&y)?, &yw[rank])?;
+    wsum(&y, r + 1.0)?.backward()?;
+    let dx: [[f64; 2]; 3] = [[2., 3.], [1., 3.], [1., 2.]];
+    close("all_to_all_single zero splits dx", &grad(&x)?, &dx[rank])?;
+    // all-zero splits with empty tensors
+    let e = leaf(&[], &[0]);
+    let y = df::all_to_all_single(&e, Some(&[0, 0, 0]), Some(&[0, 0, 0]), None)?;
+    if y.shape() != [0] {
+        return Err(format!("empty all_to_all_single shape {:?}", y.shape()).into());
+    }
+    // output_split_sizes None, input_split_sizes [2, 2, 2]: the equal exchange
+    let x = leaf(&arange(6, 100.0 * r), &[6]);
+    let y = df::all_to_all_single(&x, None, Some(&[2, 2, 2]), None)?;
+    let y_want: Vec<f64> = (0..6)
+        .map(|i| (100 * (i / 2) + 2 * rank + i % 2) as f64)
+        .collect();
+    close("all_to_all_single None out y", &vals(&y)?, &y_want)?;
+    wsum(&y, r + 1.0)?.backward()?;
+    let dx: Vec<f64> = (0..6).map(|i| (i / 2 + 1) as f64).collect();
+    close("all_to_all_single None out dx", &grad(&x)?, &dx)?;
+    // funcol's example: in_splits [1,2,3], out_splits [r+1]*3, x_r = arange(6) + 100r
+    let x = leaf(&arange(6, 100.0 * r), &[6]);
+    let outs = [rank + 1; 3];
+    let y = df::all_to_all_single(&x, Some(&outs), Some(&[1, 2, 3]), None)?;
+    let yw: [&[f64]; 3] = [
+        &[0., 100., 200.],
+        &[1., 2., 101., 102., 201., 202.],
+        &[3., 4., 5., 103., 104., 105., 203., 204., 205.],
+    ];
+    close("all_to_all_single [1,2,3] y", &vals(&y)?, yw[rank])?;
+    wsum(&y, r + 1.0)?.backward()?;
+    close(
+        "all_to_all_single [1,2,3] dx",
+        &grad(&x)?,
+        &[1., 2., 2., 3., 3., 3.],
+    )?;
+    Ok(())
+}
+
+fn w3_all_to_all_list_form_with_uneven_sizes(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_to_all list form with uneven sizes (section 2.6): x_r[i] = (i+1)×3 of r ->
+    // y_r[j] = (r+1)×3 of j; loss (r+1)·Σ cat(y) -> dxs[i] = i + 1 (the receiver's weight)
+    let xs: Vec<Tensor> = (0..3)
+        .map(|i| leaf(&full(3 * (i + 1), r), &[i + 1, 3]))
+        .collect();
+    let ys = df::all_to_all(&xs, None)?;
+    for (j, y) in ys.iter().enumerate() {
+        if y.shape() != [rank + 1, 3] {
+            return Err(format!("all_to_all uneven y[{j}] shape {:?}", y.shape()).into());
+        }
+        close(
+            &format!("all_to_all uneven y[{j}]"),
+            &vals(y)?,
+            &full(3 * (rank + 1), j as f64),
+        )?;
+    }
+    wsum(&Tensor::cat(&ys, 0)?, r + 1.0)?.backward()?;
+    for (i, x) in xs.iter().enumerate() {
+        close(
+            &format!("all_to_all uneven dxs[{i}]"),
+            &grad(x)?,
+            &full(3 * (i + 1), i as f64 + 1.0),
+        )?;
+    }
+    Ok(())
+}
+
+fn w3_chaining(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // chaining: all_reduce(all_reduce(x)), x_r = [r+1] -> 18, dx 9
+    let x = leaf(&[r + 1.0], &[1]);
+    let y = df::all_reduce(
+        &df::all_reduce(&x, ReduceOp::Sum, None)?,
+        ReduceOp::Sum,
+        None,
+    )?;
+    close("chained y", &vals(&y)?, &[18.0])?;
+    y.sum()?.backward()?;
+    close("chained dx", &grad(&x)?, &[9.0])?;
+    // 0-d tensor: y = 6, dx = 3 (loss y)
+    let x = Tensor::scalar(r + 1.0).requires_grad_(true);
+    let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
+    close("0-d y", &vals(&y)?, &[6.0])?;
+    y.backward()?;
+    close("0-d dx", &grad(&x)?, &[3.0])?;
+    // x_r = r + 0.5: y = 4.5, dx = 3 (loss y.sum())
+    let x = leaf(&[r + 0.5], &[1]);
+    let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
+    close("half y", &vals(&y)?, &[4.5])?;
+    y.sum()?.backward()?;
+    close("half dx", &grad(&x)?, &[3.0])?;
+    Ok(())
+}
+
+fn w3_integer_ops_forward_only(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // integer ops, forward only: x_r = [15 ^ (1<<r), 1<<r, 6+r]
+    let xi = t64(
+        &[f64::from(15 ^ (1 << rank)), f64::from(1 << rank), 6.0 + r],
+        &[3],
+    )
+    .to_dtype(DType::I64)?;
+    for (op, want) in [
+        (ReduceOp::BAnd, [8., 0., 0.]),
+        (ReduceOp::BOr, [15., 7., 15.]),
+        (ReduceOp::BXor, [8., 7., 9.]),
+        (ReduceOp::Sum, [38., 7., 21.]),
+        (ReduceOp::Max, [14., 4., 8.]),
+    ] {
+        let y = df::all_reduce(&xi, op, None)?;
+        close(&format!("int64 all_reduce {op:?}"), &vals(&y)?, &want)?;
+    }
+    // section 1.4's op table: x_r = [r+1, -(r+1), 2^r]
+    let x = t64(&[r + 1.0, -(r + 1.0), f64::from(1 << rank)], &[3]);
+    for (op, want) in [
+        (ReduceOp::Sum, [6., -6., 7.]),
+        (ReduceOp::Avg, [2., -2., 7.0 / 3.0]),
+        (ReduceOp::Product, [6., -6., 8.]),
+        (ReduceOp::Min, [1., -3., 1.]),
+        (ReduceOp::Max, [3., -1., 4.]),
+    ] {
+        close(
+            &format!("all_reduce {op:?} (1.4)"),
+            &vals(&df::all_reduce(&x, op, None)?)?,
+            &want,
+        )?;
+    }
+    Ok(())
+}
+
+fn w2_broadcast_src_0(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // broadcast src 0: x_r = [r+1, 10(r+1)] -> [1, 10]; dx r0 [3, 3], r1 [0, 0]
+    let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
+    let y = df::broadcast(&x, 0, None)?;
+    close("broadcast y", &vals(&y)?, &[1.0, 10.0])?;
+    wsum(&y, r + 1.0)?.backward()?;
+    close(
+        "broadcast dx",
+        &grad(&x)?,
+        &full(2, if rank == 0 { 3.0 } else { 0.0 }),
+    )?;
+    // partial use: loss = (r+1)·y[0] -> r0 [3, 0], r1 [0, 0]
+    let x = leaf(&[r + 1.0, 10.0 * (r + 1.0)], &[2]);
+    let y = df::broadcast(&x, 0, None)?;
+    y.select(0, 0)?.mul_scalar(r + 1.0)?.backward()?;
+    close(
+        "broadcast partial dx",
+        &grad(&x)?,
+        &[if rank == 0 { 3.0 } else { 0.0 }, 0.0],
+    )?;
+    // empty (0, 3) input: empty output and gradient
+    let x = leaf(&[], &[0, 3]);
+    let y = df::broadcast(&x, 0, None)?;
+    if y.shape() != [0, 3] {
+        return Err(format!("empty broadcast shape {:?}", y.shape()).into());
+    }
+    y.sum()?.backward()?;
+    close("empty broadcast dx", &grad(&x)?, &[])?;
+    // int64 forward
+    let xi = t64(&[r + 1.0, 7.0], &[2]).to_dtype(DType::I64)?;
+    close(
+        "int64 broadcast",
+        &vals(&df::broadcast(&xi, 1, None)?)?,
+        &[2.0, 7.0],
+    )?;
+    Ok(())
+}
+
+fn w2_gather_with_the_loss_1000_r_1_on_every_r(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // gather with the loss ×1000(r+1) on every rank, dst 0: dx = 1000 on both
+    let x = leaf(&full(2, r + 1.0), &[2]);
+    let ys = df::gather(&x, 0, None)?;
+    list_loss(&ys, |_| 1000.0 * (r + 1.0))?.backward()?;
+    close("gather ×1000 dx", &grad(&x)?, &full(2, 1000.0))?;
+    Ok(())
+}
+
+fn w2_all_gather_the_same_output_used_twice(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // all_gather, the same output used twice: loss Σ(2·y[0] + 3·y[-1]) -> dx 4, 6
+    let x = leaf(&[r + 1.0], &[1]);
+    let ys = df::all_gather(&x, None)?;
+    let loss = wsum(&ys[0], 2.0)?.add(&wsum(&ys[1], 3.0)?)?;
+    loss.backward()?;
+    close(
+        "all_gather twice dx",
+        &grad(&x)?,
+        &[if rank == 0 { 4.0 } else { 6.0 }],
+    )?;
+    // 2-D: loss Σ cat(y)² -> dx = 2W·x
+    let xv = [r + 1.0, -2.0 * r, 0.5, 3.0 + r];
+    let x = leaf(&xv, &[2, 2]);
+    let ys = df::all_gather(&x, None)?;
+    let c = Tensor::cat(&ys, 0)?;
+    c.mul(&c)?.sum()?.backward()?;
+    close("all_gather 2-D dx", &grad(&x)?, &xv.map(|v| 4.0 * v))?;
+    Ok(())
+}
+
+fn w2_ties_max(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // ties, MAX, x_r = [5, r]: dx r0 [1.5, 0], r1 [1.5, 3] (PyTorch [2, 2] on both)
+    let x = leaf(&[5.0, r], &[2]);
+    let y = df::all_reduce(&x, ReduceOp::Max, None)?;
+    close("ties y", &vals(&y)?, &[5.0, 1.0])?;
+    wsum(&y, r + 1.0)?.backward()?;
+    close(
+        "ties dx",
+        &grad(&x)?,
+        &if rank == 0 { [1.5, 0.0] } else { [1.5, 3.0] },
+    )?;
+    Ok(())
+}
+
+fn w2_double_backward(rank: usize) -> TestResult {
+    let r = rank as f64;
+    // double backward: y = all_reduce(x), x_r = [r+1], loss y²: first-order g = 12; then
+    // g.backward() gives 8 = Σ_r 2W
+    let x = leaf(&[r + 1.0], &[1]);
+    let y = df::all_reduce(&x, ReduceOp::Sum, None)?;
+    let g = tensorplay_core::autograd::grad(
+        &[y.mul(&y)?.sum()?],
+        std::slice::from_ref(&x),
+        &[],
+        tensorplay_core::autograd::GradOptions {
+            create_graph: true,
+            ..Default::default()
+        },
+    )?
+    .remove(0)
+    .ok_or("no first-order gradient")?;
+    close("first-order g", &vals(&g)?, &[12.0])?;
+    g.sum()?.backward()?;
+    close("second-order dx", &grad(&x)?, &[8.0])?;
+    Ok(())
 }
