@@ -7,6 +7,20 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::bench::anchor::DEFAULT_ANCHORS;
+use crate::packages::{GPU_CHECK_PACKAGE, WINE_QUALITY_PACKAGE};
+
+/// The flags of `gpu-check`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Only build the bundle into this folder.
+    #[arg(long)]
+    pub(crate) bundle: Option<PathBuf>,
+    /// Folder holding the PyTorch anchor scripts (the bundle takes `torch_cuda_step.py`).
+    #[arg(long, env = "TENSORPLAY_ANCHORS", default_value = DEFAULT_ANCHORS)]
+    pub(crate) anchors: PathBuf,
+}
+
 /// The most a bundle may weigh (what the device tool carries).
 const MAX_BYTES: u64 = 64 << 20;
 
@@ -26,17 +40,17 @@ exec "$here/tensorplay-gpu-check" "$@"
 "#;
 
 /// Builds the bundle into `dir`; returns the path of `run.sh`.
-pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
+pub(crate) fn bundle(dir: &Path, anchors: &Path) -> Result<PathBuf, String> {
     let status = Command::new("cargo")
         .args([
             "build",
             "--release",
             "-p",
-            "tensorplay-gpu-check",
+            GPU_CHECK_PACKAGE,
             "--bin",
             "tensorplay-gpu-check",
             "-p",
-            "tensorplay-examples",
+            WINE_QUALITY_PACKAGE,
             "--example",
             "wine_quality",
         ])
@@ -59,9 +73,9 @@ pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
     let wine = dir.join("wine_quality");
     std::fs::copy(&wine_bin, &wine)
         .map_err(|e| format!("could not copy {}: {e}", wine_bin.display()))?;
-    let anchor = Path::new("../shared/anchors/torch_cuda_step.py");
+    let anchor = anchors.join("torch_cuda_step.py");
     let torch = dir.join("torch_cuda_step.py");
-    match std::fs::copy(anchor, &torch) {
+    match std::fs::copy(&anchor, &torch) {
         Ok(_) => {}
         Err(e) => eprintln!(
             "note: {} not copied ({e}): the bundle's benchmark will print ours only",
@@ -95,13 +109,13 @@ pub(crate) fn bundle(dir: &Path) -> Result<PathBuf, String> {
     Ok(run)
 }
 
-/// `cargo xtask gpu-check [--bundle DIR]`.
-pub(crate) fn gpu_check(bundle_dir: Option<&Path>) -> Result<(), String> {
-    if let Some(dir) = bundle_dir {
-        return bundle(dir).map(|_| ());
+/// `cargo xtask gpu-check [--bundle DIR] [--anchors DIR]`.
+pub(crate) fn run(args: &Args) -> Result<(), String> {
+    if let Some(dir) = &args.bundle {
+        return bundle(dir, &args.anchors).map(|_| ());
     }
     let dir = std::env::temp_dir().join(format!("tensorplay-gpu-check-{}", std::process::id()));
-    let run = bundle(&dir)?;
+    let run = bundle(&dir, &args.anchors)?;
     let status = Command::new("sh").arg(&run).status();
     let _ = std::fs::remove_dir_all(&dir);
     let status = status.map_err(|e| format!("could not run {}: {e}", run.display()))?;

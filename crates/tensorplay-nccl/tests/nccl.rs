@@ -1,12 +1,14 @@
 //! The NCCL backend's CPU-side paths, which every machine can check: no CUDA driver, no NCCL
 //! library, a GPU index the machine lacks, an unknown backend name; and that the crates below
 //! never pull in cudarc. On a machine with a GPU the driver test checks that a world of one
-//! initialises instead. The GPU paths themselves run in `cargo xtask gpu-check`.
+//! initialises instead. The GPU paths themselves run in `cargo xtask gpu-check`, and the NCCL
+//! world test (`nccl_world`, ignored without GPUs) in `cargo xtask test-multigpu`.
 
 use std::time::Duration;
 
 use tensorplay as tp;
-use tp::distributed::{self as dist, InitOptions};
+use tp::distributed::{self as dist, InitOptions, ReduceOp};
+use tp::{DType, Tensor};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -136,5 +138,122 @@ fn the_host_only_crates_do_not_depend_on_cudarc() -> TestResult {
     }
     // and this crate does (it enables the core's `cuda`)
     assert!(tree("tensorplay-nccl")?.contains("cudarc"));
+    Ok(())
+}
+
+// ---- the NCCL world: collectives between GPUs, against single-process results ----
+
+/// Rank `r`'s input: deterministic small integers (exact in every dtype and op).
+fn values(r: usize, n: usize, salt: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| (((r + 1) * 7 + i * 3 + salt) % 5) as f64 - 1.0)
+        .collect()
+}
+
+fn tensor(v: &[f64], shape: &[usize], dt: DType) -> Tensor {
+    Tensor::from_vec(v.to_vec(), shape)
+        .and_then(|t| t.to_dtype(dt))
+        .expect("tensor")
+}
+
+fn as_f64(t: &Tensor) -> Vec<f64> {
+    t.to_vec_f64().expect("values")
+}
+
+/// `op` over the ranks' inputs `xs`, element by element, in one process.
+fn reduce_ref(op: ReduceOp, xs: &[Vec<f64>]) -> Vec<f64> {
+    let n = xs.len();
+    (0..xs[0].len())
+        .map(|i| {
+            let col = xs.iter().map(|x| x[i]);
+            match op {
+                ReduceOp::Sum => col.sum(),
+                ReduceOp::Avg => col.sum::<f64>() / n as f64,
+                ReduceOp::Product => col.product(),
+                ReduceOp::Max => col.fold(f64::NEG_INFINITY, f64::max),
+                ReduceOp::Min => col.fold(f64::INFINITY, f64::min),
+                ReduceOp::BAnd => col.map(|v| v as i64).reduce(|a, b| a & b).unwrap_or(0) as f64,
+                ReduceOp::BOr => col.map(|v| v as i64).reduce(|a, b| a | b).unwrap_or(0) as f64,
+                ReduceOp::BXor => col.map(|v| v as i64).reduce(|a, b| a ^ b).unwrap_or(0) as f64,
+            }
+        })
+        .collect()
+}
+
+fn check(what: &str, got: Vec<f64>, want: Vec<f64>) -> TestResult {
+    if got.len() != want.len()
+        || got
+            .iter()
+            .zip(&want)
+            .any(|(a, b)| (a - b).abs() > 1e-5 * (1.0 + b.abs()))
+    {
+        return Err(format!("{what}: got {got:?}, want {want:?}").into());
+    }
+    Ok(())
+}
+
+/// NCCL on GPUs, ignored without them: `cargo xtask test-multigpu` runs it with `--ignored`
+/// on machines with GPUs, once per world size up to the GPU count
+/// (`TENSORPLAY_TEST_NCCL_WORLD=N`; without it, every GPU this machine has, and an error
+/// when it has none). Moved here from `tensorplay-collectives`' multi-process tests.
+#[test]
+#[ignore = "needs GPUs: cargo xtask test-multigpu"]
+fn nccl_world() -> TestResult {
+    let n = match std::env::var("TENSORPLAY_TEST_NCCL_WORLD") {
+        Ok(v) => v.parse::<usize>()?,
+        Err(_) => tp::cuda::device_count(),
+    };
+    if n == 0 {
+        return Err("nccl_world needs GPUs: this machine has none".into());
+    }
+    dist::spawn(n, move |rank| -> TestResult {
+        tensorplay_nccl::register();
+        dist::init_process_group(
+            "nccl",
+            InitOptions {
+                timeout: Duration::from_secs(60),
+                ..Default::default()
+            },
+        )?;
+        let dev = format!("cuda:{rank}");
+        let xs: Vec<Vec<f64>> = (0..n).map(|r| values(r, 1000, 1)).collect();
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Product,
+            ReduceOp::Avg,
+        ] {
+            let t = tensor(&xs[rank], &[1000], DType::F32).to(dev.as_str())?;
+            dist::all_reduce(&t, op, None)?;
+            check(
+                &format!("nccl all_reduce {op:?}"),
+                as_f64(&t.cpu()?),
+                reduce_ref(op, &xs),
+            )?;
+        }
+        let t = tensor(&values(rank, 10, 2), &[10], DType::F64).to(dev.as_str())?;
+        dist::broadcast(&t, 0, None)?;
+        check("nccl broadcast", as_f64(&t.cpu()?), values(0, 10, 2))?;
+        let out = Tensor::zeros(&[n * 4], DType::F32)?.to(dev.as_str())?;
+        dist::all_gather_into_tensor(
+            &out,
+            &tensor(&values(rank, 4, 3), &[4], DType::F32).to(dev.as_str())?,
+            None,
+        )?;
+        check(
+            "nccl all_gather_into_tensor",
+            as_f64(&out.cpu()?),
+            (0..n).flat_map(|r| values(r, 4, 3)).collect(),
+        )?;
+        let host = Tensor::zeros(&[2], DType::F32)?;
+        assert!(
+            dist::all_reduce(&host, ReduceOp::Sum, None).is_err(),
+            "a CPU tensor to nccl is refused"
+        );
+        dist::barrier(None)?;
+        dist::destroy_process_group()?;
+        Ok(())
+    })?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::hosts::{Hosts, is_root};
 use super::run::{MASTER_PORT, outputs, signal, start};
+use crate::packages::LAUNCH_PACKAGE;
 
 /// One line of `bench_collectives`: (collective, bytes) -> (us, busbw GB/s).
 type Row = ((String, u64), (f64, f64));
@@ -36,7 +37,7 @@ fn parse(text: &str) -> Vec<Row> {
 fn release_executables() -> Result<(PathBuf, PathBuf), String> {
     let st = Command::new("cargo")
         .args(["build", "--release", "-q", "-p", "tensorplay-collectives"])
-        .args(["--example", "bench_collectives", "-p", "tensorplay-launch"])
+        .args(["--example", "bench_collectives", "-p", LAUNCH_PACKAGE])
         .args(["--bin", "tensorplay-run"])
         .status()
         .map_err(|e| format!("could not run cargo: {e}"))?;

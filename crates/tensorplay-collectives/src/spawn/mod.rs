@@ -28,7 +28,8 @@
 //! panic hook as usual.
 //!
 //! When called from a libtest test (the current thread is named after the test, not `main`),
-//! the children re-run only that test (`<name> --exact --nocapture --test-threads=1 -q`);
+//! the children re-run only that test (`<name> --exact --include-ignored --nocapture
+//! --test-threads=1 -q`, so an ignored test run with `--ignored` runs in them too);
 //! otherwise they get the parent's arguments, so binaries and examples that call `spawn` from
 //! `main` work the same way.
 //!

@@ -56,9 +56,12 @@ pub(super) fn run_parent(opts: &SpawnOptions, path: &[usize], calls: &[usize]) -
     let exe = std::env::current_exe()
         .map_err(|e| spawn_err(format!("could not start: cannot find the executable: {e}")))?;
     let args: Vec<String> = match std::thread::current().name() {
+        // `--include-ignored`: a test run with `--ignored` must run in its children too (left
+        // out, libtest would skip it there and every rank would exit 0 without running `f`)
         Some(name) if name != "main" => vec![
             name.to_string(),
             "--exact".into(),
+            "--include-ignored".into(),
             "--nocapture".into(),
             "--test-threads=1".into(),
             "-q".into(),

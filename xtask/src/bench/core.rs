@@ -1,0 +1,119 @@
+//! `bench-core`: the core benchmark (`cargo bench -p tensorplay-core --bench core_step`: the
+//! MLP training step and f32 matmul GFLOP/s) and the GPT training step of `gpt_distributed`
+//! (`cargo bench --bench gpt_step`), beside PyTorch's `torch_core_step.py` (anchors' folder)
+//! and `benchmarks/torch_gpt.py step`, alternately for `--rounds` rounds; the summary keeps
+//! each program's best round: `mlp_step`, `matmul_512`, `matmul_1024`, `gpt_step`.
+
+use std::path::Path;
+use std::process::Command;
+
+use super::anchor::{Pytorch, torch_with};
+use super::parse::{Metric, parse_core};
+use super::summary::{Goal, Row, print_summary};
+use super::{Common, best, higher_is_better, run_torch};
+use crate::packages::GPT_BENCH_PACKAGE;
+use crate::process::run_capture;
+
+/// The flags of `bench-core`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    #[command(flatten)]
+    pub(crate) common: Common,
+}
+
+/// The summary's rows, in order: metric, unit and goal (ratio = tensorplay / pytorch).
+const ROWS: &[(&str, &str, Goal)] = &[
+    ("mlp_step", "us/step", Goal::AtMost(0.5)),
+    ("matmul_512", "GFLOP/s", Goal::AtLeast(0.8)),
+    ("matmul_1024", "GFLOP/s", Goal::AtLeast(0.8)),
+    ("gpt_step", "us/step", Goal::AtMost(0.7)),
+];
+
+/// `cargo bench` of one of our benches (`--no-run`: build only).
+fn cargo_bench(package: &str, bench: &str, build_only: bool) -> Result<String, String> {
+    let mut c = Command::new("cargo");
+    c.args(["bench", "-p", package, "--bench", bench]);
+    if build_only {
+        c.arg("--no-run");
+    }
+    run_capture(&mut c)
+}
+
+pub(crate) fn run(args: &Args) -> Result<(), String> {
+    super::cpu::print_cpu();
+    let Common { anchor, rounds } = &args.common;
+    let python = anchor.python();
+    let core = torch_with(python.clone(), &anchor.anchors.join("torch_core_step.py"));
+    // the GPT step's twin lives in this repository (the model and data are ours)
+    let gpt_script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/torch_gpt.py");
+    let gpt = torch_with(python, &gpt_script);
+    // build once, outside the timed runs
+    cargo_bench("tensorplay-core", "core_step", true)?;
+    cargo_bench(GPT_BENCH_PACKAGE, "gpt_step", true)?;
+    let mut ours: Vec<Metric> = Vec::new();
+    let mut theirs: Vec<Metric> = Vec::new();
+    let mut torch_ran = false;
+    let mut last_failure = None;
+    for r in 1..=*rounds {
+        eprintln!("round {r}: tensorplay");
+        for (package, bench) in [
+            ("tensorplay-core", "core_step"),
+            (GPT_BENCH_PACKAGE, "gpt_step"),
+        ] {
+            let o = cargo_bench(package, bench, false)?;
+            print!("{o}");
+            ours.extend(parse_core(&o));
+        }
+        if core.is_ok() || gpt.is_ok() {
+            eprintln!("round {r}: pytorch");
+        }
+        for (found, args) in [(&core, vec![]), (&gpt, vec!["step".to_string()])] {
+            let Ok((python, script)) = found else {
+                continue;
+            };
+            let t = match run_torch(python, script, &args, r, &["torch-core "]) {
+                Ok(t) => {
+                    torch_ran = true;
+                    t
+                }
+                Err((kept, why)) => {
+                    last_failure = Some(why);
+                    kept
+                }
+            };
+            print!("{t}");
+            theirs.extend(parse_core(&t));
+        }
+    }
+    let pytorch = match (&core, &gpt, torch_ran, last_failure) {
+        (Err(why), Err(_), _, _) => Pytorch::Missing(why.clone()),
+        (_, _, false, Some(why)) => Pytorch::Failed(why),
+        _ => Pytorch::Ran,
+    };
+    let best_of = |runs: &[Metric], key: &str, unit: &str| {
+        best(
+            runs.iter()
+                .filter(|m| m.key == key && m.unit == unit)
+                .map(|m| m.value),
+            higher_is_better(unit),
+        )
+    };
+    let rows: Vec<Row> = ROWS
+        .iter()
+        .map(|&(key, unit, goal)| {
+            Row::new(
+                key,
+                unit,
+                best_of(&ours, key, unit),
+                best_of(&theirs, key, unit),
+                goal,
+            )
+        })
+        .collect();
+    print_summary(
+        &format!("best of {rounds} round(s), one thread each"),
+        &rows,
+        &pytorch,
+    );
+    Ok(())
+}
