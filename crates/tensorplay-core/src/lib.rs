@@ -21,6 +21,7 @@
 
 pub mod autograd;
 mod backend;
+pub mod bytes;
 pub mod cuda;
 mod device;
 mod dtype;
@@ -46,5 +47,5 @@ pub use ops::shape::{cat, stack};
 pub use ops::view::ShapeArg;
 pub use random::manual_seed;
 pub use serialize::{load, save};
-pub use storage::{CpuStorage, Storage, StorageElement};
+pub use storage::{BufElement, CpuStorage, HostBuf, HostBufMut, Storage, StorageElement};
 pub use tensor::{Tensor, TensorId};

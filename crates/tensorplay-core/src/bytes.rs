@@ -1,0 +1,115 @@
+//! Byte views of host element slices: the one place in the workspace that reads typed memory
+//! as bytes, or bytes as typed memory. Transports that move tensors as bytes (the collectives'
+//! TCP and shared-memory paths, RPC frames) use these instead of casting pointers themselves.
+//!
+//! Bytes are in native endianness. Reading any element type's memory as bytes is sound for
+//! the types here ([`ByteElement`]: no padding, no pointers); writing bytes into an element's
+//! memory, or reading bytes as elements, only for the types where every byte pattern is a
+//! value ([`PlainElement`]: `f32`, `f64`, `i64`, but not `bool`, whose only values are the
+//! bytes 0 and 1).
+
+use crate::Element;
+
+mod sealed {
+    /// Keeps [`super::ByteElement`] closed: its soundness argument holds only for the types
+    /// listed in this module.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+    impl Sealed for i64 {}
+    impl Sealed for bool {}
+}
+
+/// An element type whose memory is exactly its `size_of` bytes, with no padding and no
+/// pointers: `f32`, `f64`, `i64` and `bool`. Sealed: implemented only here.
+pub trait ByteElement: Element + sealed::Sealed {}
+impl ByteElement for f32 {}
+impl ByteElement for f64 {}
+impl ByteElement for i64 {}
+impl ByteElement for bool {}
+
+/// A [`ByteElement`] for which every byte pattern of its size is a value (`f32`, `f64`,
+/// `i64`), so that its memory may be written as bytes and bytes may be read as it.
+pub trait PlainElement: ByteElement {}
+impl PlainElement for f32 {}
+impl PlainElement for f64 {}
+impl PlainElement for i64 {}
+
+/// The memory of `s` as bytes: `size_of_val(s)` of them, in native endianness.
+pub fn as_bytes<T: ByteElement>(s: &[T]) -> &[u8] {
+    // SAFETY: `T` is one of f32, f64, i64, bool (sealed): its values are fully initialised
+    // bytes without padding, so every byte of the slice may be read as a `u8`; the pointer
+    // and length describe exactly the slice's memory, borrowed for the same lifetime, and `u8`
+    // has alignment 1.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), size_of_val(s)) }
+}
+
+/// The memory of `s` as writable bytes (native endianness).
+pub fn as_bytes_mut<T: PlainElement>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`, and every byte pattern is a valid `T` (f32, f64, i64), so any
+    // bytes written through the view leave valid values; the borrow is exclusive for the
+    // view's lifetime.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), size_of_val(s)) }
+}
+
+/// `b` read as elements of `T`; `None` when `b` is not aligned for `T` or its length is not a
+/// whole number of elements.
+pub fn from_bytes<T: PlainElement>(b: &[u8]) -> Option<&[T]> {
+    let size = size_of::<T>();
+    if b.len() % size != 0 || b.as_ptr().align_offset(align_of::<T>()) != 0 {
+        return None;
+    }
+    // SAFETY: the pointer is aligned for `T` (checked), the memory holds exactly
+    // `b.len() / size` whole elements (checked), every byte pattern is a valid `T`
+    // (PlainElement), and the shared borrow of `b` lasts as long as the result.
+    Some(unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<T>(), b.len() / size) })
+}
+
+/// `b` read as booleans; `None` when a byte is neither 0 nor 1 (the only bytes that are
+/// booleans).
+pub fn bools_from_bytes(b: &[u8]) -> Option<&[bool]> {
+    if b.iter().any(|&x| x > 1) {
+        return None;
+    }
+    // SAFETY: every byte is 0 or 1 (checked), the valid representations of `bool`, which has
+    // the size and alignment of `u8`; the shared borrow of `b` lasts as long as the result.
+    Some(unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<bool>(), b.len()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_views_have_each_types_size_and_round_trip() {
+        assert_eq!(as_bytes(&[1.5f32, -2.0]).len(), 8);
+        assert_eq!(as_bytes(&[1.5f64]).len(), 8);
+        assert_eq!(as_bytes(&[7i64, 8, 9]).len(), 24);
+        assert_eq!(as_bytes(&[true, false, true]), &[1, 0, 1]);
+        assert_eq!(
+            as_bytes(&[0x0102_0304_0506_0708i64]),
+            &0x0102_0304_0506_0708i64.to_ne_bytes()
+        );
+        let mut v = [0.0f64; 2];
+        as_bytes_mut(&mut v).copy_from_slice(as_bytes(&[3.25f64, -1.0]));
+        assert_eq!(v, [3.25, -1.0]);
+        let w = [4i64, -5];
+        assert_eq!(from_bytes::<i64>(as_bytes(&w)), Some(&w[..]));
+        assert_eq!(from_bytes::<f32>(as_bytes(&[2.5f32])), Some(&[2.5f32][..]));
+    }
+
+    #[test]
+    fn bytes_that_are_not_whole_aligned_values_are_refused() {
+        let w = [1i64, 2];
+        let b = as_bytes(&w);
+        assert_eq!(
+            from_bytes::<i64>(&b[..12]),
+            None,
+            "not a whole number of elements"
+        );
+        assert_eq!(from_bytes::<i64>(&b[4..12]), None, "misaligned");
+        assert_eq!(from_bytes::<f32>(&b[4..12]).map(<[f32]>::len), Some(2));
+        assert_eq!(bools_from_bytes(&[0, 1, 1]), Some(&[false, true, true][..]));
+        assert_eq!(bools_from_bytes(&[0, 2]), None);
+    }
+}
