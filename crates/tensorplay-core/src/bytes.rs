@@ -80,10 +80,94 @@ pub fn bools_from_bytes(b: &[u8]) -> Option<&[bool]> {
 mod tests {
     use super::*;
 
+    /// Bytes read as `i64` (every byte pattern a value), `f32` (alignment 4) and `bool`.
+    struct Case {
+        name: &'static str,
+        bytes: std::ops::Range<usize>,
+        i64s: Option<usize>,
+        f32s: Option<usize>,
+        bools: bool,
+    }
+
+    /// 32 bytes: 1i64, 2i64, then 16 bytes of 0 and 1.
+    fn memory() -> [i64; 4] {
+        [1, 2, 0x0001_0001_0100_0000, 0x0101_0000_0000_0001]
+    }
+
+    fn check(c: Case) {
+        let m = memory();
+        let b = &as_bytes(&m)[c.bytes];
+        let name = c.name;
+        assert_eq!(
+            from_bytes::<i64>(b).map(<[i64]>::len),
+            c.i64s,
+            "{name}: as int64"
+        );
+        assert_eq!(
+            from_bytes::<f32>(b).map(<[f32]>::len),
+            c.f32s,
+            "{name}: as float32"
+        );
+        assert_eq!(bools_from_bytes(b).is_some(), c.bools, "{name}: as bool");
+        if let Some(v) = from_bytes::<i64>(b) {
+            assert_eq!(as_bytes(v), b, "{name}: round trip");
+        }
+    }
+
     #[test]
-    fn byte_views_have_each_types_size_and_round_trip() {
+    fn bytes_are_read_as_elements_only_when_whole_aligned_and_valid() {
+        let cases = [
+            Case {
+                name: "two int64",
+                bytes: 0..16,
+                i64s: Some(2),
+                f32s: Some(4),
+                bools: false,
+            },
+            Case {
+                name: "not whole",
+                bytes: 0..12,
+                i64s: None,
+                f32s: Some(3),
+                bools: false,
+            },
+            Case {
+                name: "misaligned",
+                bytes: 4..12,
+                i64s: None,
+                f32s: Some(2),
+                bools: false,
+            },
+            Case {
+                name: "odd offset (zero bytes)",
+                bytes: 1..5,
+                i64s: None,
+                f32s: None,
+                bools: true,
+            },
+            Case {
+                name: "0/1 bytes",
+                bytes: 16..32,
+                i64s: Some(2),
+                f32s: Some(4),
+                bools: true,
+            },
+            Case {
+                name: "empty",
+                bytes: 8..8,
+                i64s: Some(0),
+                f32s: Some(0),
+                bools: true,
+            },
+        ];
+        for c in cases {
+            check(c);
+        }
+    }
+
+    #[test]
+    fn byte_views_have_each_types_size_and_native_order() {
         assert_eq!(as_bytes(&[1.5f32, -2.0]).len(), 8);
-        assert_eq!(as_bytes(&[1.5f64]).len(), 8);
         assert_eq!(as_bytes(&[7i64, 8, 9]).len(), 24);
         assert_eq!(as_bytes(&[true, false, true]), &[1, 0, 1]);
         assert_eq!(
@@ -93,23 +177,6 @@ mod tests {
         let mut v = [0.0f64; 2];
         as_bytes_mut(&mut v).copy_from_slice(as_bytes(&[3.25f64, -1.0]));
         assert_eq!(v, [3.25, -1.0]);
-        let w = [4i64, -5];
-        assert_eq!(from_bytes::<i64>(as_bytes(&w)), Some(&w[..]));
-        assert_eq!(from_bytes::<f32>(as_bytes(&[2.5f32])), Some(&[2.5f32][..]));
-    }
-
-    #[test]
-    fn bytes_that_are_not_whole_aligned_values_are_refused() {
-        let w = [1i64, 2];
-        let b = as_bytes(&w);
-        assert_eq!(
-            from_bytes::<i64>(&b[..12]),
-            None,
-            "not a whole number of elements"
-        );
-        assert_eq!(from_bytes::<i64>(&b[4..12]), None, "misaligned");
-        assert_eq!(from_bytes::<f32>(&b[4..12]).map(<[f32]>::len), Some(2));
         assert_eq!(bools_from_bytes(&[0, 1, 1]), Some(&[false, true, true][..]));
-        assert_eq!(bools_from_bytes(&[0, 2]), None);
     }
 }
