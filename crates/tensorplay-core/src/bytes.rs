@@ -56,7 +56,7 @@ pub fn as_bytes_mut<T: PlainElement>(s: &mut [T]) -> &mut [u8] {
 /// whole number of elements.
 pub fn from_bytes<T: PlainElement>(b: &[u8]) -> Option<&[T]> {
     let size = size_of::<T>();
-    if b.len() % size != 0 || b.as_ptr().align_offset(align_of::<T>()) != 0 {
+    if !b.len().is_multiple_of(size) || b.as_ptr().align_offset(align_of::<T>()) != 0 {
         return None;
     }
     // SAFETY: the pointer is aligned for `T` (checked), the memory holds exactly
