@@ -8,10 +8,10 @@ use std::time::Duration;
 use crate::{ReduceOp, Result};
 
 use tensorplay_core::BufElement;
-/// A read-only contiguous host buffer (core's [`HostBuf`]).
+/// A read-only contiguous host buffer (core's [`HostBuf`](tensorplay_core::HostBuf)).
 pub use tensorplay_core::HostBuf as BufRef;
-/// A mutable contiguous host buffer of a dtype collectives move (core's [`HostBufMut`]:
-/// float32, float64 or int64, with a byte view).
+/// A mutable contiguous host buffer of a dtype collectives move: float32, float64 or int64,
+/// with a byte view (core's [`HostBufMut`](tensorplay_core::HostBufMut)).
 pub use tensorplay_core::HostBufMut as BufMut;
 
 /// `dst[i] = op(dst[i], src[i])` elementwise. `Avg` reduces as `Sum` (the caller divides);
