@@ -12,6 +12,12 @@
 //! Object names are `<prefix><pid-namespace>-<pid>-<random>` ([`object_name`]), so a later
 //! process of the same user and pid namespace can remove the objects of a process that died
 //! before cleaning up ([`sweep`]).
+//!
+//! Both transports map their objects with [`Mmap`].
+
+mod mmap;
+
+pub use mmap::{MapMode, Mmap};
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};

@@ -20,11 +20,7 @@ pub enum DType {
 impl DType {
     /// Size of one element in bytes.
     pub fn size_in_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::Bool => 1,
-        }
+        crate::with_dtype!(self, T => size_of::<T>())
     }
 
     /// Whether this is a floating type (the only types that can require grad).
@@ -53,6 +49,105 @@ impl DType {
     pub fn from_code(code: u8) -> Option<DType> {
         DType::ALL.get(usize::from(code)).copied()
     }
+}
+
+/// Runs `$body` with the type name `$T` bound to the element type of a [`DType`]: the one
+/// place that maps every dtype to its Rust type (`float32` to `f32`, `float64` to `f64`,
+/// `int64` to `i64`, `bool` to `bool`). Expands to an exhaustive `match`, so a new dtype is a
+/// compile error wherever a dispatch does not handle it.
+///
+/// ```
+/// use tensorplay_core::{DType, Element, with_dtype};
+///
+/// fn size(d: DType) -> usize {
+///     with_dtype!(d, T => size_of::<T>())
+/// }
+/// assert_eq!(size(DType::F64), 8);
+/// assert_eq!(with_dtype!(DType::Bool, T => T::DTYPE), DType::Bool);
+/// ```
+#[macro_export]
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DType::Bool => {
+                type $T = bool;
+                $body
+            }
+        }
+    };
+}
+
+/// [`with_dtype!`] for the floating dtypes: `$body` with `$T` bound to `f32` or `f64`, and
+/// `$else` with `$d` bound to any other dtype (listed by name in the expansion, so a new
+/// dtype is a compile error here too).
+///
+/// ```
+/// use tensorplay_core::{DType, with_float_dtype};
+///
+/// let eps = |d: DType| with_float_dtype!(d, T => Some(f64::from(T::EPSILON)), _d => None);
+/// assert_eq!(eps(DType::F32), Some(f64::from(f32::EPSILON)));
+/// assert_eq!(eps(DType::I64), None);
+/// ```
+#[macro_export]
+macro_rules! with_float_dtype {
+    ($dtype:expr, $T:ident => $body:expr, $d:ident => $else:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $d @ ($crate::DType::I64 | $crate::DType::Bool) => $else,
+        }
+    };
+}
+
+/// [`with_dtype!`] for the numeric dtypes (`float32`, `float64`, `int64`: the element types
+/// whose every byte pattern is a value, [`bytes::PlainElement`](crate::bytes::PlainElement)):
+/// `$body` with `$T` bound to `f32`, `f64` or `i64`, and `$else` with `$d` bound to any other
+/// dtype (listed by name in the expansion).
+///
+/// ```
+/// use tensorplay_core::{DType, with_numeric_dtype};
+///
+/// let max = |d: DType| with_numeric_dtype!(d, T => Some(T::MAX as f64), _d => None);
+/// assert_eq!(max(DType::I64), Some(i64::MAX as f64));
+/// assert_eq!(max(DType::Bool), None);
+/// ```
+#[macro_export]
+macro_rules! with_numeric_dtype {
+    ($dtype:expr, $T:ident => $body:expr, $d:ident => $else:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $d @ $crate::DType::Bool => $else,
+        }
+    };
 }
 
 impl fmt::Display for DType {
@@ -118,5 +213,75 @@ impl FloatElement for f32 {
 impl FloatElement for f64 {
     fn erf(self) -> Self {
         libm::erf(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One dtype: what the dispatch macros bind its element type to.
+    struct Case {
+        dtype: DType,
+        size: usize,
+        float: bool,
+        numeric: bool,
+    }
+
+    fn check(c: Case) {
+        let d = c.dtype;
+        assert_eq!(
+            with_dtype!(d, T => T::DTYPE),
+            d,
+            "{d}: with_dtype binds its own type"
+        );
+        assert_eq!(
+            with_dtype!(d, T => size_of::<T>()),
+            c.size,
+            "{d}: element size"
+        );
+        assert_eq!(d.size_in_bytes(), c.size, "{d}: size_in_bytes");
+        let f = with_float_dtype!(d, T => Some(T::DTYPE), _d => None);
+        assert_eq!(f, c.float.then_some(d), "{d}: with_float_dtype");
+        let n = with_numeric_dtype!(d, T => Some(T::DTYPE), other => {
+            assert_eq!(other, d, "{d}: the fallback gets the dtype");
+            None
+        });
+        assert_eq!(n, c.numeric.then_some(d), "{d}: with_numeric_dtype");
+        assert_eq!(DType::from_code(d.code()), Some(d), "{d}: wire code");
+    }
+
+    #[test]
+    fn every_dtype_dispatches_to_its_element_type() {
+        let cases = [
+            Case {
+                dtype: DType::F32,
+                size: 4,
+                float: true,
+                numeric: true,
+            },
+            Case {
+                dtype: DType::F64,
+                size: 8,
+                float: true,
+                numeric: true,
+            },
+            Case {
+                dtype: DType::I64,
+                size: 8,
+                float: false,
+                numeric: true,
+            },
+            Case {
+                dtype: DType::Bool,
+                size: 1,
+                float: false,
+                numeric: false,
+            },
+        ];
+        assert_eq!(cases.len(), DType::ALL.len(), "a case per dtype");
+        for c in cases {
+            check(c);
+        }
     }
 }

@@ -24,6 +24,7 @@ extern crate self as tensorplay_core;
 
 pub mod autograd;
 mod backend;
+pub mod bytes;
 pub mod cuda;
 mod device;
 mod dtype;
@@ -49,5 +50,5 @@ pub use ops::shape::{cat, stack};
 pub use ops::view::ShapeArg;
 pub use random::manual_seed;
 pub use serialize::{load, save};
-pub use storage::{CpuStorage, Storage, StorageElement};
+pub use storage::{BufElement, CpuStorage, HostBuf, HostBufMut, Storage, StorageElement};
 pub use tensor::{Tensor, TensorId};

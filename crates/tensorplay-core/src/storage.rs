@@ -3,6 +3,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+mod buf;
+
+pub use buf::{BufElement, HostBuf, HostBufMut};
+
 use crate::cuda::CudaStorage;
 use crate::{DType, Device, Element, Error, Result};
 
@@ -44,12 +48,7 @@ impl CpuStorage {
     }
     /// `n` zeros (false for bool) of `dtype`.
     pub fn zeros(dtype: DType, n: usize) -> CpuStorage {
-        match dtype {
-            DType::F32 => CpuStorage::F32(vec![0.0; n]),
-            DType::F64 => CpuStorage::F64(vec![0.0; n]),
-            DType::I64 => CpuStorage::I64(vec![0; n]),
-            DType::Bool => CpuStorage::Bool(vec![false; n]),
-        }
+        crate::with_dtype!(dtype, T => T::into_storage(vec![T::default(); n]))
     }
 }
 
@@ -85,7 +84,7 @@ pub trait StorageElement: Element {
 }
 
 macro_rules! impl_storage_element {
-    ($t:ty, $v:ident) => {
+    ($t:ty, $v:ident, $($other:ident),*) => {
         impl StorageElement for $t {
             fn into_storage(v: Vec<Self>) -> CpuStorage {
                 CpuStorage::$v(v)
@@ -93,22 +92,22 @@ macro_rules! impl_storage_element {
             fn slice(s: &CpuStorage) -> Option<&[Self]> {
                 match s {
                     CpuStorage::$v(v) => Some(v),
-                    _ => None,
+                    $(CpuStorage::$other(_))|* => None,
                 }
             }
             fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
                 match s {
                     CpuStorage::$v(v) => Some(v),
-                    _ => None,
+                    $(CpuStorage::$other(_))|* => None,
                 }
             }
         }
     };
 }
-impl_storage_element!(f32, F32);
-impl_storage_element!(f64, F64);
-impl_storage_element!(i64, I64);
-impl_storage_element!(bool, Bool);
+impl_storage_element!(f32, F32, F64, I64, Bool);
+impl_storage_element!(f64, F64, F32, I64, Bool);
+impl_storage_element!(i64, I64, F32, F64, Bool);
+impl_storage_element!(bool, Bool, F32, F64, I64);
 
 /// Memory on some device.
 #[derive(Debug)]

@@ -31,7 +31,7 @@ pub(crate) fn nccl_world_one() -> Res {
                 ReduceOp::Max,
                 ReduceOp::Avg,
             ],
-            _ => &[
+            DType::I64 | DType::Bool => &[
                 ReduceOp::Sum,
                 ReduceOp::Product,
                 ReduceOp::Min,

@@ -24,7 +24,8 @@ use std::path::Path;
 
 use bytes::{Bytes, BytesMut};
 use rkyv::{Archive, Deserialize, Serialize};
-use tensorplay_core::{DType, StorageElement, Tensor};
+use tensorplay_core::bytes::as_bytes;
+use tensorplay_core::{DType, Tensor, with_dtype};
 use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 
 use crate::proto::message::{AutogradHeader, Message};
@@ -95,12 +96,6 @@ fn elem_size(d: DType) -> usize {
     d.size_in_bytes()
 }
 
-fn bytes_of<T: StorageElement>(v: &[T]) -> &[u8] {
-    // SAFETY: T is one of f32, f64, i64, bool: plain data without padding; any initialized
-    // value is a valid sequence of bytes, and the length is the slice's size in bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), size_of_val(v)) }
-}
-
 /// Runs a long copy without holding up the transport: on the agent's multi-threaded runtime
 /// through `block_in_place` (the runtime's other tasks move to another thread meanwhile),
 /// inline elsewhere.
@@ -166,19 +161,11 @@ impl<W: FrameSink> Chunks<'_, W> {
 
 /// Appends elements `start..start+m` of a contiguous tensor to `buf`.
 fn append(t: &Tensor, start: usize, m: usize, buf: &mut BytesMut) -> Result<()> {
-    fn go<T: StorageElement>(t: &Tensor, start: usize, m: usize, buf: &mut BytesMut) -> Result<()> {
-        t.with_cpu_data::<T, _>(|v, l| {
-            let o = l.offset() + start;
-            buf.extend_from_slice(bytes_of(&v[o..o + m]));
-        })?;
-        Ok(())
-    }
-    match t.dtype() {
-        DType::F32 => go::<f32>(t, start, m, buf),
-        DType::F64 => go::<f64>(t, start, m, buf),
-        DType::I64 => go::<i64>(t, start, m, buf),
-        DType::Bool => go::<bool>(t, start, m, buf),
-    }
+    with_dtype!(t.dtype(), T => t.with_cpu_data::<T, _>(|v, l| {
+        let o = l.offset() + start;
+        buf.extend_from_slice(as_bytes(&v[o..o + m]));
+    }))?;
+    Ok(())
 }
 
 /// Writes one message: prefix, header, inline tensor bytes. With `shm` (the receiver can read

@@ -7,123 +7,12 @@ use std::time::Duration;
 
 use crate::{ReduceOp, Result};
 
-/// A mutable contiguous buffer of one of the dtypes collectives support.
-#[derive(Debug)]
-pub enum BufMut<'a> {
-    /// float32 elements.
-    F32(&'a mut [f32]),
-    /// float64 elements.
-    F64(&'a mut [f64]),
-    /// int64 elements.
-    I64(&'a mut [i64]),
-}
-
-/// A read-only contiguous buffer of one of the dtypes collectives support.
-#[derive(Debug, Clone, Copy)]
-pub enum BufRef<'a> {
-    /// float32 elements.
-    F32(&'a [f32]),
-    /// float64 elements.
-    F64(&'a [f64]),
-    /// int64 elements.
-    I64(&'a [i64]),
-}
-
-macro_rules! buf_common {
-    ($t:ident) => {
-        impl $t<'_> {
-            /// Number of elements.
-            pub fn len(&self) -> usize {
-                match self {
-                    $t::F32(s) => s.len(),
-                    $t::F64(s) => s.len(),
-                    $t::I64(s) => s.len(),
-                }
-            }
-            /// Whether there are no elements.
-            pub fn is_empty(&self) -> bool {
-                self.len() == 0
-            }
-            /// Size of one element in bytes.
-            pub fn elem_size(&self) -> usize {
-                match self {
-                    $t::F32(_) => 4,
-                    $t::F64(_) | $t::I64(_) => 8,
-                }
-            }
-            /// The dtype.
-            pub fn dtype(&self) -> tensorplay_core::DType {
-                match self {
-                    $t::F32(_) => tensorplay_core::DType::F32,
-                    $t::F64(_) => tensorplay_core::DType::F64,
-                    $t::I64(_) => tensorplay_core::DType::I64,
-                }
-            }
-        }
-    };
-}
-buf_common!(BufMut);
-buf_common!(BufRef);
-
-impl BufMut<'_> {
-    /// The elements as bytes (native endianness).
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: f32, f64 and i64 have no padding and every bit pattern is valid for them, so
-        // viewing their memory as bytes (and writing any bytes) is sound; the length is the
-        // byte size of the same allocation.
-        unsafe {
-            match self {
-                BufMut::F32(s) => {
-                    std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len() * 4)
-                }
-                BufMut::F64(s) => {
-                    std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len() * 8)
-                }
-                BufMut::I64(s) => {
-                    std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len() * 8)
-                }
-            }
-        }
-    }
-    /// A read-only view.
-    pub fn as_ref(&self) -> BufRef<'_> {
-        match self {
-            BufMut::F32(s) => BufRef::F32(s),
-            BufMut::F64(s) => BufRef::F64(s),
-            BufMut::I64(s) => BufRef::I64(s),
-        }
-    }
-    /// Elements `range` as a buffer.
-    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> BufMut<'_> {
-        match self {
-            BufMut::F32(s) => BufMut::F32(&mut s[range]),
-            BufMut::F64(s) => BufMut::F64(&mut s[range]),
-            BufMut::I64(s) => BufMut::I64(&mut s[range]),
-        }
-    }
-}
-
-impl<'a> BufRef<'a> {
-    /// The elements as bytes (native endianness).
-    pub fn as_bytes(&self) -> &'a [u8] {
-        // SAFETY: as in `BufMut::as_bytes_mut`; reading plain numbers as bytes is sound.
-        unsafe {
-            match *self {
-                BufRef::F32(s) => std::slice::from_raw_parts(s.as_ptr().cast(), s.len() * 4),
-                BufRef::F64(s) => std::slice::from_raw_parts(s.as_ptr().cast(), s.len() * 8),
-                BufRef::I64(s) => std::slice::from_raw_parts(s.as_ptr().cast(), s.len() * 8),
-            }
-        }
-    }
-    /// Elements `range` as a buffer.
-    pub fn slice(&self, range: std::ops::Range<usize>) -> BufRef<'a> {
-        match *self {
-            BufRef::F32(s) => BufRef::F32(&s[range]),
-            BufRef::F64(s) => BufRef::F64(&s[range]),
-            BufRef::I64(s) => BufRef::I64(&s[range]),
-        }
-    }
-}
+use tensorplay_core::BufElement;
+/// A read-only contiguous host buffer (core's [`HostBuf`](tensorplay_core::HostBuf)).
+pub use tensorplay_core::HostBuf as BufRef;
+/// A mutable contiguous host buffer of a dtype collectives move: float32, float64 or int64,
+/// with a byte view (core's [`HostBufMut`](tensorplay_core::HostBufMut)).
+pub use tensorplay_core::HostBufMut as BufMut;
 
 /// `dst[i] = op(dst[i], src[i])` elementwise. `Avg` reduces as `Sum` (the caller divides);
 /// bitwise ops apply to int64 only. Errors when the dtypes differ or the op does not apply.
@@ -160,29 +49,28 @@ pub fn reduce_into(op: ReduceOp, dst: &mut BufMut<'_>, src: BufRef<'_>) -> Resul
         }
         Ok(())
     }
-    match (dst, src) {
-        (BufMut::F32(d), BufRef::F32(s)) => float(op, d, s),
-        (BufMut::F64(d), BufRef::F64(s)) => float(op, d, s),
-        (BufMut::I64(d), BufRef::I64(s)) => {
-            let z = d.iter_mut().zip(s);
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => z.for_each(|(a, &b)| *a = a.wrapping_add(b)),
-                ReduceOp::Product => z.for_each(|(a, &b)| *a = a.wrapping_mul(b)),
-                ReduceOp::Max => z.for_each(|(a, &b)| *a = (*a).max(b)),
-                ReduceOp::Min => z.for_each(|(a, &b)| *a = (*a).min(b)),
-                ReduceOp::BAnd => z.for_each(|(a, &b)| *a &= b),
-                ReduceOp::BOr => z.for_each(|(a, &b)| *a |= b),
-                ReduceOp::BXor => z.for_each(|(a, &b)| *a ^= b),
-            }
+    let (dt, st) = (dst.dtype(), src.dtype());
+    let mismatch =
+        || crate::Error::invalid("reduce", -1, "buffers", format!("one dtype ({dt})"), st);
+    fn int(op: ReduceOp, d: &mut [i64], s: &[i64]) {
+        let z = d.iter_mut().zip(s);
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => z.for_each(|(a, &b)| *a = a.wrapping_add(b)),
+            ReduceOp::Product => z.for_each(|(a, &b)| *a = a.wrapping_mul(b)),
+            ReduceOp::Max => z.for_each(|(a, &b)| *a = (*a).max(b)),
+            ReduceOp::Min => z.for_each(|(a, &b)| *a = (*a).min(b)),
+            ReduceOp::BAnd => z.for_each(|(a, &b)| *a &= b),
+            ReduceOp::BOr => z.for_each(|(a, &b)| *a |= b),
+            ReduceOp::BXor => z.for_each(|(a, &b)| *a ^= b),
+        }
+    }
+    match dst.reborrow() {
+        BufMut::F32(d) => float(op, d, f32::of_buf(src).ok_or_else(mismatch)?),
+        BufMut::F64(d) => float(op, d, f64::of_buf(src).ok_or_else(mismatch)?),
+        BufMut::I64(d) => {
+            int(op, d, i64::of_buf(src).ok_or_else(mismatch)?);
             Ok(())
         }
-        (d, s) => Err(crate::Error::invalid(
-            "reduce",
-            -1,
-            "buffers",
-            format!("one dtype ({})", d.dtype()),
-            s.dtype(),
-        )),
     }
 }
 

@@ -4,64 +4,45 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorplay_core::{DType, Device, StorageElement, Tensor};
+use tensorplay_core::{BufElement, DType, Device, Tensor};
 
-use super::{Backend, BufMut, BufRef, HostBackend};
+use super::{Backend, BufRef, HostBackend};
 use crate::{Error, ReduceOp, Result};
 
-/// Element types a host backend moves.
-trait CommElem: StorageElement {
-    fn buf_mut(s: &mut [Self]) -> BufMut<'_>;
-    fn buf_ref(s: &[Self]) -> BufRef<'_>;
+/// Element types a host backend moves: core's buffer elements, and how `Avg` divides them.
+trait CommElem: BufElement {
     /// Divides by `n` (for `Avg`, reduced as a sum); integers are left alone.
     fn div(s: &mut [Self], n: usize);
 }
-macro_rules! comm_elem {
-    ($t:ty, $v:ident, |$s:ident, $n:ident| $div:expr) => {
-        impl CommElem for $t {
-            fn buf_mut(s: &mut [Self]) -> BufMut<'_> {
-                BufMut::$v(s)
-            }
-            fn buf_ref(s: &[Self]) -> BufRef<'_> {
-                BufRef::$v(s)
-            }
-            fn div($s: &mut [Self], $n: usize) {
-                $div
-            }
-        }
-    };
+impl CommElem for f32 {
+    fn div(s: &mut [Self], n: usize) {
+        s.iter_mut().for_each(|x| *x /= n as f32)
+    }
 }
-comm_elem!(f32, F32, |s, n| s.iter_mut().for_each(|x| *x /= n as f32));
-comm_elem!(f64, F64, |s, n| s.iter_mut().for_each(|x| *x /= n as f64));
-comm_elem!(i64, I64, |_s, _n| ());
+impl CommElem for f64 {
+    fn div(s: &mut [Self], n: usize) {
+        s.iter_mut().for_each(|x| *x /= n as f64)
+    }
+}
+impl CommElem for i64 {
+    fn div(_s: &mut [Self], _n: usize) {}
+}
 
+/// `$body` with `$T` bound to the element type of `$dt`; an error naming backend `$b` for a
+/// dtype host buffers do not hold.
 macro_rules! dispatch {
     ($b:expr, $dt:expr, $T:ident => $body:expr) => {
-        match $dt {
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            DType::I64 => {
-                type $T = i64;
-                $body
-            }
-            d => Err(Error::Backend {
-                backend: $b.name.to_string(),
-                detail: format!("{d} tensors are not supported; use float32, float64 or int64"),
-            }),
-        }
+        tensorplay_core::with_numeric_dtype!($dt, $T => $body, d => Err(Error::Backend {
+            backend: $b.name.to_string(),
+            detail: format!("{d} tensors are not supported; use float32, float64 or int64"),
+        }))
     };
 }
 
 /// Runs `f` on the elements of the contiguous tensor `t`.
 fn read<T: CommElem, R>(t: &Tensor, f: impl FnOnce(BufRef<'_>) -> Result<R>) -> Result<R> {
     let r = range(t)?;
-    t.with_cpu_data(|s: &[T], _| f(T::buf_ref(&s[r])))?
+    t.with_cpu_data(|s: &[T], _| f(T::buf(&s[r])))?
 }
 
 /// Runs `f` on the elements of the contiguous tensor `t`, mutably.
@@ -182,7 +163,7 @@ impl Backend for HostTensors {
     ) -> Result<()> {
         dispatch!(self, output.dtype(), T => {
             let flat = concat::<T>(inputs)?;
-            self.rs(output, T::buf_ref(&flat), op, timeout, T::div)
+            self.rs(output, T::buf(&flat), op, timeout, T::div)
         })
     }
     fn reduce_scatter_tensor(
@@ -222,7 +203,7 @@ impl Backend for HostTensors {
         dispatch!(self, output.dtype(), T => {
             let flat = inputs.map(concat::<T>).transpose()?;
             write::<T, ()>(output, |out| {
-                self.host.scatter(flat.as_deref().map(T::buf_ref), T::buf_mut(out), counts, root, timeout)
+                self.host.scatter(flat.as_deref().map(T::buf), T::buf_mut(out), counts, root, timeout)
             })
         })
     }
@@ -232,7 +213,7 @@ impl Backend for HostTensors {
         dispatch!(self, outputs.first().map_or(DType::F32, Tensor::dtype), T => {
             let flat = concat::<T>(inputs)?;
             let mut out = vec![T::default(); recv.iter().sum()];
-            self.host.all_to_all(T::buf_ref(&flat), &send, T::buf_mut(&mut out), &recv, timeout)?;
+            self.host.all_to_all(T::buf(&flat), &send, T::buf_mut(&mut out), &recv, timeout)?;
             split(&out, outputs)
         })
     }

@@ -3,7 +3,7 @@
 //! are written back into the view, strided inputs a contiguous copy, aliased inputs (an
 //! in-place all-gather) a copy of their own.
 
-use tensorplay_core::{DType, Device, StorageElement, Tensor};
+use tensorplay_core::{Device, StorageElement, Tensor};
 
 use crate::Result;
 
@@ -49,12 +49,11 @@ impl Out {
             })?;
             Ok(())
         }
-        match (self.view.device(), self.view.dtype()) {
-            (Device::Cpu, DType::F32) => back::<f32>(&self.view, &w),
-            (Device::Cpu, DType::F64) => back::<f64>(&self.view, &w),
-            (Device::Cpu, DType::I64) => back::<i64>(&self.view, &w),
-            (Device::Cpu, DType::Bool) => back::<bool>(&self.view, &w),
-            _ => {
+        match self.view.device() {
+            Device::Cpu => {
+                tensorplay_core::with_dtype!(self.view.dtype(), T => back::<T>(&self.view, &w))
+            }
+            Device::Cuda(_) => {
                 let _g = tensorplay_core::autograd::no_grad();
                 Ok(self.view.copy_(&w)?)
             }

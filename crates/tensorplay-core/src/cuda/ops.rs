@@ -62,7 +62,7 @@ impl CudaStorage {
     fn need_float(&self, op: &'static str) -> Result<()> {
         match self.dtype() {
             DType::F32 | DType::F64 => Ok(()),
-            d => Err(Error::UnsupportedDType {
+            d @ (DType::I64 | DType::Bool) => Err(Error::UnsupportedDType {
                 op,
                 dtype: d,
                 expected: "float32 or float64",

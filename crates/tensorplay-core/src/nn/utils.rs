@@ -181,7 +181,7 @@ fn for_each_value(g: &Tensor, mut f: impl FnMut(f64)) -> Result<()> {
     match g.dtype() {
         DType::F32 => g.to_vec::<f32>()?.into_iter().for_each(|x| f(f64::from(x))),
         DType::F64 => g.to_vec::<f64>()?.into_iter().for_each(f),
-        other => {
+        other @ (DType::I64 | DType::Bool) => {
             return Err(Error::UnsupportedDType {
                 op: "nn::utils",
                 dtype: other,
@@ -208,7 +208,7 @@ fn map_values(g: &Tensor, f: impl Fn(f64) -> f64) -> Result<Tensor> {
             let v: Vec<f64> = g.to_vec::<f64>()?.into_iter().map(f).collect();
             Tensor::from_vec(v, g.shape())?
         }
-        other => {
+        other @ (DType::I64 | DType::Bool) => {
             return Err(Error::UnsupportedDType {
                 op: "nn::utils",
                 dtype: other,

@@ -207,7 +207,7 @@ fn float_from_f64(
     let t = match o.dtype {
         DType::F64 => Tensor::from_vec(v, shape)?,
         DType::F32 => Tensor::from_vec(v.into_iter().map(|x| x as f32).collect(), shape)?,
-        d => {
+        d @ (DType::I64 | DType::Bool) => {
             return Err(Error::UnsupportedDType {
                 op,
                 dtype: d,

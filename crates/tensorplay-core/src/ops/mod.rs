@@ -22,75 +22,36 @@ use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
 
-/// Dispatches on a floating dtype, binding `$T` to `f32` or `f64`.
+/// Dispatches on a floating dtype, binding `$T` to `f32` or `f64`; returns
+/// [`Error::UnsupportedDType`] naming `$op` for the others.
 macro_rules! float_dispatch {
     ($dt:expr, $op:expr, $T:ident => $body:expr) => {
-        match $dt {
-            $crate::DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            $crate::DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            d => {
-                return Err($crate::Error::UnsupportedDType {
-                    op: $op,
-                    dtype: d,
-                    expected: "float32 or float64",
-                })
-            }
-        }
+        $crate::with_float_dtype!($dt, $T => $body, d => {
+            return Err($crate::Error::UnsupportedDType {
+                op: $op,
+                dtype: d,
+                expected: "float32 or float64",
+            })
+        })
     };
 }
-/// Dispatches on a numeric dtype (f32, f64, i64).
+/// Dispatches on a numeric dtype (f32, f64, i64); returns [`Error::UnsupportedDType`] naming
+/// `$op` for the others.
 macro_rules! numeric_dispatch {
     ($dt:expr, $op:expr, $T:ident => $body:expr) => {
-        match $dt {
-            $crate::DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            $crate::DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            $crate::DType::I64 => {
-                type $T = i64;
-                $body
-            }
-            d => {
-                return Err($crate::Error::UnsupportedDType {
-                    op: $op,
-                    dtype: d,
-                    expected: "float32, float64 or int64",
-                })
-            }
-        }
+        $crate::with_numeric_dtype!($dt, $T => $body, d => {
+            return Err($crate::Error::UnsupportedDType {
+                op: $op,
+                dtype: d,
+                expected: "float32, float64 or int64",
+            })
+        })
     };
 }
-/// Dispatches on any dtype.
+/// Dispatches on any dtype ([`with_dtype!`](crate::with_dtype)).
 macro_rules! any_dispatch {
     ($dt:expr, $T:ident => $body:expr) => {
-        match $dt {
-            $crate::DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            $crate::DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            $crate::DType::I64 => {
-                type $T = i64;
-                $body
-            }
-            $crate::DType::Bool => {
-                type $T = bool;
-                $body
-            }
-        }
+        $crate::with_dtype!($dt, $T => $body)
     };
 }
 pub(crate) use {any_dispatch, float_dispatch, numeric_dispatch};

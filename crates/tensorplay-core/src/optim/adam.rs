@@ -373,9 +373,10 @@ impl AdamCore {
             let step = saved.get("step").ok_or_else(|| {
                 Error::invalid(op, "state", format!("state.{i}.step"), "no step count")
             })?;
-            let step = match (step.dtype(), step.shape()) {
-                (crate::DType::I64, []) => step.to_vec::<i64>()?[0],
-                _ => -1,
+            let step = if step.dtype() == crate::DType::I64 && step.shape().is_empty() {
+                step.to_vec::<i64>()?[0]
+            } else {
+                -1
             };
             st.step = u64::try_from(step).map_err(|_| {
                 Error::invalid(

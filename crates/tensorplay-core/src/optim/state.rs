@@ -269,7 +269,7 @@ pub(crate) fn tensor_buf(
     }
     Ok(match t.dtype() {
         DType::F32 => Buf::F32(t.to_vec()?),
-        _ => Buf::F64(t.to_dtype(DType::F64)?.to_vec()?),
+        DType::F64 | DType::I64 | DType::Bool => Buf::F64(t.to_dtype(DType::F64)?.to_vec()?),
     })
 }
 

@@ -150,7 +150,9 @@ fn bits(t: &Tensor) -> R<Vec<u64>> {
             .iter()
             .map(|v| u64::from(v.to_bits()))
             .collect(),
-        _ => t.to_vec::<f64>()?.iter().map(|v| v.to_bits()).collect(),
+        DType::F64 | DType::I64 | DType::Bool => {
+            t.to_vec::<f64>()?.iter().map(|v| v.to_bits()).collect()
+        }
     })
 }
 

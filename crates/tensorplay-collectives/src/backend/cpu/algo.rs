@@ -105,7 +105,7 @@ impl Ctx<'_> {
         let mut start = 0;
         loop {
             let end = (start + piece).min(n);
-            let mut tmp = sc.get(dtype, end - start);
+            let mut tmp = sc.get(dtype, end - start)?;
             if start == 0 {
                 p.read_into(&hdr, tmp.as_bytes_mut(), self.rank, peer, self.timeout)?;
             } else {
@@ -196,14 +196,14 @@ fn direct_all_reduce(
     if n == 2 {
         // Two ranks: a op b == b op a bit for bit, so no ordering is needed.
         let peer = 1 - r;
-        let mut tmp = sc.get(data.dtype(), len);
+        let mut tmp = sc.get(data.dtype(), len)?;
         cx.batch(|b| {
             cx.send(b, peer, data.as_ref().as_bytes())?;
             cx.recv_into(peer, tmp.as_bytes_mut())
         })?;
         return reduce_into(op, &mut data, tmp.as_ref());
     }
-    let mut all = sc.get(data.dtype(), n * len);
+    let mut all = sc.get(data.dtype(), n * len)?;
     cx.batch(|b| {
         let bytes = data.as_ref().as_bytes();
         for k in 1..n {
@@ -320,8 +320,8 @@ pub(super) fn reduce(
         Ok(())
     } else {
         let mut work = Owned::copy_of(data.as_ref());
-        ring_reduce_scatter(cx, sc, work.buf(), &blocks, op)?;
-        let w = into_ref(work.buf());
+        ring_reduce_scatter(cx, sc, work.buf()?, &blocks, op)?;
+        let w = into_ref(work.buf()?);
         cx.batch(|b| cx.send(b, root, w.slice(blocks[r].clone()).as_bytes()))
     }
 }
@@ -364,9 +364,9 @@ pub(super) fn reduce_scatter(
     let m = output.len();
     let blocks = blocks_of(&vec![m; cx.size]);
     let mut work = Owned::copy_of(input);
-    ring_reduce_scatter(cx, sc, work.buf(), &blocks, op)?;
+    ring_reduce_scatter(cx, sc, work.buf()?, &blocks, op)?;
     output.as_bytes_mut().copy_from_slice(
-        into_ref(work.buf())
+        into_ref(work.buf()?)
             .slice(blocks[cx.rank].clone())
             .as_bytes(),
     );

@@ -119,7 +119,8 @@ fn check_op(op: ReduceOp, dtype: DType) -> Result<()> {
     let (d, s) = match dtype {
         DType::F32 => (BufMut::F32(&mut []), BufRef::F32(&[])),
         DType::F64 => (BufMut::F64(&mut []), BufRef::F64(&[])),
-        _ => (BufMut::I64(&mut []), BufRef::I64(&[])),
+        // no host buffer holds bool (the layer above refuses bool tensors): as int64
+        DType::I64 | DType::Bool => (BufMut::I64(&mut []), BufRef::I64(&[])),
     };
     let mut d = d;
     reduce_into(op, &mut d, s)

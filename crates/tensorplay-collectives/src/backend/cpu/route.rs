@@ -125,7 +125,7 @@ fn leaders_all_reduce(
 ) -> Result<()> {
     let me = cx.rank;
     let mut mine = Owned::copy_of(data.as_ref());
-    let mine = into_ref(mine.buf());
+    let mine = into_ref(mine.buf()?);
     cx.batch(|b| {
         for &l in leaders.iter().filter(|&&l| l != me) {
             cx.send(b, l, mine.as_bytes())?;
@@ -201,9 +201,9 @@ pub(super) fn reduce(
                 // the host's partial result goes to the root; our own data stays as it was
                 let mut work = Owned::copy_of(data.as_ref());
                 if let Some(s) = s {
-                    shm::reduce(&mut scx(s, cx, 1), work.buf(), op, local(s, my_rep))?;
+                    shm::reduce(&mut scx(s, cx, 1), work.buf()?, op, local(s, my_rep))?;
                 }
-                let w = into_ref(work.buf());
+                let w = into_ref(work.buf()?);
                 cx.batch(|b| cx.send(b, root, w.as_bytes()))
             } else {
                 match s {

@@ -39,20 +39,20 @@ pub(in crate::backend::cpu) fn one_shot_max(slot: usize) -> usize {
     (256 << 10).min(4 * slot)
 }
 
-/// A typed read-only view of `n` elements at `p`.
+/// A typed read-only view of `n` elements of `dtype` at `p`: `n * dtype.size_in_bytes()`
+/// bytes, read as `dtype`'s own element type. Errors for a dtype host buffers do not hold
+/// (bool) or a misaligned `p` (a bug of the slot layout).
 ///
 /// # Safety
-/// `p` must be aligned for `dtype` and valid for `n` elements, and nobody may write them
-/// while the view lives (the step protocol guarantees it for published data).
-unsafe fn view<'x>(dtype: DType, p: *const u8, n: usize) -> BufRef<'x> {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        match dtype {
-            DType::F32 => BufRef::F32(std::slice::from_raw_parts(p.cast(), n)),
-            DType::F64 => BufRef::F64(std::slice::from_raw_parts(p.cast(), n)),
-            _ => BufRef::I64(std::slice::from_raw_parts(p.cast(), n)),
-        }
-    }
+/// `p` must be valid for `n * dtype.size_in_bytes()` bytes, and nobody may write them while
+/// the view lives (the step protocol guarantees it for published data).
+unsafe fn view<'x>(dtype: DType, p: *const u8, n: usize) -> Result<BufRef<'x>> {
+    // SAFETY: forwarded from the caller; u8 has no alignment or validity requirement.
+    let bytes = unsafe { std::slice::from_raw_parts(p, n * dtype.size_in_bytes()) };
+    BufRef::from_bytes(dtype, bytes).ok_or_else(|| Error::Backend {
+        backend: "cpu".into(),
+        detail: format!("shared memory cannot hold {dtype} elements at {p:p}"),
+    })
 }
 
 /// Copies `src` into this rank's slot `s` at byte offset `at` (the caller opened the slot for
@@ -132,7 +132,7 @@ fn reduce_from(
 ) -> Result<()> {
     // SAFETY: published data of a peer (see `get`), aligned: slots are 64-byte aligned and `at`
     // is a multiple of the element size.
-    let src = unsafe { view(dst.dtype(), cx.slot_of(li, s).add(at), dst.len()) };
+    let src = unsafe { view(dst.dtype(), cx.slot_of(li, s).add(at), dst.len())? };
     reduce_into(op, dst, src)
 }
 
@@ -180,7 +180,7 @@ pub(in crate::backend::cpu) fn all_reduce(
             for p in 1..w {
                 if p == me {
                     // SAFETY: our own published slot: we read it, nobody writes it now.
-                    let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len()) };
+                    let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len())? };
                     reduce_into(op, &mut d, mine)?;
                 } else {
                     reduce_from(cx, p, s, 0, &mut d, op)?;
@@ -286,7 +286,7 @@ pub(in crate::backend::cpu) fn reduce(
         for p in 1..w {
             if p == me {
                 // SAFETY: our own published slot, read-only now.
-                let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len()) };
+                let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len())? };
                 reduce_into(op, &mut d, mine)?;
             } else {
                 reduce_from(cx, p, s, 0, &mut d, op)?;
@@ -528,4 +528,59 @@ pub(in crate::backend::cpu) fn barrier(cx: &mut ShmCtx<'_>) -> Result<()> {
     cx.write_sig(s, 0);
     let x = cx.publish(Some(s));
     cx.check_all(s, x, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One dtype's view of shared memory: `Some(bytes)` when it is read as its own type.
+    struct Case {
+        dtype: DType,
+        bytes: Option<usize>,
+    }
+
+    fn check(c: Case) {
+        let mem = [0x0101_0101_0101_0101u64; 8];
+        let p = mem.as_ptr().cast::<u8>();
+        // SAFETY: `mem` holds 64 bytes, at least 3 elements of any dtype, and is not written.
+        let got = unsafe { view(c.dtype, p, 3) };
+        let got = got.ok().map(|b| {
+            assert_eq!(
+                (b.dtype(), b.len()),
+                (c.dtype, 3),
+                "{}: type and length",
+                c.dtype
+            );
+            b.as_bytes().len()
+        });
+        assert_eq!(got, c.bytes, "{}: bytes viewed", c.dtype);
+    }
+
+    #[test]
+    fn slots_are_read_with_each_dtypes_own_element_size() {
+        // before, every dtype but float32/float64 was read as int64: 3 bools as 24 bytes
+        let cases = [
+            Case {
+                dtype: DType::F32,
+                bytes: Some(12),
+            },
+            Case {
+                dtype: DType::F64,
+                bytes: Some(24),
+            },
+            Case {
+                dtype: DType::I64,
+                bytes: Some(24),
+            },
+            Case {
+                dtype: DType::Bool,
+                bytes: None,
+            },
+        ];
+        assert_eq!(cases.len(), DType::ALL.len(), "a case per dtype");
+        for c in cases {
+            check(c);
+        }
+    }
 }

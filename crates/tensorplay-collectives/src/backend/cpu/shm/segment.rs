@@ -17,7 +17,6 @@
 //! `sleepers`. Who may read or write a slot when is the step protocol's business (see the
 //! module docs of `shm`).
 
-use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -25,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use crate::shm_host;
+use crate::shm_host::{self, MapMode, Mmap};
 
 const MAGIC: &[u8; 8] = b"TPSHMCC1";
 /// Bytes before the first slot.
@@ -42,21 +41,14 @@ pub(super) const PREFIX: &str = "tensorplay-cc-";
 
 /// A shared read-write mapping of a whole segment.
 pub(super) struct Segment {
-    ptr: *mut u8,
-    len: usize,
+    map: Mmap,
     slot: usize,
 }
-
-// SAFETY: the mapping is plain shared memory owned by this value; concurrent access to it is
-// coordinated by the step protocol (atomics for the counters, exclusive windows for slots).
-unsafe impl Send for Segment {}
-// SAFETY: as above: shared references read the pointer only, and the atomics are atomics.
-unsafe impl Sync for Segment {}
 
 impl std::fmt::Debug for Segment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Segment")
-            .field("len", &self.len)
+            .field("len", &self.map.len())
             .field("slot", &self.slot)
             .finish()
     }
@@ -65,25 +57,6 @@ impl std::fmt::Debug for Segment {
 /// The segment length for slots of `slot` bytes.
 pub(super) fn segment_len(slot: usize) -> usize {
     HEADER + 2 * (SIG + slot)
-}
-
-fn map(file: &File, len: usize) -> io::Result<*mut u8> {
-    // SAFETY: a fresh shared mapping chosen by the kernel (null hint) of an open descriptor;
-    // the result is checked for MAP_FAILED before use.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(p.cast())
 }
 
 /// Why this rank has no segment of its own.
@@ -137,8 +110,10 @@ impl OwnSegment {
                 _ => CreateError::Other(e),
             });
         }
-        let ptr = map(&file, len).map_err(|e| CreateError::Other(cleanup(e)))?;
-        let seg = Segment { ptr, len, slot };
+        let map = Mmap::map(&file, len, MapMode::ReadWrite)
+            .map_err(|e| CreateError::Other(cleanup(e)))?;
+        let ptr = map.as_ptr();
+        let seg = Segment { map, slot };
         // SAFETY: the header lies inside the fresh mapping, which nobody else knows of yet.
         unsafe {
             std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), ptr, 8);
@@ -186,8 +161,9 @@ pub(super) fn map_peer(root: &Path, path: &Path, token: &str, slot: usize) -> Op
     if meta.len() != len as u64 || meta.blocks().saturating_mul(512) < len as u64 {
         return None;
     }
-    let ptr = map(&file, len).ok()?;
-    let seg = Segment { ptr, len, slot };
+    let map = Mmap::map(&file, len, MapMode::ReadWrite).ok()?;
+    let ptr = map.as_ptr();
+    let seg = Segment { map, slot };
     // SAFETY: the header lies inside the mapping; the owner wrote it before advertising the
     // segment and never writes it again.
     let ok = unsafe {
@@ -202,7 +178,7 @@ impl Segment {
     fn atomic(&self, at: usize) -> &AtomicU32 {
         // SAFETY: `at` is a 4-aligned offset inside the header of a live, page-aligned
         // mapping; the word is only ever accessed atomically, by every process.
-        unsafe { &*self.ptr.add(at).cast::<AtomicU32>() }
+        unsafe { &*self.map.as_ptr().add(at).cast::<AtomicU32>() }
     }
 
     /// The owner's step counter.
@@ -223,23 +199,13 @@ impl Segment {
     /// Slot `i`'s signature area (SIG bytes).
     pub(super) fn sig(&self, i: usize) -> *mut u8 {
         // SAFETY: inside the mapping (i is 0 or 1).
-        unsafe { self.ptr.add(HEADER + (i & 1) * (SIG + self.slot)) }
+        unsafe { self.map.as_ptr().add(HEADER + (i & 1) * (SIG + self.slot)) }
     }
 
     /// Slot `i`'s data area (`slot` bytes, 64-byte aligned).
     pub(super) fn data(&self, i: usize) -> *mut u8 {
         // SAFETY: inside the mapping (i is 0 or 1).
         unsafe { self.sig(i).add(SIG) }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len are exactly what mmap returned, and nothing borrows the mapping any
-        // more (borrows never outlive the backend that owns the segments).
-        unsafe {
-            libc::munmap(self.ptr.cast(), self.len);
-        }
     }
 }
 

@@ -1,0 +1,107 @@
+//! Elementwise operations with broadcasting: arithmetic, unary math, activations,
+//! comparisons, `where`, dtype casts and in-place updates. This module holds the kernels that
+//! map elements; each family of operations has a file of its own.
+
+mod binary;
+mod cast;
+mod inplace;
+mod methods;
+mod unary;
+mod where_;
+
+use super::{same_device, with_two};
+use crate::layout::{Layout, broadcast_shapes};
+use crate::storage::StorageElement;
+use crate::{DType, Result, Tensor};
+
+// ---------------------------------------------------------------------------------------------
+// kernels
+
+/// `f(a, b)` elementwise with broadcasting, into a new contiguous tensor.
+///
+/// Rows of the last dimension are processed with tight loops specialised for unit and zero
+/// strides (same-shape operands, a broadcast bias row, a broadcast scalar column), so the
+/// common cases vectorise.
+pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
+    a: &Tensor,
+    b: &Tensor,
+    op: &'static str,
+    f: impl Fn(T, T) -> R,
+) -> Result<Tensor> {
+    same_device(op, a, b)?;
+    let shape = broadcast_shapes(a.shape(), b.shape(), op)?;
+    let la = a.layout().broadcast_to(&shape, op)?;
+    let lb = b.layout().broadcast_to(&shape, op)?;
+    let v = with_two(a, b, op, |sa: &[T], _, sb: &[T], _| {
+        let n: usize = shape.iter().product();
+        if let (Some(ra), Some(rb)) = (la.contiguous_range(), lb.contiguous_range()) {
+            return sa[ra].iter().zip(&sb[rb]).map(|(&x, &y)| f(x, y)).collect();
+        }
+        let mut out: Vec<R> = Vec::with_capacity(n);
+        if n == 0 {
+            return out;
+        }
+        let nd = shape.len();
+        let inner = shape[nd - 1];
+        let (ia, ib) = (la.strides[nd - 1], lb.strides[nd - 1]);
+        let rows = |l: &Layout| Layout {
+            shape: shape[..nd - 1].to_vec(),
+            strides: l.strides[..nd - 1].to_vec(),
+            offset: l.offset,
+        };
+        let (ra, rb) = (rows(&la), rows(&lb));
+        let (oa, ob) = (ra.offsets(), rb.offsets());
+        for (&a0, &b0) in oa.iter().zip(&ob) {
+            match (ia, ib) {
+                (1, 1) => out.extend(
+                    sa[a0..a0 + inner]
+                        .iter()
+                        .zip(&sb[b0..b0 + inner])
+                        .map(|(&x, &y)| f(x, y)),
+                ),
+                (1, 0) => {
+                    let y = sb[b0];
+                    out.extend(sa[a0..a0 + inner].iter().map(|&x| f(x, y)))
+                }
+                (0, 1) => {
+                    let x = sa[a0];
+                    out.extend(sb[b0..b0 + inner].iter().map(|&y| f(x, y)))
+                }
+                _ => out.extend((0..inner).map(|j| f(sa[a0 + j * ia], sb[b0 + j * ib]))),
+            }
+        }
+        out
+    })?;
+    Ok(Tensor::from_cpu(R::into_storage(v), &shape))
+}
+
+/// `f(x)` elementwise into a new contiguous tensor.
+pub(crate) fn unary_map<T: StorageElement, R: StorageElement>(
+    x: &Tensor,
+    op: &'static str,
+    f: impl Fn(T) -> R,
+) -> Result<Tensor> {
+    let v = x.with_slice(op, |s: &[T], l| match l.contiguous_range() {
+        Some(r) => s[r].iter().map(|&v| f(v)).collect::<Vec<R>>(),
+        None => {
+            let mut out = Vec::with_capacity(l.numel());
+            l.for_each_offset(|o| out.push(f(s[o])));
+            out
+        }
+    })?;
+    Ok(Tensor::from_cpu(R::into_storage(v), x.shape()))
+}
+
+/// The dtype two operands promote to (bool < int64 < float32 < float64), as PyTorch's
+/// type promotion for tensors.
+fn promote(a: DType, b: DType) -> DType {
+    fn rank(d: DType) -> u8 {
+        match d {
+            DType::Bool => 0,
+            DType::I64 => 1,
+            DType::F32 => 2,
+            DType::F64 => 3,
+        }
+    }
+    if rank(a) >= rank(b) { a } else { b }
+}
