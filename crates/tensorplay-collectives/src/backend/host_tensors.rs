@@ -52,7 +52,8 @@ macro_rules! dispatch {
             }
             d => Err(Error::Backend {
                 backend: $b.name.to_string(),
-                detail: format!("{d} tensors are not supported; use float32, float64 or int64"),
+                detail: format!("{d} tensors are not supported; use float32, float64 or int64")
+                    .into(),
             }),
         }
     };

@@ -85,7 +85,7 @@
 mod adjoints;
 mod tensor_parallel;
 
-use tensorplay_collectives::{self as coll, ProcessGroup};
+use tensorplay_collectives::{self as coll, Part, ProcessGroup};
 use tensorplay_core::autograd::{Context, Function, apply, is_grad_enabled};
 use tensorplay_core::{DType, Device, Result, Tensor, TensorOptions};
 
@@ -494,14 +494,18 @@ fn agree_dtype(
     if all.iter().all(|d| code(d) == first) {
         return Ok(());
     }
-    let per: Vec<String> = all
-        .iter()
-        .enumerate()
-        .map(|(k, d)| format!("rank {}: {}", gp.g.ranks()[k], dtype_of(code(d))))
-        .collect();
+    let mut detail = coll::Detail::from("dtypes differ (");
+    for (k, d) in all.iter().enumerate() {
+        let sep = if k == 0 { "rank " } else { ", rank " };
+        detail = detail.join(coll::detail!(
+            sep,
+            Part::Rank(gp.g.ranks()[k]),
+            format!(": {}", dtype_of(code(d)))
+        ));
+    }
     Err(coll::Error::Mismatch {
         op: op.to_string(),
-        detail: format!("dtypes differ ({})", per.join(", ")),
+        detail: detail.join(")"),
     })
 }
 
@@ -702,14 +706,18 @@ fn agree_root(
     if all.iter().all(|d| root(d) == first) {
         return Ok(());
     }
-    let per: Vec<String> = all
-        .iter()
-        .enumerate()
-        .map(|(k, d)| format!("rank {}: {arg} {}", gp.g.ranks()[k], root(d)))
-        .collect();
+    let mut detail = coll::Detail::from(format!("{arg} differs ("));
+    for (k, d) in all.iter().enumerate() {
+        let sep = if k == 0 { "rank " } else { ", rank " };
+        detail = detail.join(coll::detail!(
+            sep,
+            Part::Rank(gp.g.ranks()[k]),
+            format!(": {arg} {}", root(d))
+        ));
+    }
     Err(coll::Error::Mismatch {
         op: op.to_string(),
-        detail: format!("{arg} differs ({})", per.join(", ")),
+        detail: detail.join(")"),
     })
 }
 
@@ -1091,12 +1099,12 @@ pub fn all_to_all_single(
     if let Some(k) = trailing.iter().position(|t| *t != trailing[0]) {
         return Err(coll::Error::Mismatch {
             op: OP.into(),
-            detail: format!(
-                "the rows' shapes differ: rank {} has rows of shape {:?}, rank {} of {:?}",
-                gp.g.ranks()[0],
-                trailing[0],
-                gp.g.ranks()[k],
-                trailing[k]
+            detail: coll::detail!(
+                "the rows' shapes differ: rank ",
+                Part::Rank(gp.g.ranks()[0]),
+                format!(" has rows of shape {:?}, rank ", trailing[0]),
+                Part::Rank(gp.g.ranks()[k]),
+                format!(" of {:?}", trailing[k])
             ),
         }
         .into());
@@ -1115,13 +1123,16 @@ pub fn all_to_all_single(
             if expect != send[r] as i64 {
                 return Err(coll::Error::Mismatch {
                     op: OP.into(),
-                    detail: format!(
-                        "rank {} sends {} row(s) to rank {}, which expects {} (its output_split_sizes[{j}])",
-                        gp.g.ranks()[j],
-                        send[r],
-                        gp.g.ranks()[r],
+                    detail: coll::detail!(
+                        "rank ",
+                        Part::Rank(gp.g.ranks()[j]),
+                        format!(" sends {} row(s) to rank ", send[r]),
+                        Part::Rank(gp.g.ranks()[r]),
                         // sizes above i64::MAX travel as negative numbers
-                        expect as u64
+                        format!(
+                            ", which expects {} (its output_split_sizes[{j}])",
+                            expect as u64
+                        )
                     ),
                 }
                 .into());
@@ -1138,10 +1149,12 @@ pub fn all_to_all_single(
         {
             return Err(coll::Error::Mismatch {
                 op: OP.into(),
-                detail: format!(
-                    "rank {} would receive {rows:?} rows from the ranks {:?}, more than fit in usize",
-                    gp.g.ranks()[r],
-                    gp.g.ranks()
+                detail: coll::detail!(
+                    "rank ",
+                    Part::Rank(gp.g.ranks()[r]),
+                    format!(" would receive {rows:?} rows from the ranks "),
+                    Part::Ranks(gp.g.ranks().to_vec()),
+                    ", more than fit in usize"
                 ),
             }
             .into());
