@@ -71,7 +71,7 @@ impl fmt::Debug for ModuleCore {
 /// [`Module::to_device`]; [`Module::to`] (which takes a [`Device`] or a string) calls it.
 ///
 /// Methods that change a module's state return `Result`, because a module that only proxies
-/// a remote one implements this trait too and refuses them with [`Error::Unsupported`].
+/// a remote one implements this trait too and refuses them with [`Error::NotSupported`].
 pub trait Module: Send + Sync {
     /// Computes the output from `input`. Prefer [`Module::call`], which also runs the forward
     /// hooks (as `module(x)` does in PyTorch).
