@@ -18,8 +18,21 @@ const BAD: usize = 1;
 fn failed(case: &str, rank: usize, r: dist::Result<()>, mine: &str, others: &str) -> TestResult {
     let e = match r {
         Ok(()) => return Err(format!("case {case}: rank {rank} returned Ok").into()),
-        Err(e) => e.to_string(),
+        Err(e) => e,
     };
+    // the rank is a field: the bad rank's own InvalidArgument, a Mismatch naming it elsewhere
+    let named = match &e {
+        dist::Error::InvalidArgument { rank: r, .. } => rank == BAD && *r == BAD as i64,
+        dist::Error::Mismatch { detail, .. } => rank != BAD && detail.ranks().contains(&BAD),
+        _ => false,
+    };
+    if !named {
+        return Err(
+            format!("case {case}: rank {rank}'s error does not name rank {BAD}: {e:?}").into(),
+        );
+    }
+    // the words a person reads
+    let e = e.to_string();
     let want = if rank == BAD { mine } else { others };
     if !e.contains(want) {
         return Err(format!("case {case}: rank {rank}'s error lacks {want:?}: {e}").into());
