@@ -22,9 +22,8 @@ fn fails_everywhere<T>(
     bad: usize,
     own: &str,
 ) -> TestResult {
-    let e = match r {
-        Ok(_) => return Err(format!("{what}: rank {rank} succeeded").into()),
-        Err(e) => e,
+    let Err(e) = r else {
+        return Err(format!("{what}: rank {rank} succeeded").into());
     };
     // the rank is a field: the bad rank's own InvalidArgument (or a core error of its tensor),
     // a Mismatch naming it on the others; never a timeout

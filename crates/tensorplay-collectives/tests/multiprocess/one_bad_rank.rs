@@ -16,9 +16,8 @@ const BAD: usize = 1;
 /// Checks that `r` is an error, of the bad rank's own arguments on [`BAD`] and naming [`BAD`]
 /// (`others` in the message) on the other ranks.
 fn failed(case: &str, rank: usize, r: dist::Result<()>, mine: &str, others: &str) -> TestResult {
-    let e = match r {
-        Ok(()) => return Err(format!("case {case}: rank {rank} returned Ok").into()),
-        Err(e) => e,
+    let Err(e) = r else {
+        return Err(format!("case {case}: rank {rank} returned Ok").into());
     };
     // the rank is a field: the bad rank's own InvalidArgument, a Mismatch naming it elsewhere
     let named = match &e {

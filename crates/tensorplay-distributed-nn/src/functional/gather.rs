@@ -19,7 +19,7 @@ use super::{all_to_all, reduce_scatter, scatter};
 /// equal, an [`all_to_all`] followed by a local sum otherwise.
 ///
 /// # Errors
-/// Ranks disagreeing on dtype (on every rank, naming them), more than [`MAX_DIMS`] dimensions,
+/// Ranks disagreeing on dtype (on every rank, naming them), more than [`MAX_DIMS`](super::MAX_DIMS) dimensions,
 /// timeouts and peer failures.
 pub fn all_gather(tensor: &Tensor, group: Option<&ProcessGroup>) -> Result<Vec<Tensor>> {
     const OP: &str = "all_gather";

@@ -3,7 +3,7 @@
 //! Each function runs the blocking collective of `tensorplay::distributed` on a copy of its
 //! input and returns **new** tensors (inputs are never written) that carry a `grad_fn` when an
 //! input requires grad. The backward of each is the inverse collective, written with the same
-//! public [`Function`] trait a user would use, out of these
+//! public [`Function`](tensorplay_core::autograd::Function) trait a user would use, out of these
 //! very functions — so gradients of gradients (double backward) work too.
 //!
 //! # The gradient convention

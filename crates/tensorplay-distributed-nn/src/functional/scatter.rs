@@ -19,7 +19,7 @@ use super::{gather, reduce};
 ///
 /// # Errors
 /// `src` not in the group, a dtype other than float32, float64 or int64 or more than
-/// [`MAX_DIMS`] dimensions, ranks disagreeing on shape, dtype or `src` (on every rank, naming
+/// [`MAX_DIMS`](super::MAX_DIMS) dimensions, ranks disagreeing on shape, dtype or `src` (on every rank, naming
 /// them), timeouts and peer failures of the collectives.
 pub fn broadcast(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<Tensor> {
     let gp = Grp::new(group, "broadcast")?;

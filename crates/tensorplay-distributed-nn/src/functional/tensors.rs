@@ -7,7 +7,7 @@ use super::group::Grp;
 use tensorplay_collectives as coll;
 use tensorplay_core::{DType, Device, Result, Tensor, TensorOptions};
 
-/// Checks a tensor argument: a dtype the collectives move and at most [`MAX_DIMS`] dims.
+/// Checks a tensor argument: a dtype the collectives move and at most [`MAX_DIMS`](super::MAX_DIMS) dims.
 pub(super) fn check_tensor(gp: &Grp, op: &str, arg: &str, t: &Tensor) -> coll::Result<()> {
     if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::I64) {
         return Err(gp.err(op, arg, "a float32, float64 or int64 tensor", t.dtype()));
