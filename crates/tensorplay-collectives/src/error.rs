@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::{Detail, Part};
+
 /// " on rank N", or nothing when the rank is not known yet (-1): messages never say
 /// "rank -1".
 fn on_rank(rank: i64) -> String {
@@ -14,6 +16,11 @@ fn on_rank(rank: i64) -> String {
 
 /// Every fallible operation of this crate returns this error. Variants name the rank(s),
 /// the argument and what was expected.
+///
+/// Ranks are typed fields in **global** numbering: `rank`, `peer`, and the ranks a
+/// [`Detail`] names ([`Detail::ranks`]). A group's backend numbers its members `0..size`;
+/// the group maps every rank field through its member list before the error reaches the
+/// caller, and the message is generated from the fields, so it names global ranks too.
 #[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -29,8 +36,9 @@ pub enum Error {
         rank: i64,
         /// The timeout that expired.
         timeout: Duration,
-        /// What it was waiting for (for example "rank 2 never joined").
-        detail: String,
+        /// What it was waiting for (for example "rank 2 never joined"); the ranks it names
+        /// are in [`Detail::ranks`].
+        detail: Detail,
     },
     /// A store operation failed (connection refused, protocol error, server gone).
     #[error("store: {0}")]
@@ -45,7 +53,7 @@ pub enum Error {
         /// The operation.
         op: String,
         /// The I/O error or protocol message.
-        detail: String,
+        detail: Detail,
     },
     /// The ranks of a group called a collective with arguments that disagree (shapes, dtypes,
     /// counts, split sizes, ops, roots).
@@ -53,8 +61,8 @@ pub enum Error {
     Mismatch {
         /// The collective.
         op: String,
-        /// Which ranks passed which values.
-        detail: String,
+        /// Which ranks passed which values (the ranks in [`Detail::ranks`]).
+        detail: Detail,
     },
     /// An argument had an invalid value on this rank.
     #[error("{op}{}: invalid argument `{arg}`: expected {expected}, got {got}", on_rank(*rank))]
@@ -82,7 +90,7 @@ pub enum Error {
         /// The backend name.
         backend: String,
         /// What is wrong and what to do.
-        detail: String,
+        detail: Detail,
     },
     /// `spawn` failed: a child process failed, or could not be started.
     #[error("spawn: rank {rank} {reason}\n--- output of rank {rank} ---\n{output}")]
@@ -149,7 +157,7 @@ impl Error {
                 op,
                 rank,
                 timeout,
-                detail: detail + note,
+                detail: detail.join(note),
             },
             Error::PeerFailed {
                 rank,
@@ -160,9 +168,134 @@ impl Error {
                 rank,
                 peer,
                 op,
-                detail: detail + note,
+                detail: detail.join(note),
             },
             other => other,
+        }
+    }
+
+    /// This error with every rank field (`rank`, `peer`, the ranks of a [`Detail`]) replaced
+    /// by `f(rank)`; a rank not known yet (-1) stays -1. A group uses it to turn its
+    /// backend's group ranks into global ranks.
+    pub fn map_ranks(self, f: impl Fn(usize) -> usize) -> Self {
+        let f = &f;
+        let rank_i64 = |r: i64| usize::try_from(r).map_or(r, |r| f(r) as i64);
+        match self {
+            Error::Timeout {
+                op,
+                rank,
+                timeout,
+                detail,
+            } => Error::Timeout {
+                op,
+                rank: rank_i64(rank),
+                timeout,
+                detail: detail.map_ranks(f),
+            },
+            Error::PeerFailed {
+                rank,
+                peer,
+                op,
+                detail,
+            } => Error::PeerFailed {
+                rank: f(rank),
+                peer: f(peer),
+                op,
+                detail: detail.map_ranks(f),
+            },
+            Error::Mismatch { op, detail } => Error::Mismatch {
+                op,
+                detail: detail.map_ranks(f),
+            },
+            Error::Backend { backend, detail } => Error::Backend {
+                backend,
+                detail: detail.map_ranks(f),
+            },
+            Error::InvalidArgument {
+                op,
+                rank,
+                arg,
+                expected,
+                got,
+            } => Error::InvalidArgument {
+                op,
+                rank: rank_i64(rank),
+                arg,
+                expected,
+                got,
+            },
+            // spawn's ranks are the job's (global) ranks: no group numbers them
+            other @ (Error::Spawn { .. }
+            | Error::Core(_)
+            | Error::Store(_)
+            | Error::NotInitialized { .. }
+            | Error::Io(_)) => other,
+        }
+    }
+}
+
+impl Error {
+    /// The message (what `Display` shows) as a [`Detail`] whose ranks are typed: how one
+    /// error's text is quoted inside another's (a backend quoting the error that shut its
+    /// group down) and still renumbered with it.
+    pub fn message(&self) -> Detail {
+        let on_rank = |rank: i64| match usize::try_from(rank) {
+            Ok(r) => crate::detail!(" on rank ", Part::Rank(r)),
+            Err(_) => Detail::default(),
+        };
+        match self {
+            Error::Timeout {
+                op,
+                rank,
+                timeout,
+                detail,
+            } => crate::detail!(format!("{op} timed out after {timeout:?}"))
+                .join(on_rank(*rank))
+                .join(": ")
+                .join(detail.clone()),
+            Error::PeerFailed {
+                rank,
+                peer,
+                op,
+                detail,
+            } => crate::detail!(
+                "rank ",
+                Part::Rank(*rank),
+                ": connection to rank ",
+                Part::Rank(*peer),
+                format!(" failed during {op}: ")
+            )
+            .join(detail.clone()),
+            Error::Mismatch { op, detail } => {
+                Detail::from(format!("{op}: ranks disagree: ")).join(detail.clone())
+            }
+            Error::InvalidArgument {
+                op,
+                rank,
+                arg,
+                expected,
+                got,
+            } => Detail::from(op.as_str()).join(on_rank(*rank)).join(format!(
+                ": invalid argument `{arg}`: expected {expected}, got {got}"
+            )),
+            Error::Backend { backend, detail } => {
+                Detail::from(format!("backend {backend}: ")).join(detail.clone())
+            }
+            Error::Spawn {
+                rank,
+                reason,
+                output,
+            } => crate::detail!(
+                "spawn: rank ",
+                Part::Rank(*rank),
+                format!(" {reason}\n--- output of rank "),
+                Part::Rank(*rank),
+                format!(" ---\n{output}")
+            ),
+            other @ (Error::Core(_)
+            | Error::Store(_)
+            | Error::NotInitialized { .. }
+            | Error::Io(_)) => Detail::from(other.to_string()),
         }
     }
 }
@@ -179,5 +312,71 @@ impl From<std::io::Error> for Error {
 impl std::fmt::Debug for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         tensorplay_core::fmt_error_chain(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detail;
+
+    /// `message()` shows what `Display` shows, for every variant that names ranks.
+    #[test]
+    fn the_message_with_typed_ranks_is_the_display_text() {
+        let d = || detail!("rank ", Part::Rank(2), " never reached this call");
+        let cases = [
+            Error::Timeout {
+                op: "all_reduce".into(),
+                rank: 1,
+                timeout: Duration::from_secs(3),
+                detail: d(),
+            },
+            Error::Timeout {
+                op: "store get".into(),
+                rank: -1,
+                timeout: Duration::from_millis(1500),
+                detail: "key k".into(),
+            },
+            Error::PeerFailed {
+                rank: 0,
+                peer: 2,
+                op: "barrier".into(),
+                detail: d(),
+            },
+            Error::Mismatch {
+                op: "broadcast".into(),
+                detail: d(),
+            },
+            Error::invalid("send", 3, "dst", "a rank other than this one", 3),
+            Error::invalid("rendezvous", -1, "RANK", "a rank", "\"-1\""),
+            Error::Backend {
+                backend: "cpu".into(),
+                detail: d(),
+            },
+            Error::Spawn {
+                rank: 1,
+                reason: "failed (exit code 1)".into(),
+                output: "boom".into(),
+            },
+            Error::Store("gone".into()),
+            Error::NotInitialized {
+                op: "barrier".into(),
+            },
+            Error::Io("closed".into()),
+        ];
+        for e in cases {
+            assert_eq!(e.message().to_string(), e.to_string(), "{e:?}");
+        }
+        let e = Error::Timeout {
+            op: "all_reduce".into(),
+            rank: 1,
+            timeout: Duration::from_secs(3),
+            detail: d(),
+        };
+        assert_eq!(e.message().ranks(), [1, 2]);
+        assert_eq!(
+            e.message().map_ranks(&|r| r + 4).to_string(),
+            "all_reduce timed out after 3s on rank 5: rank 6 never reached this call"
+        );
     }
 }

@@ -5,6 +5,7 @@
 //! [`register_backend`]; this crate never links CUDA.
 
 pub mod backend;
+mod detail;
 mod error;
 mod group;
 pub mod launch_env;
@@ -18,6 +19,7 @@ pub mod store;
 mod work;
 
 pub use backend::{register_backend, registered_backends};
+pub use detail::{Detail, Part};
 pub use error::{Error, Result};
 pub use group::{
     DEFAULT_TIMEOUT, InitOptions, ProcessGroup, default_group, destroy_process_group, get_backend,

@@ -12,7 +12,9 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::{Error, ProcessGroup, Result, all_gather, broadcast, get_rank, get_world_size};
+use crate::{
+    Error, Part, ProcessGroup, Result, all_gather, broadcast, detail, get_rank, get_world_size,
+};
 use tensorplay_core::{DType, Tensor};
 
 /// Bytes as little-endian int64 words (the last one zero-padded): the tensor the collectives
@@ -58,12 +60,16 @@ fn decode<T: DeserializeOwned>(op: &'static str, rank: usize, from: usize, b: &[
     });
     decoded.map_err(|e| Error::Mismatch {
         op: op.to_string(),
-        detail: format!(
-            "rank {rank} could not decode the {} bytes from rank {from} as {}: {e} (every rank \
-             must use the same type; self-describing types such as serde_json::Value are not \
-             supported)",
-            b.len(),
-            std::any::type_name::<T>()
+        detail: detail!(
+            "rank ",
+            Part::Rank(rank),
+            format!(" could not decode the {} bytes from rank ", b.len()),
+            Part::Rank(from),
+            format!(
+                " as {}: {e} (every rank must use the same type; self-describing types such as \
+                 serde_json::Value are not supported)",
+                std::any::type_name::<T>()
+            )
         ),
     })
 }
@@ -81,12 +87,23 @@ fn byte_len(op: &'static str, rank: usize, from: usize, v: i64) -> Result<usize>
     if v == ENCODE_FAILED {
         return Err(Error::Mismatch {
             op: op.to_string(),
-            detail: format!("rank {from} could not serialize its object (rank {rank} stops too)"),
+            detail: detail!(
+                "rank ",
+                Part::Rank(from),
+                " could not serialize its object (rank ",
+                Part::Rank(rank),
+                " stops too)"
+            ),
         });
     }
     usize::try_from(v).map_err(|_| Error::Mismatch {
         op: op.to_string(),
-        detail: format!("rank {rank} got a length of {v} bytes from rank {from}"),
+        detail: detail!(
+            "rank ",
+            Part::Rank(rank),
+            format!(" got a length of {v} bytes from rank "),
+            Part::Rank(from)
+        ),
     })
 }
 

@@ -413,9 +413,14 @@ pub fn rendezvous_barrier(
                     op: "rendezvous".into(),
                     rank: r,
                     timeout,
-                    detail: format!(
-                        "rank 0, which hosts the store, timed out waiting for the world of \
-                         {world_size}: missing ranks: {missing}"
+                    // the missing ranks arrive as rank 0 published them, as words
+                    detail: crate::detail!(
+                        "rank ",
+                        crate::Part::Rank(0),
+                        format!(
+                            ", which hosts the store, timed out waiting for the world of \
+                             {world_size}: missing ranks: {missing}"
+                        )
                     ),
                 })
             }
@@ -450,7 +455,8 @@ pub fn rendezvous_barrier(
                 detail: format!(
                     "only {joined} of {world_size} ranks joined (missing ranks: {})",
                     list(missing.as_deref())
-                ),
+                )
+                .into(),
             })
         }
         // rank 0 hosts the store: when it gave up first, the others lose the server

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Sender, bounded, unbounded};
 
-use crate::{Error, Result};
+use crate::{Error, Part, Result, detail};
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 type Queued = (u64, Job, Sender<Done>, String, Duration);
@@ -94,9 +94,10 @@ impl Sequencer {
                     op: op.to_string(),
                     rank: self.rank,
                     timeout,
-                    detail: format!(
-                        "an earlier operation on this group (ranks {:?}) did not finish",
-                        self.ranks
+                    detail: detail!(
+                        "an earlier operation on this group (ranks ",
+                        Part::Ranks(self.ranks.clone()),
+                        ") did not finish"
                     ),
                 });
             }
@@ -117,7 +118,14 @@ impl Sequencer {
                 .unwrap_or_else(|| "a non-string panic".into());
             Err(Error::Backend {
                 backend: "(the group's backend)".into(),
-                detail: format!("{op} panicked on rank {}: {msg}", self.rank),
+                detail: match usize::try_from(self.rank) {
+                    Ok(r) => detail!(
+                        format!("{op} panicked on rank "),
+                        Part::Rank(r),
+                        format!(": {msg}")
+                    ),
+                    Err(_) => format!("{op} panicked on rank {}: {msg}", self.rank).into(),
+                },
             })
         });
         self.advance();
@@ -237,12 +245,12 @@ impl Work {
                     op: format!("Work::wait on {}", self.op),
                     rank: self.rank,
                     timeout: t,
-                    detail: format!(
-                        "the operation has not finished: one of the group's ranks {:?} has not \
-                     taken part yet, or an earlier operation of the group still runs (a later \
-                     wait may still succeed; the operation itself fails at the group's timeout \
-                     naming the rank it waits for)",
-                        self.ranks
+                    detail: detail!(
+                        "the operation has not finished: one of the group's ranks ",
+                        Part::Ranks(self.ranks.clone()),
+                        " has not taken part yet, or an earlier operation of the group still \
+                         runs (a later wait may still succeed; the operation itself fails at \
+                         the group's timeout naming the rank it waits for)"
                     ),
                 },
             })?,

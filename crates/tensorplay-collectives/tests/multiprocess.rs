@@ -801,7 +801,12 @@ fn world_size_4_with_subgroups() -> TestResult {
                 all_collectives(rank, 4, Some(&g123), &[1, 2, 3])?;
             } else {
                 assert_eq!(g123.rank(), None);
-                let e = dist::get_rank(Some(&g123)).unwrap_err().to_string();
+                let e = dist::get_rank(Some(&g123)).unwrap_err();
+                assert!(
+                    matches!(&e, dist::Error::InvalidArgument { rank: 0, arg, .. } if arg == "group"),
+                    "{e:?}"
+                );
+                let e = e.to_string();
                 assert!(e.contains("get_rank") && e.contains("[1, 2, 3]"), "{e}");
                 let t = Tensor::zeros(&[1], DType::F32)?;
                 assert!(dist::all_reduce(&t, ReduceOp::Sum, Some(&g123)).is_err());
@@ -848,6 +853,10 @@ fn mismatched_shapes_are_an_error_on_every_rank() -> TestResult {
         init(10)?;
         let t = Tensor::zeros(&[3 + rank], DType::F32)?;
         let e = dist::all_reduce(&t, ReduceOp::Sum, None).unwrap_err();
+        assert!(
+            matches!(&e, dist::Error::Mismatch { detail, .. } if detail.ranks() == [0, 1]),
+            "{e:?}"
+        );
         let msg = e.to_string();
         assert!(
             msg.contains("rank 0 passed float32 [3]") && msg.contains("rank 1 passed float32 [4]"),
@@ -858,6 +867,7 @@ fn mismatched_shapes_are_an_error_on_every_rank() -> TestResult {
         let y = Tensor::zeros(&[4], DType::F32)?;
         let splits: &[usize] = if rank == 0 { &[1, 3] } else { &[2, 2] };
         let e = dist::all_to_all_single(&y, &x, Some(&[2, 2]), Some(splits), None).unwrap_err();
+        assert!(matches!(&e, dist::Error::Mismatch { .. }), "{e:?}");
         assert!(e.to_string().contains("sends"), "{e}");
         // bad arguments on one rank only: that rank gets its own error, the other a mismatch
         // naming it, and both stay in step for the next call
@@ -867,29 +877,31 @@ fn mismatched_shapes_are_an_error_on_every_rank() -> TestResult {
             Tensor::zeros(&[2], DType::F32)?
         };
         let e = dist::all_reduce(&t, ReduceOp::Sum, None).unwrap_err();
+        // the rank that rejected its own arguments: a field of either error
+        let own_or_named = |e: &dist::Error, bad: usize, arg: &str| match e {
+            dist::Error::InvalidArgument { rank, arg: a, .. } => *rank == bad as i64 && a == arg,
+            // "rank(s) [bad] rejected their own arguments: rank bad: ..."
+            dist::Error::Mismatch { detail, .. } => {
+                detail.parts().get(1) == Some(&dist::Part::Ranks(vec![bad]))
+                    && detail.contains("rejected their own arguments")
+            }
+            _ => false,
+        };
+        assert!(own_or_named(&e, 0, "tensor"), "{e:?}");
+        assert_eq!(rank == 0, matches!(e, dist::Error::InvalidArgument { .. }));
         if rank == 0 {
             assert!(e.to_string().contains("float32, float64 or int64"), "{e}");
-        } else {
-            assert!(
-                e.to_string().contains("[0] rejected their own arguments"),
-                "{e}"
-            );
         }
         let t = Tensor::zeros(&[2], DType::F32)?;
         let e = dist::broadcast(&t, if rank == 0 { 9 } else { 0 }, None).unwrap_err();
-        assert!(
-            e.to_string()
-                .contains(if rank == 0 { "src" } else { "rejected" }),
-            "{e}"
-        );
+        assert!(own_or_named(&e, 0, "src"), "{e:?}");
         let out = Tensor::zeros(&[4 + rank], DType::F32)?; // wrong size on rank 1 only
         let e = dist::all_gather_into_tensor(&out, &Tensor::zeros(&[2], DType::F32)?, None)
             .unwrap_err();
-        assert!(
-            e.to_string()
-                .contains(if rank == 1 { "elements" } else { "rejected" }),
-            "{e}"
-        );
+        assert!(own_or_named(&e, 1, "output"), "{e:?}");
+        if rank == 1 {
+            assert!(e.to_string().contains("elements"), "{e}");
+        }
         let out = Tensor::zeros(&[2], DType::I64)?;
         let op = if rank == 0 {
             ReduceOp::Avg
@@ -898,11 +910,10 @@ fn mismatched_shapes_are_an_error_on_every_rank() -> TestResult {
         }; // Avg on int64: rank 0 only
         let e = dist::reduce_scatter_tensor(&out, &Tensor::zeros(&[4], DType::I64)?, op, None)
             .unwrap_err();
-        assert!(
-            e.to_string()
-                .contains(if rank == 0 { "Avg" } else { "rejected" }),
-            "{e}"
-        );
+        assert!(own_or_named(&e, 0, "op"), "{e:?}");
+        if rank == 0 {
+            assert!(e.to_string().contains("Avg"), "{e}");
+        }
         // the group still works afterwards
         let ok = Tensor::ones(&[2], DType::F32)?;
         dist::all_reduce(&ok, ReduceOp::Sum, None)?;
@@ -957,7 +968,15 @@ fn a_dead_rank_is_reported_not_a_hang() -> TestResult {
             "took {:?}",
             start.elapsed()
         );
-        assert!(e.to_string().contains('2'), "the error names rank 2: {e}");
+        // rank 2 is named by a field: the peer that failed, or a rank waited for
+        let names_2 = match &e {
+            dist::Error::PeerFailed { peer, detail, .. } => {
+                *peer == 2 || detail.ranks().contains(&2)
+            }
+            dist::Error::Timeout { detail, .. } => detail.ranks().contains(&2),
+            _ => false,
+        };
+        assert!(names_2, "the error names rank 2: {e:?}");
         Ok(())
     })?;
     Ok(())

@@ -104,21 +104,15 @@ pub enum Error {
         /// The driver's message.
         message: String,
     },
-    /// The operation exists but not for this device or configuration yet.
+    /// The operation exists but not for this device or configuration yet, or a method is
+    /// refused here (a `ModuleList`'s `forward`, a `RemoteModule`'s state-changing methods).
     #[error("{op} is not supported {detail}")]
     NotSupported {
-        /// Operation name.
+        /// Operation or method name.
         op: &'static str,
-        /// Where it is not supported (for example "on CUDA tensors yet").
+        /// Where it is not supported (for example "on CUDA tensors yet"), or "here: " and
+        /// what to do instead.
         detail: String,
-    },
-    /// A method refused because it would mutate state it does not own (used by RemoteModule).
-    #[error("{method} is not supported here: {hint}")]
-    Unsupported {
-        /// The method refused.
-        method: &'static str,
-        /// What to do instead.
-        hint: String,
     },
     /// A checkpoint file could not be written or read: an I/O error, a file that is not
     /// safetensors, a truncated or corrupt one, or one that does not hold what was asked for.
@@ -171,7 +165,6 @@ impl Error {
             Error::CudaUnavailable { .. } => "CudaUnavailable",
             Error::Cuda { .. } => "Cuda",
             Error::NotSupported { .. } => "NotSupported",
-            Error::Unsupported { .. } => "Unsupported",
             Error::Checkpoint { .. } => "Checkpoint",
             Error::Autograd(_) => "Autograd",
             Error::External(_) => "External",

@@ -16,7 +16,7 @@ use crate::ffi::{self, IN_PROGRESS, Nccl, NcclResult, SUCCESS, UniqueId};
 pub(crate) fn nccl_error(n: &Nccl, call: &str, r: NcclResult) -> Error {
     Error::Backend {
         backend: "nccl".into(),
-        detail: format!("{call} failed: {}", n.error_string(r)),
+        detail: format!("{call} failed: {}", n.error_string(r)).into(),
     }
 }
 
@@ -54,7 +54,7 @@ impl Communicator {
     ) -> Result<Communicator> {
         let stream = ctx.new_stream().map_err(|e| Error::Backend {
             backend: "nccl".into(),
-            detail: format!("could not create a stream on cuda:{}: {e:?}", ctx.ordinal()),
+            detail: format!("could not create a stream on cuda:{}: {e:?}", ctx.ordinal()).into(),
         })?;
         let (tx, rx) = crossbeam::channel::bounded(1);
         let c2 = ctx.clone();
@@ -81,7 +81,7 @@ impl Communicator {
             Ok(Err(e)) => {
                 return Err(Error::Backend {
                     backend: "nccl".into(),
-                    detail: format!("could not bind cuda:{}: {e}", ctx.ordinal()),
+                    detail: format!("could not bind cuda:{}: {e}", ctx.ordinal()).into(),
                 });
             }
             Err(_) => {
@@ -91,7 +91,8 @@ impl Communicator {
                     timeout,
                     detail: format!(
                         "not every one of the {size} ranks joined the NCCL communicator"
-                    ),
+                    )
+                    .into(),
                 });
             }
         };
@@ -141,7 +142,8 @@ impl Communicator {
                 backend: "nccl".into(),
                 detail: format!(
                     "{call}: this group's communicator was aborted earlier ({why}); create a new group"
-                ),
+                )
+                .into(),
             });
         }
         self.ctx
@@ -216,7 +218,7 @@ impl Communicator {
         self.abort(format!("{call}: {detail}"));
         Error::Backend {
             backend: "nccl".into(),
-            detail: format!("{call}: {detail}"),
+            detail: format!("{call}: {detail}").into(),
         }
     }
 

@@ -48,7 +48,7 @@ impl Dev {
 pub(crate) fn bad(detail: impl Into<String>) -> Error {
     Error::Backend {
         backend: "nccl".into(),
-        detail: detail.into(),
+        detail: tensorplay_collectives::Detail::from(detail.into()),
     }
 }
 

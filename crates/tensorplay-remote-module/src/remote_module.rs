@@ -340,9 +340,9 @@ pub fn interface_method_name<M: RemoteConstructible>(iface: &str, method: &str) 
 }
 
 pub(crate) fn unsupported(method: &'static str, hint: &str) -> Error {
-    Error::Unsupported {
-        method,
-        hint: format!("RemoteModule holds no local state; {hint}"),
+    Error::NotSupported {
+        op: method,
+        detail: format!("here: RemoteModule holds no local state; {hint}"),
     }
 }
 

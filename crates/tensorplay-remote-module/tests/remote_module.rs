@@ -143,9 +143,9 @@ fn init(rank: usize, world: usize) -> rpc::Result<()> {
 
 fn is_unsupported(r: Result<impl std::fmt::Debug>, method: &str) {
     match r {
-        Err(Error::Unsupported { method: m, hint }) => {
-            assert_eq!(m, method);
-            assert!(!hint.is_empty());
+        Err(Error::NotSupported { op, detail }) => {
+            assert_eq!(op, method);
+            assert!(detail.starts_with("here: RemoteModule holds no local state; "));
         }
         other => panic!("{method}: {other:?}"),
     }

@@ -194,14 +194,14 @@ pub mod distributed {
         SPAWN_CALLS_ENV, SpawnError, SpawnOptions, is_spawned_child, spawn_with,
     };
     pub use tensorplay_collectives::{
-        DEFAULT_TIMEOUT, Error, InitOptions, ProcessGroup, ReduceOp, Work, all_gather,
-        all_gather_into_tensor, all_gather_into_tensor_async, all_gather_object, all_reduce,
-        all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async, backend, barrier,
-        broadcast, broadcast_async, broadcast_object_list, default_group, destroy_process_group,
-        dump_flight_recorder, gather, get_backend, get_rank, get_world_size, irecv, is_initialized,
-        isend, launch_env, recorder, recv, reduce, reduce_scatter, reduce_scatter_tensor,
-        reduce_scatter_tensor_async, register_backend, registered_backends, rendezvous, scatter,
-        send, spawn, store, world_store,
+        DEFAULT_TIMEOUT, Detail, Error, InitOptions, Part, ProcessGroup, ReduceOp, Work,
+        all_gather, all_gather_into_tensor, all_gather_into_tensor_async, all_gather_object,
+        all_reduce, all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async,
+        backend, barrier, broadcast, broadcast_async, broadcast_object_list, default_group,
+        destroy_process_group, dump_flight_recorder, gather, get_backend, get_rank, get_world_size,
+        irecv, is_initialized, isend, launch_env, recorder, recv, reduce, reduce_scatter,
+        reduce_scatter_tensor, reduce_scatter_tensor_async, register_backend, registered_backends,
+        rendezvous, scatter, send, spawn, store, world_store,
     };
     #[doc(inline)]
     pub use tensorplay_distributed_nn::checkpoint;

@@ -34,7 +34,8 @@ macro_rules! dispatch {
     ($b:expr, $dt:expr, $T:ident => $body:expr) => {
         tensorplay_core::with_numeric_dtype!($dt, $T => $body, d => Err(Error::Backend {
             backend: $b.name.to_string(),
-            detail: format!("{d} tensors are not supported; use float32, float64 or int64"),
+            detail: format!("{d} tensors are not supported; use float32, float64 or int64")
+                .into(),
         }))
     };
 }

@@ -15,7 +15,11 @@
 //! element counts that match across ranks, no input that shares storage with an output, and
 //! `root`s that are group ranks. It must honour `timeout` (return [`Error::Timeout`] naming
 //! the call rather than hang), report a dead peer as [`Error::PeerFailed`], and after an
-//! error of its own transport fail every later call at once.
+//! error of its own transport fail every later call at once. Its errors name ranks as
+//! fields in its group numbering: `rank`, `peer`, and in a [`Detail`](crate::Detail) each rank
+//! as [`Part::Rank`](crate::Part::Rank) (or a list as [`Part::Ranks`](crate::Part::Ranks)),
+//! never as a number inside the words: the group maps those fields to global ranks, and the
+//! words are shown as written.
 //!
 //! A third backend is a crate: implement [`Backend`] and call [`register_backend`] before
 //! `init_process_group`/`new_group` name it (PyTorch's `Backend.register_backend`). The NCCL

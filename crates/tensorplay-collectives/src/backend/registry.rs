@@ -151,6 +151,6 @@ fn unknown(name: &str) -> Error {
     };
     Error::Backend {
         backend: name.to_string(),
-        detail: hint,
+        detail: hint.into(),
     }
 }

@@ -7,7 +7,7 @@ use super::stage::{self, Out};
 use super::{Call, blocking, call, check_writable, queued, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
-use crate::{Error, Result};
+use crate::{Error, Part, Result, detail};
 
 /// Rank `r` sends `input_list[s]` to rank `s`, which receives it into `output_list[r]`
 /// (`dist.all_to_all`). Sizes may differ per pair but must agree between sender and receiver.
@@ -83,12 +83,15 @@ fn a2a_check(
             if sends != expects {
                 return Err(Error::Mismatch {
                     op: c.op.to_string(),
-                    detail: format!(
-                        "rank {} sends {sends} elements to rank {} but rank {} expects {expects} from rank {}",
-                        c.g.ranks()[r],
-                        c.g.ranks()[s],
-                        c.g.ranks()[s],
-                        c.g.ranks()[r]
+                    detail: detail!(
+                        "rank ",
+                        Part::Rank(c.g.ranks()[r]),
+                        format!(" sends {sends} elements to rank "),
+                        Part::Rank(c.g.ranks()[s]),
+                        " but rank ",
+                        Part::Rank(c.g.ranks()[s]),
+                        format!(" expects {expects} from rank "),
+                        Part::Rank(c.g.ranks()[r])
                     ),
                 });
             }

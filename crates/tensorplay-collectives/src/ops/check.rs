@@ -9,7 +9,7 @@ use super::translate::to_global;
 use super::{Call, blocking, call, resolve};
 use crate::backend::{BufMut, BufRef};
 use crate::group::ProcessGroup;
-use crate::{Error, ReduceOp, Result};
+use crate::{Detail, Error, Part, ReduceOp, Result, detail};
 
 /// Whether the pure checks run (`TENSORPLAY_COLLECTIVE_CHECK=0` skips them for speed).
 pub(super) fn checks_enabled() -> bool {
@@ -63,7 +63,11 @@ impl Call<'_> {
                         self.op,
                         phase_words()
                     ),
-                    detail: format!("{} (did rank {peer} exit or fail?)", plain(&detail)),
+                    detail: plain(detail).join(detail!(
+                        " (did rank ",
+                        Part::Rank(peer),
+                        " exit or fail?)"
+                    )),
                 },
                 Error::Timeout {
                     rank,
@@ -78,19 +82,18 @@ impl Call<'_> {
                     ),
                     rank,
                     timeout,
-                    detail: format!(
-                        "{} (did that rank skip this call, for example a backward pass the other ranks run?)",
-                        plain(&detail)
+                    detail: plain(detail).join(
+                        " (did that rank skip this call, for example a backward pass the other \
+                         ranks run?)",
                     ),
                 },
                 // the backend's own check: the descriptors differ in length, so the ranks called
                 // different collectives
                 Error::Mismatch { detail, .. } => Error::Mismatch {
                     op: format!("{} (while checking arguments across ranks)", self.op),
-                    detail: format!(
-                        "{}: the ranks' argument descriptors differ in length (did they \
-                         call different collectives?), and this group can no longer be used",
-                        self.user_terms(&detail)
+                    detail: self.user_terms(detail).join(
+                        ": the ranks' argument descriptors differ in length (did they call \
+                         different collectives?), and this group can no longer be used",
                     ),
                 },
                 other => other,
@@ -106,16 +109,19 @@ impl Call<'_> {
             let texts = self.error_texts(local.as_ref().err())?;
             local?;
             let global: Vec<usize> = bad.iter().map(|&r| self.g.ranks()[r]).collect();
-            let said: Vec<String> = bad
-                .iter()
-                .map(|&r| format!("rank {}: {}", self.g.ranks()[r], texts[r]))
-                .collect();
+            let mut detail = detail!(
+                "rank(s) ",
+                Part::Ranks(global.clone()),
+                " rejected their own arguments: "
+            );
+            for (i, (&r, &g)) in bad.iter().zip(&global).enumerate() {
+                // each rank's own error arrives as its text (already in global ranks)
+                let sep = if i == 0 { "rank " } else { "; rank " };
+                detail = detail.join(detail!(sep, Part::Rank(g), format!(": {}", texts[r])));
+            }
             return Err(Error::Mismatch {
                 op: self.op.to_string(),
-                detail: format!(
-                    "rank(s) {global:?} rejected their own arguments: {}",
-                    said.join("; ")
-                ),
+                detail,
             });
         }
         Ok(all.into_iter().map(|mut v| v.split_off(3)).collect())
@@ -174,7 +180,7 @@ impl Call<'_> {
     }
 
     /// [`in_user_terms`] for this call's argument check.
-    fn user_terms(&self, detail: &str) -> String {
+    fn user_terms(&self, detail: Detail) -> Detail {
         let phase = phase_name(phase_id(current_phase()));
         in_user_terms(
             detail,
@@ -186,9 +192,15 @@ impl Call<'_> {
     }
 }
 
-/// A transport-level text without the transport's internals: which shared-memory step a
-/// peer did not reach or died in, and the internal call numbers.
-pub(super) fn plain(detail: &str) -> String {
+/// A transport-level detail without the transport's internals: which shared-memory step a
+/// peer did not reach or died in, and the internal call numbers (its words reworded, its
+/// ranks kept).
+pub(super) fn plain(detail: Detail) -> Detail {
+    detail.map_text(plain_words)
+}
+
+/// [`plain`] for words.
+fn plain_words(detail: &str) -> String {
     let mut s = detail.to_string();
     for (from, to) in [
         (
@@ -219,27 +231,28 @@ pub(super) fn plain(detail: &str) -> String {
 /// barrier #3 (...)") in the user's terms: this rank's side becomes `mine`, the call the user
 /// made; the other side's internal all-gather becomes "another collective (checking its
 /// arguments)"; the internal sequence numbers go.
-pub(super) fn in_user_terms(detail: &str, mine: &str) -> String {
+pub(super) fn in_user_terms(detail: Detail, mine: &str) -> Detail {
     let Some((left, right)) = detail.split_once(" but ") else {
-        return detail.to_string();
+        return detail;
     };
     let left = match left.split_once(" called ") {
-        Some((who, _)) => format!("{who} called {mine}"),
-        None => left.to_string(),
+        Some((who, _)) => who.join(format!(" called {mine}")),
+        None => left,
     };
     let right = match right.split_once(" called ") {
         Some((who, what)) => {
-            let name = what.split(" #").next().unwrap_or(what);
+            let what = what.to_string();
+            let name = what.split(" #").next().unwrap_or(&what);
             let rest = what.find(" (").map_or("", |i| &what[i..]);
             if name == "all_gather" {
-                format!("{who} called another collective (checking its arguments)")
+                who.join(" called another collective (checking its arguments)")
             } else {
-                format!("{who} called {name}{rest}")
+                who.join(format!(" called {name}{rest}"))
             }
         }
-        None => right.to_string(),
+        None => right,
     };
-    plain(&format!("{left} but {right}"))
+    plain(left.join(" but ").join(right))
 }
 
 /// The size of an error text in the second exchange of a failed check, in 8-byte words
@@ -465,14 +478,18 @@ pub(super) fn agree(
     if all.iter().all(|d| &d[range.clone()] == first) {
         return Ok(());
     }
-    let per: Vec<String> = all
-        .iter()
-        .enumerate()
-        .map(|(r, d)| format!("rank {} passed {}", c.g.ranks()[r], fmt(&d[range.clone()])))
-        .collect();
+    let mut detail = Detail::from(format!("{what} must agree across ranks: "));
+    for (r, d) in all.iter().enumerate() {
+        let sep = if r == 0 { "rank " } else { "; rank " };
+        detail = detail.join(detail!(
+            sep,
+            Part::Rank(c.g.ranks()[r]),
+            format!(" passed {}", fmt(&d[range.clone()]))
+        ));
+    }
     Err(Error::Mismatch {
         op: c.op.to_string(),
-        detail: format!("{what} must agree across ranks: {}", per.join("; ")),
+        detail,
     })
 }
 
@@ -486,47 +503,87 @@ pub(super) fn numel_of(d: &[i64]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::{in_user_terms, plain};
-    use crate::Error;
+    use crate::{Detail, Error, Part, detail};
+
+    /// "rank A called X but rank B called Y", the ranks typed.
+    fn called(a: usize, x: &str, b: usize, y: &str) -> Detail {
+        detail!(
+            "rank ",
+            Part::Rank(a),
+            format!(" called {x} but rank "),
+            Part::Rank(b),
+            format!(" called {y}")
+        )
+    }
 
     #[test]
     fn transport_mismatches_read_in_the_users_terms() {
-        let d = "rank 0 called all_gather #3 (36 elements of int64) but rank 1 called barrier #3 (0 elements of float32)";
+        let d = called(
+            0,
+            "all_gather #3 (36 elements of int64)",
+            1,
+            "barrier #3 (0 elements of float32)",
+        );
         let t = in_user_terms(
             d,
             "all_reduce (in backward) (checking its arguments with the other ranks)",
         );
         assert_eq!(
-            t,
+            t.to_string(),
             "rank 0 called all_reduce (in backward) (checking its arguments with the other ranks) \
              but rank 1 called barrier (0 elements of float32)"
         );
-        let d = "rank 1 called barrier #3 (0 elements of float32) but rank 0 called all_gather #3 (36 elements of int64)";
+        assert_eq!(t.ranks(), [0, 1]);
+        let d = called(
+            1,
+            "barrier #3 (0 elements of float32)",
+            0,
+            "all_gather #3 (36 elements of int64)",
+        );
         let t = in_user_terms(d, "barrier");
         assert_eq!(
-            t,
+            t.to_string(),
             "rank 1 called barrier but rank 0 called another collective (checking its arguments)"
         );
-        assert!(!t.contains('#'), "{t}");
+        assert_eq!(t.ranks(), [1, 0]);
+        assert!(!t.contains("#"), "{t}");
     }
 
     #[test]
     fn transport_internals_are_left_out() {
-        assert_eq!(
-            plain("rank 2 never reached this point of the shared-memory all_gather (still alive)"),
-            "rank 2 never reached this call (still alive)"
-        );
-        assert_eq!(
-            plain(
-                "rank 0 died or failed inside a shared-memory all_gather (its connection closed)"
+        let cases = [
+            (
+                detail!(
+                    "rank ",
+                    Part::Rank(2),
+                    " never reached this point of the shared-memory all_gather (still alive)"
+                ),
+                "rank 2 never reached this call (still alive)",
             ),
-            "rank 0 died or failed (its connection closed)"
-        );
-        assert_eq!(
-            plain(
-                "rank 0 called x but rank 2 called barrier (0 elements) (call #3 and #3 of the group, round 0 and 0): differ"
+            (
+                detail!(
+                    "rank ",
+                    Part::Rank(0),
+                    " died or failed inside a shared-memory all_gather (its connection closed)"
+                ),
+                "rank 0 died or failed (its connection closed)",
             ),
-            "rank 0 called x but rank 2 called barrier (0 elements): differ"
-        );
+            (
+                called(
+                    0,
+                    "x",
+                    2,
+                    "barrier (0 elements) (call #3 and #3 of the group, round 0 and 0): differ",
+                ),
+                "rank 0 called x but rank 2 called barrier (0 elements): differ",
+            ),
+        ];
+        for (d, want) in cases {
+            let ranks = d.ranks();
+            let p = plain(d);
+            assert_eq!(p.to_string(), want);
+            assert_eq!(p.ranks(), ranks, "{want}");
+        }
     }
 
     #[test]
@@ -539,8 +596,15 @@ mod tests {
         };
         assert_eq!(e.to_string(), "store get timed out after 1s: key k");
         let e = Error::invalid("rendezvous", -1, "RANK", "a rank", "\"-1\"");
-        assert!(!e.to_string().contains("rank -1"), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "rendezvous: invalid argument `RANK`: expected a rank, got \"-1\""
+        );
         let e = Error::invalid("all_reduce", 3, "op", "Sum", "BAnd");
-        assert!(e.to_string().contains("on rank 3"), "{e}");
+        assert!(matches!(e, Error::InvalidArgument { rank: 3, .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "all_reduce on rank 3: invalid argument `op`: expected Sum, got BAnd"
+        );
     }
 }

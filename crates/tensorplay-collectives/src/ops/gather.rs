@@ -7,7 +7,7 @@ use super::stage::{self, Out};
 use super::{blocking, call, check_writable, queued, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
-use crate::{Error, Result};
+use crate::{Error, Part, Result, detail};
 
 /// Every rank's `tensor` is written into `tensor_list[r]` on every rank (`dist.all_gather`).
 /// `tensor_list` has one tensor per rank of the group; rank `r`'s input may have its own
@@ -65,10 +65,15 @@ pub fn all_gather(
                 }
                 return Err(Error::Mismatch {
                     op: "all_gather".into(),
-                    detail: format!(
-                        "rank {}'s tensor_list[{r}] is {} but must have {expected}",
-                        c.g.ranks()[q],
-                        fmt_shape(listed)
+                    detail: detail!(
+                        "rank ",
+                        Part::Rank(c.g.ranks()[q]),
+                        format!(
+                            "'s tensor_list[{r}] is {} but must have the shape rank ",
+                            fmt_shape(listed)
+                        ),
+                        Part::Rank(c.g.ranks()[r]),
+                        format!(" passed: {}", fmt_shape(&dr[..DESC]))
                     ),
                 });
             }
@@ -229,9 +234,10 @@ pub fn gather(
         if rd[w + 1] == 0 {
             return Err(local_err.unwrap_or_else(|| Error::Mismatch {
                 op: "gather".into(),
-                detail: format!(
-                    "the destination rank {dst} passed no usable gather_list of {} tensors",
-                    c.size
+                detail: detail!(
+                    "the destination rank ",
+                    Part::Rank(dst),
+                    format!(" passed no usable gather_list of {} tensors", c.size)
                 ),
             }));
         }
@@ -240,11 +246,12 @@ pub fn gather(
             if listed != &all[r][..w] {
                 return Err(Error::Mismatch {
                     op: "gather".into(),
-                    detail: format!(
-                        "gather_list[{r}] on the destination rank {dst} is {} but rank {} passed {}",
-                        fmt_shape(listed),
-                        c.g.ranks()[r],
-                        fmt_shape(&all[r])
+                    detail: detail!(
+                        format!("gather_list[{r}] on the destination rank "),
+                        Part::Rank(dst),
+                        format!(" is {} but rank ", fmt_shape(listed)),
+                        Part::Rank(c.g.ranks()[r]),
+                        format!(" passed {}", fmt_shape(&all[r]))
                     ),
                 });
             }

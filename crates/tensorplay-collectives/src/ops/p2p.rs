@@ -27,7 +27,7 @@ pub fn barrier(group: Option<&ProcessGroup>) -> Result<()> {
             .map_err(|e| match to_global(g.ranks(), e) {
                 Error::Mismatch { op, detail } => Error::Mismatch {
                     op,
-                    detail: super::check::in_user_terms(&detail, "barrier"),
+                    detail: super::check::in_user_terms(detail, "barrier"),
                 },
                 other => other,
             })

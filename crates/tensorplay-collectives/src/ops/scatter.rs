@@ -7,7 +7,7 @@ use super::stage::{self, Out};
 use super::{blocking, call, check_writable, queued, resolve};
 use crate::group::ProcessGroup;
 use crate::work::Work;
-use crate::{Error, Result};
+use crate::{Error, Part, Result, detail};
 
 /// In-place broadcast from global rank `src` (`dist.broadcast`).
 ///
@@ -134,9 +134,10 @@ pub fn scatter(
         if sd[sd.len() - 1] == 0 {
             return Err(local_err.unwrap_or_else(|| Error::Mismatch {
                 op: "scatter".into(),
-                detail: format!(
-                    "the source rank {src} passed no usable scatter_list of {} tensors",
-                    c.size
+                detail: detail!(
+                    "the source rank ",
+                    Part::Rank(src),
+                    format!(" passed no usable scatter_list of {} tensors", c.size)
                 ),
             }));
         }
@@ -146,11 +147,12 @@ pub fn scatter(
             if listed != counts[r] as i64 {
                 return Err(Error::Mismatch {
                     op: "scatter".into(),
-                    detail: format!(
-                        "scatter_list[{r}] on the source rank {src} has {listed} elements but rank {} expects {} ({})",
-                        c.g.ranks()[r],
-                        counts[r],
-                        fmt_shape(&all[r])
+                    detail: detail!(
+                        format!("scatter_list[{r}] on the source rank "),
+                        Part::Rank(src),
+                        format!(" has {listed} elements but rank "),
+                        Part::Rank(c.g.ranks()[r]),
+                        format!(" expects {} ({})", counts[r], fmt_shape(&all[r]))
                     ),
                 });
             }

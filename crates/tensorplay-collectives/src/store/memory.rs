@@ -111,7 +111,7 @@ impl Store for MemoryStore {
                     op: "store wait".into(),
                     rank: -1,
                     timeout,
-                    detail: format!("keys {missing:?} were never set"),
+                    detail: format!("keys {missing:?} were never set").into(),
                 });
             }
             m = self

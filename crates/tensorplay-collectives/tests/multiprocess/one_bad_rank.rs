@@ -16,10 +16,22 @@ const BAD: usize = 1;
 /// Checks that `r` is an error, of the bad rank's own arguments on [`BAD`] and naming [`BAD`]
 /// (`others` in the message) on the other ranks.
 fn failed(case: &str, rank: usize, r: dist::Result<()>, mine: &str, others: &str) -> TestResult {
-    let e = match r {
-        Ok(()) => return Err(format!("case {case}: rank {rank} returned Ok").into()),
-        Err(e) => e.to_string(),
+    let Err(e) = r else {
+        return Err(format!("case {case}: rank {rank} returned Ok").into());
     };
+    // the rank is a field: the bad rank's own InvalidArgument, a Mismatch naming it elsewhere
+    let named = match &e {
+        dist::Error::InvalidArgument { rank: r, .. } => rank == BAD && *r == BAD as i64,
+        dist::Error::Mismatch { detail, .. } => rank != BAD && detail.ranks().contains(&BAD),
+        _ => false,
+    };
+    if !named {
+        return Err(
+            format!("case {case}: rank {rank}'s error does not name rank {BAD}: {e:?}").into(),
+        );
+    }
+    // the words a person reads
+    let e = e.to_string();
     let want = if rank == BAD { mine } else { others };
     if !e.contains(want) {
         return Err(format!("case {case}: rank {rank}'s error lacks {want:?}: {e}").into());

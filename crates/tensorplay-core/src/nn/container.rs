@@ -12,7 +12,7 @@ use crate::{Error, Result, Tensor};
 /// them. The element type is any module (`ModuleList<Block>` keeps typed access);
 /// `ModuleList` alone holds boxed modules of mixed types.
 ///
-/// [`Module::forward`] is refused with [`Error::Unsupported`], as PyTorch's `ModuleList` has
+/// [`Module::forward`] is refused with [`Error::NotSupported`], as PyTorch's `ModuleList` has
 /// no `forward`.
 ///
 /// ```
@@ -119,9 +119,10 @@ impl<M: Module> fmt::Debug for ModuleList<M> {
 impl<M: Module> Module for ModuleList<M> {
     /// Refused: a `ModuleList` is not callable (iterate over it instead).
     fn forward(&self, _input: &Tensor) -> Result<Tensor> {
-        Err(Error::Unsupported {
-            method: "ModuleList::forward",
-            hint: "a ModuleList is not chained: call its modules in the order you need".into(),
+        Err(Error::NotSupported {
+            op: "ModuleList::forward",
+            detail: "here: a ModuleList is not chained: call its modules in the order you need"
+                .into(),
         })
     }
 }

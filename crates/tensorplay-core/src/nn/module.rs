@@ -19,7 +19,7 @@ use crate::{Device, Error, IntoDevice, Result, Tensor};
 /// (which takes a [`Device`] or a string) calls it.
 ///
 /// Methods that change a module's state return `Result`, because a module that only proxies
-/// a remote one implements this trait too and refuses them with [`Error::Unsupported`].
+/// a remote one implements this trait too and refuses them with [`Error::NotSupported`].
 ///
 /// ```
 /// use tensorplay::{self as tp, nn::{self, Module}, Tensor};

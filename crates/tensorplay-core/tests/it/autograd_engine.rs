@@ -31,6 +31,7 @@ fn second_backward_without_retain_graph_fails() -> tp::Result<()> {
     y.backward_with(None, true, false)?;
     y.backward()?; // retained once, so this works and frees
     let err = y.backward().unwrap_err();
+    assert!(matches!(err, Error::Autograd(_)), "{err:?}");
     assert!(err.to_string().contains("second time"), "{err}");
     let g = x.grad().unwrap().to_vec::<f64>()?;
     assert!((g[0] - 2.0 * 1f64.exp()).abs() < 1e-12);
@@ -68,6 +69,7 @@ fn inplace_modification_of_saved_tensor_is_an_error() -> tp::Result<()> {
     }
     let l = y.sum()?.add(&z)?;
     let err = l.backward().unwrap_err();
+    assert!(matches!(err, Error::Autograd(_)), "{err:?}");
     assert!(
         err.to_string()
             .contains("modified by an in-place operation"),
@@ -209,6 +211,7 @@ fn wrong_gradient_shape_is_an_error() -> tp::Result<()> {
     let x = t64(&[1.0, 1.0], &[2]);
     let y = apply(BadGrad, &[&x])?.remove(0);
     let err = y.sum()?.backward().unwrap_err();
+    assert!(matches!(err, Error::Autograd(_)), "{err:?}");
     assert!(err.to_string().contains("invalid gradient"), "{err}");
     Ok(())
 }

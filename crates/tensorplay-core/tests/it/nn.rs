@@ -961,9 +961,9 @@ impl Module for Recorder {
     fn to_device(&mut self, device: Device) -> tp::Result<()> {
         self.seen.lock().unwrap().push(device);
         if device == Device::Cuda(7) {
-            return Err(Error::Unsupported {
-                method: "to",
-                hint: "not there".into(),
+            return Err(Error::NotSupported {
+                op: "to",
+                detail: "here: not there".into(),
             });
         }
         Ok(())
@@ -992,7 +992,7 @@ fn module_to_cpu_and_cuda_go_through_to_device() -> tp::Result<()> {
     boxed.cpu()?;
     assert!(matches!(
         boxed.to("cuda:7"),
-        Err(Error::Unsupported { method: "to", .. })
+        Err(Error::NotSupported { op: "to", .. })
     ));
     assert_eq!(
         seen.lock().unwrap()[4..],

@@ -623,7 +623,10 @@ fn module_list_registers_children_and_refuses_forward() -> tp::Result<()> {
     assert!(list.iter().all(|l| !l.is_training()));
     assert!(matches!(
         list.forward(&tp::randn(&[1, 2])?),
-        Err(Error::Unsupported { .. })
+        Err(Error::NotSupported {
+            op: "ModuleList::forward",
+            ..
+        })
     ));
     // mixed types, boxed
     let mut mixed = nn::ModuleList::<Box<dyn Module>>::new();

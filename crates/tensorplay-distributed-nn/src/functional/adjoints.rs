@@ -9,7 +9,9 @@
 use tensorplay_collectives::{self as coll, ReduceOp};
 use tensorplay_core::{Result, Tensor};
 
-use super::{Grp, all_gather, fresh};
+use super::all_gather;
+use super::group::Grp;
+use super::tensors::fresh;
 
 /// Whether the op's adjoint needs the forward's input and output.
 pub(super) fn needs_values(op: ReduceOp) -> bool {

@@ -13,7 +13,10 @@
 //! This is the convention Megatron uses, and it differs from [`all_reduce`]'s, whose backward
 //! is itself an all-reduce (the true adjoint when ranks compute *different* losses).
 
-use super::{Grp, all_reduce, check_tensor, coll, fail_together, fresh, joined};
+use super::all_reduce;
+use super::group::Grp;
+use super::tensors::{check_tensor, fail_together, fresh, joined};
+use tensorplay_collectives as coll;
 use tensorplay_collectives::{ProcessGroup, ReduceOp};
 use tensorplay_core::autograd::{Context, Function, apply};
 use tensorplay_core::{Result, Tensor};

@@ -392,9 +392,10 @@ impl<M: Module> Module for DistributedDataParallel<M> {
     }
     /// Refused: the reducer holds the parameters; move the module before wrapping it.
     fn to_device(&mut self, _device: Device) -> Result<()> {
-        Err(Error::Unsupported {
-            method: "to_device",
-            hint: "move the module to its device before wrapping it in DistributedDataParallel"
+        Err(Error::NotSupported {
+            op: "to_device",
+            detail: "here: move the module to its device before wrapping it in \
+                     DistributedDataParallel"
                 .into(),
         })
     }

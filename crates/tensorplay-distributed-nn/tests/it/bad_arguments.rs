@@ -22,22 +22,26 @@ fn fails_everywhere<T>(
     bad: usize,
     own: &str,
 ) -> TestResult {
-    let e = match r {
-        Ok(_) => return Err(format!("{what}: rank {rank} succeeded").into()),
-        Err(e) => e.to_string(),
+    let Err(e) = r else {
+        return Err(format!("{what}: rank {rank} succeeded").into());
     };
-    if e.contains("timed out") {
-        return Err(
-            format!("{what}: rank {rank} timed out instead of failing at once: {e}").into(),
-        );
+    // the rank is a field: the bad rank's own InvalidArgument (or a core error of its tensor),
+    // a Mismatch naming it on the others; never a timeout
+    let named = match e.downcast_ref::<dist::Error>() {
+        Some(dist::Error::InvalidArgument { rank: r, .. }) => rank == bad && *r == bad as i64,
+        Some(dist::Error::Mismatch { detail, .. }) => {
+            rank != bad && detail.parts().get(1) == Some(&dist::Part::Ranks(vec![bad]))
+        }
+        Some(_) => false,
+        None => rank == bad,
+    };
+    if !named {
+        return Err(format!("{what}: rank {rank}'s error should name rank {bad}: {e:?}").into());
     }
-    let want = if rank == bad {
-        own.to_string()
-    } else {
-        format!("[{bad}]")
-    };
-    if !e.contains(&want) {
-        return Err(format!("{what}: rank {rank}'s error should mention {want:?}: {e}").into());
+    // the bad rank's own words name its argument
+    let e = e.to_string();
+    if rank == bad && !e.contains(own) {
+        return Err(format!("{what}: rank {rank}'s error should mention {own:?}: {e}").into());
     }
     Ok(())
 }

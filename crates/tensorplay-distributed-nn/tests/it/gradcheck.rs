@@ -732,14 +732,31 @@ fn gradcheck_subgroups_of_4() -> TestResult {
         ];
         for (name, e) in errors {
             let e = e.ok_or_else(|| format!("{name} to rank {outside} outside {members:?}"))?;
+            // this rank's own error, naming the root it was given
+            let root = if name == "broadcast" || name == "scatter" {
+                "src"
+            } else {
+                "dst"
+            };
             assert!(
-                e.to_string().contains("src") || e.to_string().contains("dst"),
-                "{name}: {e}"
+                matches!(
+                    e.downcast_ref::<dist::Error>(),
+                    Some(dist::Error::InvalidArgument { arg, got, .. })
+                        if arg == root && *got == outside.to_string()
+                ),
+                "{name}: {e:?}"
             );
         }
         if rank == 0 {
             let e = df::all_reduce(&x, ReduceOp::Sum, Some(&g123))
                 .expect_err("rank 0 is not in [1, 2, 3]");
+            assert!(
+                matches!(
+                    e.downcast_ref::<dist::Error>(),
+                    Some(dist::Error::InvalidArgument { rank: 0, arg, .. }) if arg == "group"
+                ),
+                "{e:?}"
+            );
             assert!(e.to_string().contains("belongs to"), "{e}");
         }
         // rank 0 hosts the store: nobody leaves before everyone is done

@@ -68,7 +68,7 @@ fn plain(s: &mut CpuStorage) -> Result<BufMut<'_>> {
     let dtype = s.dtype();
     s.as_buf_mut().ok_or_else(|| Error::Backend {
         backend: "cpu".into(),
-        detail: format!("internal: a {dtype} scratch buffer"),
+        detail: format!("internal: a {dtype} scratch buffer").into(),
     })
 }
 

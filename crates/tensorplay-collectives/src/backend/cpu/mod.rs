@@ -44,7 +44,7 @@ use self::conn::{Header, Kind, NO_REDOP, Peer};
 use self::route::Route;
 use super::{BufMut, BufRef, HostBackend, reduce_into};
 use crate::store::Store;
-use crate::{Error, ReduceOp, Result};
+use crate::{Detail, Error, Part, ReduceOp, Result, detail};
 
 /// Options of the CPU backend.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,7 +79,7 @@ struct State {
     /// The timeout the sockets are set to.
     timeout: Option<Duration>,
     /// The first error, after which the backend is unusable.
-    failed: Option<String>,
+    failed: Option<Detail>,
     /// Scratch memory for receives that reduce.
     scratch: Scratch,
 }
@@ -236,11 +236,15 @@ impl CpuBackend {
         if let Some(e) = &st.failed {
             return Err(Error::Backend {
                 backend: "cpu".into(),
-                detail: format!(
-                    "rank {}: {} after an earlier error shut this group down: {e}",
-                    self.rank,
-                    kind.name()
-                ),
+                detail: detail!(
+                    "rank ",
+                    Part::Rank(self.rank),
+                    format!(
+                        ": {} after an earlier error shut this group down: ",
+                        kind.name()
+                    )
+                )
+                .join(e.clone()),
             });
         }
         if st.timeout != Some(timeout) {
@@ -259,7 +263,7 @@ impl CpuBackend {
             shm.note_failure(e);
         }
         self.peers.iter().flatten().for_each(Peer::shutdown);
-        st.failed = Some(e.to_string());
+        st.failed = Some(e.message());
     }
 
     fn ctx(

@@ -200,7 +200,8 @@ impl TcpStore {
             detail: format!(
                 "keys {missing:?} were never set (store server {})",
                 self.inner.addr
-            ),
+            )
+            .into(),
         }
     }
 }
@@ -265,7 +266,7 @@ fn connect_retrying(addr: SocketAddr, timeout: Duration) -> Result<Conn> {
                 op: "store connect".into(),
                 rank: -1,
                 timeout,
-                detail: format!("no store server answered at {addr} (last error: {err})"),
+                detail: format!("no store server answered at {addr} (last error: {err})").into(),
             });
         }
         std::thread::sleep(delay);

@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use super::header::{HDR, Header};
-use crate::{Error, Result};
+use crate::{Error, Part, Result, detail};
 
 /// Maps an I/O error on the connection to `peer` to the crate's error.
 pub(in crate::backend::cpu) fn io_err(
@@ -22,21 +22,23 @@ pub(in crate::backend::cpu) fn io_err(
             op: op.into(),
             rank: rank as i64,
             timeout,
-            detail: format!("no progress {what} rank {peer}"),
+            detail: detail!(format!("no progress {what} rank "), Part::Rank(peer)),
         },
         io::ErrorKind::UnexpectedEof => Error::PeerFailed {
             rank,
             peer,
             op: op.into(),
-            detail: format!(
-                "connection closed by rank {peer} while {what} it (did it exit or fail?)"
+            detail: detail!(
+                "connection closed by rank ",
+                Part::Rank(peer),
+                format!(" while {what} it (did it exit or fail?)")
             ),
         },
         _ => Error::PeerFailed {
             rank,
             peer,
             op: op.into(),
-            detail: format!("{what} it: {e}"),
+            detail: format!("{what} it: {e}").into(),
         },
     }
 }

@@ -2,7 +2,7 @@
 //! signature and the payload length, its 40-byte encoding, and the check that reports
 //! mismatched calls.
 
-use crate::{Error, Result};
+use crate::{Error, Part, Result, detail};
 
 /// Magic number at the start of every header ("TPC1").
 const MAGIC: u32 = 0x3143_5054;
@@ -168,23 +168,33 @@ impl Header {
         }
         let same_call = Header { len: 0, ..*self } == Header { len: 0, ..*got };
         let detail = if same_call {
-            format!(
-                "rank {peer} sent {} bytes but rank {rank} expected {} bytes in {}",
-                got.len,
-                self.len,
-                self.describe()
+            detail!(
+                "rank ",
+                Part::Rank(peer),
+                format!(" sent {} bytes but rank ", got.len),
+                Part::Rank(rank),
+                format!(" expected {} bytes in {}", self.len, self.describe())
             )
         } else if self.kind == Kind::P2p && got.kind == Kind::P2p && self.seq != got.seq {
-            format!(
-                "rank {rank} called recv(src={peer}, tag={}) but the next message from rank \
-                 {peer} has tag {} (messages from one peer arrive in order)",
-                self.seq, got.seq
+            detail!(
+                "rank ",
+                Part::Rank(rank),
+                " called recv(src=",
+                Part::Rank(peer),
+                format!(", tag={}) but the next message from rank ", self.seq),
+                Part::Rank(peer),
+                format!(
+                    " has tag {} (messages from one peer arrive in order)",
+                    got.seq
+                )
             )
         } else {
-            format!(
-                "rank {rank} called {} but rank {peer} called {}",
-                self.describe(),
-                got.describe()
+            detail!(
+                "rank ",
+                Part::Rank(rank),
+                format!(" called {} but rank ", self.describe()),
+                Part::Rank(peer),
+                format!(" called {}", got.describe())
             )
         };
         Err(Error::Mismatch {

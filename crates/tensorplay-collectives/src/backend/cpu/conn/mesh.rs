@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::store::Store;
-use crate::{Error, Result};
+use crate::{Detail, Error, Part, Result, detail};
 
 /// Magic number of the connection handshake.
 const HELLO: u64 = 0x5450_4c41_5943_5055;
@@ -24,7 +24,7 @@ pub(in crate::backend::cpu) fn connect_mesh(
     const OP: &str = "cpu backend init";
     let deadline = Instant::now() + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
-    let tmo = |detail: String| Error::Timeout {
+    let tmo = |detail: Detail| Error::Timeout {
         op: OP.into(),
         rank: rank as i64,
         timeout,
@@ -46,8 +46,10 @@ pub(in crate::backend::cpu) fn connect_mesh(
             .filter(|j| !store.check(&[&format!("addr/{j}")]).unwrap_or(false))
             .collect();
         return Err(match e {
-            Error::Timeout { .. } => tmo(format!(
-                "ranks {missing:?} of {size} never joined (no address published)"
+            Error::Timeout { .. } => tmo(detail!(
+                "ranks ",
+                Part::Ranks(missing),
+                format!(" of {size} never joined (no address published)")
             )),
             e => e,
         });
@@ -64,8 +66,10 @@ pub(in crate::backend::cpu) fn connect_mesh(
             match TcpStream::connect_timeout(&target, left().max(Duration::from_millis(1))) {
                 Ok(s) => break s,
                 Err(e) if left().is_zero() => {
-                    return Err(tmo(format!(
-                        "could not connect to rank {j} at {target}: {e}"
+                    return Err(tmo(detail!(
+                        "could not connect to rank ",
+                        Part::Rank(j),
+                        format!(" at {target}: {e}")
                     )));
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
@@ -75,7 +79,7 @@ pub(in crate::backend::cpu) fn connect_mesh(
             rank,
             peer: j,
             op: OP.into(),
-            detail: format!("handshake with {target}: {e}"),
+            detail: format!("handshake with {target}: {e}").into(),
         };
         s.set_nodelay(true).map_err(fail)?;
         s.set_read_timeout(Some(left().max(Duration::from_millis(1))))
@@ -92,7 +96,11 @@ pub(in crate::backend::cpu) fn connect_mesh(
                 rank,
                 peer: j,
                 op: OP.into(),
-                detail: format!("{target} is not rank {j} of this group (bad handshake)"),
+                detail: detail!(
+                    format!("{target} is not rank "),
+                    Part::Rank(j),
+                    " of this group (bad handshake)"
+                ),
             });
         }
         streams[j] = Some(s);
@@ -121,9 +129,15 @@ pub(in crate::backend::cpu) fn connect_mesh(
                 if their_size != size || j <= rank || j >= size || streams[j].is_some() {
                     return Err(Error::Mismatch {
                         op: OP.into(),
-                        detail: format!(
-                            "rank {rank} (world size {size}) got a connection from a process \
-                             claiming rank {j} of world size {their_size}"
+                        detail: detail!(
+                            "rank ",
+                            Part::Rank(rank),
+                            format!(
+                                " (world size {size}) got a connection from a process claiming \
+                                 rank "
+                            ),
+                            Part::Rank(j),
+                            format!(" of world size {their_size}")
                         ),
                     });
                 }
@@ -134,7 +148,7 @@ pub(in crate::backend::cpu) fn connect_mesh(
                     rank,
                     peer: j,
                     op: OP.into(),
-                    detail: format!("handshake: {e}"),
+                    detail: format!("handshake: {e}").into(),
                 })?;
                 streams[j] = Some(s);
                 waiting -= 1;
@@ -143,8 +157,12 @@ pub(in crate::backend::cpu) fn connect_mesh(
                 if left().is_zero() {
                     let missing: Vec<usize> =
                         (rank + 1..size).filter(|&j| streams[j].is_none()).collect();
-                    return Err(tmo(format!(
-                        "ranks {missing:?} of {size} never joined (never connected to rank {rank})"
+                    return Err(tmo(detail!(
+                        "ranks ",
+                        Part::Ranks(missing),
+                        format!(" of {size} never joined (never connected to rank "),
+                        Part::Rank(rank),
+                        ")"
                     )));
                 }
                 std::thread::sleep(Duration::from_millis(1));

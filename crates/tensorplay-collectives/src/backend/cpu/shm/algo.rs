@@ -51,7 +51,7 @@ unsafe fn view<'x>(dtype: DType, p: *const u8, n: usize) -> Result<BufRef<'x>> {
     let bytes = unsafe { std::slice::from_raw_parts(p, n * dtype.size_in_bytes()) };
     BufRef::from_bytes(dtype, bytes).ok_or_else(|| Error::Backend {
         backend: "cpu".into(),
-        detail: format!("shared memory cannot hold {dtype} elements at {p:p}"),
+        detail: format!("shared memory cannot hold {dtype} elements at {p:p}").into(),
     })
 }
 
@@ -470,14 +470,14 @@ pub(in crate::backend::cpu) fn all_to_all(
         if matrix[p][me] != recv_counts[p] {
             return Err(Error::Mismatch {
                 op: "all_to_all".into(),
-                detail: format!(
-                    "rank {} sends {} elements to rank {} but rank {} expects {} from it \
-                     (recv_counts)",
-                    cx.rank_of(p),
-                    matrix[p][me],
-                    cx.rank(),
-                    cx.rank(),
-                    recv_counts[p]
+                detail: crate::detail!(
+                    "rank ",
+                    crate::Part::Rank(cx.rank_of(p)),
+                    format!(" sends {} elements to rank ", matrix[p][me]),
+                    crate::Part::Rank(cx.rank()),
+                    " but rank ",
+                    crate::Part::Rank(cx.rank()),
+                    format!(" expects {} from it (recv_counts)", recv_counts[p])
                 ),
             });
         }

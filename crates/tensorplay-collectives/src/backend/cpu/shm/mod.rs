@@ -43,7 +43,7 @@ use self::segment::{CreateError, OwnSegment, Segment};
 pub(super) use self::step::ShmCtx;
 use super::conn::Peer;
 use crate::store::Store;
-use crate::{Error, Result};
+use crate::{Detail, Error, Part, Result, detail};
 
 /// The failure note of a rank that timed out (see `segment`'s `blame`).
 const NOTE_TIMED_OUT: u32 = u32::MAX - 1;
@@ -243,7 +243,11 @@ impl Shm {
         let local: Vec<usize> = (0..size).filter(|&p| hosts[p] == hosts[rank]).collect();
         let broken = || Error::Backend {
             backend: "cpu".into(),
-            detail: format!("rank {rank}: shared-memory setup lost a segment it had mapped"),
+            detail: detail!(
+                "rank ",
+                Part::Rank(rank),
+                ": shared-memory setup lost a segment it had mapped"
+            ),
         };
         let own = match own {
             Some(o) if local.len() >= 2 => o,
@@ -332,20 +336,21 @@ fn wait_keys(
                     rank,
                     peer: p,
                     op: OP.into(),
-                    detail: format!("rank {p} died or failed while the group was being created"),
+                    detail: detail!(
+                        "rank ",
+                        Part::Rank(p),
+                        " died or failed while the group was being created"
+                    ),
                 });
             }
         }
         if Instant::now() >= deadline {
-            let names: Vec<String> = missing.iter().map(|p| format!("rank {p}")).collect();
             return Err(Error::Timeout {
                 op: OP.into(),
                 rank: rank as i64,
                 timeout,
-                detail: format!(
-                    "{} never finished the shared-memory setup (alive but stuck?)",
-                    names.join(", ")
-                ),
+                detail: Detail::rank_names(&missing)
+                    .join(" never finished the shared-memory setup (alive but stuck?)"),
             });
         }
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::segment;
 use super::{Progress, Shm};
 use crate::backend::cpu::conn::{Header, Kind, Peer};
-use crate::{Error, Result};
+use crate::{Detail, Error, Part, Result, detail};
 
 /// Spin this long before sleeping on a futex.
 const SPIN: Duration = Duration::from_micros(20);
@@ -166,24 +166,30 @@ impl<'a> ShmCtx<'a> {
                     aux: field(24),
                     len: 0,
                 };
-                format!(
-                    "rank {} called {} but rank {peer} called {} (call #{} and #{} of the group, \
-                     shared-memory part {} and {}, round {} and {})",
-                    self.rank,
-                    self.hdr.describe(),
-                    theirs.describe(),
-                    self.hdr.seq,
-                    theirs.seq,
-                    want[3],
-                    got[3],
-                    round,
-                    field(32),
+                detail!(
+                    "rank ",
+                    Part::Rank(self.rank),
+                    format!(" called {} but rank ", self.hdr.describe()),
+                    Part::Rank(peer),
+                    format!(
+                        " called {} (call #{} and #{} of the group, shared-memory part {} and \
+                         {}, round {} and {})",
+                        theirs.describe(),
+                        self.hdr.seq,
+                        theirs.seq,
+                        want[3],
+                        got[3],
+                        round,
+                        field(32),
+                    )
                 )
             }
-            None => format!(
-                "rank {peer}'s shared-memory slot holds no valid call signature (rank {} called {})",
-                self.rank,
-                self.hdr.describe()
+            None => detail!(
+                "rank ",
+                Part::Rank(peer),
+                "'s shared-memory slot holds no valid call signature (rank ",
+                Part::Rank(self.rank),
+                format!(" called {})", self.hdr.describe())
             ),
         };
         Err(Error::Mismatch {
@@ -247,10 +253,13 @@ impl<'a> ShmCtx<'a> {
                 op,
                 rank: self.rank as i64,
                 timeout: self.timeout,
-                detail: format!(
-                    "rank {peer} timed out waiting in this shared-memory {} and shut the group \
-                     down",
-                    self.op
+                detail: detail!(
+                    "rank ",
+                    Part::Rank(peer),
+                    format!(
+                        " timed out waiting in this shared-memory {} and shut the group down",
+                        self.op
+                    )
                 ),
             };
         }
@@ -260,9 +269,12 @@ impl<'a> ShmCtx<'a> {
                     rank: self.rank,
                     peer: first,
                     op,
-                    detail: format!(
-                        "rank {first} died or failed (rank {peer} saw it first and shut the \
-                         group down)"
+                    detail: detail!(
+                        "rank ",
+                        Part::Rank(first),
+                        " died or failed (rank ",
+                        Part::Rank(peer),
+                        " saw it first and shut the group down)"
                     ),
                 }
             }
@@ -270,10 +282,13 @@ impl<'a> ShmCtx<'a> {
                 rank: self.rank,
                 peer,
                 op,
-                detail: format!(
-                    "rank {peer} died or failed inside a shared-memory {} (its connection \
-                     closed)",
-                    self.op
+                detail: detail!(
+                    "rank ",
+                    Part::Rank(peer),
+                    format!(
+                        " died or failed inside a shared-memory {} (its connection closed)",
+                        self.op
+                    )
                 ),
             },
         }
@@ -339,24 +354,22 @@ impl<'a> ShmCtx<'a> {
                 return Err(self.peer_gone(li, peer));
             }
             if Instant::now() >= self.deadline.get() {
-                let behind = (0..self.w())
+                let behind: Vec<usize> = (0..self.w())
                     .filter(|&l| {
                         l != self.shm.li
                             && !reached(self.shm.segs[l].step().load(Ordering::Acquire), x)
                     })
-                    // "rank N" each: the group-to-global translation of messages finds them
-                    .map(|l| format!("rank {}", self.shm.local[l]))
-                    .collect::<Vec<String>>()
-                    .join(", ");
+                    .map(|l| self.shm.local[l])
+                    .collect();
                 return Err(Error::Timeout {
                     op: self.op.into(),
                     rank: self.rank as i64,
                     timeout: self.timeout,
-                    detail: format!(
-                        "{behind} never reached this point of the shared-memory {} \
-                         (still alive: stuck, or in another collective)",
+                    detail: Detail::rank_names(&behind).join(format!(
+                        " never reached this point of the shared-memory {} (still alive: stuck, \
+                         or in another collective)",
                         self.op
-                    ),
+                    )),
                 });
             }
         }
