@@ -31,5 +31,5 @@ pub use attention::MultiheadAttention;
 pub use container::ModuleList;
 pub use layers::{Dropout, Embedding, GELU, Linear, ReLU, Sequential, Sigmoid, Tanh};
 pub use loss::{CrossEntropyLoss, MSELoss};
-pub use module::{ForwardHook, Module, ModuleCore};
+pub use module::{ForwardHook, ForwardPreHook, Module, ModuleCore};
 pub use normalization::LayerNorm;

@@ -9,6 +9,10 @@ use crate::{Device, Error, IntoDevice, Result, Tensor};
 /// output by returning `Some` (`register_forward_hook`).
 pub type ForwardHook = Box<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 
+/// A forward pre-hook: sees a module's input before `forward` and may replace it by returning
+/// `Some` (`register_forward_pre_hook`).
+pub type ForwardPreHook = Box<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+
 /// The per-module state every layer keeps: the training flag and the forward hooks.
 ///
 /// Layers hold one and hand it out through [`Module::core`] / [`Module::core_mut`]; the
@@ -17,6 +21,7 @@ pub type ForwardHook = Box<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + 
 pub struct ModuleCore {
     training: bool,
     hooks: Vec<ForwardHook>,
+    pre_hooks: Vec<ForwardPreHook>,
 }
 
 impl ModuleCore {
@@ -26,6 +31,7 @@ impl ModuleCore {
         ModuleCore {
             training: true,
             hooks: Vec::new(),
+            pre_hooks: Vec::new(),
         }
     }
     /// Whether the module is in training mode.
@@ -44,6 +50,14 @@ impl ModuleCore {
     pub fn push_hook(&mut self, hook: ForwardHook) {
         self.hooks.push(hook);
     }
+    /// The registered forward pre-hooks, in registration order.
+    pub fn pre_hooks(&self) -> &[ForwardPreHook] {
+        &self.pre_hooks
+    }
+    /// Appends a forward pre-hook.
+    pub fn push_pre_hook(&mut self, hook: ForwardPreHook) {
+        self.pre_hooks.push(hook);
+    }
 }
 
 impl Default for ModuleCore {
@@ -57,6 +71,7 @@ impl fmt::Debug for ModuleCore {
         f.debug_struct("ModuleCore")
             .field("training", &self.training)
             .field("hooks", &self.hooks.len())
+            .field("pre_hooks", &self.pre_hooks.len())
             .finish()
     }
 }
@@ -334,8 +349,25 @@ pub trait Module: Send + Sync {
         Ok(())
     }
 
-    /// Runs [`Module::forward`] and then the forward hooks (`module(input)`).
+    /// Registers a hook run before every [`Module::forward`] in [`Module::call`] with the
+    /// input; a hook returning `Some(t)` replaces the input that `forward` (and the next
+    /// pre-hooks, and the forward hooks) see (`register_forward_pre_hook`). Hooks run in
+    /// registration order.
+    fn register_forward_pre_hook(&mut self, hook: ForwardPreHook) -> Result<()> {
+        self.core_mut().push_pre_hook(hook);
+        Ok(())
+    }
+
+    /// Runs the forward pre-hooks, [`Module::forward`], then the forward hooks
+    /// (`module(input)`).
     fn call(&self, input: &Tensor) -> Result<Tensor> {
+        let mut replaced = None;
+        for hook in self.core().pre_hooks() {
+            if let Some(x) = hook(replaced.as_ref().unwrap_or(input))? {
+                replaced = Some(x);
+            }
+        }
+        let input = replaced.as_ref().unwrap_or(input);
         let mut out = self.forward(input)?;
         for hook in self.core().hooks() {
             if let Some(o) = hook(input, &out)? {
@@ -423,6 +455,9 @@ impl<M: Module + ?Sized> Module for Box<M> {
     }
     fn register_forward_hook(&mut self, hook: ForwardHook) -> Result<()> {
         (**self).register_forward_hook(hook)
+    }
+    fn register_forward_pre_hook(&mut self, hook: ForwardPreHook) -> Result<()> {
+        (**self).register_forward_pre_hook(hook)
     }
     fn call(&self, input: &Tensor) -> Result<Tensor> {
         (**self).call(input)
