@@ -5,6 +5,7 @@
 //! [`register_backend`]; this crate never links CUDA.
 
 pub mod backend;
+pub mod device_mesh;
 mod error;
 mod group;
 pub mod launch_env;
