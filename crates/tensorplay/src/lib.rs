@@ -148,7 +148,7 @@ pub mod nn {
     /// ```
     pub mod parallel {
         #[doc(inline)]
-        pub use tensorplay_distributed_nn::parallel::*;
+        pub use tensorplay_distributed_nn::parallel::ddp::*;
     }
 }
 
@@ -196,6 +196,27 @@ pub mod distributed {
     };
     #[doc(inline)]
     pub use tensorplay_distributed_nn::checkpoint;
+
+    #[doc(inline)]
+    pub use tensorplay_collectives::device_mesh;
+
+    /// `torch.distributed.tensor`: how a tensor's pieces lie over a
+    /// [`DeviceMesh`](device_mesh::DeviceMesh) ([`Placement`](tensor::Placement)), and
+    /// [`parallel`](tensor::parallel), tensor parallelism's plan API.
+    pub mod tensor {
+        #[doc(inline)]
+        pub use tensorplay_distributed_nn::tensor::Placement;
+
+        /// `torch.distributed.tensor.parallel`: [`ColwiseParallel`](parallel::ColwiseParallel),
+        /// [`RowwiseParallel`](parallel::RowwiseParallel) and
+        /// [`parallelize_module`](parallel::parallelize_module); see `docs/tensor-parallel.md`.
+        pub mod parallel {
+            #[doc(inline)]
+            pub use tensorplay_distributed_nn::parallel::tensor::{
+                ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
+            };
+        }
+    }
 
     /// Registers the backends this build has beyond `"cpu"` (`"nccl"` with the `nccl`
     /// feature), once.
@@ -338,6 +359,11 @@ pub use tensorplay_core::Result;
 #[doc = include_str!("../../../docs/checkpoints.md")]
 #[cfg(doctest)]
 pub struct CheckpointsDoctests;
+
+/// The tensor-parallel page's example, compiled as a doc test.
+#[doc = include_str!("../../../docs/tensor-parallel.md")]
+#[cfg(doctest)]
+pub struct TensorParallelDoctests;
 
 /// The RPC page's examples, compiled as doc tests.
 #[doc = include_str!("../../../docs/rpc.md")]
