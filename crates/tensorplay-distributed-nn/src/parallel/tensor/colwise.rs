@@ -23,7 +23,8 @@ const OP: &str = "ColwiseParallel";
 ///   along `d` first.
 /// - `output_layouts` (default `Shard(-1)`): `Shard(-1)` leaves each rank its features (what a
 ///   following [`RowwiseParallel`](super::RowwiseParallel) expects); `Replicate` all-gathers
-///   them into the whole output on every rank.
+///   them into the whole output on every rank (backward, each rank keeps its piece of the
+///   gradient: no communication).
 /// - `use_local_output` (default true): return plain local tensors; `false` (a `DTensor` in
 ///   PyTorch) is refused, there is no distributed tensor type here.
 /// - [`stacked(k)`](ColwiseParallel::stacked) (no PyTorch equivalent): the weight is `k`
@@ -146,10 +147,15 @@ impl ParallelStyle for ColwiseParallel {
             }))
         }))?;
         if self.output_layouts == Placement::Replicate {
-            let (group, stacked) = (m.group, self.stacked);
+            let (group, rank, stacked) = (m.group, m.rank, self.stacked);
             module.register_forward_hook(Box::new(move |_x: &Tensor, y: &Tensor| {
+                // Megatron's gather: the other ranks' pieces come in as values, this rank's
+                // stays on the graph, so backward keeps only this rank's piece of the gradient
+                // (every rank holds the whole gradient of the whole output already)
+                let mut pieces = all_gather(&y.detach(), Some(&group))?;
+                pieces[rank] = y.clone();
                 let last = y.ndim().saturating_sub(1);
-                Ok(Some(unchunk(&all_gather(y, Some(&group))?, last, stacked)?))
+                Ok(Some(unchunk(&pieces, last, stacked)?))
             }))?;
         }
         Ok(())
