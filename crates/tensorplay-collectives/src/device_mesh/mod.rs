@@ -96,7 +96,7 @@ pub struct DeviceMesh {
 ///
 /// Every rank must call it with the same arguments: it creates one process group for every
 /// line of ranks along every dimension, dimension by dimension, each with
-/// [`new_group`](crate::new_group), in the same order on every rank (as PyTorch does), and
+/// [`new_group`], in the same order on every rank (as PyTorch does), and
 /// keeps the groups this rank belongs to. The groups use the world's backend and timeout.
 ///
 /// # Errors
