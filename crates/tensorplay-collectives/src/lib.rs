@@ -6,6 +6,7 @@
 
 pub mod backend;
 mod detail;
+pub mod device_mesh;
 mod error;
 mod group;
 pub mod launch_env;

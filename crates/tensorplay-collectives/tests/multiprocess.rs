@@ -10,6 +10,8 @@ use tensorplay_core::{DType, Tensor};
 
 #[path = "multiprocess/blame.rs"]
 mod blame;
+#[path = "multiprocess/device_mesh.rs"]
+mod device_mesh;
 #[path = "multiprocess/double.rs"]
 mod double;
 #[path = "multiprocess/one_bad_rank.rs"]

@@ -3,13 +3,16 @@
 
 use std::fmt;
 
+use tensorplay_collectives::device_mesh::DeviceMesh;
 use tensorplay_collectives::{self as dist, ProcessGroup};
 use tensorplay_core::nn::functional::{
     cross_entropy, dropout, linear, scaled_dot_product_attention,
 };
 use tensorplay_core::nn::{Embedding, LayerNorm, Linear, Module, ModuleCore, ModuleList};
 use tensorplay_core::{DType, Error, Result, Tensor};
-use tensorplay_distributed_nn::functional::{copy_to_group, reduce_from_group};
+use tensorplay_distributed_nn::parallel::tensor::{
+    ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
+};
 
 /// The shape of a [`Gpt`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,44 +87,49 @@ impl GptConfig {
 // ---------------------------------------------------------------------------------------------
 // the tensor-parallel layout
 
-/// How one parameter of a [`Gpt`] is laid out across the ranks of a tensor-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Split {
-    /// Every rank holds all of it (embeddings, LayerNorms, the row-parallel biases).
-    Replicated,
-    /// Rank `r` of `W` holds rows `r*n/W .. (r+1)*n/W` (column-parallel weights and biases:
-    /// `mlp.c_fc`).
-    Rows,
-    /// Rank `r` holds columns `r*n/W .. (r+1)*n/W` of the weight (row-parallel: both
-    /// `c_proj` weights).
-    Columns,
-    /// `attn.c_attn`: the query, key and value blocks of `n_embd` rows each, every block split
-    /// by rows (so rank `r` holds the query, key and value rows of heads `r*H/W .. (r+1)*H/W`).
-    QkvRows,
+/// The query, key and value projection: three stacked blocks of `n_embd` rows, each split
+/// across the ranks (rank `r` of `W` holds the query, key and value rows of heads
+/// `r*H/W .. (r+1)*H/W`).
+static QKV: ColwiseParallel = ColwiseParallel::new().stacked(3);
+/// `mlp.c_fc`: split by rows (output features).
+static COLWISE: ColwiseParallel = ColwiseParallel::new();
+/// Both `c_proj`: split by columns (input features); the partial outputs summed, the bias
+/// added once (kept by the group's rank 0, see [`RowwiseParallel`]).
+static ROWWISE: RowwiseParallel = RowwiseParallel::new();
+
+/// The tensor-parallel plan of a [`Block`] (Megatron's layout), for
+/// [`parallelize_module`]: module names (relative to the block) and their styles. Everything
+/// else (the LayerNorms) stays replicated.
+pub fn block_tensor_parallel_plan() -> [(&'static str, &'static dyn ParallelStyle); 4] {
+    [
+        ("attn.c_attn", &QKV),
+        ("attn.c_proj", &ROWWISE),
+        ("mlp.c_fc", &COLWISE),
+        ("mlp.c_proj", &ROWWISE),
+    ]
 }
 
-/// The [`Split`] of the parameter named `name` (as [`Module::named_parameters`] names it).
-pub fn split_of(name: &str) -> Split {
-    if name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
-        Split::QkvRows
-    } else if name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
-        Split::Rows
-    } else if name.ends_with("c_proj.weight") {
-        Split::Columns
-    } else {
-        Split::Replicated
-    }
+/// The tensor-parallel plan of a [`Gpt`]: [`block_tensor_parallel_plan`] in every block
+/// (`h.*.`); the embeddings, the LayerNorms and the tied head stay replicated.
+pub fn tensor_parallel_plan() -> [(&'static str, &'static dyn ParallelStyle); 4] {
+    [
+        ("h.*.attn.c_attn", &QKV),
+        ("h.*.attn.c_proj", &ROWWISE),
+        ("h.*.mlp.c_fc", &COLWISE),
+        ("h.*.mlp.c_proj", &ROWWISE),
+    ]
 }
 
-/// Rank `rank`'s shard (of `world`) of the full parameter `full` named `name`, by
-/// [`split_of`]: a new contiguous tensor, not requiring grad. Also shards gradients (to compare
-/// a tensor-parallel run's with a single process's).
+/// Rank `rank`'s value (of `world`) of the parameter `name` (as [`Module::named_parameters`]
+/// names it, with or without the `h.N.` prefix) given its full value, as
+/// [`Gpt::tensor_parallel`] leaves it: the planned style's shard ([`tensor_parallel_plan`]),
+/// or a copy for a replicated parameter. A new contiguous tensor, not requiring grad. Also
+/// shards gradients (to compare a tensor-parallel run's with a single process's).
 ///
-/// Errors ([`Error::InvalidArgument`]) when `world` does not divide the split dimension (for the
-/// stacked query-key-value rows, when `3 * world` does not divide them), `full` lacks the split
-/// dimension, or `rank >= world`.
+/// Errors ([`Error::InvalidArgument`]): `rank >= world` (`rank`); `full` lacks the split
+/// dimension or `world` does not divide it (for the stacked query-key-value rows, `3 * world`)
+/// (`full`).
 pub fn shard_parameter(name: &str, full: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
-    let split = split_of(name);
     if rank >= world {
         return Err(invalid(
             "shard_parameter",
@@ -130,58 +138,25 @@ pub fn shard_parameter(name: &str, full: &Tensor, rank: usize, world: usize) -> 
             rank,
         ));
     }
-    let full = full.detach();
-    let needs = match split {
-        Split::Replicated => 0,
-        Split::Rows | Split::QkvRows => 1,
-        Split::Columns => 2,
+    let (module, local) = name.rsplit_once('.').unwrap_or(("", name));
+    let style = block_tensor_parallel_plan()
+        .into_iter()
+        .find(|(path, _)| module.ends_with(path))
+        .map(|(_, style)| style);
+    let Some(style) = style else {
+        return full.detach().contiguous()?.deep_clone();
     };
-    if full.ndim() < needs {
-        return Err(invalid(
-            "shard_parameter",
-            "full",
-            format!("at least {needs} dimensions for {name} (split {split:?})"),
-            format!("shape {:?}", full.shape()),
-        ));
-    }
-    let take = |t: &Tensor, dim: usize| -> Result<Tensor> {
-        let n = t.shape()[dim];
-        if !n.is_multiple_of(world) {
-            return Err(invalid(
-                "shard_parameter",
-                "world",
-                format!("a divisor of {n} (dimension {dim} of {name})"),
-                world,
-            ));
-        }
-        t.narrow(dim as isize, rank * n / world, n / world)
-    };
-    let out = match split {
-        Split::Replicated => full,
-        Split::Rows => take(&full, 0)?,
-        Split::Columns => take(&full, 1)?,
-        Split::QkvRows => {
-            let rows = full.shape()[0];
-            if !rows.is_multiple_of(3 * world) {
-                return Err(invalid(
-                    "shard_parameter",
-                    "full",
-                    format!(
-                        "query, key and value stacked in dimension 0 of {name}: rows a \
-                         multiple of 3 x world = {}",
-                        3 * world
-                    ),
-                    format!("shape {:?}", full.shape()),
-                ));
-            }
-            let e = rows / 3;
-            let parts = (0..3)
-                .map(|i| take(&full.narrow(0, i * e, e)?, 0))
-                .collect::<Result<Vec<_>>>()?;
-            tensorplay_core::cat(&parts, 0)?
-        }
-    };
-    out.contiguous()?.deep_clone()
+    style
+        .shard_parameter(local, full, rank, world)
+        .map_err(|e| match e {
+            Error::InvalidArgument { expected, got, .. } => Error::InvalidArgument {
+                op: "shard_parameter",
+                arg: "full",
+                expected: format!("{expected} ({name})"),
+                got,
+            },
+            e => e,
+        })
 }
 
 fn invalid(
@@ -198,9 +173,9 @@ fn invalid(
     }
 }
 
-/// The rank and size of `group` (the default group for `None`).
-fn rank_and_world(group: Option<&ProcessGroup>) -> Result<(usize, usize)> {
-    Ok((dist::get_rank(group)?, dist::get_world_size(group)?))
+/// A 1-D mesh over `group` (errors: this process is not a member).
+fn mesh_of(group: &ProcessGroup) -> Result<DeviceMesh> {
+    Ok(DeviceMesh::from_group(group, "tp")?)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -219,15 +194,14 @@ fn linear_init(i: usize, o: usize, std: f64, dtype: DType) -> Result<Linear> {
     Linear::from_weights(normal(&[o, i], std, dtype)?, Some(b))
 }
 
-/// A layer built from this rank's shards of `full`'s parameters (names prefixed by `prefix`).
-fn shard_linear(full: &Linear, prefix: &str, rank: usize, world: usize) -> Result<Linear> {
-    let w = shard_parameter(&format!("{prefix}.weight"), &full.weight, rank, world)?;
-    let b = full
-        .bias
-        .as_ref()
-        .map(|b| shard_parameter(&format!("{prefix}.bias"), b, rank, world))
-        .transpose()?;
-    Linear::from_weights(w.requires_grad_(true), b.map(|b| b.requires_grad_(true)))
+/// A copy of `full` with new leaf parameters (requiring grad).
+fn copy_linear(full: &Linear) -> Result<Linear> {
+    let fresh =
+        |t: &Tensor| -> Result<Tensor> { Ok(t.detach().deep_clone()?.requires_grad_(true)) };
+    Linear::from_weights(
+        fresh(&full.weight)?,
+        full.bias.as_ref().map(fresh).transpose()?,
+    )
 }
 
 fn fresh_layer_norm(full: &LayerNorm) -> Result<LayerNorm> {
@@ -235,27 +209,6 @@ fn fresh_layer_norm(full: &LayerNorm) -> Result<LayerNorm> {
     ln.weight = full.weight.detach().deep_clone()?.requires_grad_(true);
     ln.bias = full.bias.detach().deep_clone()?.requires_grad_(true);
     Ok(ln)
-}
-
-/// `x @ W^T` summed over the group when split, then `+ b` once (a row-parallel layer; the
-/// plain `Linear` without a group).
-fn row_parallel(x: &Tensor, layer: &Linear, group: Option<&ProcessGroup>) -> Result<Tensor> {
-    let mut y = linear(x, &layer.weight, None)?;
-    if let Some(g) = group {
-        y = reduce_from_group(&y, Some(g))?;
-    }
-    match &layer.bias {
-        Some(b) => y.add(b),
-        None => Ok(y),
-    }
-}
-
-/// The input of column-parallel layers: copied into the group when split.
-fn enter(x: &Tensor, group: Option<&ProcessGroup>) -> Result<Tensor> {
-    match group {
-        Some(g) => copy_to_group(x, Some(g)),
-        None => Ok(x.clone()),
-    }
 }
 
 fn maybe_dropout(x: Tensor, p: f64, training: bool) -> Result<Tensor> {
@@ -267,18 +220,19 @@ fn maybe_dropout(x: Tensor, p: f64, training: bool) -> Result<Tensor> {
 }
 
 /// Causal multi-head self-attention: `c_attn` (`E -> 3E`: query, key, value), the heads,
-/// `c_proj` (`E -> E`). Split over a group, this rank holds `n_head / W` heads: `c_attn` is
-/// column-parallel ([`Split::QkvRows`]), `c_proj` row-parallel.
+/// `c_proj` (`E -> E`). Split over a group ([`block_tensor_parallel_plan`]), this rank holds
+/// `n_head / W` heads: `c_attn` is column-parallel with its three blocks stacked, `c_proj`
+/// row-parallel; the forward counts its heads from `c_attn`'s output.
 #[derive(Module)]
 pub struct CausalSelfAttention {
     /// The query, key and value projection (`[3E, E]`, or `[3E/W, E]` on a rank).
     pub c_attn: Linear,
-    /// The output projection (`[E, E]`, or `[E, E/W]` on a rank; its bias is whole).
+    /// The output projection (`[E, E]`, or `[E, E/W]` on a rank; its bias is whole on the
+    /// group's rank 0 and zero elsewhere).
     pub c_proj: Linear,
     heads: usize,
+    head_dim: usize,
     dropout: f64,
-    #[module(skip)]
-    group: Option<ProcessGroup>,
     core: ModuleCore,
 }
 
@@ -289,28 +243,19 @@ impl CausalSelfAttention {
             c_attn: linear_init(e, 3 * e, 0.02, c.dtype)?,
             c_proj: linear_init(e, e, 0.02 / (2.0 * c.n_layer as f64).sqrt(), c.dtype)?,
             heads: c.n_head,
+            head_dim: e / c.n_head,
             dropout: c.dropout,
-            group: None,
             core: ModuleCore::new(),
         })
     }
 
-    fn shard(&self, group: &ProcessGroup) -> Result<CausalSelfAttention> {
-        let (rank, world) = rank_and_world(Some(group))?;
-        if !self.heads.is_multiple_of(world) {
-            return Err(invalid(
-                "tensor_parallel (Gpt or Block)",
-                "group",
-                format!("a size dividing the {} heads", self.heads),
-                world,
-            ));
-        }
+    fn copy(&self) -> Result<CausalSelfAttention> {
         Ok(CausalSelfAttention {
-            c_attn: shard_linear(&self.c_attn, "attn.c_attn", rank, world)?,
-            c_proj: shard_linear(&self.c_proj, "attn.c_proj", rank, world)?,
-            heads: self.heads / world,
+            c_attn: copy_linear(&self.c_attn)?,
+            c_proj: copy_linear(&self.c_proj)?,
+            heads: self.heads,
+            head_dim: self.head_dim,
             dropout: self.dropout,
-            group: Some(group.clone()),
             core: ModuleCore::new(),
         })
     }
@@ -319,18 +264,13 @@ impl CausalSelfAttention {
 impl Module for CausalSelfAttention {
     /// `[B, T, E]` -> `[B, T, E]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.group.as_ref();
         let (b, t) = (x.shape()[0], x.shape()[1]);
-        let qkv = linear(
-            &enter(x, g)?,
-            &self.c_attn.weight,
-            self.c_attn.bias.as_ref(),
-        )?;
+        let qkv = self.c_attn.call(x)?;
         let local = qkv.shape()[2] / 3;
-        let d = local / self.heads;
+        let (d, heads) = (self.head_dim, local / self.head_dim);
         let heads = |i: usize| -> Result<Tensor> {
             qkv.narrow(2, i * local, local)?
-                .reshape(&[b, t, self.heads, d])?
+                .reshape(&[b, t, heads, d])?
                 .permute(&[0, 2, 1, 3])
         };
         let p = if self.is_training() {
@@ -341,25 +281,20 @@ impl Module for CausalSelfAttention {
         let y =
             scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, None, p, true, None)?;
         let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, local])?;
-        maybe_dropout(
-            row_parallel(&y, &self.c_proj, g)?,
-            self.dropout,
-            self.is_training(),
-        )
+        maybe_dropout(self.c_proj.call(&y)?, self.dropout, self.is_training())
     }
 }
 
 /// The MLP of a block: `c_fc` (`E -> 4E`), tanh-GELU, `c_proj` (`4E -> E`). Split over a
-/// group, `c_fc` is column-parallel and `c_proj` row-parallel.
+/// group ([`block_tensor_parallel_plan`]), `c_fc` is column-parallel and `c_proj` row-parallel.
 #[derive(Module)]
 pub struct Mlp {
     /// `[4E, E]`, or `[4E/W, E]` on a rank.
     pub c_fc: Linear,
-    /// `[E, 4E]`, or `[E, 4E/W]` on a rank (its bias is whole).
+    /// `[E, 4E]`, or `[E, 4E/W]` on a rank (its bias whole on the group's rank 0, zero
+    /// elsewhere).
     pub c_proj: Linear,
     dropout: f64,
-    #[module(skip)]
-    group: Option<ProcessGroup>,
     core: ModuleCore,
 }
 
@@ -370,18 +305,15 @@ impl Mlp {
             c_fc: linear_init(e, 4 * e, 0.02, c.dtype)?,
             c_proj: linear_init(4 * e, e, 0.02 / (2.0 * c.n_layer as f64).sqrt(), c.dtype)?,
             dropout: c.dropout,
-            group: None,
             core: ModuleCore::new(),
         })
     }
 
-    fn shard(&self, group: &ProcessGroup) -> Result<Mlp> {
-        let (rank, world) = rank_and_world(Some(group))?;
+    fn copy(&self) -> Result<Mlp> {
         Ok(Mlp {
-            c_fc: shard_linear(&self.c_fc, "mlp.c_fc", rank, world)?,
-            c_proj: shard_linear(&self.c_proj, "mlp.c_proj", rank, world)?,
+            c_fc: copy_linear(&self.c_fc)?,
+            c_proj: copy_linear(&self.c_proj)?,
             dropout: self.dropout,
-            group: Some(group.clone()),
             core: ModuleCore::new(),
         })
     }
@@ -390,13 +322,8 @@ impl Mlp {
 impl Module for Mlp {
     /// `[B, T, E]` -> `[B, T, E]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.group.as_ref();
-        let h = self.c_fc.forward(&enter(x, g)?)?.gelu_tanh()?;
-        maybe_dropout(
-            row_parallel(&h, &self.c_proj, g)?,
-            self.dropout,
-            self.is_training(),
-        )
+        let h = self.c_fc.call(x)?.gelu_tanh()?;
+        maybe_dropout(self.c_proj.call(&h)?, self.dropout, self.is_training())
     }
 }
 
@@ -428,17 +355,34 @@ impl Block {
         })
     }
 
-    /// This rank's part of the block split over `group` (its heads and MLP columns; see
-    /// [`Split`]), as new leaf tensors. Every rank of `group` must call it with the same
-    /// block, and run the forward and backward passes together.
+    /// This rank's part of the block split over `group`: a copy (new leaf tensors)
+    /// parallelised by [`parallelize_module`] with [`block_tensor_parallel_plan`] (its heads
+    /// and MLP columns). Every rank of `group` must call it with the same block, and run the
+    /// forward and backward passes together.
     ///
-    /// Errors: the group's size does not divide the heads; collective errors.
+    /// Errors: the group's size does not divide the heads; this process is not in `group`;
+    /// collective errors.
     pub fn tensor_parallel(&self, group: &ProcessGroup) -> Result<Block> {
+        let world = group.size();
+        if !self.attn.heads.is_multiple_of(world) {
+            return Err(invalid(
+                "tensor_parallel (Gpt or Block)",
+                "group",
+                format!("a size dividing the {} heads", self.attn.heads),
+                world,
+            ));
+        }
+        let mut block = self.copy()?;
+        parallelize_module(&mut block, &mesh_of(group)?, &block_tensor_parallel_plan())?;
+        Ok(block)
+    }
+
+    fn copy(&self) -> Result<Block> {
         Ok(Block {
             ln_1: fresh_layer_norm(&self.ln_1)?,
-            attn: self.attn.shard(group)?,
+            attn: self.attn.copy()?,
             ln_2: fresh_layer_norm(&self.ln_2)?,
-            mlp: self.mlp.shard(group)?,
+            mlp: self.mlp.copy()?,
             core: ModuleCore::new(),
         })
     }
@@ -468,7 +412,7 @@ impl Module for Block {
 ///
 /// [`Gpt::tensor_parallel`] splits it over a process group in Megatron's layout: each rank
 /// holds `n_head / W` heads of every attention and `4E / W` columns of every MLP; embeddings,
-/// LayerNorms and the head are replicated. See [`Split`] and `docs/models.md`.
+/// LayerNorms and the head are replicated. See [`tensor_parallel_plan`] and `docs/models.md`.
 ///
 /// ```
 /// use tensorplay::{self as tp, models::{Gpt, GptConfig}, nn::Module};
@@ -526,12 +470,15 @@ impl Gpt {
     }
 
     /// This rank's part of the model split over `group` (tensor parallelism, Megatron's
-    /// layout): every block as [`Block::tensor_parallel`], the embeddings and the final
-    /// LayerNorm copied whole. The parameters are new leaf tensors. Every rank of `group` calls
+    /// layout): a copy of the model (new leaf tensors) parallelised by [`parallelize_module`]
+    /// with [`tensor_parallel_plan`] — every block as [`Block::tensor_parallel`], the
+    /// embeddings and the final LayerNorm whole. Parameter names are unchanged. Every rank of `group` calls
     /// it with the same model (for instance built from the same seed), then runs every forward
     /// and backward together, computes the full loss and calls `backward` on it; each shard's
     /// gradient is then its slice of the single-process gradient, and replicated parameters get
-    /// the full gradient on every rank (no further synchronisation).
+    /// the full gradient on every rank (no further synchronisation); the row-parallel biases
+    /// are trained by the group's rank 0 and stay zero on the others (see
+    /// [`RowwiseParallel`]).
     ///
     /// Errors: the group's size does not divide `n_head`; collective errors.
     pub fn tensor_parallel(&self, group: &ProcessGroup) -> Result<Gpt> {
@@ -541,16 +488,18 @@ impl Gpt {
             |t: &Tensor| -> Result<Tensor> { Ok(t.detach().deep_clone()?.requires_grad_(true)) };
         let mut h = ModuleList::new();
         for b in &self.h {
-            h.push(b.tensor_parallel(group)?);
+            h.push(b.copy()?);
         }
-        Ok(Gpt {
+        let mut gpt = Gpt {
             wte: Embedding::from_weights(copy(&self.wte.weight)?)?,
             wpe: Embedding::from_weights(copy(&self.wpe.weight)?)?,
             h,
             ln_f: fresh_layer_norm(&self.ln_f)?,
             config: self.config,
             core: ModuleCore::new(),
-        })
+        };
+        parallelize_module(&mut gpt, &mesh_of(group)?, &tensor_parallel_plan())?;
+        Ok(gpt)
     }
 
     /// The mean next-token cross-entropy of `idx` (`[B, T]` token ids) against `targets`

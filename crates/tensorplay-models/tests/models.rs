@@ -302,7 +302,12 @@ fn run(m: &dyn Module, x: &Tensor, c: &Tensor) -> R<Run> {
     let dx = x.grad().map(|g| g.to_vec::<f64>()).transpose()?;
     let mut grads = BTreeMap::new();
     for (n, p) in m.named_parameters() {
-        grads.insert(n, p.grad().ok_or("a parameter got no gradient")?);
+        // a frozen parameter (the zeros of a row-parallel bias off rank 0) gets none
+        let g = match p.grad() {
+            None if !p.requires_grad() => p.zeros_like()?,
+            g => g.ok_or("a parameter got no gradient")?,
+        };
+        grads.insert(n, g);
     }
     Ok((out, dx, grads))
 }
@@ -374,9 +379,13 @@ fn tensor_parallel_equals_unsplit(rank: usize) -> R<()> {
     let full_params: BTreeMap<String, Tensor> = model.named_parameters().into_iter().collect();
     for (name, p) in tp_model.named_parameters() {
         let want = gpt::shard_parameter(&name, &full_params[&name].grad().ok_or("grad")?, rank, w)?;
+        let got = match p.grad() {
+            None if !p.requires_grad() => p.zeros_like()?,
+            g => g.ok_or("grad")?,
+        };
         close(
             &who(&format!("model gradient {name}")),
-            &p.grad().ok_or("grad")?.to_vec()?,
+            &got.to_vec()?,
             &want.to_vec()?,
             TOL,
         )?;
@@ -396,12 +405,35 @@ fn tensor_parallel_gpt_equals_unsplit_world_4() {
 
 #[test]
 fn sharding_layout_and_errors() -> R<()> {
-    use gpt::Split;
-    assert_eq!(gpt::split_of("h.3.attn.c_attn.weight"), Split::QkvRows);
-    assert_eq!(gpt::split_of("h.0.mlp.c_fc.bias"), Split::Rows);
-    assert_eq!(gpt::split_of("h.0.mlp.c_proj.weight"), Split::Columns);
-    assert_eq!(gpt::split_of("h.0.mlp.c_proj.bias"), Split::Replicated);
-    assert_eq!(gpt::split_of("wte.weight"), Split::Replicated);
+    // the plan: which layers split how (the rest replicated)
+    let plan: Vec<&str> = gpt::tensor_parallel_plan()
+        .iter()
+        .map(|(p, _)| *p)
+        .collect();
+    assert_eq!(
+        plan,
+        [
+            "h.*.attn.c_attn",
+            "h.*.attn.c_proj",
+            "h.*.mlp.c_fc",
+            "h.*.mlp.c_proj"
+        ]
+    );
+    let v = Tensor::arange(1.0, 5.0, 1.0, DType::F64)?;
+    // (name, rank of 2, expected values): replicated, the row-parallel bias (Partial: whole on
+    // rank 0, zeros elsewhere), a column-parallel bias
+    let cases: [(&str, usize, [f64; 4]); 4] = [
+        ("wte.weight", 1, [1.0, 2.0, 3.0, 4.0]),
+        ("h.0.mlp.c_proj.bias", 0, [1.0, 2.0, 3.0, 4.0]),
+        ("h.0.mlp.c_proj.bias", 1, [0.0; 4]),
+        ("h.3.attn.c_proj.bias", 1, [0.0; 4]),
+    ];
+    for (name, rank, want) in cases {
+        let s = gpt::shard_parameter(name, &v, rank, 2)?;
+        assert_eq!(s.to_vec::<f64>()?, want, "{name} on rank {rank}");
+    }
+    let fc = gpt::shard_parameter("h.0.mlp.c_fc.bias", &v, 1, 2)?;
+    assert_eq!(fc.to_vec::<f64>()?, [3.0, 4.0]);
     // c_attn: rank 1 of 2 takes the second half of each of the q, k, v blocks
     let full = Tensor::arange(0.0, 12.0, 1.0, DType::F64)?.reshape(&[12, 1])?;
     let s = gpt::shard_parameter("attn.c_attn.weight", &full, 1, 2)?;

@@ -206,6 +206,27 @@ pub mod distributed {
     #[doc(inline)]
     pub use tensorplay_distributed_nn::checkpoint;
 
+    #[doc(inline)]
+    pub use tensorplay_collectives::device_mesh;
+
+    /// `torch.distributed.tensor`: how a tensor's pieces lie over a
+    /// [`DeviceMesh`](device_mesh::DeviceMesh) ([`Placement`](tensor::Placement)), and
+    /// [`parallel`](tensor::parallel), tensor parallelism's plan API.
+    pub mod tensor {
+        #[doc(inline)]
+        pub use tensorplay_distributed_nn::tensor::Placement;
+
+        /// `torch.distributed.tensor.parallel`: [`ColwiseParallel`](parallel::ColwiseParallel),
+        /// [`RowwiseParallel`](parallel::RowwiseParallel) and
+        /// [`parallelize_module`](parallel::parallelize_module); see `docs/tensor-parallel.md`.
+        pub mod parallel {
+            #[doc(inline)]
+            pub use tensorplay_distributed_nn::parallel::tensor::{
+                ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
+            };
+        }
+    }
+
     /// Registers the backends this build has beyond `"cpu"` (`"nccl"` with the `nccl`
     /// feature), once.
     fn register_builtin() {
@@ -420,6 +441,11 @@ pub struct CoreDoctests;
 #[doc = include_str!("../../../docs/checkpoints.md")]
 #[cfg(doctest)]
 pub struct CheckpointsDoctests;
+
+/// The tensor-parallel page's example, compiled as a doc test.
+#[doc = include_str!("../../../docs/tensor-parallel.md")]
+#[cfg(doctest)]
+pub struct TensorParallelDoctests;
 
 /// The RPC page's examples, compiled as doc tests.
 #[doc = include_str!("../../../docs/rpc.md")]

@@ -266,3 +266,218 @@ fn tensor_parallel_mlp_subgroups_of_world_4() {
         Ok(())
     });
 }
+
+// ---------------------------------------------------------------------------------------------
+// the plan API: parallelize_module on a Sequential, against the same reference
+
+mod plan {
+    use super::*;
+    use tensorplay_collectives::device_mesh::{DeviceMesh, init_device_mesh};
+    use tensorplay_core::Error;
+    use tensorplay_core::nn::{Linear, Module, Sequential, Tanh};
+    use tensorplay_distributed_nn::parallel::tensor::{
+        ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
+    };
+    use tensorplay_distributed_nn::tensor::Placement;
+
+    /// The full pair `Linear -> tanh -> Linear` of the problem, as a Sequential ("0", "1", "2").
+    fn full_model(p: &Problem) -> R<Sequential> {
+        let l1 = Linear::from_weights(leaf(&p.w1, &[H, D_IN])?, Some(leaf(&p.b1, &[H])?))?;
+        let l2 = Linear::from_weights(leaf(&p.w2, &[D_OUT, H])?, Some(leaf(&p.b2, &[D_OUT])?))?;
+        Ok(Sequential::new().add(l1).add(Tanh::new()).add(l2))
+    }
+
+    /// One plan over the world's (or a sub-mesh's) ranks.
+    struct Case {
+        name: &'static str,
+        first: ColwiseParallel,
+        /// The second layer's style; `None`: the second layer stays whole (replicated).
+        second: Option<RowwiseParallel>,
+        /// World sizes the case runs at (the extents must divide).
+        worlds: &'static [usize],
+    }
+
+    const CASES: &[Case] = &[
+        Case {
+            name: "Megatron pair",
+            first: ColwiseParallel::new(),
+            second: Some(RowwiseParallel::new()),
+            worlds: &[2, 3, 4],
+        },
+        Case {
+            name: "replicated between the layers",
+            first: ColwiseParallel::new().output_layouts(Placement::Replicate),
+            second: Some(RowwiseParallel::new().input_layouts(Placement::Replicate)),
+            worlds: &[2, 3, 4],
+        },
+        Case {
+            name: "3 stacked blocks, gathered, then a whole layer",
+            first: ColwiseParallel::new()
+                .stacked(3)
+                .output_layouts(Placement::Replicate),
+            second: None,
+            worlds: &[2, 4],
+        },
+    ];
+
+    /// Runs `c` on this rank of `mesh` (1-D) and compares output and gradients with `rf`.
+    fn check(c: &Case, p: &Problem, rf: &Reference, mesh: &DeviceMesh) -> TestResult {
+        let (r, w) = (mesh.get_local_rank(0)?, mesh.size(0)?);
+        let what = |s: &str| format!("case {:?}: {s} (rank {r} of {w})", c.name);
+        let mut model = full_model(p)?;
+        let mut plan: Vec<(&str, &dyn ParallelStyle)> = vec![("0", &c.first)];
+        if let Some(s) = &c.second {
+            plan.push(("2", s));
+        }
+        parallelize_module(&mut model, mesh, &plan)?;
+        let x = leaf(&p.x, &[B, D_IN])?;
+        let y = model.call(&x)?;
+        close(&what("output"), &y.to_vec_f64()?, &rf.y)?;
+        // every rank computes the full loss
+        let cw = Tensor::from_vec(p.c.clone(), &[B, D_OUT])?;
+        y.mul(&cw)?.sum()?.backward()?;
+        close(&what("dx"), &grad(&x)?, &rf.dx)?;
+        let want = [
+            (
+                "0.weight",
+                c.first.shard_parameter("weight", &rf.dw1, r, w)?,
+            ),
+            ("0.bias", c.first.shard_parameter("bias", &rf.db1, r, w)?),
+        ];
+        let params: std::collections::BTreeMap<String, Tensor> =
+            model.named_parameters().into_iter().collect();
+        for (name, g) in &want {
+            close(&what(name), &grad(&params[*name])?, &g.to_vec_f64()?)?;
+        }
+        let (w2, b2) = (&params["2.weight"], &params["2.bias"]);
+        let db2 = Tensor::from_vec(rf.db2.clone(), &[D_OUT])?;
+        match &c.second {
+            Some(s) => {
+                let dw2 = s.shard_parameter("weight", &rf.dw2, r, w)?;
+                close(&what("2.weight"), &grad(w2)?, &dw2.to_vec_f64()?)?;
+                // the bias is Partial: rank 0 holds and trains it, the others hold zeros
+                let value =
+                    s.shard_parameter("bias", &Tensor::from_vec(p.b2.clone(), &[D_OUT])?, r, w)?;
+                close(
+                    &what("2.bias value"),
+                    &b2.to_vec_f64()?,
+                    &value.to_vec_f64()?,
+                )?;
+                if r == 0 {
+                    close(&what("2.bias"), &grad(b2)?, &rf.db2)?;
+                } else if b2.requires_grad() || b2.grad().is_some() {
+                    return Err(what("2.bias on a rank > 0 must be a frozen zero").into());
+                }
+            }
+            None => {
+                close(&what("2.weight"), &grad(w2)?, &rf.dw2.to_vec_f64()?)?;
+                close(&what("2.bias"), &grad(b2)?, &db2.to_vec_f64()?)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn plans_at(n: usize) {
+        world(n, |_rank| {
+            let p = Problem::new();
+            let rf = reference(&p)?;
+            let mesh = DeviceMesh::from_group(&dist::default_group("test")?, "tp")?;
+            for c in CASES.iter().filter(|c| c.worlds.contains(&n)) {
+                check(c, &p, &rf, &mesh)?;
+            }
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn parallelize_module_world_2() {
+        plans_at(2);
+    }
+
+    #[test]
+    fn parallelize_module_world_3() {
+        plans_at(3);
+    }
+
+    #[test]
+    fn parallelize_module_world_4() {
+        plans_at(4);
+    }
+
+    /// A plan that must fail: (what, the plan, the mesh, the argument the error names).
+    type BadPlan<'a> = (
+        &'a str,
+        Vec<(&'a str, &'a dyn ParallelStyle)>,
+        &'a DeviceMesh,
+        &'a str,
+    );
+
+    /// A [2, 2] mesh: tensor parallelism over `mesh["tp"]` (ranks {0, 1} and {2, 3}), and the
+    /// plan's errors, each naming its argument.
+    #[test]
+    fn parallelize_module_on_a_2d_mesh_and_errors() {
+        world(4, |rank| {
+            let p = Problem::new();
+            let rf = reference(&p)?;
+            let mesh = init_device_mesh(&[2, 2], &["dp", "tp"])?;
+            assert_eq!(mesh["tp"].ranks(), [rank / 2 * 2, rank / 2 * 2 + 1]);
+            for c in CASES.iter().filter(|c| c.worlds.contains(&2)) {
+                check(c, &p, &rf, &mesh["tp"])?;
+            }
+            let col = ColwiseParallel::new();
+            let dtensor = ColwiseParallel::new().use_local_output(false);
+            let sharded_out = RowwiseParallel::new().output_layouts(Placement::Shard(0));
+            let five = ColwiseParallel::new().stacked(5);
+            let bad: [BadPlan<'_>; 6] = [
+                (
+                    "unknown name",
+                    vec![("3", &col)],
+                    &mesh["tp"],
+                    "parallelize_plan",
+                ),
+                (
+                    "a module without weight",
+                    vec![("1", &col)],
+                    &mesh["tp"],
+                    "parallelize_plan",
+                ),
+                ("a 2-D mesh", vec![("0", &col)], &mesh, "device_mesh"),
+                (
+                    "DTensor output",
+                    vec![("0", &dtensor)],
+                    &mesh["tp"],
+                    "use_local_output",
+                ),
+                (
+                    "sharded row-wise output",
+                    vec![("2", &sharded_out)],
+                    &mesh["tp"],
+                    "output_layouts",
+                ),
+                (
+                    "5 blocks of 12 rows",
+                    vec![("0", &five)],
+                    &mesh["tp"],
+                    "module",
+                ),
+            ];
+            for (name, plan, m, arg) in bad {
+                let mut model = full_model(&p)?;
+                match parallelize_module(&mut model, m, &plan) {
+                    Err(Error::InvalidArgument { arg: a, .. }) if a == arg => {}
+                    other => return Err(format!("{name}: expected {arg}, got {other:?}").into()),
+                }
+            }
+            // a wildcard matches every child
+            let mut model = full_model(&p)?;
+            match parallelize_module(&mut model, &mesh["tp"], &[("*", &col)]) {
+                Err(Error::InvalidArgument { arg, got, .. }) => {
+                    assert_eq!(arg, "parallelize_plan");
+                    assert!(got.contains("`1`"), "{got}"); // Tanh, the first without weight
+                }
+                other => return Err(format!("wildcard: {other:?}").into()),
+            }
+            Ok(())
+        });
+    }
+}

@@ -7,11 +7,11 @@ use std::time::Instant;
 
 use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
 use tensorplay_core::autograd::{self, HookHandle};
-use tensorplay_core::{Result, Tensor, TensorId};
+use tensorplay_core::{Result, Tensor};
 
 use super::StepStats;
-use super::buckets::{self, ParamSpec};
-use super::comm_hook::{CommFuture, CommHook, GradBucket};
+use super::buckets::ParamSpec;
+use super::comm_hook::{CommFuture, CommHook};
 use super::copy;
 use super::error::DdpError;
 use super::protocol::{self, Hello, Outcome};
@@ -560,134 +560,14 @@ impl Reducer {
             Err(MarkError::Twice(_) | MarkError::Unknown(_)) => {}
         }
     }
-
-    /// Starts bucket `b`'s all-reduce (or the communication hook on it). When the hook fails
-    /// (an error or a panic) or the launch fails here, the bucket still goes out, as zeros, so
-    /// that the ranks' collectives stay paired; the error fails this step on every rank
-    /// through the flags.
-    fn launch(&self, st: &mut State, b: usize) {
-        let t = st.plan.tensors[b].clone();
-        let r = dist::with_phase(PHASE, || -> Result<Launched> {
-            match &st.comm_hook {
-                Some(h) => {
-                    let bucket = self.grad_bucket(st, b);
-                    let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        h(&self.group, &bucket)
-                    }));
-                    match called {
-                        Ok(r) => Ok(Launched::Hook(r?)),
-                        Err(_) => Err(tensorplay_core::Error::Custom {
-                            context: format!("the communication hook on bucket {b}"),
-                            message: "panicked".into(),
-                        }),
-                    }
-                }
-                None => {
-                    let w = dist::all_reduce_async(&t, ReduceOp::Sum, Some(&self.group))?;
-                    Ok(Launched::Work(Arc::new(w), t.clone()))
-                }
-            }
-        });
-        match r {
-            Ok(l) => st.launched.push((b, l)),
-            Err(e) => {
-                let what = format!("reducing gradient bucket {b} of {}", st.plan.buckets.len());
-                let e = self.comm_error(st, &what, e);
-                st.error.get_or_insert(e);
-                // keep the collectives paired: this rank's share of the bucket is zeros
-                let zeros = t.zero_().and_then(|()| {
-                    dist::with_phase(PHASE, || {
-                        dist::all_reduce_async(&t, ReduceOp::Sum, Some(&self.group))
-                    })
-                    .map_err(Into::into)
-                });
-                if let Ok(w) = zeros {
-                    st.launched
-                        .push((b, Launched::Work(Arc::new(w), t.clone())));
-                }
-            }
-        }
-    }
-
-    fn grad_bucket(&self, st: &State, b: usize) -> GradBucket {
-        let members = &st.plan.buckets[b];
-        GradBucket {
-            index: b,
-            count: st.plan.buckets.len(),
-            buffer: st.plan.tensors[b].clone(),
-            parameters: members.iter().map(|&p| self.params[p].clone()).collect(),
-            offsets: members
-                .iter()
-                .map(|&p| st.plan.schedule.slot(p).offset)
-                .collect(),
-        }
-    }
-
-    fn comm_error(
-        &self,
-        st: &State,
-        what: &str,
-        e: tensorplay_core::Error,
-    ) -> tensorplay_core::Error {
-        DdpError::Communication {
-            rank: self.rank,
-            step: Self::step_of(st),
-            what: what.to_string(),
-            error: e,
-        }
-        .into()
-    }
-}
-
-fn make_plan(
-    params: &[Tensor],
-    specs: &[ParamSpec],
-    order: &[usize],
-    limits: &[usize],
-) -> Result<Plan> {
-    let assignment = buckets::assign(specs, order, limits);
-    let numels: Vec<usize> = specs.iter().map(|s| s.numel).collect();
-    let schedule = Schedule::new(&assignment, &numels);
-    let mut tensors = Vec::with_capacity(assignment.len());
-    for (b, members) in assignment.iter().enumerate() {
-        let p = &params[members[0]];
-        tensors.push(Tensor::zeros(
-            &[schedule.bucket_numel(b)],
-            (p.dtype(), p.device()),
-        )?);
-    }
-    Ok(Plan {
-        fingerprint: buckets::fingerprint(&assignment, specs),
-        buckets: assignment,
-        schedule,
-        tensors,
-    })
-}
-
-/// The leaves the backward graph of `out` reaches.
-fn reachable_leaves(out: &Tensor) -> std::collections::HashSet<TensorId> {
-    let mut leaves = std::collections::HashSet::new();
-    let mut seen = std::collections::HashSet::new();
-    let mut stack = Vec::new();
-    if let Some(e) = out.gradient_edge() {
-        stack.push(e.node().clone());
-    }
-    while let Some(n) = stack.pop() {
-        if !seen.insert(Arc::as_ptr(&n) as usize) {
-            continue;
-        }
-        if let Some(l) = n.leaf() {
-            leaves.insert(l.id());
-        }
-        for e in n.next_functions().into_iter().flatten() {
-            stack.push(e.node().clone());
-        }
-    }
-    leaves
 }
 
 mod finish;
 mod join;
+mod launch;
+mod plan;
+
+use plan::{make_plan, reachable_leaves};
 
 pub(crate) use join::JoinRound;
 
