@@ -171,6 +171,97 @@ fn architecture_map_is_true() {
     );
 }
 
+/// Every file under `dir` (recursively) whose name ends with one of `exts`, skipping `target`
+/// and hidden folders.
+fn files(dir: &Path, exts: &[&str]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if p.is_dir() {
+                if name != "target" && !name.starts_with('.') {
+                    stack.push(p);
+                }
+            } else if exts.iter().any(|x| name.ends_with(x)) {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Longest a source file may be; test files (`tests/` folders, `tests.rs`) and CUDA kernels
+/// excepted.
+const MAX_LINES: usize = 700;
+
+#[test]
+fn no_source_file_over_700_lines() {
+    let root = root();
+    let mut long = Vec::new();
+    for (_, dir) in crates() {
+        for f in files(&dir, &[".rs"]) {
+            let rel = f
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            if rel.contains("/tests/") || rel.ends_with("/tests.rs") {
+                continue;
+            }
+            let n = std::fs::read_to_string(&f).unwrap().lines().count();
+            if n > MAX_LINES {
+                long.push(format!("{rel}: {n} lines"));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "source files over {MAX_LINES} lines (split them by concept):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn programs_parse_arguments_with_clap_and_examples_share_code_through_a_library() {
+    let root = root();
+    let mut bad = Vec::new();
+    for (_, dir) in crates() {
+        for f in files(&dir, &[".rs"]) {
+            let rel = f
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            let text = std::fs::read_to_string(&f).unwrap();
+            let program = rel.contains("/examples/")
+                || rel.contains("/src/bin/")
+                || rel.contains("/benches/")
+                || rel.ends_with("src/main.rs");
+            // the arguments reach clap (`parse_from(std::env::args())` is fine); a program
+            // that walks them itself does not name clap
+            let reads_args = text.contains("std::env::args");
+            let to_clap = ["clap", "parse_from", "try_parse"]
+                .iter()
+                .any(|k| text.contains(k));
+            if program && reads_args && !to_clap {
+                bad.push(format!(
+                    "{rel}: reads std::env::args by hand (use a clap Parser)"
+                ));
+            }
+            if rel.contains("/examples/") && text.contains("#[path") {
+                bad.push(format!("{rel}: #[path] (shared code goes in a library)"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
 #[test]
 fn data_parallel_layers_do_not_depend_on_rpc() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -204,5 +295,41 @@ fn data_parallel_layers_do_not_depend_on_rpc() {
     assert!(
         rpc.is_empty(),
         "tensorplay-distributed-nn depends on the RPC transport: {rpc:?}"
+    );
+}
+
+/// Modules get their traversal from `#[derive(Module)]`: the only hand-written `core` /
+/// `named_children` are the trait's own (`nn/fields.rs`: its declaration and `Box`'s
+/// forwarding), the dynamic containers (`Sequential` in `nn/layers.rs`, `ModuleList` in
+/// `nn/container.rs`) and the derive's template.
+#[test]
+fn modules_use_the_derive() {
+    let root = root();
+    let allowed = [
+        "crates/tensorplay-core/src/nn/fields.rs",
+        "crates/tensorplay-core/src/nn/layers.rs",
+        "crates/tensorplay-core/src/nn/container.rs",
+        "crates/tensorplay-macros/src/module.rs",
+    ];
+    let mut bad = Vec::new();
+    for (_, dir) in crates() {
+        for f in files(&dir, &[".rs"]) {
+            let rel = f.strip_prefix(&root).unwrap().to_string_lossy().into_owned();
+            if allowed.contains(&rel.as_str()) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&f).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let l = line.trim_start();
+                if l.starts_with("fn named_children") || l.starts_with("fn core(&self)") {
+                    bad.push(format!("{rel}:{}: {l}", i + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "hand-written module traversal (use #[derive(Module)]):\n{}",
+        bad.join("\n")
     );
 }
