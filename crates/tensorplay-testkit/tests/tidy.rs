@@ -314,7 +314,11 @@ fn modules_use_the_derive() {
     let mut bad = Vec::new();
     for (_, dir) in crates() {
         for f in files(&dir, &[".rs"]) {
-            let rel = f.strip_prefix(&root).unwrap().to_string_lossy().into_owned();
+            let rel = f
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
             if allowed.contains(&rel.as_str()) {
                 continue;
             }
