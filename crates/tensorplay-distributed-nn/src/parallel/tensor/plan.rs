@@ -10,7 +10,7 @@ use super::style::ParallelStyle;
 /// Parallelises the submodules of `module` named in `parallelize_plan` over `device_mesh`
 /// (`torch.distributed.tensor.parallel.parallelize_module`), in place.
 ///
-/// The plan maps module names to styles: dotted paths as [`Module::named_children`] gives
+/// The plan maps module names to styles: dotted paths as [`ModuleFields::named_children`](tensorplay_core::nn::ModuleFields::named_children) gives
 /// them (`"h.0.mlp.c_fc"`; `""` is `module` itself), where a segment `*` matches every child
 /// (`"h.*.mlp.c_fc"`: that layer of every block). Entries are applied in order, each to every
 /// module it matches. `device_mesh` is 1-D (for a 2-D mesh pass its tensor-parallel
