@@ -32,7 +32,9 @@ mod tests;
 use std::fmt;
 use std::ops::Index;
 
-use crate::{Error, ProcessGroup, Result, get_rank, get_world_size, new_group};
+use crate::{
+    Error, ProcessGroup, Result, all_gather_object, barrier, get_rank, get_world_size, new_group,
+};
 
 /// A dimension of a [`DeviceMesh`], by name (`"tp"`) or by index (`1`), as PyTorch's
 /// `mesh_dim: int | str`.
@@ -102,12 +104,35 @@ pub struct DeviceMesh {
 /// # Errors
 /// Not initialised; [`Error::InvalidArgument`] naming `mesh_shape` (empty, a zero extent, a
 /// product other than the world size) or `mesh_dim_names` (not one per dimension, empty or
-/// repeated names); errors creating a group.
+/// repeated names), or `mesh_shape` when the ranks do not all pass the same shape and names
+/// (checked on every rank before any group is made, naming the ranks that differ); errors
+/// creating a group. Ends with a barrier over the world.
 pub fn init_device_mesh(mesh_shape: &[usize], mesh_dim_names: &[&str]) -> Result<DeviceMesh> {
     const OP: &str = "init_device_mesh";
     let world = get_world_size(None).map_err(|_| Error::NotInitialized { op: OP.into() })?;
     let me = get_rank(None)?;
     layout::validate(OP, me as i64, mesh_shape, mesh_dim_names, world)?;
+    // every rank must describe the same mesh: compare before any group is made, so that a rank
+    // that disagrees is named on every rank instead of leaving the others waiting in new_group
+    let mine = (
+        mesh_shape.to_vec(),
+        mesh_dim_names.iter().map(|s| s.to_string()).collect(),
+    );
+    let all: Vec<(Vec<usize>, Vec<String>)> = all_gather_object(&mine, None)?;
+    if let Some(other) = all.iter().position(|m| *m != mine) {
+        let differ: Vec<usize> = (0..world).filter(|&r| all[r] != all[0]).collect();
+        let (shape, names) = &all[other];
+        return Err(Error::invalid(
+            OP,
+            me as i64,
+            "mesh_shape",
+            format!(
+                "the same mesh on every rank (rank 0: {:?} {:?}; ranks {differ:?} differ)",
+                all[0].0, all[0].1
+            ),
+            format!("rank {other}: {shape:?} {names:?}"),
+        ));
+    }
     let ranks: Vec<usize> = (0..world).collect();
     let mut groups = Vec::with_capacity(mesh_shape.len());
     for dim in 0..mesh_shape.len() {
@@ -123,6 +148,9 @@ pub fn init_device_mesh(mesh_shape: &[usize], mesh_dim_names: &[&str]) -> Result
             Error::invalid(OP, me as i64, "mesh_shape", "a mesh covering this rank", me)
         })?);
     }
+    // as new_group's callers expect: no rank leaves (and, on rank 0, takes the store away)
+    // while another still creates the mesh's groups
+    barrier(None)?;
     Ok(DeviceMesh::assemble(
         mesh_shape.to_vec(),
         mesh_dim_names.iter().map(|s| s.to_string()).collect(),

@@ -108,6 +108,24 @@ fn device_mesh_2x2_over_world_4() -> TestResult {
             "mesh_dim_names",
             "repeated",
         );
+        // rank 3 describes another mesh: every rank is told, naming rank 3, before any group
+        // is made (no rank is left waiting in new_group)
+        let (shape, names): (&[usize], &[&str]) = if rank == 3 {
+            (&[4], &["x"])
+        } else {
+            (&[2, 2], &["dp", "tp"])
+        };
+        match init_device_mesh(shape, names) {
+            Err(Error::InvalidArgument {
+                arg, expected, got, ..
+            }) => {
+                assert_eq!(arg, "mesh_shape");
+                assert!(expected.contains("ranks [3] differ"), "{expected}");
+                let want = if rank == 3 { "rank 0:" } else { "rank 3:" };
+                assert!(got.starts_with(want), "rank {rank}: {got}");
+            }
+            other => panic!("rank {rank}: meshes that differ: {other:?}"),
+        }
         dist::destroy_process_group()?;
         Ok(())
     })?;

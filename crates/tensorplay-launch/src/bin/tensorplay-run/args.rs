@@ -48,8 +48,13 @@ pub(crate) struct Args {
     pub(crate) master_addr: Option<String>,
     /// Port of the store on the master node. Default: a free port (one node only); under
     /// Slurm `MASTER_PORT` or 20000 + `SLURM_JOB_ID` % 20000; under Open MPI `MASTER_PORT` or
-    /// 29500.
-    #[arg(long, visible_alias = "master_port", value_name = "PORT")]
+    /// 29500. 1 to 65535 (0 would leave the ranks no port to find the store at).
+    #[arg(
+        long,
+        visible_alias = "master_port",
+        value_name = "PORT",
+        value_parser = clap::value_parser!(u16).range(1..)
+    )]
     pub(crate) master_port: Option<u16>,
     /// The master's `HOST[:PORT]` in one flag, as torchrun spells it (port 29400 when absent;
     /// IPv6 in brackets). Instead of --master-addr and --master-port.
@@ -303,6 +308,10 @@ mod tests {
             Case {
                 argv: &["--master-port", "70000", "./train"],
                 want: Err("invalid value '70000' for '--master-port <PORT>'"),
+            },
+            Case {
+                argv: &["--master_port", "0", "./train"],
+                want: Err("invalid value '0' for '--master-port <PORT>'"),
             },
             Case {
                 argv: &["--nproc-per-node", "2"],
