@@ -29,7 +29,16 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+mod kernels;
 mod layout;
+/// Host memory statistics and the caching allocator's controls (PyTorch's
+/// `torch.cuda.memory_allocated` family, for the CPU): see `storage/pool.rs` for the rules.
+pub mod memory {
+    pub use crate::storage::pool::{
+        allocated_bytes, cache_limit_bytes, empty_cache, peak_allocated_bytes, reserved_bytes,
+        reset_peak,
+    };
+}
 pub mod nn;
 mod ops;
 pub mod optim;
@@ -43,9 +52,11 @@ pub use autograd::{no_grad, set_grad_enabled};
 pub use device::{Device, IntoDevice};
 pub use dtype::{DType, Element, FloatElement};
 pub use error::{Error, Result, fmt_error_chain};
+pub use kernels::{
+    CpuCapability, cpu_capability, get_num_threads, set_cpu_capability, set_num_threads,
+};
 pub use layout::{Layout, broadcast_shapes, contiguous_strides, normalize_dim};
 pub use ops::creation::{TensorOptions, arange, full, ones, rand, randint, randn, zeros};
-pub use ops::matmul::{get_num_threads, set_num_threads};
 pub use ops::shape::{cat, stack};
 pub use ops::view::ShapeArg;
 pub use random::manual_seed;

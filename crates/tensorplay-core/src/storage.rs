@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 mod buf;
+pub(crate) mod pool;
 
 pub use buf::{BufElement, HostBuf, HostBufMut};
 
@@ -81,6 +82,8 @@ pub trait StorageElement: Element {
     fn slice(s: &CpuStorage) -> Option<&[Self]>;
     /// Mutably borrows the elements when the dtype matches.
     fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+    /// Unwraps the vector when the dtype matches; gives the storage back otherwise.
+    fn into_vec(s: CpuStorage) -> std::result::Result<Vec<Self>, CpuStorage>;
 }
 
 macro_rules! impl_storage_element {
@@ -99,6 +102,12 @@ macro_rules! impl_storage_element {
                 match s {
                     CpuStorage::$v(v) => Some(v),
                     $(CpuStorage::$other(_))|* => None,
+                }
+            }
+            fn into_vec(s: CpuStorage) -> std::result::Result<Vec<Self>, CpuStorage> {
+                match s {
+                    CpuStorage::$v(v) => Ok(v),
+                    other @ ($(CpuStorage::$other(_))|*) => Err(other),
                 }
             }
         }
@@ -133,12 +142,37 @@ impl Storage {
 #[derive(Debug)]
 pub(crate) struct StorageCell {
     data: RwLock<Storage>,
+    /// The host bytes counted as allocated when the cell was made (uncounted at drop, whatever
+    /// `with_storage_mut` put in the cell meanwhile).
+    counted: usize,
     version: AtomicU64,
+}
+
+impl Drop for StorageCell {
+    fn drop(&mut self) {
+        let s = std::mem::replace(
+            self.data.get_mut().unwrap_or_else(|e| e.into_inner()),
+            Storage::Cpu(CpuStorage::Bool(Vec::new())),
+        );
+        pool::on_free(
+            match s {
+                Storage::Cpu(c) => Some(c),
+                Storage::Cuda(_) => None,
+            },
+            self.counted,
+        );
+    }
 }
 
 impl StorageCell {
     pub(crate) fn new(s: Storage) -> Self {
+        let counted = match &s {
+            Storage::Cpu(c) => pool::capacity_bytes(c),
+            Storage::Cuda(_) => 0,
+        };
+        pool::on_alloc(counted);
         StorageCell {
+            counted,
             data: RwLock::new(s),
             version: AtomicU64::new(0),
         }

@@ -98,10 +98,11 @@
 
 pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
-    CpuStorage, DType, Device, Element, FloatElement, IntoDevice, Layout, ShapeArg, Storage,
-    StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, broadcast_shapes, cat, cuda,
-    full, get_num_threads, load, manual_seed, no_grad, ones, optim, rand, randint, randn, random,
-    save, serialize, set_grad_enabled, set_num_threads, stack, zeros,
+    CpuCapability, CpuStorage, DType, Device, Element, FloatElement, IntoDevice, Layout, ShapeArg,
+    Storage, StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, broadcast_shapes,
+    cat, cpu_capability, cuda, full, get_num_threads, load, manual_seed, memory, no_grad, ones,
+    optim, rand, randint, randn, random, save, serialize, set_cpu_capability, set_grad_enabled,
+    set_num_threads, stack, zeros,
 };
 
 /// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`

@@ -7,6 +7,7 @@ use std::fmt;
 use super::functional;
 use super::layers::Linear;
 use super::{Module, ModuleCore};
+use crate::ops::attention::fused_sdpa;
 use crate::ops::mask::causal_bias;
 use crate::random::default_generator;
 use crate::{DType, Error, Result, Tensor};
@@ -135,6 +136,20 @@ pub fn scaled_dot_product_attention(
         ));
     }
     let scale = scale.unwrap_or_else(|| 1.0 / (e.max(1) as f64).sqrt());
+    if let Some(m) = attn_mask {
+        let mut target = qs[..qs.len() - 1].to_vec();
+        target.push(s);
+        let fits =
+            crate::layout::broadcast_shapes(m.shape(), &target, OP).is_ok_and(|out| out == target);
+        // a mask that does not fit is named by the composed path below
+        if fits
+            && let Some(y) = fused_sdpa(query, key, value, attn_mask, is_causal, dropout_p, scale)
+        {
+            return y;
+        }
+    } else if let Some(y) = fused_sdpa(query, key, value, None, is_causal, dropout_p, scale) {
+        return y;
+    }
     let mut scores = query.matmul(&key.transpose(-2, -1)?)?.mul_scalar(scale)?;
     if is_causal {
         let bias = causal_bias(l, s, scores.dtype())?.to_device(scores.device())?;

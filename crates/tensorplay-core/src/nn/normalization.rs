@@ -1,98 +1,38 @@
 //! Layer normalisation (`torch.nn.LayerNorm`, Ba et al. 2016): the functional form and the
 //! module.
 //!
-//! On the CPU forward and backward are one fused pass over each row (statistics accumulated in
-//! float64); on other devices the same formula is composed of the elementwise operations.
+//! On the CPU forward and backward are fused row kernels (statistics in the computing type,
+//! two passes, sums over fixed lanes), reading rows in place when they are contiguous; on other
+//! devices the same formula is composed of the elementwise operations.
 
 use std::fmt;
 
 use super::{Module, ModuleCore};
 use crate::autograd::{Context, Function, apply};
-use crate::dtype::FloatElement;
+use crate::kernels::{self, math::Elem};
 use crate::ops::float_dispatch;
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Error, Layout, Result, Tensor};
 
-/// The per-row statistics and the normalised rows: `(y, mean, rstd)`.
-fn rows_forward<T: FloatElement>(
-    x: &[T],
-    w: Option<&[T]>,
-    b: Option<&[T]>,
-    n: usize,
-    eps: f64,
-) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let rows = x.len().checked_div(n).unwrap_or(0);
-    let mut y = Vec::with_capacity(x.len());
-    let mut means = Vec::with_capacity(rows);
-    let mut rstds = Vec::with_capacity(rows);
-    let to = |v: f64| T::from(v).unwrap_or_else(T::nan);
-    for row in x.chunks_exact(n.max(1)).take(rows) {
-        let mean = row
-            .iter()
-            .map(|v| v.to_f64().unwrap_or(f64::NAN))
-            .sum::<f64>()
-            / n as f64;
-        let var = row
-            .iter()
-            .map(|v| {
-                let d = v.to_f64().unwrap_or(f64::NAN) - mean;
-                d * d
-            })
-            .sum::<f64>()
-            / n as f64;
-        let rstd = 1.0 / (var + eps).sqrt();
-        let (m, r) = (to(mean), to(rstd));
-        for (i, &v) in row.iter().enumerate() {
-            let mut o = (v - m) * r;
-            if let Some(w) = w {
-                o = o * w[i];
-            }
-            if let Some(b) = b {
-                o = o + b[i];
-            }
-            y.push(o);
+/// The offsets of the rows of `n` elements of a view, when each row (its trailing dimensions
+/// of `n` elements) is contiguous; `None` otherwise.
+fn row_offsets(l: &Layout, n: usize) -> Option<Vec<usize>> {
+    let mut d = l.shape.len();
+    let mut size = 1;
+    while size < n && d > 0 {
+        d -= 1;
+        if l.shape[d] > 1 && l.strides[d] != size {
+            return None;
         }
-        means.push(m);
-        rstds.push(r);
+        size *= l.shape[d];
     }
-    (y, means, rstds)
-}
-
-/// `(dx, dw, db)` of the rows.
-fn rows_backward<T: FloatElement>(
-    x: &[T],
-    g: &[T],
-    w: Option<&[T]>,
-    means: &[T],
-    rstds: &[T],
-    n: usize,
-) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let mut dx = Vec::with_capacity(x.len());
-    let mut dw = vec![T::zero(); n];
-    let mut db = vec![T::zero(); n];
-    let mut dxhat = vec![T::zero(); n];
-    let mut xhat = vec![T::zero(); n];
-    let inv_n = T::from(1.0 / n as f64).unwrap_or_else(T::nan);
-    for (r, (xr, gr)) in x.chunks_exact(n).zip(g.chunks_exact(n)).enumerate() {
-        let (m, s) = (means[r], rstds[r]);
-        let mut sum_d = T::zero();
-        let mut sum_dx = T::zero();
-        for i in 0..n {
-            xhat[i] = (xr[i] - m) * s;
-            dxhat[i] = match w {
-                Some(w) => gr[i] * w[i],
-                None => gr[i],
-            };
-            sum_d = sum_d + dxhat[i];
-            sum_dx = sum_dx + dxhat[i] * xhat[i];
-            dw[i] = dw[i] + gr[i] * xhat[i];
-            db[i] = db[i] + gr[i];
+    (size == n).then(|| {
+        Layout {
+            shape: l.shape[..d].to_vec(),
+            strides: l.strides[..d].to_vec(),
+            offset: l.offset,
         }
-        let (a, c) = (sum_d * inv_n, sum_dx * inv_n);
-        for i in 0..n {
-            dx.push(s * (dxhat[i] - a - xhat[i] * c));
-        }
-    }
-    (dx, dw, db)
+        .offsets()
+    })
 }
 
 struct LayerNormFn {
@@ -108,7 +48,11 @@ impl Function for LayerNormFn {
         "NativeLayerNormBackward"
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let x = inputs[0].contiguous()?;
+        // rows contiguous within are read in place; any other view is copied once
+        let x = match row_offsets(inputs[0].layout(), self.n) {
+            Some(_) => inputs[0].clone(),
+            None => inputs[0].contiguous()?,
+        };
         let w = self
             .has_weight
             .then(|| inputs[1].contiguous())
@@ -119,14 +63,24 @@ impl Function for LayerNormFn {
             .transpose()?;
         let rows = x.numel().checked_div(self.n).unwrap_or(0);
         let (y, mean, rstd) = float_dispatch!(x.dtype(), "layer_norm", T => {
-            let xs = x.to_vec::<T>()?;
-            let ws = w.as_ref().map(|w| w.to_vec::<T>()).transpose()?;
-            let bs = b.as_ref().map(|b| b.to_vec::<T>()).transpose()?;
-            let (y, m, r) = rows_forward(&xs, ws.as_deref(), bs.as_deref(), self.n, self.eps);
+            let (y, m, r) = x.with_slice("layer_norm", |xs: &[T], l| {
+                let offsets = row_offsets(l, self.n).unwrap_or_default();
+                let param = |p: &Option<Tensor>| -> Result<Option<Vec<T>>> {
+                    p.as_ref().map(|p| p.to_vec::<T>()).transpose()
+                };
+                Ok::<_, Error>(kernels::layer_norm(
+                    xs,
+                    &offsets,
+                    self.n,
+                    param(&w)?.as_deref(),
+                    param(&b)?.as_deref(),
+                    self.eps,
+                ))
+            })??;
             (
                 Tensor::from_vec(y, x.shape())?,
-                Tensor::from_vec(m, &[rows])?,
-                Tensor::from_vec(r, &[rows])?,
+                Tensor::from_vec(m.into_iter().map(T::store).collect::<Vec<T>>(), &[rows])?,
+                Tensor::from_vec(r.into_iter().map(T::store).collect::<Vec<T>>(), &[rows])?,
             )
         });
         match &w {
@@ -143,20 +97,22 @@ impl Function for LayerNormFn {
         let wshape = w
             .map(|w| w.shape().to_vec())
             .unwrap_or_else(|| vec![self.n]);
+        let x = x.contiguous()?;
         let (dx, dw, db) = float_dispatch!(x.dtype(), "layer_norm", T => {
             let ws = w.map(|w| w.to_vec::<T>()).transpose()?;
-            let (dx, dw, db) = rows_backward(
+            let stat = |t: &Tensor| -> Result<Vec<T>> { t.to_vec::<T>() };
+            let (dx, dw, db) = kernels::layer_norm_backward(
                 &x.to_vec::<T>()?,
                 &g.to_vec::<T>()?,
                 ws.as_deref(),
-                &mean.to_vec::<T>()?,
-                &rstd.to_vec::<T>()?,
+                &stat(mean)?,
+                &stat(rstd)?,
                 self.n,
             );
             (
                 Tensor::from_vec(dx, x.shape())?,
-                Tensor::from_vec(dw, &wshape)?,
-                Tensor::from_vec(db, &wshape)?,
+                Tensor::from_vec(dw.into_iter().map(T::store).collect::<Vec<T>>(), &wshape)?,
+                Tensor::from_vec(db.into_iter().map(T::store).collect::<Vec<T>>(), &wshape)?,
             )
         });
         let mut out = vec![Some(dx)];

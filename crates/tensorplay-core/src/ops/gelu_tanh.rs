@@ -1,13 +1,13 @@
 //! The tanh approximation of GELU (`torch.nn.functional.gelu(x, approximate='tanh')`, the form
 //! GPT-2 uses): `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 //!
-//! On the CPU forward and backward are one pass each over the elements; on other devices they
-//! are composed of the elementwise operations (so they run wherever those run).
+//! On the CPU forward and backward are one vectorised pass each over the elements (the gate
+//! `0.5 (1 + tanh(u))` computed as `1 / (1 + e^(-2u))`, one `exp`); on other devices they are
+//! composed of the elementwise operations (so they run wherever those run).
 
 use crate::autograd::{Context, Function, apply};
-use crate::dtype::FloatElement;
-use crate::ops::elementwise::unary_map;
-use crate::ops::float_dispatch;
+use crate::kernels::{self, Map};
+use crate::ops::elementwise::{kernel_map, kernel_zip};
 use crate::{Error, Result, Tensor};
 
 /// `sqrt(2 / pi)`.
@@ -15,40 +15,18 @@ const K: f64 = 0.797_884_560_802_865_4;
 /// The cubic coefficient.
 const C: f64 = 0.044_715;
 
-/// `tanh(u)` as `1 - 2 / (1 + e^(2u))`: one `exp` (libm's `tanh` costs several times more),
-/// within a few units in the last place of `tanh` in absolute terms, exact at the limits.
-fn fast_tanh<T: FloatElement>(u: T) -> T {
-    let two = T::one() + T::one();
-    T::one() - two / (T::one() + (two * u).exp())
-}
-
-fn value<T: FloatElement>(x: T) -> T {
-    let f = |v: f64| T::from(v).unwrap_or_else(T::nan);
-    let t = fast_tanh(f(K) * (x + f(C) * x * x * x));
-    f(0.5) * x * (T::one() + t)
-}
-
-fn derivative<T: FloatElement>(x: T) -> T {
-    let f = |v: f64| T::from(v).unwrap_or_else(T::nan);
-    let t = fast_tanh(f(K) * (x + f(C) * x * x * x));
-    let half = f(0.5);
-    half * (T::one() + t) + half * x * (T::one() - t * t) * f(K) * (T::one() + f(3.0 * C) * x * x)
-}
-
 /// The forward on any device: one pass on the CPU, composed elsewhere.
 fn forward(x: &Tensor) -> Result<Tensor> {
     if !x.device().is_cuda() {
-        return float_dispatch!(x.dtype(), "gelu_tanh", T => unary_map::<T, T>(x, "gelu_tanh", value::<T>));
+        return kernel_map(x, "gelu_tanh", Map::GeluTanh);
     }
     let inner = x.pow_scalar(3.0)?.mul_scalar(C)?.add(x)?.mul_scalar(K)?;
     x.mul(&inner.tanh()?.add_scalar(1.0)?)?.mul_scalar(0.5)
 }
 
-/// `d gelu_tanh / dx` at `x`, elementwise.
+/// `d gelu_tanh / dx` at `x`, elementwise, composed of the elementwise operations (the
+/// CPU's backward is one fused kernel instead).
 fn slope(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cuda() {
-        return float_dispatch!(x.dtype(), "gelu_tanh", T => unary_map::<T, T>(x, "gelu_tanh", derivative::<T>));
-    }
     let t = x
         .pow_scalar(3.0)?
         .mul_scalar(C)?
@@ -78,8 +56,18 @@ impl Function for GeluTanh {
         // the slope is computed without recording: first derivatives only (second-order
         // gradients through this op are zero, documented on `gelu_tanh`)
         let x = ctx.saved_tensors()?.remove(0).detach();
-        let s = slope(&x)?;
-        Ok(vec![Some(g[0].mul(&s)?)])
+        let g = &g[0];
+        if !x.device().is_cuda() && g.shape() == x.shape() && g.dtype() == x.dtype() {
+            let dx = kernel_zip(
+                &x,
+                g,
+                "gelu_tanh_backward",
+                kernels::gelu_tanh_backward,
+                kernels::gelu_tanh_backward,
+            )?;
+            return Ok(vec![Some(dx)]);
+        }
+        Ok(vec![Some(g.mul(&slope(&x)?)?)])
     }
 }
 

@@ -1,33 +1,12 @@
 //! Matrix products through the `gemm` crate (any strides, no copies of transposed views).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use super::{float_dispatch, same_device, with_two};
 use crate::autograd::{Context, Function, apply};
 use crate::backend::{self, DeviceStorage as _};
+use crate::kernels::get_num_threads;
 use crate::layout::{Layout, broadcast_shapes};
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
-
-static NUM_THREADS: AtomicUsize = AtomicUsize::new(0);
-
-/// Sets the number of threads CPU kernels may use (`torch.set_num_threads`); 0 means all
-/// available cores. Only large matrix products use more than one thread.
-pub fn set_num_threads(n: usize) {
-    NUM_THREADS.store(n, Ordering::Relaxed);
-}
-
-/// The number of threads CPU kernels may use.
-pub fn get_num_threads() -> usize {
-    match NUM_THREADS.load(Ordering::Relaxed) {
-        // available_parallelism reads cgroup files on Linux (dozens of syscalls), so ask once
-        0 => {
-            static AVAILABLE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-            *AVAILABLE.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        }
-        n => n,
-    }
-}
 
 /// `out[b] = a[b] @ bmat[b]` for row-major batched layouts; `a`: [.., m, k], `b`: [.., k, n],
 /// both already broadcast to the batch shape.
@@ -43,10 +22,11 @@ fn bmm_kernel<T: StorageElement + 'static>(
     n: usize,
 ) -> Vec<T> {
     let nb: usize = batch.iter().product();
-    let mut out = vec![T::default(); nb * m * n];
-    if m * n == 0 {
-        return out;
+    if m * n == 0 || k == 0 {
+        return vec![T::default(); nb * m * n];
     }
+    // every element is written by the product (gemm does not read the destination)
+    let mut out = crate::storage::pool::take::<T>(nb * m * n);
     let nd = la.ndim();
     let bl = |l: &Layout| Layout {
         shape: batch.to_vec(),

@@ -3,6 +3,7 @@
 //! at the crate root.
 
 pub(crate) mod activation;
+pub(crate) mod attention;
 pub(crate) mod creation;
 pub(crate) mod device;
 pub(crate) mod elementwise;
@@ -122,6 +123,47 @@ pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(
     a.with_slice(op, |sa: &[A], la| {
         b.with_slice(op, |sb: &[B], lb| f(sa, la, sb, lb))
     })?
+}
+
+/// `f` on the host elements of every tensor of `ts` (all of dtype `T`) with their layouts;
+/// each storage is locked once however many of the tensors view it.
+pub(crate) fn with_all<T: StorageElement, R>(
+    ts: &[&Tensor],
+    op: &'static str,
+    f: impl FnOnce(&[(&[T], &crate::Layout)]) -> R,
+) -> Result<R> {
+    let mut cells: Vec<&Arc<crate::storage::StorageCell>> = Vec::new();
+    let mut which = Vec::with_capacity(ts.len());
+    for t in ts {
+        match cells.iter().position(|c| Arc::ptr_eq(c, &t.0.storage)) {
+            Some(i) => which.push(i),
+            None => {
+                which.push(cells.len());
+                cells.push(&t.0.storage);
+            }
+        }
+    }
+    let guards: Vec<_> = cells.iter().map(|c| c.read()).collect();
+    let mut slices: Vec<&[T]> = Vec::with_capacity(guards.len());
+    for g in &guards {
+        let crate::storage::Storage::Cpu(c) = &**g else {
+            return Err(Error::NotSupported {
+                op,
+                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
+            });
+        };
+        slices.push(T::slice(c).ok_or_else(|| Error::DTypeMismatch {
+            op,
+            lhs: c.dtype(),
+            rhs: T::DTYPE,
+        })?);
+    }
+    let views: Vec<(&[T], &crate::Layout)> = ts
+        .iter()
+        .zip(&which)
+        .map(|(t, &i)| (slices[i], t.layout()))
+        .collect();
+    Ok(f(&views))
 }
 
 /// The device path of an elementwise operation of one tensor: `f` on its device storage,

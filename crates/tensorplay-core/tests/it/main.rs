@@ -6,6 +6,7 @@ mod bad_input;
 mod checkpoint;
 mod cuda_kernels;
 mod devices;
+mod kernels;
 mod nn;
 mod operators;
 mod ops_gradcheck;

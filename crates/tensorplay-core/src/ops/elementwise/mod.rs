@@ -9,9 +9,11 @@ mod methods;
 mod unary;
 mod where_;
 
-use super::{same_device, with_two};
+use super::{float_dispatch, same_device, with_two};
+use crate::kernels::{self, Map};
 use crate::layout::{Layout, broadcast_shapes};
 use crate::storage::StorageElement;
+use crate::storage::pool::take;
 use crate::{DType, Result, Tensor};
 
 // ---------------------------------------------------------------------------------------------
@@ -35,7 +37,11 @@ pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
     let v = with_two(a, b, op, |sa: &[T], _, sb: &[T], _| {
         let n: usize = shape.iter().product();
         if let (Some(ra), Some(rb)) = (la.contiguous_range(), lb.contiguous_range()) {
-            return sa[ra].iter().zip(&sb[rb]).map(|(&x, &y)| f(x, y)).collect();
+            let mut out = take::<R>(n);
+            for (o, (&x, &y)) in out.iter_mut().zip(sa[ra].iter().zip(&sb[rb])) {
+                *o = f(x, y);
+            }
+            return out;
         }
         let mut out: Vec<R> = Vec::with_capacity(n);
         if n == 0 {
@@ -82,7 +88,13 @@ pub(crate) fn unary_map<T: StorageElement, R: StorageElement>(
     f: impl Fn(T) -> R,
 ) -> Result<Tensor> {
     let v = x.with_slice(op, |s: &[T], l| match l.contiguous_range() {
-        Some(r) => s[r].iter().map(|&v| f(v)).collect::<Vec<R>>(),
+        Some(r) => {
+            let mut out = take::<R>(r.len());
+            for (o, &v) in out.iter_mut().zip(&s[r]) {
+                *o = f(v);
+            }
+            out
+        }
         None => {
             let mut out = Vec::with_capacity(l.numel());
             l.for_each_offset(|o| out.push(f(s[o])));
@@ -90,6 +102,51 @@ pub(crate) fn unary_map<T: StorageElement, R: StorageElement>(
         }
     })?;
     Ok(Tensor::from_cpu(R::into_storage(v), x.shape()))
+}
+
+/// `f(x)` of a float host tensor through the vectorised kernels (a strided view is made
+/// contiguous first), into a new contiguous tensor.
+pub(crate) fn kernel_map(x: &Tensor, op: &'static str, f: Map) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    float_dispatch!(x.dtype(), op, T => {
+        let v = x.with_slice(op, |s: &[T], l| {
+            let r = l.contiguous_range().unwrap_or(0..0);
+            kernels::map(f, &s[r])
+        })?;
+        Ok(Tensor::from_cpu(T::into_storage(v), x.shape()))
+    })
+}
+
+/// `f(a, b)` of two float host tensors of one shape through a kernel over their contiguous
+/// elements (strided views are made contiguous first), into a new contiguous tensor of that
+/// shape. The caller checks shapes and dtypes.
+pub(crate) fn kernel_zip(
+    a: &Tensor,
+    b: &Tensor,
+    op: &'static str,
+    f32_kernel: impl FnOnce(&[f32], &[f32]) -> Vec<f32>,
+    f64_kernel: impl FnOnce(&[f64], &[f64]) -> Vec<f64>,
+) -> Result<Tensor> {
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let range = |l: &Layout| l.contiguous_range().unwrap_or(0..0);
+    let storage = match a.dtype() {
+        DType::F32 => with_two(&a, &b, op, |sa: &[f32], la, sb: &[f32], lb| {
+            f32_kernel(&sa[range(la)], &sb[range(lb)])
+        })
+        .map(f32::into_storage)?,
+        DType::F64 => with_two(&a, &b, op, |sa: &[f64], la, sb: &[f64], lb| {
+            f64_kernel(&sa[range(la)], &sb[range(lb)])
+        })
+        .map(f64::into_storage)?,
+        d @ (DType::I64 | DType::Bool) => {
+            return Err(crate::Error::UnsupportedDType {
+                op,
+                dtype: d,
+                expected: "float32 or float64",
+            });
+        }
+    };
+    Ok(Tensor::from_cpu(storage, a.shape()))
 }
 
 /// The dtype two operands promote to (bool < int64 < float32 < float64), as PyTorch's

@@ -1,12 +1,13 @@
 //! Unary math and activations (and the scalar forms of arithmetic), with their gradients;
 //! ReLU's backward as an operation of its own.
 
-use super::{binary_map, unary_map};
+use super::{binary_map, kernel_map, unary_map};
 use crate::autograd::{Context, Function, apply};
 use crate::backend::{BinaryCode, DeviceStorage as _, UnaryCode};
+use crate::kernels::Map;
 use crate::ops::{device_map, device_map2, float_dispatch};
 use crate::{DType, Error, FloatElement, Result, Tensor};
-use num_traits::{Float, One, Zero};
+use num_traits::{Float, Zero};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum UnaryKind {
@@ -104,14 +105,14 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
         let c = |v: f64| <T as num_traits::NumCast>::from(v).unwrap_or_else(T::nan);
         match kind {
             Neg => unary_map::<T, T>(x, op, |v| -v),
-            Exp => unary_map::<T, T>(x, op, |v: T| v.exp()),
+            Exp => kernel_map(x, op, Map::Exp),
             Log => unary_map::<T, T>(x, op, |v: T| v.ln()),
             Sqrt => unary_map::<T, T>(x, op, |v: T| v.sqrt()),
             Abs => unary_map::<T, T>(x, op, |v: T| v.abs()),
             #[allow(clippy::eq_op)]
             Relu => unary_map::<T, T>(x, op, |v: T| if v > T::zero() || v != v { v } else { T::zero() }),
-            Sigmoid => unary_map::<T, T>(x, op, |v: T| T::one() / (T::one() + (-v).exp())),
-            Tanh => unary_map::<T, T>(x, op, |v: T| v.tanh()),
+            Sigmoid => kernel_map(x, op, Map::Sigmoid),
+            Tanh => kernel_map(x, op, Map::Tanh),
             Gelu => unary_map::<T, T>(x, op, gelu::<T>),
             Erf => unary_map::<T, T>(x, op, FloatElement::erf),
             AddScalar(s) => {

@@ -1,0 +1,229 @@
+//! The CPU kernels: vectorised math ([`math`]), fused row kernels ([`rows`]), fused attention
+//! ([`attention`]), with the instruction set chosen at run time ([`isa`]) and the intra-op
+//! thread pool ([`parallel`]). The operations in `ops/` and `nn/` call the entry points below
+//! on contiguous slices; each entry point cuts the work into fixed pieces, runs them on the
+//! pool, and compiles each piece for the processor's [`CpuCapability`].
+//!
+//! Everything here is written over [`math::Elem`], an element type loaded into the type the
+//! kernel computes in, so the 16-bit float types reuse the kernels by loading into `float32`.
+
+pub(crate) mod attention;
+mod isa;
+pub(crate) mod math;
+mod parallel;
+pub(crate) mod rows;
+
+pub use isa::{CpuCapability, cpu_capability, set_cpu_capability};
+pub use parallel::{get_num_threads, set_num_threads};
+
+use num_traits::Zero;
+
+use crate::storage::StorageElement;
+use crate::storage::pool::take;
+
+use isa::dispatch;
+use math::Elem;
+use parallel::{for_each_chunk, map_chunks};
+
+/// Elements per piece of an elementwise kernel.
+const ELEMENTWISE_CHUNK: usize = 1 << 14;
+
+/// Rows per piece of a row kernel over rows of `n` elements (about 8K elements a piece).
+fn rows_per_piece(n: usize) -> usize {
+    (8192 / n.max(1)).max(1)
+}
+
+/// The elementwise functions with a vectorised kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Map {
+    Exp,
+    Tanh,
+    Sigmoid,
+    GeluTanh,
+}
+
+/// `f(x)` of contiguous elements.
+pub(crate) fn map<E: Elem + StorageElement>(f: Map, x: &[E]) -> Vec<E> {
+    let mut y = take::<E>(x.len());
+    for_each_chunk(&mut y, ELEMENTWISE_CHUNK, x.len(), |i, out| {
+        let xs = &x[i * ELEMENTWISE_CHUNK..i * ELEMENTWISE_CHUNK + out.len()];
+        dispatch(
+            #[inline(always)]
+            || match f {
+                Map::Exp => rows::exp(xs, out),
+                Map::Tanh => rows::tanh(xs, out),
+                Map::Sigmoid => rows::sigmoid(xs, out),
+                Map::GeluTanh => rows::gelu_tanh(xs, out),
+            },
+        )
+    });
+    y
+}
+
+/// tanh-GELU's input gradient `g * gelu_tanh'(x)` of contiguous elements.
+pub(crate) fn gelu_tanh_backward<E: Elem + StorageElement>(x: &[E], g: &[E]) -> Vec<E> {
+    let mut dx = take::<E>(x.len());
+    for_each_chunk(&mut dx, ELEMENTWISE_CHUNK, x.len(), |i, out| {
+        let r = i * ELEMENTWISE_CHUNK..i * ELEMENTWISE_CHUNK + out.len();
+        dispatch(
+            #[inline(always)]
+            || rows::gelu_tanh_backward(&x[r.clone()], &g[r], out),
+        )
+    });
+    dx
+}
+
+/// Softmax (or log-softmax with `log`) over each contiguous row of `n` elements of `x`.
+pub(crate) fn softmax<E: Elem + StorageElement>(x: &[E], n: usize, log: bool) -> Vec<E> {
+    let mut y = take::<E>(x.len());
+    if n == 0 {
+        return y;
+    }
+    let piece = rows_per_piece(n) * n;
+    for_each_chunk(&mut y, piece, x.len(), |i, out| {
+        let xs = &x[i * piece..i * piece + out.len()];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (xr, yr) in xs.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+                    if log {
+                        rows::log_softmax_row(xr, yr);
+                    } else {
+                        rows::softmax_row(xr, yr);
+                    }
+                }
+            },
+        )
+    });
+    y
+}
+
+/// Softmax's (or log-softmax's) input gradient from the output `y` and its gradient `g`, rows
+/// of `n` contiguous elements.
+pub(crate) fn softmax_backward<E: Elem + StorageElement>(
+    y: &[E],
+    g: &[E],
+    n: usize,
+    log: bool,
+) -> Vec<E> {
+    let mut dx = take::<E>(y.len());
+    if n == 0 {
+        return dx;
+    }
+    let piece = rows_per_piece(n) * n;
+    for_each_chunk(&mut dx, piece, y.len(), |i, out| {
+        let r = i * piece..i * piece + out.len();
+        let (ys, gs) = (&y[r.clone()], &g[r]);
+        dispatch(
+            #[inline(always)]
+            || {
+                for ((yr, gr), dr) in ys
+                    .chunks_exact(n)
+                    .zip(gs.chunks_exact(n))
+                    .zip(out.chunks_exact_mut(n))
+                {
+                    if log {
+                        rows::log_softmax_backward_row(yr, gr, dr);
+                    } else {
+                        rows::softmax_backward_row(yr, gr, dr);
+                    }
+                }
+            },
+        )
+    });
+    dx
+}
+
+/// The result of [`layer_norm`]: the normalised rows, and each row's mean and `1 / std`.
+pub(crate) type LayerNormOut<E> = (Vec<E>, Vec<<E as Elem>::Acc>, Vec<<E as Elem>::Acc>);
+
+/// LayerNorm over each row of `n` elements of `x` (rows at `row_offsets`, contiguous within),
+/// with an optional weight and bias of `n` elements.
+pub(crate) fn layer_norm<E: Elem + StorageElement>(
+    x: &[E],
+    row_offsets: &[usize],
+    n: usize,
+    w: Option<&[E]>,
+    b: Option<&[E]>,
+    eps: f64,
+) -> LayerNormOut<E> {
+    let rows = row_offsets.len();
+    let mut y = take::<E>(rows * n);
+    if n == 0 {
+        return (y, vec![E::Acc::zero(); rows], vec![E::Acc::zero(); rows]);
+    }
+    let per = rows_per_piece(n);
+    let eps = <E::Acc as math::Real>::c(eps);
+    let stats = map_chunks(&mut y, per * n, rows * n, |i, out| {
+        dispatch(
+            #[inline(always)]
+            || {
+                let mut stats = Vec::with_capacity(out.len() / n);
+                for (r, yr) in out.chunks_exact_mut(n).enumerate() {
+                    let o = row_offsets[i * per + r];
+                    stats.push(rows::layer_norm_row(&x[o..o + n], w, b, eps, yr));
+                }
+                stats
+            },
+        )
+    });
+    let (mean, rstd) = stats.into_iter().flatten().unzip();
+    (y, mean, rstd)
+}
+
+/// The result of [`layer_norm_backward`]: the input's gradient, and the weight's and bias's.
+pub(crate) type LayerNormGrads<E> = (Vec<E>, Vec<<E as Elem>::Acc>, Vec<<E as Elem>::Acc>);
+
+/// LayerNorm's gradients from contiguous rows `x` and `g` of `n` elements and the forward's
+/// statistics. The weight's and bias's gradients are summed over fixed pieces of rows and the
+/// pieces added in order.
+pub(crate) fn layer_norm_backward<E: Elem + StorageElement>(
+    x: &[E],
+    g: &[E],
+    w: Option<&[E]>,
+    mean: &[E::Acc],
+    rstd: &[E::Acc],
+    n: usize,
+) -> LayerNormGrads<E> {
+    let zero = E::Acc::zero();
+    let mut dx = take::<E>(x.len());
+    if n == 0 {
+        return (dx, vec![], vec![]);
+    }
+    let per = rows_per_piece(n);
+    let partials = map_chunks(&mut dx, per * n, x.len(), |i, out| {
+        let mut dw = vec![zero; n];
+        let mut db = vec![zero; n];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (r, dr) in out.chunks_exact_mut(n).enumerate() {
+                    let row = i * per + r;
+                    let span = row * n..(row + 1) * n;
+                    rows::layer_norm_backward_row(
+                        &x[span.clone()],
+                        &g[span],
+                        w,
+                        mean[row],
+                        rstd[row],
+                        dr,
+                        &mut dw,
+                        &mut db,
+                    );
+                }
+            },
+        );
+        (dw, db)
+    });
+    let mut dw = vec![zero; n];
+    let mut db = vec![zero; n];
+    for (pw, pb) in partials {
+        for (a, b) in dw.iter_mut().zip(pw) {
+            *a = *a + b;
+        }
+        for (a, b) in db.iter_mut().zip(pb) {
+            *a = *a + b;
+        }
+    }
+    (dx, dw, db)
+}

@@ -1,0 +1,195 @@
+//! The caching allocator of host tensors (PyTorch's CUDA caching allocator, for the CPU): a
+//! freed tensor's buffer is kept in a size class and handed to the next tensor of that class,
+//! so a training step reuses the same memory instead of asking the system (and faulting its
+//! pages in) for every intermediate.
+//!
+//! - **Size classes**: a request of `b` bytes is rounded up to a multiple of an eighth of the
+//!   next power of two (at most 12.5% waste); buffers below [`MIN_CACHED_BYTES`] are not cached
+//!   (the system allocator serves them well).
+//! - **Bound**: the cache holds at most [`cache_limit_bytes`] (256 MiB unless
+//!   `TENSORPLAY_CPU_CACHE_MIB` says otherwise); a buffer that would exceed it is freed.
+//! - **Release when idle**: every [`SWEEP_EVERY`] returned buffers, the classes nothing was
+//!   taken from since the previous sweep are freed, so memory a phase of the program stopped
+//!   using goes back to the system. [`empty_cache`] frees everything.
+//! - **Statistics** ([`allocated_bytes`], [`reserved_bytes`], [`peak_allocated_bytes`]) count
+//!   the buffers of live host tensors by their capacity, as PyTorch counts blocks.
+//!
+//! A buffer is handed out with whatever values it held (every caller overwrites all of it), so
+//! reuse costs no clearing. Thread-safe: one lock, held only to push or pop a buffer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use super::{CpuStorage, StorageElement};
+use crate::DType;
+
+/// Buffers smaller than this are left to the system allocator.
+pub(crate) const MIN_CACHED_BYTES: usize = 16 << 10;
+/// Returned buffers between two sweeps of idle classes.
+pub(crate) const SWEEP_EVERY: usize = 4096;
+
+static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+static CACHED: AtomicUsize = AtomicUsize::new(0);
+
+#[derive(Default)]
+struct Class {
+    free: Vec<CpuStorage>,
+    /// Whether a buffer was taken since the last sweep.
+    used: bool,
+}
+
+#[derive(Default)]
+struct Cache {
+    classes: HashMap<(DType, usize), Class>,
+    returns: usize,
+}
+
+fn cache() -> &'static Mutex<Cache> {
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+fn lock() -> std::sync::MutexGuard<'static, Cache> {
+    cache().lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The most bytes the cache keeps: `TENSORPLAY_CPU_CACHE_MIB` MiB, else 256 MiB.
+pub fn cache_limit_bytes() -> usize {
+    static LIMIT: OnceLock<usize> = OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        std::env::var("TENSORPLAY_CPU_CACHE_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(256)
+            << 20
+    })
+}
+
+/// The size class of `bytes`: rounded up to an eighth of the next power of two.
+fn class_of(bytes: usize) -> usize {
+    let p = bytes.next_power_of_two();
+    let step = (p / 8).max(1);
+    bytes.div_ceil(step) * step
+}
+
+/// A buffer of `n` elements of `T`: a cached one of the class (holding old values) or a new
+/// one of the class's capacity (zeros). Every element must be written before it is read.
+pub(crate) fn take<T: StorageElement>(n: usize) -> Vec<T> {
+    let bytes = n * size_of::<T>();
+    if bytes < MIN_CACHED_BYTES {
+        return vec![T::default(); n];
+    }
+    let class = class_of(bytes);
+    let found = {
+        let mut c = lock();
+        c.classes.get_mut(&(T::DTYPE, class)).and_then(|k| {
+            k.used = true;
+            k.free.pop()
+        })
+    };
+    if let Some(s) = found {
+        let cap = capacity_bytes(&s);
+        CACHED.fetch_sub(cap, Ordering::Relaxed);
+        if let Ok(mut v) = T::into_vec(s) {
+            v.resize(n, T::default());
+            return v;
+        }
+    }
+    let mut v = Vec::with_capacity(class / size_of::<T>().max(1));
+    v.resize(n, T::default());
+    v
+}
+
+/// The bytes a storage's buffer occupies (its capacity).
+pub(crate) fn capacity_bytes(s: &CpuStorage) -> usize {
+    match s {
+        CpuStorage::F32(v) => v.capacity() * 4,
+        CpuStorage::F64(v) => v.capacity() * 8,
+        CpuStorage::I64(v) => v.capacity() * 8,
+        CpuStorage::Bool(v) => v.capacity(),
+    }
+}
+
+/// A live tensor's buffer of `bytes` was made.
+pub(crate) fn on_alloc(bytes: usize) {
+    let now = ALLOCATED.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+/// A live tensor's buffer (counted as `counted` bytes when made) was freed: a host buffer goes
+/// to the cache when its class fits the bound.
+pub(crate) fn on_free(s: Option<CpuStorage>, counted: usize) {
+    ALLOCATED.fetch_sub(counted, Ordering::Relaxed);
+    let Some(s) = s else {
+        return;
+    };
+    let cap = capacity_bytes(&s);
+    if cap < MIN_CACHED_BYTES || class_of(cap) != cap {
+        return;
+    }
+    if CACHED.load(Ordering::Relaxed) + cap > cache_limit_bytes() {
+        return;
+    }
+    let released = {
+        let mut c = lock();
+        CACHED.fetch_add(cap, Ordering::Relaxed);
+        c.classes.entry((s.dtype(), cap)).or_default().free.push(s);
+        c.returns += 1;
+        if c.returns.is_multiple_of(SWEEP_EVERY) {
+            sweep(&mut c)
+        } else {
+            Vec::new()
+        }
+    };
+    // freed outside the lock
+    drop(released);
+}
+
+/// Takes the buffers of the classes unused since the last sweep out of the cache.
+fn sweep(c: &mut Cache) -> Vec<CpuStorage> {
+    let mut out = Vec::new();
+    for k in c.classes.values_mut() {
+        if !k.used {
+            out.append(&mut k.free);
+        }
+        k.used = false;
+    }
+    let freed: usize = out.iter().map(capacity_bytes).sum();
+    CACHED.fetch_sub(freed, Ordering::Relaxed);
+    out
+}
+
+/// Bytes of the buffers of live host tensors (`torch.cuda.memory_allocated`, for the CPU).
+pub fn allocated_bytes() -> usize {
+    ALLOCATED.load(Ordering::Relaxed)
+}
+
+/// Bytes held by this allocator: the live buffers plus the cached ones
+/// (`torch.cuda.memory_reserved`).
+pub fn reserved_bytes() -> usize {
+    allocated_bytes() + CACHED.load(Ordering::Relaxed)
+}
+
+/// The most bytes live at once since the start or the last [`reset_peak`]
+/// (`torch.cuda.max_memory_allocated`).
+pub fn peak_allocated_bytes() -> usize {
+    PEAK.load(Ordering::Relaxed)
+}
+
+/// Starts the peak over from the bytes live now (`torch.cuda.reset_peak_memory_stats`).
+pub fn reset_peak() {
+    PEAK.store(allocated_bytes(), Ordering::Relaxed);
+}
+
+/// Frees every cached buffer (`torch.cuda.empty_cache`); live tensors keep theirs.
+pub fn empty_cache() {
+    let all: Vec<CpuStorage> = {
+        let mut c = lock();
+        c.classes.drain().flat_map(|(_, k)| k.free).collect()
+    };
+    let freed: usize = all.iter().map(capacity_bytes).sum();
+    CACHED.fetch_sub(freed, Ordering::Relaxed);
+    drop(all);
+}

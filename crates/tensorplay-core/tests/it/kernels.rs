@@ -1,0 +1,405 @@
+//! The vectorised CPU kernels: `exp` and `tanh` against float64 over sweeps of every kind of
+//! float32 (with the ULP bound asserted) at every instruction-set level this machine has; the
+//! same bits at every level and thread count; the fused row kernels and attention against
+//! the composed operations; the caching allocator's statistics and reuse under threads.
+
+use tensorplay::nn::functional as F;
+use tensorplay::{self as tp, CpuCapability, Tensor};
+use tensorplay_testkit::{Tol, check_close};
+
+/// float32 values: a stride through every bit pattern (normals, subnormals, both signs) plus
+/// zeros, infinities and NaN.
+fn sweep() -> Vec<f32> {
+    let mut v: Vec<f32> = (0..u32::MAX / 4099)
+        .map(|i| f32::from_bits(i * 4099))
+        .collect();
+    v.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1e-45,
+        -1e-45,
+    ]);
+    v.extend([
+        88.72, 88.73, -103.9, -104.0, 0.549, 0.55, 0.551, 9.0, 9.1, -9.1,
+    ]);
+    v
+}
+
+/// Units in the last place between `got` and `want` (0 when both are NaN or equal
+/// infinities; `u32::MAX` when only one is NaN).
+fn ulps(got: f32, want: f32) -> u32 {
+    if got.is_nan() || want.is_nan() {
+        return if got.is_nan() && want.is_nan() {
+            0
+        } else {
+            u32::MAX
+        };
+    }
+    let key = |x: f32| {
+        let b = x.to_bits() as i64;
+        if b < 0x8000_0000 { b } else { 0x8000_0000 - b }
+    };
+    (key(got) - key(want)).unsigned_abs().min(u32::MAX as u64) as u32
+}
+
+/// The levels this machine can run.
+fn levels() -> Vec<CpuCapability> {
+    CpuCapability::ALL
+        .into_iter()
+        .filter(|l| l.is_supported())
+        .collect()
+}
+
+#[test]
+fn exp_and_tanh_within_their_ulp_bounds_at_every_level() -> tp::Result<()> {
+    let xs = sweep();
+    let x = Tensor::from_vec(xs.clone(), &[xs.len()])?;
+    type Case = (
+        &'static str,
+        fn(&Tensor) -> tp::Result<Tensor>,
+        fn(f64) -> f64,
+        u32,
+        f32,
+    );
+    let cases: [Case; 3] = [
+        ("exp", |t| t.exp(), f64::exp, 1, 0.0),
+        ("tanh", |t| t.tanh(), f64::tanh, 2, 0.0),
+        (
+            "sigmoid",
+            |t| t.sigmoid(),
+            |v| 1.0 / (1.0 + (-v).exp()),
+            3,
+            1e-38,
+        ),
+    ];
+    let before = tp::cpu_capability();
+    let mut first: Vec<Vec<f32>> = Vec::new();
+    for level in levels() {
+        tp::set_cpu_capability(level)?;
+        for (ci, (name, f, reference, bound, floor)) in cases.iter().enumerate() {
+            let got = f(&x)?.to_vec::<f32>()?;
+            let (worst, at) = got
+                .iter()
+                .zip(&xs)
+                .map(|(&g, &v)| {
+                    let want = reference(f64::from(v)) as f32;
+                    let tiny = want.abs() < *floor && (g - want).abs() <= *floor;
+                    (if tiny { 0 } else { ulps(g, want) }, v)
+                })
+                .max_by_key(|p| p.0)
+                .unwrap_or((0, 0.0));
+            assert!(
+                worst <= *bound,
+                "{name} at {level}: {worst} ulp at x = {at:e} (bound {bound})"
+            );
+            // no fused multiply-add anywhere: every level gives the same bits
+            match first.get(ci) {
+                None => first.push(got),
+                Some(want) => assert!(
+                    want.iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{name} at {level} differs from {} bit for bit",
+                    levels()[0]
+                ),
+            }
+        }
+    }
+    tp::set_cpu_capability(before)
+}
+
+/// One fused-versus-composed case: a name, the fused computation and the composed one.
+type Pair = (
+    &'static str,
+    Box<dyn Fn(&Tensor) -> tp::Result<Tensor>>,
+    Box<dyn Fn(&Tensor) -> tp::Result<Tensor>>,
+);
+
+/// The composed softmax (max subtracted, exp, divided by the sum) over the last dim.
+fn softmax_composed(x: &Tensor) -> tp::Result<Tensor> {
+    let (m, _) = x.max_dim(-1, true)?;
+    let e = x.sub(&m)?.exp()?;
+    e.div(&e.sum_dims(&[-1], true)?)
+}
+
+fn check(what: &str, got: &Tensor, want: &Tensor, tol: Tol) {
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    let g: Vec<f64> = got
+        .to_dtype(tp::DType::F64)
+        .and_then(|t| t.to_vec())
+        .expect(what);
+    let w: Vec<f64> = want
+        .to_dtype(tp::DType::F64)
+        .and_then(|t| t.to_vec())
+        .expect(what);
+    if let Err(e) = check_close(what, &g, &w, tol) {
+        panic!("{e}");
+    }
+}
+
+#[test]
+fn fused_row_kernels_match_the_composed_operations() -> tp::Result<()> {
+    tp::manual_seed(3);
+    let pairs: Vec<Pair> = vec![
+        (
+            "softmax",
+            Box::new(|x| x.softmax(-1)),
+            Box::new(softmax_composed),
+        ),
+        (
+            "log_softmax",
+            Box::new(|x| x.log_softmax(-1)),
+            Box::new(|x| softmax_composed(x)?.log()),
+        ),
+        (
+            "softmax over dim 0 (composed path) vs last dim of the transpose",
+            Box::new(|x| x.transpose(0, -1)?.softmax(0)?.transpose(0, -1)),
+            Box::new(|x| x.softmax(-1)),
+        ),
+        (
+            "gelu_tanh",
+            Box::new(|x| x.gelu_tanh()),
+            Box::new(|x| {
+                let u = x
+                    .pow_scalar(3.0)?
+                    .mul_scalar(0.044715)?
+                    .add(x)?
+                    .mul_scalar(0.797_884_560_802_865_4)?;
+                x.mul(&u.tanh()?.add_scalar(1.0)?)?.mul_scalar(0.5)
+            }),
+        ),
+        (
+            "layer_norm on a strided view",
+            Box::new(|x| F::layer_norm(&x.transpose(0, 1)?, &[x.shape()[2]], None, None, 1e-5)),
+            Box::new(|x| {
+                let x = x.transpose(0, 1)?;
+                let m = x.mean_dims(&[-1], true)?;
+                let d = x.sub(&m)?;
+                let var = d.mul(&d)?.mean_dims(&[-1], true)?;
+                d.div(&var.add_scalar(1e-5)?.sqrt()?)
+            }),
+        ),
+    ];
+    // rows across the lanes' remainder, a zero-size tensor, and an infinity
+    let inputs = [
+        tp::randn(&[3, 5, 37])?.mul_scalar(4.0)?,
+        tp::randn(&[2, 3, 128])?,
+        tp::zeros(&[2, 0, 8])?,
+    ];
+    for dtype in [tp::DType::F32, tp::DType::F64] {
+        let tol = if dtype == tp::DType::F32 {
+            Tol {
+                abs: 2e-6,
+                rel: 2e-5,
+            }
+        } else {
+            Tol {
+                abs: 1e-12,
+                rel: 1e-11,
+            }
+        };
+        for (i, x) in inputs.iter().enumerate() {
+            let x = x.to_dtype(dtype)?;
+            for (name, fused, composed) in &pairs {
+                let what = format!("{name}, input {i} {:?}, {dtype}", x.shape());
+                check(&what, &fused(&x)?, &composed(&x)?, tol);
+            }
+        }
+    }
+    let with_inf = Tensor::from_vec(vec![1.0f32, f32::NEG_INFINITY, 2.0, 0.5], &[1, 4])?;
+    check(
+        "softmax with -inf",
+        &with_inf.softmax(-1)?,
+        &softmax_composed(&with_inf)?,
+        Tol::abs(1e-7),
+    );
+    Ok(())
+}
+
+#[test]
+fn fused_attention_matches_the_math_path_across_blocks() -> tp::Result<()> {
+    tp::manual_seed(5);
+    // (name, batch dims, L, S, E, Ev, mask): lengths cross the 32-query and 64-key blocks
+    type Case = (
+        &'static str,
+        Vec<usize>,
+        usize,
+        usize,
+        usize,
+        usize,
+        &'static str,
+    );
+    let cases: Vec<Case> = vec![
+        ("causal, one block", vec![2, 3], 8, 8, 4, 4, "causal"),
+        (
+            "causal, odd lengths across blocks",
+            vec![1, 2],
+            70,
+            70,
+            5,
+            3,
+            "causal",
+        ),
+        ("causal, L < S", vec![2], 33, 130, 4, 6, "causal"),
+        (
+            "no mask, S across blocks",
+            vec![2, 2],
+            35,
+            129,
+            8,
+            8,
+            "none",
+        ),
+        ("bool mask", vec![2, 2], 40, 66, 4, 4, "bool"),
+        ("float mask", vec![3], 17, 65, 4, 2, "float"),
+        ("3-d input", vec![3], 9, 9, 4, 4, "causal"),
+    ];
+    for (name, batch, l, s, e, ev, mask) in cases {
+        let shape = |rows: usize, feats: usize| {
+            let mut v = batch.clone();
+            v.extend([rows, feats]);
+            v
+        };
+        let q = tp::randn(&shape(l, e))?
+            .to_dtype(tp::DType::F64)?
+            .requires_grad_(true);
+        let k = tp::randn(&shape(s, e))?
+            .to_dtype(tp::DType::F64)?
+            .requires_grad_(true);
+        let v = tp::randn(&shape(s, ev))?
+            .to_dtype(tp::DType::F64)?
+            .requires_grad_(true);
+        // about 70% of the keys, and always key 0 (no row fully masked)
+        let keep: Vec<bool> = (0..l * s)
+            .map(|i| i % s == 0 || (i * 7919) % 10 < 7)
+            .collect();
+        let keep = Tensor::from_vec(keep, &[l, s])?;
+        let tri = tp::ones(&[l, s])?.tril(0)?.to_dtype(tp::DType::Bool)?;
+        let additive = |m: &Tensor| -> tp::Result<Tensor> {
+            tp::zeros(&[l, s])?
+                .to_dtype(tp::DType::F64)?
+                .masked_fill(&m.logical_not()?, f64::NEG_INFINITY)
+        };
+        let noise = tp::randn(&[l, s])?.to_dtype(tp::DType::F64)?;
+        // the math path: an additive mask that requires grad is never fused
+        let (fused_mask, math_mask) = match mask {
+            "causal" => (None, additive(&tri)?),
+            "none" => (None, tp::zeros(&[l, s])?.to_dtype(tp::DType::F64)?),
+            "bool" => (Some(keep.clone()), additive(&keep)?),
+            _ => (Some(noise.clone()), noise.clone()),
+        };
+        let causal = mask == "causal";
+        let y =
+            F::scaled_dot_product_attention(&q, &k, &v, fused_mask.as_ref(), 0.0, causal, None)?;
+        let math_mask = math_mask.requires_grad_(true);
+        let want = F::scaled_dot_product_attention(&q, &k, &v, Some(&math_mask), 0.0, false, None)?;
+        check(
+            &format!("{name}: output"),
+            &y,
+            &want,
+            Tol {
+                abs: 1e-12,
+                rel: 1e-10,
+            },
+        );
+        let g = tp::randn(y.shape())?.to_dtype(tp::DType::F64)?;
+        let inputs = [q.clone(), k.clone(), v.clone()];
+        let opts = tp::autograd::GradOptions::default();
+        let got = tp::autograd::grad(&[y], &inputs, &[Some(g.clone())], opts)?;
+        let exp = tp::autograd::grad(&[want], &inputs, &[Some(g)], opts)?;
+        for (which, (a, b)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&exp)) {
+            let (a, b) = (a.as_ref().expect("grad"), b.as_ref().expect("grad"));
+            check(
+                &format!("{name}: {which}"),
+                a,
+                b,
+                Tol {
+                    abs: 1e-11,
+                    rel: 1e-9,
+                },
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
+    tp::manual_seed(9);
+    let x = tp::randn(&[512, 200])?;
+    let q = tp::randn(&[4, 4, 70, 16])?;
+    let before = tp::get_num_threads();
+    let run = || -> tp::Result<Vec<Vec<f32>>> {
+        let w = tp::ones(&[200])?.requires_grad_(true);
+        let xr = x.detach().requires_grad_(true);
+        let ln = F::layer_norm(&xr, &[200], Some(&w), None, 1e-5)?;
+        let y = ln.softmax(-1)?.gelu_tanh()?.exp()?;
+        y.sum()?.backward()?;
+        let a = F::scaled_dot_product_attention(&q, &q, &q, None, 0.0, true, None)?;
+        Ok(vec![
+            y.to_vec()?,
+            xr.grad().expect("grad").to_vec()?,
+            w.grad().expect("grad").to_vec()?,
+            a.contiguous()?.to_vec()?,
+        ])
+    };
+    tp::set_num_threads(1);
+    let one = run()?;
+    tp::set_num_threads(4);
+    let four = run()?;
+    tp::set_num_threads(before);
+    for (i, (a, b)) in one.iter().zip(&four).enumerate() {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "output {i} differs between 1 and 4 threads"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn caching_allocator_counts_and_reuses_without_sharing_live_memory() -> tp::Result<()> {
+    // other tests allocate concurrently: the counts are checked on this thread's own deltas
+    // with a margin, and reuse by checksums of live tensors
+    let n = 1 << 20; // 4 MiB of float32
+    let before = tp::memory::allocated_bytes();
+    let t = tp::zeros(&[n])?.add_scalar(1.0)?;
+    let grown = tp::memory::allocated_bytes().saturating_sub(before);
+    assert!(
+        grown >= 4 * n,
+        "allocated grew by {grown} bytes for a {} byte tensor",
+        4 * n
+    );
+    assert!(tp::memory::reserved_bytes() >= tp::memory::allocated_bytes());
+    assert!(tp::memory::peak_allocated_bytes() >= tp::memory::allocated_bytes());
+    drop(t);
+    // threads make, check and drop tensors: a reused buffer never holds another live tensor's
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            std::thread::spawn(move || -> tp::Result<()> {
+                for i in 0..200 {
+                    let v = (w * 1000 + i) as f64;
+                    let a = tp::zeros(&[8192 + (i % 3) * 1024])?.add_scalar(v)?;
+                    let b = a.mul_scalar(2.0)?;
+                    let (sa, sb) = (a.sum()?.item::<f32>()?, b.sum()?.item::<f32>()?);
+                    let m = a.numel() as f32;
+                    assert_eq!(
+                        (sa, sb),
+                        (v as f32 * m, 2.0 * v as f32 * m),
+                        "worker {w} step {i}"
+                    );
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for h in workers {
+        h.join().expect("worker panicked")?;
+    }
+    tp::memory::empty_cache();
+    assert!(tp::memory::reserved_bytes() >= tp::memory::allocated_bytes());
+    Ok(())
+}
