@@ -120,8 +120,11 @@ pub(crate) enum Message {
     },
     /// Fetch the value of `rref` (`to_here`), waiting for it at most the caller's timeout.
     Fetch { rref: ForkRef, timeout: WaitLimit },
-    /// User fork `rref.fork` was dropped: the owner forgets it.
-    UserDelete(ForkRef),
+    /// User fork `rref.fork` was dropped: the owner forgets it. `requests`: how many value
+    /// requests (fetches, methods) the fork sent; the deletion may overtake some of them
+    /// (messages are not ordered), and the owner answers those at once instead of waiting for
+    /// a value that is gone.
+    UserDelete { rref: ForkRef, requests: u64 },
     /// A user that received an RRef from another user (`parent`) asks the owner to register
     /// its fork `rref.fork`; the response confirms it.
     ForkRequest { rref: ForkRef, parent: u32 },
@@ -153,7 +156,7 @@ impl Message {
             Message::Remote { .. } => "remote",
             Message::Method { .. } => "method",
             Message::Fetch { .. } => "fetch",
-            Message::UserDelete(_) => "user delete",
+            Message::UserDelete { .. } => "user delete",
             Message::ForkRequest { .. } => "fork request",
             Message::ChildAccept { .. } => "child accept",
             Message::Response(_) => "response",
@@ -210,7 +213,10 @@ mod tests {
                 rref: r,
                 timeout: WaitLimit::new(None),
             },
-            Message::UserDelete(r),
+            Message::UserDelete {
+                rref: r,
+                requests: 3,
+            },
             Message::ForkRequest { rref: r, parent: 4 },
             Message::ChildAccept {
                 child: g(5, 6).into(),

@@ -2,9 +2,16 @@
 //! what keeps each alive: the user forks registered with it, its own live handles, and its own
 //! handles in a message to itself. An entry goes when none of these is left.
 //!
-//! Messages between two workers are not ordered, so a fork's deletion can arrive before its
-//! registration (the creator of a timed-out `remote` deletes at once); the table then
-//! remembers the deletion, and the late registration is skipped.
+//! Messages between two workers are not ordered, so a fork's deletion can arrive before
+//! other messages of that fork, which the table then remembers (a tombstone) until they came:
+//! - its registration (the creator of a timed-out `remote` deletes at once): the late
+//!   registration is skipped;
+//! - its value requests (fetches, methods) sent before the deletion, e.g. by a user that gave
+//!   up on a fetch when the creation failed. The deletion says how many the fork sent, the
+//!   table counts those it received; one that arrives after the deletion is refused at once
+//!   ([`OwnerTable::value_request`]) instead of making an empty entry that no value fills and
+//!   no deletion removes any more (it stayed until the request's own timeout, or for ever
+//!   without one).
 //!
 //! The table holds no sockets, clocks or handles: `V` is the shell's value slot (a watch
 //! channel in the agent, a plain value in the simulator), created empty with an entry. Every
@@ -43,17 +50,30 @@ struct Owned<V> {
     in_transit: usize,
 }
 
+/// What a user fork's deletion that overtook other messages of the fork still waits for.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Tombstone {
+    /// The fork's registration (a `remote`'s creation, a fork request).
+    registration: bool,
+    /// Value requests (fetches, methods) the fork sent before its deletion.
+    requests: u64,
+}
+
 /// The values one worker owns.
 pub(crate) struct OwnerTable<V> {
     owners: HashMap<Gid, Owned<V>>,
-    early_deletes: HashSet<(Gid, Gid)>,
+    /// Value requests received per `(id, user fork)`, until the fork's deletion.
+    requests: HashMap<(Gid, Gid), u64>,
+    /// Deletions of user forks `(id, fork)` that arrived before other messages of the fork.
+    deleted: HashMap<(Gid, Gid), Tombstone>,
 }
 
 impl<V: Default> Default for OwnerTable<V> {
     fn default() -> Self {
         OwnerTable {
             owners: HashMap::new(),
-            early_deletes: HashSet::new(),
+            requests: HashMap::new(),
+            deleted: HashMap::new(),
         }
     }
 }
@@ -97,8 +117,44 @@ impl<V: Default> OwnerTable<V> {
     /// Registers user `fork` of `id` (a `remote`'s creator, a fork request, or an owner's
     /// early registration), unless its deletion arrived first.
     pub(crate) fn add_fork(&mut self, id: Gid, fork: Gid) {
-        if !self.early_deletes.remove(&(id, fork)) {
-            self.entry(id).forks.insert(fork);
+        if let Some(t) = self.deleted.get_mut(&(id, fork))
+            && t.registration
+        {
+            t.registration = false;
+            self.forget_if_done(id, fork);
+            return;
+        }
+        self.entry(id).forks.insert(fork);
+    }
+
+    /// A value request (a fetch or a method call) from user `fork` of `id` arrived. `false`:
+    /// the fork's deletion overtook it (its sender gave up on it), so the value may be gone
+    /// for good: answer at once, without an entry. Otherwise it is counted, and the caller may
+    /// wait for the value in [`OwnerTable::slot`] (the creation may not have arrived yet).
+    pub(crate) fn value_request(&mut self, id: Gid, fork: Gid) -> bool {
+        if fork == id {
+            // the owner's own handle: no user fork, never deleted
+            return true;
+        }
+        if let Some(t) = self.deleted.get_mut(&(id, fork))
+            && t.requests > 0
+        {
+            t.requests -= 1;
+            self.forget_if_done(id, fork);
+            return false;
+        }
+        *self.requests.entry((id, fork)).or_default() += 1;
+        true
+    }
+
+    /// Forgets the tombstone of `(id, fork)` once nothing more of the fork is to come.
+    fn forget_if_done(&mut self, id: Gid, fork: Gid) {
+        if self
+            .deleted
+            .get(&(id, fork))
+            .is_some_and(|t| !t.registration && t.requests == 0)
+        {
+            self.deleted.remove(&(id, fork));
         }
     }
 
@@ -116,16 +172,23 @@ impl<V: Default> OwnerTable<V> {
         true
     }
 
-    /// User `fork` of `id` was deleted: removes it (remembering it when not registered yet)
-    /// and the entry when nothing keeps it any more.
+    /// User `fork` of `id` was deleted after sending `requests` value requests: removes it,
+    /// and the entry when nothing keeps it any more, remembering what of the fork is still to
+    /// come (its registration, value requests the deletion overtook).
     #[must_use = "drop a released value only after unlocking the table: it may hold RRefs whose drop locks it again"]
-    pub(crate) fn remove_fork(&mut self, id: Gid, fork: Gid) -> Option<V> {
-        let known = self
+    pub(crate) fn remove_fork(&mut self, id: Gid, fork: Gid, requests: u64) -> Option<V> {
+        let received = self.requests.remove(&(id, fork)).unwrap_or(0);
+        let registered = self
             .owners
             .get_mut(&id)
             .is_some_and(|o| o.forks.remove(&fork));
-        if !known {
-            self.early_deletes.insert((id, fork));
+        let t = Tombstone {
+            registration: !registered,
+            requests: requests.saturating_sub(received),
+        };
+        if t != Tombstone::default() {
+            // a repeated deletion (its first try timed out) keeps the first one's tombstone
+            self.deleted.entry((id, fork)).or_insert(t);
         }
         self.release_if_unused(id)
     }
@@ -177,10 +240,18 @@ impl<V: Default> OwnerTable<V> {
         )
     }
 
+    /// `(tombstones, forks with value requests counted)`: what the table remembers besides
+    /// its entries.
+    #[cfg(test)]
+    pub(crate) fn remembered(&self) -> (usize, usize) {
+        (self.deleted.len(), self.requests.len())
+    }
+
     /// Forgets everything (after shutdown), returning the values.
     #[must_use = "drop a released value only after unlocking the table: it may hold RRefs whose drop locks it again"]
     pub(crate) fn clear(&mut self) -> Vec<V> {
-        self.early_deletes.clear();
+        self.deleted.clear();
+        self.requests.clear();
         self.owners.drain().map(|(_, o)| o.value).collect()
     }
 }
@@ -211,7 +282,38 @@ mod tests {
         let theirs = g(1, 4);
         assert!(t.request_fork(theirs, g(2, 10), 0));
         assert_eq!(t.counts(), (1, 1));
-        assert_eq!(t.remove_fork(theirs, g(2, 10)), Some(None));
+        assert_eq!(t.remove_fork(theirs, g(2, 10), 0), Some(None));
         assert_eq!(t.counts(), (0, 0));
+    }
+
+    /// A deletion that overtakes value requests of its fork (its user gave up on a fetch)
+    /// makes them refused when they arrive, without an entry left waiting, whether it came
+    /// before or after the fork's registration; nothing is remembered once all arrived.
+    #[test]
+    fn value_requests_overtaken_by_their_forks_deletion_are_refused() {
+        let mut t: OwnerTable<Option<u64>> = OwnerTable::default();
+        // created, one of three fetches received, deleted
+        let (id, fork) = (g(0, 1), g(0, 2));
+        t.add_fork(id, fork);
+        *t.slot(id) = Some(7);
+        assert!(t.value_request(id, fork));
+        assert_eq!(t.remove_fork(id, fork, 3), Some(Some(7)));
+        assert_eq!(t.remembered(), (1, 0));
+        assert!(!t.value_request(id, fork));
+        assert!(!t.value_request(id, fork));
+        assert_eq!(t.counts(), (0, 0));
+        assert_eq!(t.remembered(), (0, 0));
+        // deleted before its creation and its fetch
+        let (id, fork) = (g(0, 3), g(0, 4));
+        assert_eq!(t.remove_fork(id, fork, 1), None);
+        t.add_fork(id, fork);
+        *t.slot(id) = Some(8);
+        assert_eq!(t.release_if_unused(id), Some(Some(8)));
+        assert!(!t.value_request(id, fork));
+        assert_eq!(t.counts(), (0, 0));
+        assert_eq!(t.remembered(), (0, 0));
+        // the owner's own handles are neither counted nor refused
+        assert!(t.value_request(id, id));
+        assert_eq!(t.remembered(), (0, 0));
     }
 }

@@ -1,15 +1,16 @@
 //! The simulator of the RRef protocol: N workers' owner and user tables in memory, handles
-//! passed owner → user, user → user, user → owner and owner → itself, and a network whose
-//! delivery order proptest chooses. Every value reachable from a live handle must be present
-//! after every step, and an owner must never be asked to register a fork of a value it
-//! already dropped; once every handle is dropped and every message delivered, no owner entry,
-//! fork, pending user or pending child may remain.
+//! passed owner → user, user → user, user → owner and owner → itself, users fetching values
+//! (and giving up on them), `remote`s whose creator times out before the owner answers, and a
+//! network whose delivery order proptest chooses. Every value reachable from a live handle must
+//! be present after every step, and an owner must never be asked to register a fork of a value
+//! it already dropped; once every handle is dropped and every message delivered, no owner
+//! entry, fork, pending user, pending child or waiting fetch may remain.
 
 use std::collections::HashSet;
 
 use proptest::prelude::*;
 
-use super::message::{ForkRef, Message, Outgoing, Target};
+use super::message::{ForkRef, Message, Outgoing, Target, WaitLimit};
 use super::owner::{GloballyUniqueId as Gid, OwnerTable};
 use super::user::UserTable;
 
@@ -63,6 +64,13 @@ enum Step {
     Pass(usize, usize),
     /// Handle `k` is dropped.
     Drop(usize),
+    /// The worker holding user handle `k` fetches its value (`to_here`); whether it waits for
+    /// the answer or gives up (the creation failed, its own timeout) is up to the next steps:
+    /// the handle may be dropped while the fetch is in flight.
+    Fetch(usize),
+    /// The `remote` that made user handle `k` times out before the owner answered: its creator
+    /// takes the fork as registered (the owner may still create it) and deletes it when dropped.
+    Expire(usize),
     /// Message `i` is delivered.
     Deliver(usize),
 }
@@ -74,6 +82,8 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (0..4usize).prop_map(Step::SelfCall),
         3 => (0..16usize, 0..4usize).prop_map(|(k, to)| Step::Pass(k, to)),
         2 => (0..16usize).prop_map(Step::Drop),
+        2 => (0..16usize).prop_map(Step::Fetch),
+        1 => (0..16usize).prop_map(Step::Expire),
         6 => any::<usize>().prop_map(Step::Deliver),
     ]
 }
@@ -85,6 +95,13 @@ struct RRefSim {
     net: Vec<Net>,
     /// Values whose creation was delivered (or made locally).
     created: HashSet<Gid>,
+    /// User forks made by `remote()` (their creator may time out waiting for the owner).
+    remote_forks: HashSet<Gid>,
+    /// User forks whose `remote()` timed out: taken as registered before the owner answered.
+    expired: HashSet<Gid>,
+    /// Fetches waiting on their owner for a value: `(owner, id)`. A wait ends when the value
+    /// is set or its entry goes (the shell's waiter then sees its channel closed).
+    waiting: Vec<(usize, Gid)>,
     next: u64,
     violations: Vec<String>,
 }
@@ -97,6 +114,9 @@ impl RRefSim {
             handles: Vec::new(),
             net: Vec::new(),
             created: HashSet::new(),
+            remote_forks: HashSet::new(),
+            expired: HashSet::new(),
+            waiting: Vec::new(),
             next: 0,
             violations: Vec::new(),
         }
@@ -136,13 +156,49 @@ impl RRefSim {
                 Handle::User { .. } => continue,
             };
             let present = match self.owners[owner].get(id) {
-                None => false,
+                // a timed-out `remote` whose creation has not arrived yet
+                None => {
+                    matches!(*h, Handle::User { fork, .. } if self.expired.contains(&fork))
+                        && !self.created.contains(&id)
+                }
                 Some(v) => v.is_some() || !self.created.contains(&id),
             };
             if !present {
                 self.violations.push(format!(
                     "after {when}: {h:?} is live but its owner {owner} has no value for {id}"
                 ));
+            }
+        }
+    }
+
+    /// The worker holding user handle `k` sends a fetch of its value.
+    fn fetch(&mut self, k: usize) {
+        let Some(Some(Handle::User { w, owner, id, fork })) = self.handles.get(k).cloned() else {
+            return;
+        };
+        self.users[w].value_request(fork);
+        self.net.push(Net::Msg {
+            from: w,
+            to: owner,
+            msg: Message::Fetch {
+                rref: ForkRef::new(owner, id, fork),
+                timeout: WaitLimit::new(None),
+            },
+        });
+    }
+
+    /// Ends the fetches whose value was set or whose entry went, releasing the entry as the
+    /// shell does after a wait.
+    fn end_waits(&mut self) {
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let (w, id) = self.waiting[i];
+            match self.owners[w].get(id) {
+                Some(None) => i += 1,
+                _ => {
+                    self.waiting.swap_remove(i);
+                    let _ = self.owners[w].release_if_unused(id);
+                }
             }
         }
     }
@@ -267,8 +323,18 @@ impl RRefSim {
                         self.net.push(Net::Refused { to: from, fork });
                     }
                 }
-                Message::UserDelete(rref) => {
-                    let _ = self.owners[to].remove_fork(rref.rref_id(), rref.fork_id());
+                Message::Fetch { rref, .. } => {
+                    // the shell's `value()`: the entry (made empty when missing: the creation
+                    // may not have arrived yet) and a wait for its value; a fetch overtaken by
+                    // its fork's deletion is answered at once
+                    let (id, fork) = (rref.rref_id(), rref.fork_id());
+                    if self.owners[to].value_request(id, fork) {
+                        let _ = self.owners[to].slot(id);
+                        self.waiting.push((to, id));
+                    }
+                }
+                Message::UserDelete { rref, requests } => {
+                    let _ = self.owners[to].remove_fork(rref.rref_id(), rref.fork_id(), requests);
                 }
                 Message::ChildAccept { child } => {
                     let out = self.users[to].child_accepted(child.into());
@@ -295,6 +361,7 @@ impl RRefSim {
                 } else {
                     let fork = self.id(a);
                     self.users[a].created(b, id, fork);
+                    self.remote_forks.insert(fork);
                     self.handles.push(Some(Handle::User {
                         w: a,
                         owner: b,
@@ -336,6 +403,17 @@ impl RRefSim {
             }
             Step::Pass(k, to) => self.pass(k, to % n),
             Step::Drop(k) => self.drop_handle(k),
+            Step::Fetch(k) => self.fetch(k),
+            Step::Expire(k) => {
+                if let Some(Some(Handle::User { w, fork, .. })) = self.handles.get(k).cloned()
+                    && self.remote_forks.contains(&fork)
+                    && !self.users[w].is_confirmed(fork)
+                {
+                    self.expired.insert(fork);
+                    let out = self.users[w].confirmed(fork, true);
+                    self.send(w, out);
+                }
+            }
             Step::Deliver(i) => {
                 if self.net.is_empty() {
                     return;
@@ -344,6 +422,7 @@ impl RRefSim {
                 self.deliver(m);
             }
         }
+        self.end_waits();
         self.check_reachable(&format!("{s:?}"));
     }
 
@@ -390,11 +469,22 @@ impl RRefSim {
         if let Some(v) = self.violations.first() {
             return Err(v.clone());
         }
+        if let Some((w, id)) = self.waiting.first() {
+            return Err(format!(
+                "worker {w} keeps an entry for {id} for a fetch that no value or deletion will end (only its timeout)"
+            ));
+        }
         for (w, t) in self.owners.iter().enumerate() {
             if t.counts() != (0, 0) {
                 return Err(format!(
                     "worker {w} still owns {:?} (values, forks) after every handle was dropped and every message delivered",
                     t.counts()
+                ));
+            }
+            if t.remembered() != (0, 0) {
+                return Err(format!(
+                    "worker {w} still remembers {:?} (deletions waiting for messages of their fork, forks with counted requests) after every message was delivered",
+                    t.remembered()
                 ));
             }
         }
@@ -455,4 +545,64 @@ fn a_user_to_user_fork_outlives_its_dropped_parent() {
         Step::Deliver(0),   // the fork request arrives
     ];
     run_case(3, &steps, &[0]).unwrap();
+}
+
+/// The leak seen under load (`failures::world3_errors_and_timeouts`): a user fetches the value
+/// of a `remote` that then times out, gives up and drops its RRef; on the owner the deletion
+/// is served before the fetch (another stream), so the fetch finds no entry and makes an
+/// empty one that nothing fills or deletes any more: it stays until the fetch's own timeout.
+/// Both orders of the creation and the deletion, and the same without a timeout (a user that
+/// gives up on its fetch, e.g. after the creation's error came back).
+#[test]
+fn a_fetch_overtaken_by_its_forks_deletion_leaves_no_entry() {
+    use Step::{Deliver, Drop, Expire, Fetch, Remote};
+    let cases: [(&str, Vec<Step>); 3] = [
+        (
+            "created, deleted, then fetched",
+            vec![
+                Remote(0, 1), // net: [remote]
+                Fetch(0),     // net: [remote, fetch]
+                Expire(0),    // the creation times out on worker 0
+                Drop(0),      // net: [remote, fetch, delete]
+                Deliver(0),   // the creation; net: [fetch, delete, ack]
+                Deliver(1),   // the deletion overtakes the fetch
+                Deliver(0),   // the fetch
+                Deliver(0),   // the ack, after the timeout: ignored
+            ],
+        ),
+        (
+            "deleted, created, then fetched",
+            vec![
+                Remote(0, 1),
+                Fetch(0),
+                Expire(0),
+                Drop(0),
+                Deliver(2), // the deletion first
+                Deliver(0), // the creation, which finds the deletion
+                Deliver(1), // its ack
+                Deliver(0), // the fetch
+            ],
+        ),
+        (
+            "confirmed, fetch abandoned, deleted, then fetched",
+            vec![
+                Remote(0, 1),
+                Fetch(0),   // net: [remote, fetch]
+                Deliver(0), // the creation; net: [fetch, ack]
+                Deliver(1), // worker 0's fork is confirmed
+                Drop(0),    // it gives up on the fetch; net: [fetch, delete]
+                Deliver(1), // the deletion
+                Deliver(0), // the fetch
+            ],
+        ),
+    ];
+    let failed: Vec<String> = cases
+        .iter()
+        .filter_map(|(name, steps)| {
+            run_case(2, steps, &[0])
+                .err()
+                .map(|e| format!("{name}: {e}"))
+        })
+        .collect();
+    assert!(failed.is_empty(), "{failed:#?}");
 }

@@ -12,6 +12,9 @@
 //! - A dropped fork sends its [`Message::UserDelete`] only once it is confirmed and has no
 //!   child pending; a fork the owner never registered (its worker was lost, or the fork
 //!   request failed) is forgotten without one.
+//! - Every value request a fork sends (a fetch, a method) is counted, and the count travels in
+//!   its deletion: the deletion may overtake them, and the owner must not wait for (and keep
+//!   an entry for) a value the deleted fork can no longer be given.
 //!
 //! Every transition returns the messages to send; the table holds no sockets, clocks or
 //! handles (the shell keeps its handles and notifies their waiters).
@@ -47,6 +50,8 @@ struct Fork {
     children: usize,
     /// Every handle of it was dropped (or shutdown deletes it).
     dropped: bool,
+    /// Value requests (fetches, methods) sent naming it.
+    requests: u64,
 }
 
 /// The user forks of one worker.
@@ -115,6 +120,7 @@ impl UserTable {
                 parent,
                 children: 0,
                 dropped: false,
+                requests: 0,
             },
         );
     }
@@ -146,6 +152,14 @@ impl UserTable {
         }
         out.extend(self.settle(fork));
         out
+    }
+
+    /// This worker sends a request that reads the value of `fork` on its owner (a fetch or a
+    /// method call): counted, the count goes in the fork's deletion.
+    pub(crate) fn value_request(&mut self, fork: Gid) {
+        if let Some(f) = self.forks.get_mut(&fork) {
+            f.requests += 1;
+        }
     }
 
     /// This worker sends its fork `parent` in a message as child fork `child`: the parent is
@@ -196,14 +210,17 @@ impl UserTable {
         if !f.dropped || f.children > 0 || f.registration == Registration::Pending {
             return Vec::new();
         }
-        let (owner, rref, registration) = (f.owner, f.rref, f.registration);
+        let (owner, rref, registration, requests) = (f.owner, f.rref, f.registration, f.requests);
         self.forks.remove(&fork);
         if registration == Registration::Lost {
             return Vec::new();
         }
         vec![Outgoing {
             to: owner,
-            message: Message::UserDelete(ForkRef::new(owner, rref, fork)),
+            message: Message::UserDelete {
+                rref: ForkRef::new(owner, rref, fork),
+                requests,
+            },
         }]
     }
 
@@ -255,10 +272,12 @@ mod tests {
     }
 
     #[test]
-    fn a_dropped_fork_is_deleted_once_confirmed_and_its_children_accepted() {
+    fn a_dropped_fork_is_deleted_once_confirmed_and_its_children_accepted_with_its_request_count() {
         let (rref, a, child) = (g(0, 1), g(1, 2), g(1, 3));
         let mut t = UserTable::new(1);
         t.created(0, rref, a);
+        t.value_request(a);
+        t.value_request(a);
         t.forked(a, child);
         assert!(t.dropped(a).is_empty(), "pending: no deletion yet");
         assert!(t.confirmed(a, true).is_empty(), "a child still pending");
@@ -267,7 +286,10 @@ mod tests {
             out,
             vec![Outgoing {
                 to: 0,
-                message: Message::UserDelete(ForkRef::new(0, rref, a)),
+                message: Message::UserDelete {
+                    rref: ForkRef::new(0, rref, a),
+                    requests: 2,
+                },
             }]
         );
         assert!(t.is_empty());
@@ -303,7 +325,7 @@ mod tests {
         let out = t.confirmed(other, false);
         assert!(
             out.iter()
-                .all(|o| !matches!(o.message, Message::UserDelete(_)))
+                .all(|o| !matches!(o.message, Message::UserDelete { .. }))
         );
         assert_eq!(t.counts(), (0, 0));
     }

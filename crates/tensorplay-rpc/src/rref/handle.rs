@@ -333,6 +333,8 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             }));
         }
         let owner = self.inner.owner.id;
+        // counted in the fork's deletion, which may overtake it on the way to the owner
+        a.rrefs.value_request(self.inner.fork_id);
         let fetch = a.send_request(
             owner,
             Message::Fetch {
@@ -345,7 +347,9 @@ impl<T: Wire + Clone + Sync> RRef<T> {
         );
         let keep = self.clone();
         let mut confirmed = self.inner.confirmed.subscribe();
+        let a2 = a.clone();
         Ok(a.spawn_call(async move {
+            let mut fetch = Box::pin(fetch);
             // a creation that fails (its own timeout) ends the wait for the value at once
             let failed = async {
                 loop {
@@ -358,8 +362,11 @@ impl<T: Wire + Clone + Sync> RRef<T> {
                 }
             };
             let (payload, tensors) = tokio::select! {
-                r = fetch => r?,
+                r = &mut fetch => r?,
                 () = failed => {
+                    // the fetch is sent all the same (the owner expects it: the fork's
+                    // deletion counts it) and its answer ignored
+                    a2.handle.spawn(fetch);
                     return Err(keep.check_created().err().unwrap_or_else(|| {
                         Error::Transport("the RRef's creation failed".into())
                     }));
@@ -405,6 +412,8 @@ impl<T: Wire + Clone + Sync> RRef<T> {
             .or_else(|| crate::get_rpc_timeout().ok())
             .filter(|t| !t.is_zero());
         let what = format!("result of method {method}");
+        // counted in the fork's deletion, which may overtake it on the way to the owner
+        a.rrefs.value_request(self.inner.fork_id);
         let call = Target {
             func: method.to_string(),
             sig: method_signature::<T, A, R>(),

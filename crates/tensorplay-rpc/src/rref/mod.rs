@@ -16,6 +16,8 @@
 //!   method) runs only once the RRefs among its arguments are confirmed by their owners.
 //! - Dropping a user RRef sends `UserDelete` to the owner once its fork is confirmed and its
 //!   children accepted; the owner drops the value when no fork and no local handle remains.
+//!   The deletion carries how many fetches and methods the fork sent: the owner refuses at
+//!   once those the deletion overtook instead of waiting for a value that is gone.
 //! - Messages between two workers are not ordered (one QUIC stream each): an owner that is
 //!   asked for a value before the creating call arrived waits for it (within the timeout).
 //!

@@ -80,8 +80,8 @@ pub fn remote<A: Wire, R: Wire + Clone + Sync>(
             // An error from the owner: it registered the fork (holding the error), which
             // this RRef deletes when dropped. After a timeout the owner may still register it:
             // the deletion is sent all the same (the owner drops a deletion that arrives
-            // first together with the late registration). Only a lost worker has nothing to
-            // delete.
+            // first together with the late registration, and refuses the fetches it
+            // overtook). Only a lost worker has nothing to delete.
             Err(e) => {
                 let registered = !matches!(e, Error::WorkerUnreachable { .. });
                 settle(&a2, fork_id, registered, Some(e));

@@ -61,13 +61,14 @@ pub(crate) async fn serve(
             r.map(|_| Encoder::default())
         }
         Message::Fetch { rref, timeout } => {
-            let (rref_id, _) = check(&rref)?;
+            let (rref_id, fork_id) = check(&rref)?;
+            requested(a, rref_id, fork_id)?;
             let v = value(a, rref_id, timeout.get()).await?;
             (v.encode)(&*v.value, peer)
         }
-        Message::UserDelete(rref) => {
+        Message::UserDelete { rref, requests } => {
             let (rref_id, fork_id) = check(&rref)?;
-            let released = a.rrefs.table().remove_fork(rref_id, fork_id);
+            let released = a.rrefs.table().remove_fork(rref_id, fork_id, requests);
             drop(released);
             Ok(Encoder::default())
         }
@@ -89,7 +90,9 @@ pub(crate) async fn serve(
             rref,
             timeout,
         } => {
-            let (rref_id, _) = check(&rref)?;
+            let (rref_id, fork_id) = check(&rref)?;
+            // counted before anything can fail: the fork's deletion counts it
+            requested(a, rref_id, fork_id)?;
             let h = method(a, &call)?;
             let v = value(a, rref_id, timeout.get()).await?;
             run_blocking(move || with_context(ctx, || h(&*v.value, &payload, tensors, peer))).await
@@ -99,6 +102,22 @@ pub(crate) async fn serve(
             other.name()
         ))),
     }
+}
+
+/// Counts a value request (a fetch, a method) of user fork `fork` of `id`, and refuses one
+/// that its fork's deletion overtook: its sender gave up on it, and the value may be gone for
+/// good (waiting for it would keep an empty entry until the request's timeout).
+fn requested(a: &Agent, id: GloballyUniqueId, fork: GloballyUniqueId) -> Result<()> {
+    if a.rrefs.table().value_request(id, fork) {
+        return Ok(());
+    }
+    Err(Error::Remote {
+        worker: a.me.name.clone(),
+        kind: "RRef".into(),
+        message: format!(
+            "RRef {id} was deleted: its fork {fork} was deleted before this request arrived"
+        ),
+    })
 }
 
 /// The value of `id` for a caller that waits at most `timeout`; a timeout names this worker.

@@ -52,7 +52,7 @@ fn send_control(a: &Arc<Agent>, o: Outgoing) {
                 });
                 settle(&a2, fork, error.is_none(), error);
             }
-            Message::UserDelete(_) => {
+            Message::UserDelete { .. } => {
                 for _ in 0..3 {
                     let r = a2
                         .send_request(
@@ -124,6 +124,12 @@ pub(super) fn dropped(a: &Arc<Agent>, fork: GloballyUniqueId) {
 }
 
 impl RRefContext {
+    /// A handle of user fork `fork` sends a value request (a fetch, a method) to its owner
+    /// (nothing for an owner's handle: not in the user table).
+    pub(super) fn value_request(&self, fork: GloballyUniqueId) {
+        self.users().value_request(fork);
+    }
+
     /// Registers a live user handle, whose waiters are woken when its owner answers.
     pub(super) fn add_handle(&self, inner: &Arc<Inner>) {
         lock(&self.handles).insert(inner.fork_id, Arc::downgrade(inner));
