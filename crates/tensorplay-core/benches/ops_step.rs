@@ -23,6 +23,12 @@ struct Args {
     /// Intra-op threads.
     #[arg(default_value_t = 1)]
     threads: usize,
+    /// Run only this row (for profiling), `--repeat` times.
+    #[arg(long)]
+    only: Option<String>,
+    /// With `--only`: how many calls.
+    #[arg(long, default_value_t = 200)]
+    repeat: usize,
     /// Given by `cargo bench` to every benchmark; nothing changes.
     #[arg(long, hide = true)]
     bench: bool,
@@ -68,7 +74,15 @@ fn main() -> tp::Result<()> {
             Box::new(|| F::scaled_dot_product_attention(&q, &k, &v, None, 0.0, true, None)),
         ),
     ];
-    for (name, f) in rows {
+    for (name, mut f) in rows {
+        if let Some(only) = &args.only {
+            if only == name {
+                for _ in 0..args.repeat {
+                    f()?;
+                }
+            }
+            continue;
+        }
         println!("tensorplay-ops {name} {:.1} us", best(f)?);
     }
     Ok(())

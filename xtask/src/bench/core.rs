@@ -1,8 +1,10 @@
 //! `bench-core`: the core benchmark (`cargo bench -p tensorplay-core --bench core_step`: the
 //! MLP training step and f32 matmul GFLOP/s) and the GPT training step of `gpt_distributed`
 //! (`cargo bench --bench gpt_step`), beside PyTorch's `torch_core_step.py` (anchors' folder)
-//! and `benchmarks/torch_gpt.py step`, alternately for `--rounds` rounds; the summary keeps
-//! each program's best round: `mlp_step`, `matmul_512`, `matmul_1024`, `gpt_step`.
+//! and `benchmarks/torch_gpt.py step`, and the kernels' bench (`--bench ops_step`) beside
+//! `torch_ops_step.py`, alternately for `--rounds` rounds; the summary keeps each program's best
+//! round: `mlp_step`, `matmul_512`, `matmul_1024`, `gpt_step`, `exp_1m`, `softmax_1m`,
+//! `layernorm_1m`, `gelu_tanh_1m`, `sdpa_causal`.
 
 use std::path::Path;
 use std::process::Command;
@@ -26,7 +28,12 @@ const ROWS: &[(&str, &str, Goal)] = &[
     ("mlp_step", "us/step", Goal::AtMost(0.5)),
     ("matmul_512", "GFLOP/s", Goal::AtLeast(0.8)),
     ("matmul_1024", "GFLOP/s", Goal::AtLeast(0.8)),
-    ("gpt_step", "us/step", Goal::AtMost(0.7)),
+    ("gpt_step", "us/step", Goal::AtMost(0.8)),
+    ("exp_1m", "us", Goal::AtMost(1.0)),
+    ("softmax_1m", "us", Goal::AtMost(1.0)),
+    ("layernorm_1m", "us", Goal::AtMost(1.0)),
+    ("gelu_tanh_1m", "us", Goal::AtMost(1.0)),
+    ("sdpa_causal", "us", Goal::AtMost(1.0)),
 ];
 
 /// `cargo bench` of one of our benches (`--no-run`: build only).
@@ -46,10 +53,12 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
     let core = torch_with(python.clone(), &anchor.anchors.join("torch_core_step.py"));
     // the GPT step's twin lives in this repository (the model and data are ours)
     let gpt_script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/torch_gpt.py");
-    let gpt = torch_with(python, &gpt_script);
+    let gpt = torch_with(python.clone(), &gpt_script);
+    let ops = torch_with(python, &anchor.anchors.join("torch_ops_step.py"));
     // build once, outside the timed runs
     cargo_bench("tensorplay-core", "core_step", true)?;
     cargo_bench(GPT_BENCH_PACKAGE, "gpt_step", true)?;
+    cargo_bench("tensorplay-core", "ops_step", true)?;
     let mut ours: Vec<Metric> = Vec::new();
     let mut theirs: Vec<Metric> = Vec::new();
     let mut torch_ran = false;
@@ -59,19 +68,24 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
         for (package, bench) in [
             ("tensorplay-core", "core_step"),
             (GPT_BENCH_PACKAGE, "gpt_step"),
+            ("tensorplay-core", "ops_step"),
         ] {
             let o = cargo_bench(package, bench, false)?;
             print!("{o}");
             ours.extend(parse_core(&o));
         }
-        if core.is_ok() || gpt.is_ok() {
+        if core.is_ok() || gpt.is_ok() || ops.is_ok() {
             eprintln!("round {r}: pytorch");
         }
-        for (found, args) in [(&core, vec![]), (&gpt, vec!["step".to_string()])] {
+        for (found, args) in [
+            (&core, vec![]),
+            (&gpt, vec!["step".to_string()]),
+            (&ops, vec![]),
+        ] {
             let Ok((python, script)) = found else {
                 continue;
             };
-            let t = match run_torch(python, script, &args, r, &["torch-core "]) {
+            let t = match run_torch(python, script, &args, r, &["torch-core ", "torch-ops "]) {
                 Ok(t) => {
                     torch_ran = true;
                     t

@@ -24,7 +24,8 @@ fn core_token(words: &[&str]) -> String {
 
 /// Parses the core benches' lines, `<prefix> mlp_step batch64   123.4 us/step`,
 /// `<prefix> matmul 512^3 f32   80.1 GFLOP/s` and `<prefix> gpt_step batch16x64 ... us/step`,
-/// into the metrics `mlp_step`, `matmul_512`, `gpt_step`.
+/// into the metrics `mlp_step`, `matmul_512`, `gpt_step`; and the ops benches' lines
+/// `<prefix>-ops exp_1m 512.3 us` into `exp_1m` (unit `us`).
 pub(crate) fn parse_core(text: &str) -> Vec<Metric> {
     let mut out = Vec::new();
     for line in text.lines() {
@@ -33,7 +34,9 @@ pub(crate) fn parse_core(text: &str) -> Vec<Metric> {
             continue;
         }
         let unit = toks[toks.len() - 1];
-        if unit != "us/step" && unit != "GFLOP/s" {
+        // `us`: the ops rows (`<prefix>-ops exp_1m 512.3 us`)
+        let ops_row = unit == "us" && toks.len() == 4 && toks[0].ends_with("-ops");
+        if unit != "us/step" && unit != "GFLOP/s" && !ops_row {
             continue;
         }
         let Ok(value) = toks[toks.len() - 2].parse::<f64>() else {
@@ -178,7 +181,8 @@ mod tests {
             "torch-core mlp_step batch64     151.2 us/step\n\
              torch-core matmul 512^3 f32      88.5 GFLOP/s\nnoise line\n\
              tensorplay-core matmul 1024^3 f32  70.0 GFLOP/s\n\
-             tensorplay-core gpt_step batch16x64  139900.0 us/step\n",
+             tensorplay-core gpt_step batch16x64  139900.0 us/step\n\
+             torch-ops softmax_1m 714.7 us\nnot-ops softmax_1m 1.0 us\n",
         );
         assert_eq!(
             got,
@@ -187,6 +191,7 @@ mod tests {
                 m("matmul_512", 88.5, "GFLOP/s"),
                 m("matmul_1024", 70.0, "GFLOP/s"),
                 m("gpt_step", 139900.0, "us/step"),
+                m("softmax_1m", 714.7, "us"),
             ]
         );
     }

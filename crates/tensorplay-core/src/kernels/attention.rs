@@ -13,7 +13,7 @@ use num_traits::{Float, One, Zero};
 use super::isa::dispatch;
 use super::math::{Elem, Real};
 use super::parallel::{map_chunks, map_tasks};
-use super::rows::{lane_max, lane_sum};
+use super::rows::{max_by, sum_by};
 use crate::storage::StorageElement;
 use crate::storage::pool::take;
 
@@ -84,8 +84,15 @@ fn visible(mask_causal: bool, i: usize, j0: usize, bk: usize) -> usize {
     }
 }
 
+/// How many columns to compute for `n` visible keys in a block of `bk`: `n` rounded up to a
+/// whole vector (the extra scores are masked), so the loops have no scalar tails.
+#[inline(always)]
+fn padded(n: usize, bk: usize) -> usize {
+    n.div_ceil(16).saturating_mul(16).min(bk).max(n)
+}
+
 /// The scores of query row `qi` against the packed key block `kt` (`[e][BK]`, already scaled),
-/// with the mask applied, into `s[..n]`.
+/// with the mask applied, into `s[..padded(n, bk)]` (the columns from `n` are `-inf`).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn scores<E: Elem>(
@@ -97,16 +104,36 @@ fn scores<E: Elem>(
     i: usize,
     j0: usize,
     s: &mut [E::Acc],
+    bk: usize,
 ) {
-    let s = &mut s[..n];
-    s.fill(E::Acc::zero());
-    for (e, &q) in qi.iter().enumerate() {
-        let q = q.load();
-        let krow = &kt[e * BK..e * BK + n];
-        for (o, &k) in s.iter_mut().zip(krow) {
-            *o = *o + q * k;
+    let nv = padded(n, bk);
+    let s = &mut s[..nv];
+    if nv == BK {
+        // a whole block: the accumulators are a fixed array the compiler keeps in registers
+        let mut acc = [E::Acc::zero(); BK];
+        for (e, &q) in qi.iter().enumerate() {
+            let q = q.load();
+            if let Ok(krow) = <&[E::Acc; BK]>::try_from(&kt[e * BK..(e + 1) * BK]) {
+                for j in 0..BK {
+                    acc[j] = acc[j] + q * krow[j];
+                }
+            }
+        }
+        s.copy_from_slice(&acc);
+    } else {
+        s.fill(E::Acc::zero());
+        for (e, &q) in qi.iter().enumerate() {
+            let q = q.load();
+            let krow = &kt[e * BK..e * BK + nv];
+            for (o, &k) in s.iter_mut().zip(krow) {
+                *o = *o + q * k;
+            }
         }
     }
+    for o in &mut s[n..] {
+        *o = E::Acc::neg_infinity();
+    }
+    let s = &mut s[..n];
     match mask {
         Mask::None | Mask::Causal => {}
         Mask::Bool(b) => {
@@ -145,6 +172,68 @@ fn pack_t<E: Elem>(
     }
 }
 
+/// Query rows computed together: their scores share each loaded key, and their outputs each
+/// loaded value row.
+const TR: usize = 4;
+
+/// The scores of the `tr` query rows from `i` against the packed key block `kt`, the first
+/// `nv` columns of each of `st` (columns of a row from its visible count `ns[t]` are `-inf`),
+/// with the mask applied.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn score_tile<E: Elem>(
+    q: &Mat<'_, E>,
+    kt: &[E::Acc],
+    mask: &Mask<'_, E>,
+    d: Dims,
+    m: usize,
+    i: usize,
+    j0: usize,
+    tr: usize,
+    ns: &[usize; TR],
+    nv: usize,
+    st: &mut [[E::Acc; BK]; TR],
+) {
+    let rows: [&[E]; TR] = std::array::from_fn(|t| q.row(m, i + t.min(tr - 1), d.e));
+    for row in st.iter_mut() {
+        row.fill(E::Acc::zero());
+    }
+    for f in 0..d.e {
+        let qv: [E::Acc; TR] = std::array::from_fn(|t| rows[t][f].load());
+        let krow = &kt[f * BK..f * BK + nv];
+        for (t, row) in st.iter_mut().enumerate() {
+            let qf = qv[t];
+            for (o, &k) in row[..nv].iter_mut().zip(krow) {
+                *o = *o + qf * k;
+            }
+        }
+    }
+    for t in 0..tr {
+        let row = &mut st[t][..nv];
+        for o in &mut row[ns[t]..] {
+            *o = E::Acc::neg_infinity();
+        }
+        let it = i + t;
+        match mask {
+            Mask::None | Mask::Causal => {}
+            Mask::Bool(b) => {
+                let base = b.offsets[m] + it * b.row + j0 * b.col;
+                for (j, o) in row[..ns[t]].iter_mut().enumerate() {
+                    if !b.data[base + j * b.col] {
+                        *o = E::Acc::neg_infinity();
+                    }
+                }
+            }
+            Mask::Add(a) => {
+                let base = a.offsets[m] + it * a.row + j0 * a.col;
+                for (j, o) in row[..ns[t]].iter_mut().enumerate() {
+                    *o = *o + a.data[base + j * a.col].load();
+                }
+            }
+        }
+    }
+}
+
 /// The forward of one query block of matrix `m`: the output rows (`[rows][ev]`) and each row's
 /// log-sum-exp of the scores.
 #[inline(always)]
@@ -165,42 +254,66 @@ fn forward_block<E: Elem>(
     let mut mx = vec![E::Acc::neg_infinity(); rows];
     let mut sum = vec![E::Acc::zero(); rows];
     let mut kt = vec![E::Acc::zero(); d.e * BK];
-    let mut s = vec![E::Acc::zero(); BK];
+    let mut st = [[E::Acc::zero(); BK]; TR];
     let last_key = if causal { (i0 + rows).min(d.s) } else { d.s };
     let mut j0 = 0;
     while j0 < last_key {
         let bk = BK.min(d.s - j0);
         pack_t(k, m, j0, bk, d.e, scale, &mut kt);
-        for r in 0..rows {
-            let i = i0 + r;
-            let n = visible(causal, i, j0, bk);
-            if n == 0 {
+        let mut r0 = 0;
+        while r0 < rows {
+            let tr = TR.min(rows - r0);
+            let ns: [usize; TR] = std::array::from_fn(|t| {
+                if t < tr {
+                    visible(causal, i0 + r0 + t, j0, bk)
+                } else {
+                    0
+                }
+            });
+            let nmax = ns.iter().copied().max().unwrap_or(0);
+            if nmax == 0 {
+                r0 += TR;
                 continue;
             }
-            scores(q.row(m, i, d.e), &kt, n, mask, m, i, j0, &mut s);
-            let bmax = lane_max(n, |j| s[j]);
-            let new_max = if bmax > mx[r] { bmax } else { mx[r] };
-            if new_max == E::Acc::neg_infinity() {
-                // every key so far is masked: nothing to add
-                continue;
-            }
-            let corr = (mx[r] - new_max).exp_k();
-            for x in &mut s[..n] {
-                *x = (*x - new_max).exp_k();
-            }
-            let bsum = lane_sum(n, |j| s[j]);
-            sum[r] = sum[r] * corr + bsum;
-            mx[r] = new_max;
-            let out = &mut acc[r * d.ev..(r + 1) * d.ev];
-            for o in out.iter_mut() {
-                *o = *o * corr;
-            }
-            for (j, &p) in s[..n].iter().enumerate() {
-                let vr = v.row(m, j0 + j, d.ev);
-                for (o, &x) in out.iter_mut().zip(vr) {
-                    *o = *o + p * x.load();
+            let nv = padded(nmax, bk);
+            score_tile(q, &kt, mask, d, m, i0 + r0, j0, tr, &ns, nv, &mut st);
+            let mut active = [false; TR];
+            let mut corr = [E::Acc::zero(); TR];
+            for t in 0..tr {
+                let r = r0 + t;
+                let row = &mut st[t][..nv];
+                let bmax = max_by(row, |x| x);
+                let new_max = if bmax > mx[r] { bmax } else { mx[r] };
+                if ns[t] == 0 || new_max == E::Acc::neg_infinity() {
+                    // every key so far is masked: nothing to add
+                    row.fill(E::Acc::zero());
+                    corr[t] = E::Acc::one();
+                    continue;
+                }
+                active[t] = true;
+                corr[t] = (mx[r] - new_max).exp_k();
+                for x in row.iter_mut() {
+                    *x = (*x - new_max).exp_k();
+                }
+                sum[r] = sum[r] * corr[t] + sum_by(row, |x| x);
+                mx[r] = new_max;
+                for o in &mut acc[r * d.ev..(r + 1) * d.ev] {
+                    *o = *o * corr[t];
                 }
             }
+            if active.iter().any(|&a| a) {
+                let out = &mut acc[r0 * d.ev..(r0 + tr) * d.ev];
+                for j in 0..nmax {
+                    let vr = v.row(m, j0 + j, d.ev);
+                    for (t, orow) in out.chunks_exact_mut(d.ev.max(1)).enumerate() {
+                        let p = st[t][j];
+                        for (o, &x) in orow.iter_mut().zip(vr) {
+                            *o = *o + p * x.load();
+                        }
+                    }
+                }
+            }
+            r0 += TR;
         }
         j0 += BK;
     }
@@ -304,17 +417,18 @@ fn backward_matrix<E: Elem>(
             }
             let qi = q.row(m, i, d.e);
             let gi = g.row(m, i, d.ev);
-            scores(qi, &kt, n, mask, m, i, j0, &mut p);
+            scores(qi, &kt, n, mask, m, i, j0, &mut p, bk);
+            let nv = padded(n, bk);
             let li = lse[i];
-            for x in &mut p[..n] {
+            for x in &mut p[..nv] {
                 *x = (*x - li).exp_k();
             }
             // dp_j = g_i . v_j
-            let dpn = &mut dp[..n];
+            let dpn = &mut dp[..nv];
             dpn.fill(E::Acc::zero());
             for (f, &gv) in gi.iter().enumerate() {
                 let gv = gv.load();
-                for (o, &x) in dpn.iter_mut().zip(&vt[f * BK..f * BK + n]) {
+                for (o, &x) in dpn.iter_mut().zip(&vt[f * BK..f * BK + nv]) {
                     *o = *o + gv * x;
                 }
             }

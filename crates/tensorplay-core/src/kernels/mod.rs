@@ -194,6 +194,7 @@ pub(crate) fn layer_norm_backward<E: Elem + StorageElement>(
     let partials = map_chunks(&mut dx, per * n, x.len(), |i, out| {
         let mut dw = vec![zero; n];
         let mut db = vec![zero; n];
+        let mut gw = vec![zero; n];
         dispatch(
             #[inline(always)]
             || {
@@ -209,6 +210,7 @@ pub(crate) fn layer_norm_backward<E: Elem + StorageElement>(
                         dr,
                         &mut dw,
                         &mut db,
+                        &mut gw,
                     );
                 }
             },

@@ -12,19 +12,9 @@ use super::math::{Elem, Real};
 /// Interleaved accumulators of a row sum.
 pub(crate) const LANES: usize = 16;
 
-/// `sum(f(x_i))` over the row in [`LANES`] interleaved partial sums added in a fixed order.
+/// The lanes added in a fixed pairwise tree.
 #[inline(always)]
-pub(crate) fn lane_sum<A: Real>(n: usize, f: impl Fn(usize) -> A) -> A {
-    let mut acc = [A::zero(); LANES];
-    let whole = n / LANES * LANES;
-    let mut i = 0;
-    while i < whole {
-        for (l, a) in acc.iter_mut().enumerate() {
-            *a = *a + f(i + l);
-        }
-        i += LANES;
-    }
-    // a fixed pairwise tree over the lanes
+fn fold_lanes<A: Real>(mut acc: [A; LANES]) -> A {
     let mut width = LANES;
     while width > 1 {
         width /= 2;
@@ -32,33 +22,72 @@ pub(crate) fn lane_sum<A: Real>(n: usize, f: impl Fn(usize) -> A) -> A {
             acc[l] = acc[l] + acc[l + width];
         }
     }
-    let mut s = acc[0];
-    for j in whole..n {
-        s = s + f(j);
+    acc[0]
+}
+
+/// `sum(f(x_i))` in [`LANES`] interleaved partial sums added in a fixed order, then the tail.
+#[inline(always)]
+pub(crate) fn sum_by<A: Real, P: Copy>(x: &[P], f: impl Fn(P) -> A) -> A {
+    let mut acc = [A::zero(); LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        if let Ok(c) = <&[P; LANES]>::try_from(c) {
+            for l in 0..LANES {
+                acc[l] = acc[l] + f(c[l]);
+            }
+        }
+    }
+    let mut s = fold_lanes(acc);
+    for &v in tail {
+        s = s + f(v);
     }
     s
 }
 
-/// The row's maximum, ignoring NaN (`-inf` for an empty row). A NaN in a row makes its softmax
-/// NaN through the sum of exponentials, whatever the maximum.
+/// `sum(f(x_i, y_i))` over two rows of one length, as [`sum_by`].
 #[inline(always)]
-pub(crate) fn lane_max<A: Real>(n: usize, f: impl Fn(usize) -> A) -> A {
-    let mut acc = [A::neg_infinity(); LANES];
-    let whole = n / LANES * LANES;
-    let mut i = 0;
-    while i < whole {
-        for (l, a) in acc.iter_mut().enumerate() {
-            let v = f(i + l);
-            *a = if v > *a { v } else { *a };
+pub(crate) fn sum_by2<A: Real, P: Copy, Q: Copy>(x: &[P], y: &[Q], f: impl Fn(P, Q) -> A) -> A {
+    let n = x.len().min(y.len());
+    let (x, y) = (&x[..n], &y[..n]);
+    let mut acc = [A::zero(); LANES];
+    let (cx, cy) = (x.chunks_exact(LANES), y.chunks_exact(LANES));
+    let (tx, ty) = (cx.remainder(), cy.remainder());
+    for (a, b) in cx.zip(cy) {
+        if let (Ok(a), Ok(b)) = (<&[P; LANES]>::try_from(a), <&[Q; LANES]>::try_from(b)) {
+            for l in 0..LANES {
+                acc[l] = acc[l] + f(a[l], b[l]);
+            }
         }
-        i += LANES;
+    }
+    let mut s = fold_lanes(acc);
+    for (&a, &b) in tx.iter().zip(ty) {
+        s = s + f(a, b);
+    }
+    s
+}
+
+/// The row's maximum of `f(x_i)`, ignoring NaN (`-inf` for an empty row). A NaN in a row makes
+/// its softmax NaN through the sum of exponentials, whatever the maximum.
+#[inline(always)]
+pub(crate) fn max_by<A: Real, P: Copy>(x: &[P], f: impl Fn(P) -> A) -> A {
+    let mut acc = [A::neg_infinity(); LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        if let Ok(c) = <&[P; LANES]>::try_from(c) {
+            for l in 0..LANES {
+                let v = f(c[l]);
+                acc[l] = if v > acc[l] { v } else { acc[l] };
+            }
+        }
     }
     let mut m = A::neg_infinity();
     for a in acc {
         m = if a > m { a } else { m };
     }
-    for j in whole..n {
-        let v = f(j);
+    for &v in tail {
+        let v = f(v);
         m = if v > m { v } else { m };
     }
     m
@@ -67,13 +96,11 @@ pub(crate) fn lane_max<A: Real>(n: usize, f: impl Fn(usize) -> A) -> A {
 /// Softmax of one row: `y = exp(x - max) / sum(exp(x - max))`.
 #[inline(always)]
 pub(crate) fn softmax_row<E: Elem>(x: &[E], y: &mut [E]) {
-    let n = x.len();
-    let m = lane_max(n, |i| x[i].load());
+    let m = max_by(x, E::load);
     for (o, &v) in y.iter_mut().zip(x) {
         *o = E::store((v.load() - m).exp_k());
     }
-    let s = lane_sum(n, |i| y[i].load());
-    let inv = E::Acc::one() / s;
+    let inv = E::Acc::one() / sum_by(y, E::load);
     for o in y.iter_mut() {
         *o = E::store(o.load() * inv);
     }
@@ -82,9 +109,8 @@ pub(crate) fn softmax_row<E: Elem>(x: &[E], y: &mut [E]) {
 /// Log-softmax of one row: `y = x - max - log(sum(exp(x - max)))`.
 #[inline(always)]
 pub(crate) fn log_softmax_row<E: Elem>(x: &[E], y: &mut [E]) {
-    let n = x.len();
-    let m = lane_max(n, |i| x[i].load());
-    let s = lane_sum(n, |i| (x[i].load() - m).exp_k());
+    let m = max_by(x, E::load);
+    let s = sum_by(x, |v| (v.load() - m).exp_k());
     let shift = m + s.ln();
     for (o, &v) in y.iter_mut().zip(x) {
         *o = E::store(v.load() - shift);
@@ -94,7 +120,7 @@ pub(crate) fn log_softmax_row<E: Elem>(x: &[E], y: &mut [E]) {
 /// Softmax's backward for one row: `dx = y * (g - sum(g * y))`.
 #[inline(always)]
 pub(crate) fn softmax_backward_row<E: Elem>(y: &[E], g: &[E], dx: &mut [E]) {
-    let dot = lane_sum(y.len(), |i| y[i].load() * g[i].load());
+    let dot = sum_by2(y, g, |a, b| a.load() * b.load());
     for ((o, &yv), &gv) in dx.iter_mut().zip(y).zip(g) {
         *o = E::store(yv.load() * (gv.load() - dot));
     }
@@ -103,7 +129,7 @@ pub(crate) fn softmax_backward_row<E: Elem>(y: &[E], g: &[E], dx: &mut [E]) {
 /// Log-softmax's backward for one row: `dx = g - exp(y) * sum(g)`.
 #[inline(always)]
 pub(crate) fn log_softmax_backward_row<E: Elem>(y: &[E], g: &[E], dx: &mut [E]) {
-    let s = lane_sum(g.len(), |i| g[i].load());
+    let s = sum_by(g, E::load);
     for ((o, &yv), &gv) in dx.iter_mut().zip(y).zip(g) {
         *o = E::store(gv.load() - yv.load().exp_k() * s);
     }
@@ -121,31 +147,32 @@ pub(crate) fn layer_norm_row<E: Elem>(
 ) -> (E::Acc, E::Acc) {
     let n = x.len();
     let inv_n = E::Acc::one() / E::Acc::c(n as f64);
-    let mean = lane_sum(n, |i| x[i].load()) * inv_n;
-    let var = lane_sum(n, |i| {
-        let d = x[i].load() - mean;
+    let mean = sum_by(x, E::load) * inv_n;
+    let var = sum_by(x, |v| {
+        let d = v.load() - mean;
         d * d
     }) * inv_n;
     let rstd = E::Acc::one() / (var + eps).sqrt();
+    let y = &mut y[..n];
     match (w, b) {
         (Some(w), Some(b)) => {
-            for i in 0..n {
-                y[i] = E::store((x[i].load() - mean) * rstd * w[i].load() + b[i].load());
+            for (((o, &v), &wv), &bv) in y.iter_mut().zip(x).zip(&w[..n]).zip(&b[..n]) {
+                *o = E::store((v.load() - mean) * rstd * wv.load() + bv.load());
             }
         }
         (Some(w), None) => {
-            for i in 0..n {
-                y[i] = E::store((x[i].load() - mean) * rstd * w[i].load());
+            for ((o, &v), &wv) in y.iter_mut().zip(x).zip(&w[..n]) {
+                *o = E::store((v.load() - mean) * rstd * wv.load());
             }
         }
         (None, Some(b)) => {
-            for i in 0..n {
-                y[i] = E::store((x[i].load() - mean) * rstd + b[i].load());
+            for ((o, &v), &bv) in y.iter_mut().zip(x).zip(&b[..n]) {
+                *o = E::store((v.load() - mean) * rstd + bv.load());
             }
         }
         (None, None) => {
-            for i in 0..n {
-                y[i] = E::store((x[i].load() - mean) * rstd);
+            for (o, &v) in y.iter_mut().zip(x) {
+                *o = E::store((v.load() - mean) * rstd);
             }
         }
     }
@@ -153,7 +180,8 @@ pub(crate) fn layer_norm_row<E: Elem>(
 }
 
 /// LayerNorm's backward for one row: writes `dx` and adds the row's contributions to the
-/// weight's and bias's gradients (`dw += g * xhat`, `db += g`, in the computing type).
+/// weight's and bias's gradients (`dw += g * xhat`, `db += g`, in the computing type). `gw` is
+/// scratch of the row's length.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_norm_backward_row<E: Elem>(
@@ -165,19 +193,39 @@ pub(crate) fn layer_norm_backward_row<E: Elem>(
     dx: &mut [E],
     dw: &mut [E::Acc],
     db: &mut [E::Acc],
+    gw: &mut [E::Acc],
 ) {
     let n = x.len();
+    let (g, dx, dw, db, gw) = (
+        &g[..n],
+        &mut dx[..n],
+        &mut dw[..n],
+        &mut db[..n],
+        &mut gw[..n],
+    );
+    match w {
+        Some(w) => {
+            for ((o, &gv), &wv) in gw.iter_mut().zip(g).zip(&w[..n]) {
+                *o = gv.load() * wv.load();
+            }
+        }
+        None => {
+            for (o, &gv) in gw.iter_mut().zip(g) {
+                *o = gv.load();
+            }
+        }
+    }
     let inv_n = E::Acc::one() / E::Acc::c(n as f64);
-    let wv = |i: usize| w.map_or_else(E::Acc::one, |w| w[i].load());
-    let xhat = |i: usize| (x[i].load() - mean) * rstd;
-    let a = lane_sum(n, |i| g[i].load() * wv(i)) * inv_n;
-    let c = lane_sum(n, |i| g[i].load() * wv(i) * xhat(i)) * inv_n;
-    for i in 0..n {
-        let gi = g[i].load();
-        let xh = xhat(i);
-        dx[i] = E::store(rstd * (gi * wv(i) - a - xh * c));
-        dw[i] = dw[i] + gi * xh;
-        db[i] = db[i] + gi;
+    let a = sum_by(gw, |v| v) * inv_n;
+    let c = sum_by2(gw, x, |d, v| d * ((v.load() - mean) * rstd)) * inv_n;
+    for ((o, &d), &v) in dx.iter_mut().zip(gw.iter()).zip(x) {
+        let xh = (v.load() - mean) * rstd;
+        *o = E::store(rstd * (d - a - xh * c));
+    }
+    for (((dwv, dbv), &gv), &v) in dw.iter_mut().zip(db.iter_mut()).zip(g).zip(x) {
+        let gv = gv.load();
+        *dwv = *dwv + gv * ((v.load() - mean) * rstd);
+        *dbv = *dbv + gv;
     }
 }
 

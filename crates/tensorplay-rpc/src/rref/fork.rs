@@ -73,6 +73,9 @@ pub(crate) fn after_send(a: &Arc<Agent>, forks: Vec<PendingFork>, delivered: boo
 impl<T: Send + 'static> Wire for RRef<T> {
     fn encode(&self, e: &mut Encoder) -> Result<()> {
         let a = self.agent("sending an RRef")?;
+        // a creation that failed names its cause (a lost owner, a timeout) before the deletion
+        // it led to
+        self.check_created()?;
         if self.inner.deleted.load(Ordering::SeqCst) && !self.inner.is_owner {
             return Err(Error::invalid(
                 "rpc",
@@ -81,7 +84,6 @@ impl<T: Send + 'static> Wire for RRef<T> {
                 format!("{self:?}, which has been deleted"),
             ));
         }
-        self.check_created()?;
         let dest = e.dest.unwrap_or(a.me.id);
         let owner = self.inner.owner.id;
         let child = new_id(a.me.id);
