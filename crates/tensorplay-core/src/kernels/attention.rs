@@ -303,6 +303,8 @@ fn forward_block<E: Elem>(
             }
             if active.iter().any(|&a| a) {
                 let out = &mut acc[r0 * d.ev..(r0 + tr) * d.ev];
+                // j indexes both the value rows and every tile row's weights
+                #[allow(clippy::needless_range_loop)]
                 for j in 0..nmax {
                     let vr = v.row(m, j0 + j, d.ev);
                     for (t, orow) in out.chunks_exact_mut(d.ev.max(1)).enumerate() {
