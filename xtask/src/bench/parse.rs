@@ -182,7 +182,7 @@ mod tests {
              torch-core matmul 512^3 f32      88.5 GFLOP/s\nnoise line\n\
              tensorplay-core matmul 1024^3 f32  70.0 GFLOP/s\n\
              tensorplay-core gpt_step batch16x64  139900.0 us/step\n\
-             torch-ops softmax_1m 714.7 us\nnot-ops softmax_1m 1.0 us\n",
+             torch-ops softmax_1m 714.7 us\nops-total softmax_1m 1.0 us\n",
         );
         assert_eq!(
             got,
