@@ -134,6 +134,13 @@ fn scores<E: Elem>(
         *o = E::Acc::neg_infinity();
     }
     let s = &mut s[..n];
+    apply_mask(mask, m, i, j0, s);
+}
+
+/// Applies a bool or additive mask to the scores `s` of query `i` (matrix `m`) against the
+/// keys from `j0`; causal masks and none are applied by the callers' visible counts.
+#[inline(always)]
+fn apply_mask<E: Elem>(mask: &Mask<'_, E>, m: usize, i: usize, j0: usize, s: &mut [E::Acc]) {
     match mask {
         Mask::None | Mask::Causal => {}
         Mask::Bool(b) => {
@@ -213,24 +220,7 @@ fn score_tile<E: Elem>(
         for o in &mut row[ns[t]..] {
             *o = E::Acc::neg_infinity();
         }
-        let it = i + t;
-        match mask {
-            Mask::None | Mask::Causal => {}
-            Mask::Bool(b) => {
-                let base = b.offsets[m] + it * b.row + j0 * b.col;
-                for (j, o) in row[..ns[t]].iter_mut().enumerate() {
-                    if !b.data[base + j * b.col] {
-                        *o = E::Acc::neg_infinity();
-                    }
-                }
-            }
-            Mask::Add(a) => {
-                let base = a.offsets[m] + it * a.row + j0 * a.col;
-                for (j, o) in row[..ns[t]].iter_mut().enumerate() {
-                    *o = *o + a.data[base + j * a.col].load();
-                }
-            }
-        }
+        apply_mask(mask, m, i + t, j0, &mut row[..ns[t]]);
     }
 }
 

@@ -49,9 +49,13 @@ impl Function for LayerNormFn {
     }
     fn forward(&self, ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         // rows contiguous within are read in place; any other view is copied once
-        let x = match row_offsets(inputs[0].layout(), self.n) {
-            Some(_) => inputs[0].clone(),
-            None => inputs[0].contiguous()?,
+        let (x, offsets) = match row_offsets(inputs[0].layout(), self.n) {
+            Some(o) => (inputs[0].clone(), o),
+            None => {
+                let x = inputs[0].contiguous()?;
+                let o = row_offsets(x.layout(), self.n).unwrap_or_default();
+                (x, o)
+            }
         };
         let w = self
             .has_weight
@@ -63,8 +67,7 @@ impl Function for LayerNormFn {
             .transpose()?;
         let rows = x.numel().checked_div(self.n).unwrap_or(0);
         let (y, mean, rstd) = float_dispatch!(x.dtype(), "layer_norm", T => {
-            let (y, m, r) = x.with_slice("layer_norm", |xs: &[T], l| {
-                let offsets = row_offsets(l, self.n).unwrap_or_default();
+            let (y, m, r) = x.with_slice("layer_norm", |xs: &[T], _| {
                 let param = |p: &Option<Tensor>| -> Result<Option<Vec<T>>> {
                     p.as_ref().map(|p| p.to_vec::<T>()).transpose()
                 };
