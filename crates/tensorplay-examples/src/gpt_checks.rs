@@ -60,6 +60,53 @@ pub fn learning_check(steps: usize, val_loss: f64, losses: &[f64]) -> Result<Str
     ))
 }
 
+/// The step after which the memory check takes its first reading of resident memory.
+pub const MEMORY_FIRST_STEP: usize = 100;
+/// How far the resident memory may grow from step [`MEMORY_FIRST_STEP`] to the run's last step
+/// (10%): the caching allocator keeps a bounded cache, so a run in a steady state must not grow.
+pub const MAX_MEMORY_GROWTH: f64 = 0.10;
+
+/// The process's resident memory in bytes (`VmRSS` of `/proc/self/status`), `None` where the
+/// system has no such file.
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    // "VmRSS:     123456 kB"
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Whether the run's resident memory stayed flat: from [`LEARN_STEPS`] steps on, the bytes
+/// resident after the last step (`last`) are at most [`MAX_MEMORY_GROWTH`] above those after
+/// step [`MEMORY_FIRST_STEP`] (`first`). `Ok` holds the note to print (passed, or skipped for
+/// a shorter run or where resident memory cannot be read), `Err` why it failed.
+pub fn memory_check(steps: usize, first: Option<u64>, last: Option<u64>) -> Result<String, String> {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let (Some(first), Some(last)) = (first, last) else {
+        return Ok("memory check skipped: resident memory cannot be read here".to_string());
+    };
+    let growth = last as f64 / first.max(1) as f64 - 1.0;
+    let note = format!(
+        "resident memory {:.1} MiB after step {MEMORY_FIRST_STEP}, {:.1} MiB after step {steps} \
+         ({:+.1}%)",
+        mib(first),
+        mib(last),
+        growth * 100.0
+    );
+    if steps < LEARN_STEPS {
+        return Ok(format!(
+            "memory check skipped ({note}): it needs --steps {LEARN_STEPS} or more"
+        ));
+    }
+    if last as f64 > first as f64 * (1.0 + MAX_MEMORY_GROWTH) {
+        return Err(format!(
+            "the {note} grew by more than {:.0}%",
+            MAX_MEMORY_GROWTH * 100.0
+        ));
+    }
+    Ok(format!("memory check passed: {note}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +151,63 @@ mod tests {
     fn a_nan_loss_difference_fails_the_check() {
         assert!(max_diff(&[1.0, f64::NAN], &[1.0, 2.0]).is_nan());
         assert_eq!(max_diff(&[1.0, 2.5], &[1.0, 2.0]), 0.5);
+    }
+
+    #[test]
+    fn the_memory_check_passes_and_fails_as_documented() {
+        const MIB: u64 = 1 << 20;
+        for (case, steps, first, last, want) in [
+            (
+                "flat",
+                600,
+                Some(100 * MIB),
+                Some(101 * MIB),
+                Ok("memory check passed"),
+            ),
+            (
+                "shrinks",
+                600,
+                Some(100 * MIB),
+                Some(90 * MIB),
+                Ok("passed"),
+            ),
+            (
+                "at the limit",
+                600,
+                Some(100 * MIB),
+                Some(110 * MIB),
+                Ok("passed"),
+            ),
+            (
+                "grows",
+                600,
+                Some(100 * MIB),
+                Some(111 * MIB),
+                Err("grew by more than 10%"),
+            ),
+            (
+                "short run",
+                200,
+                Some(100 * MIB),
+                Some(300 * MIB),
+                Ok("skipped"),
+            ),
+            ("not readable", 600, None, Some(MIB), Ok("cannot be read")),
+        ] {
+            match (memory_check(steps, first, last), want) {
+                (Ok(note), Ok(w)) => assert!(note.contains(w), "{case}: {note}"),
+                (Err(why), Err(w)) => assert!(why.contains(w), "{case}: {why}"),
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn resident_memory_is_read_on_linux() {
+        if cfg!(target_os = "linux") {
+            let b = resident_bytes().expect("/proc/self/statm");
+            // a test process holds at least its own code: more than 1 MiB, less than 1 TiB
+            assert!((1 << 20..1 << 40).contains(&b), "{b}");
+        }
     }
 }

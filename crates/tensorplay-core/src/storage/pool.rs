@@ -5,12 +5,18 @@
 //!
 //! - **Size classes**: a request of `b` bytes is rounded up to a multiple of an eighth of the
 //!   next power of two (at most 12.5% waste); buffers below [`MIN_CACHED_BYTES`] are not cached
-//!   (the system allocator serves them well).
+//!   (the system allocator serves them well). A class keeps a returned buffer only while fewer
+//!   of its buffers are back than were handed out ([`take`]): the buffers of producers that
+//!   allocate without the cache go back to the system instead of filling it, so a class never
+//!   caches more buffers than its takers held at once.
 //! - **Bound**: the cache holds at most [`cache_limit_bytes`] (256 MiB unless
 //!   `TENSORPLAY_CPU_CACHE_MIB` says otherwise); a buffer that would exceed it is freed.
-//! - **Release when idle**: every [`SWEEP_EVERY`] returned buffers, the classes nothing was
-//!   taken from since the previous sweep are freed, so memory a phase of the program stopped
-//!   using goes back to the system. [`empty_cache`] frees everything.
+//! - **Release when idle**: every [`SWEEP_EVERY`] returned buffers, each class frees the
+//!   buffers that sat in it unused since the previous sweep (its low-water mark: the fewest
+//!   buffers it held at any moment in between), so memory a phase of the program stopped using
+//!   goes back to the system, and so do the surplus buffers of a class that more buffers are
+//!   returned to than taken from (outputs of producers that allocate without the cache).
+//!   [`empty_cache`] frees everything.
 //! - **Statistics** ([`allocated_bytes`], [`reserved_bytes`], [`peak_allocated_bytes`]) count
 //!   the buffers of live host tensors by their capacity, as PyTorch counts blocks.
 //!
@@ -36,8 +42,24 @@ static CACHED: AtomicUsize = AtomicUsize::new(0);
 #[derive(Default)]
 struct Class {
     free: Vec<CpuStorage>,
-    /// Whether a buffer was taken since the last sweep.
-    used: bool,
+    /// The fewest buffers `free` held since the last sweep: that many sat unused throughout.
+    low: usize,
+    /// Whether a buffer of the class was asked for since the last sweep.
+    asked: bool,
+    /// Buffers handed out by [`take`] and not yet back: the class keeps a returned buffer only
+    /// while this is above zero.
+    out: usize,
+}
+
+impl Class {
+    /// A cached buffer, the newest (its pages are the likeliest to be resident).
+    fn pop(&mut self) -> Option<CpuStorage> {
+        self.asked = true;
+        self.out += 1;
+        let s = self.free.pop();
+        self.low = self.low.min(self.free.len());
+        s
+    }
 }
 
 #[derive(Default)]
@@ -84,10 +106,7 @@ pub(crate) fn take<T: StorageElement>(n: usize) -> Vec<T> {
     let class = class_of(bytes);
     let found = {
         let mut c = lock();
-        c.classes.get_mut(&(T::DTYPE, class)).and_then(|k| {
-            k.used = true;
-            k.free.pop()
-        })
+        c.classes.entry((T::DTYPE, class)).or_default().pop()
     };
     if let Some(s) = found {
         let cap = capacity_bytes(&s);
@@ -134,28 +153,35 @@ pub(crate) fn on_free(s: Option<CpuStorage>, counted: usize) {
     }
     let released = {
         let mut c = lock();
-        CACHED.fetch_add(cap, Ordering::Relaxed);
-        c.classes.entry((s.dtype(), cap)).or_default().free.push(s);
-        c.returns += 1;
-        if c.returns.is_multiple_of(SWEEP_EVERY) {
-            sweep(&mut c)
-        } else {
-            Vec::new()
+        match c.classes.get_mut(&(s.dtype(), cap)) {
+            Some(k) if k.out > 0 => {
+                k.out -= 1;
+                CACHED.fetch_add(cap, Ordering::Relaxed);
+                k.free.push(s);
+                c.returns += 1;
+                if c.returns.is_multiple_of(SWEEP_EVERY) {
+                    sweep(&mut c)
+                } else {
+                    Vec::new()
+                }
+            }
+            _ => vec![s],
         }
     };
     // freed outside the lock
     drop(released);
 }
 
-/// Takes the buffers of the classes unused since the last sweep out of the cache.
+/// Takes the buffers that sat unused since the last sweep (each class's low-water mark, the
+/// oldest ones) out of the cache.
 fn sweep(c: &mut Cache) -> Vec<CpuStorage> {
     let mut out = Vec::new();
     for k in c.classes.values_mut() {
-        if !k.used {
-            out.append(&mut k.free);
-        }
-        k.used = false;
+        out.extend(k.free.drain(..k.low.min(k.free.len())));
+        k.low = k.free.len();
     }
+    c.classes
+        .retain(|_, k| std::mem::take(&mut k.asked) || !k.free.is_empty() || k.out > 0);
     let freed: usize = out.iter().map(capacity_bytes).sum();
     CACHED.fetch_sub(freed, Ordering::Relaxed);
     out
@@ -192,4 +218,76 @@ pub fn empty_cache() {
     let freed: usize = all.iter().map(capacity_bytes).sum();
     CACHED.fetch_sub(freed, Ordering::Relaxed);
     drop(all);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A class's buffers after a sequence of takes and returns and a sweep.
+    struct Case {
+        name: &'static str,
+        /// `true`: a buffer returned; `false`: one taken (when there is one).
+        events: &'static [bool],
+        /// buffers freed by the sweep after the events, then by a second sweep right after
+        freed: [usize; 2],
+    }
+
+    fn check(case: &Case) {
+        let mut c = Cache::default();
+        let key = (DType::F32, 1 << 16);
+        for &returned in case.events {
+            let k = c.classes.entry(key).or_default();
+            if returned {
+                k.free.push(CpuStorage::F32(Vec::with_capacity(1 << 14)));
+            } else {
+                k.pop();
+            }
+        }
+        let first = sweep(&mut c).len();
+        let second = sweep(&mut c).len();
+        assert_eq!([first, second], case.freed, "{}", case.name);
+    }
+
+    #[test]
+    fn a_sweep_frees_what_sat_unused_since_the_last() {
+        let cases = [
+            Case {
+                name: "returned in this window: kept, freed by the next idle sweep",
+                events: &[true, true],
+                freed: [0, 2],
+            },
+            Case {
+                name: "taken and returned each step: nothing sat idle",
+                events: &[true, false, true, false, true],
+                freed: [0, 1],
+            },
+        ];
+        for case in &cases {
+            check(case);
+        }
+    }
+
+    #[test]
+    fn surplus_of_a_busy_class_is_freed() {
+        // a window in which the class never dropped below 2 buffers: those 2 are surplus
+        let mut c = Cache::default();
+        let key = (DType::F32, 1 << 16);
+        let k = c.classes.entry(key).or_default();
+        for _ in 0..3 {
+            k.free.push(CpuStorage::F32(Vec::with_capacity(1 << 14)));
+        }
+        assert_eq!(
+            sweep(&mut c).len(),
+            0,
+            "first window: all were returned in it"
+        );
+        let k = c.classes.get_mut(&key).expect("class kept");
+        for _ in 0..4 {
+            k.pop();
+            k.free.push(CpuStorage::F32(Vec::with_capacity(1 << 14)));
+        }
+        assert_eq!(sweep(&mut c).len(), 2, "two of three never left the cache");
+        assert_eq!(c.classes[&key].free.len(), 1);
+    }
 }

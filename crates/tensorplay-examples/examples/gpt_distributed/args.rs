@@ -1,4 +1,5 @@
-//! The program's command line (clap): `--steps`, `--seed`, `--sample`, `--plot`, each checked
+//! The program's command line (clap): `--steps`, `--seed`, `--sample`, `--plot`,
+//! `--single-process`, `--threads`, each checked
 //! before any training starts.
 
 use std::ffi::OsString;
@@ -35,8 +36,16 @@ pub(crate) struct Opts {
     #[arg(long, value_name = "CHARS", default_value_t = 300, value_parser = parse_sample)]
     pub(crate) sample: usize,
     /// Draw the loss curves into this SVG file.
-    #[arg(long, value_name = "PATH.svg", value_parser = parse_plot)]
+    #[arg(long, value_name = "PATH.svg", value_parser = parse_plot, conflicts_with = "single_process")]
     pub(crate) plot: Option<PathBuf>,
+    /// Train only the single-process run: no ranks started, nothing compared (the learning and
+    /// memory checks still run; the benchmark `gpt_train_2_threads` times this).
+    #[arg(long)]
+    pub(crate) single_process: bool,
+    /// Intra-op threads of the single-process run, 1 to 1024 (default: the cores of the
+    /// process's affinity, `tp::set_num_threads`' rule); the distributed runs use one per rank.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub(crate) threads: Option<u16>,
 }
 
 impl Opts {
@@ -85,19 +94,36 @@ fn parse_plot(v: &str) -> Result<PathBuf, String> {
 mod tests {
     use super::*;
 
+    /// steps, seed, sample, plot, single_process, threads
+    type Want = (usize, u64, usize, Option<&'static str>, bool, Option<u16>);
+
     /// One command line: the values it gives, or the words its refusal says.
     struct Case {
         args: &'static [&'static str],
-        want: Result<(usize, u64, usize, Option<&'static str>), &'static str>,
+        want: Result<Want, &'static str>,
     }
 
     fn check(case: &Case) {
         let argv = std::iter::once("gpt_distributed").chain(case.args.iter().copied());
         let got = Opts::try_parse_args(argv);
         match (&got, &case.want) {
-            (Ok(o), Ok((steps, seed, sample, plot))) => assert_eq!(
-                (o.steps, o.seed, o.sample, o.plot.as_deref()),
-                (*steps, *seed, *sample, plot.map(std::path::Path::new)),
+            (Ok(o), Ok((steps, seed, sample, plot, single, threads))) => assert_eq!(
+                (
+                    o.steps,
+                    o.seed,
+                    o.sample,
+                    o.plot.as_deref(),
+                    o.single_process,
+                    o.threads
+                ),
+                (
+                    *steps,
+                    *seed,
+                    *sample,
+                    plot.map(std::path::Path::new),
+                    *single,
+                    *threads
+                ),
                 "{:?}",
                 case.args
             ),
@@ -114,23 +140,23 @@ mod tests {
         let cases = [
             Case {
                 args: &[],
-                want: Ok((600, 0, 300, None)),
+                want: Ok((600, 0, 300, None, false, None)),
             },
             Case {
                 args: &["--steps", "200", "--seed=3", "--sample", "0"],
-                want: Ok((200, 3, 0, None)),
+                want: Ok((200, 3, 0, None, false, None)),
             },
             Case {
                 args: &["--steps=100", "--sample", "200", "--plot", "loss.svg"],
-                want: Ok((100, 0, 200, Some("loss.svg"))),
+                want: Ok((100, 0, 200, Some("loss.svg"), false, None)),
             },
             Case {
                 args: &["--", "--steps", "100", "--seed", "7"],
-                want: Ok((100, 7, 300, None)),
+                want: Ok((100, 7, 300, None, false, None)),
             },
             Case {
                 args: &["--steps", "1000000"],
-                want: Ok((1_000_000, 0, 300, None)),
+                want: Ok((1_000_000, 0, 300, None, false, None)),
             },
             Case {
                 args: &["--steps", "99"],
@@ -167,6 +193,18 @@ mod tests {
             Case {
                 args: &["--plot", "loss.png"],
                 want: Err("ending in .svg"),
+            },
+            Case {
+                args: &["--single-process", "--threads", "2", "--steps", "200"],
+                want: Ok((200, 0, 300, None, true, Some(2))),
+            },
+            Case {
+                args: &["--threads", "0"],
+                want: Err("0 is not in 1..=1024"),
+            },
+            Case {
+                args: &["--single-process", "--plot", "loss.svg"],
+                want: Err("cannot be used with"),
             },
             Case {
                 args: &["--bogus"],

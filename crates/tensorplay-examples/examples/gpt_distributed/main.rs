@@ -58,7 +58,9 @@ use tp::optim::{AdamW, AdamWOptions, Optimizer};
 use tp::{DType, Tensor, no_grad};
 
 use tensorplay_examples::gpt_batches as batches;
-use tensorplay_examples::gpt_checks::{COMPARE_STEPS, learning_check, max_diff};
+use tensorplay_examples::gpt_checks::{
+    COMPARE_STEPS, MEMORY_FIRST_STEP, learning_check, max_diff, memory_check, resident_bytes,
+};
 use tensorplay_examples::{launch, plot};
 
 mod args;
@@ -172,6 +174,8 @@ struct Report {
     losses: Vec<f64>,
     val_loss: f64,
     wall: Duration,
+    /// Resident bytes after step [`MEMORY_FIRST_STEP`] and after the last step.
+    resident: [Option<u64>; 2],
 }
 
 fn progress(steps: usize, what: &str, rank: usize) -> ProgressBar {
@@ -215,12 +219,13 @@ fn train(
     rank: usize,
     params: Vec<Tensor>,
     mut step: impl FnMut(usize) -> Res<f64>,
-) -> Res<(Vec<f64>, Duration)> {
+) -> Res<(Vec<f64>, Duration, [Option<u64>; 2])> {
     let mut opt = AdamW::new(params, adamw())?;
     let mut sched = schedule(&mut opt, o.steps)?;
     let bar = progress(o.steps, run, rank);
     let start = Instant::now();
     let mut losses = Vec::with_capacity(o.steps);
+    let mut resident = [None; 2];
     for s in 0..o.steps {
         opt.zero_grad()?;
         let loss = step(s)?;
@@ -230,13 +235,18 @@ fn train(
         opt.step()?;
         sched.step(&mut opt)?;
         losses.push(loss);
+        if s + 1 == MEMORY_FIRST_STEP {
+            resident[0] = resident_bytes();
+        }
         if s % 10 == 0 {
             bar.set_message(format!("loss {loss:.4}"));
         }
         bar.inc(1);
     }
     bar.finish_and_clear();
-    Ok((losses, start.elapsed()))
+    let wall = start.elapsed();
+    resident[1] = resident_bytes();
+    Ok((losses, wall, resident))
 }
 
 /// The mean loss of the fixed validation batches.
@@ -251,9 +261,10 @@ fn validation_loss(model: &Gpt, corpus: &Corpus, seed: u64) -> Res<f64> {
 }
 
 fn single_process(o: &Opts, corpus: &Corpus) -> Res<(Report, Gpt)> {
-    tp::set_num_threads(0);
+    // 0: the default rule (the cores of the process's affinity)
+    tp::set_num_threads(o.threads.map_or(0, usize::from));
     let model = initial_model(o, corpus)?;
-    let (losses, wall) = train(o, "single-process", 0, model.parameters(), |s| {
+    let (losses, wall, resident) = train(o, "single-process", 0, model.parameters(), |s| {
         let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
         let loss = model.loss(&x, &y)?;
         loss.backward()?;
@@ -265,6 +276,7 @@ fn single_process(o: &Opts, corpus: &Corpus) -> Res<(Report, Gpt)> {
             losses,
             val_loss,
             wall,
+            resident,
         },
         model,
     ))
@@ -275,7 +287,7 @@ fn tensor_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
     let model = initial_model(o, corpus)?.tensor_parallel(&group)?;
     // every rank computes the whole batch's loss; each shard's gradient is its slice of the
     // single-process gradient
-    let (losses, wall) = train(o, "tensor-parallel", rank, model.parameters(), |s| {
+    let (losses, wall, resident) = train(o, "tensor-parallel", rank, model.parameters(), |s| {
         let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
         let loss = model.loss(&x, &y)?;
         loss.backward()?;
@@ -286,6 +298,7 @@ fn tensor_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
         losses,
         val_loss,
         wall,
+        resident,
     })
 }
 
@@ -293,7 +306,7 @@ fn data_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
     // broadcasts rank 0's parameters (the same ones: every rank built them from the seed)
     let ddp = Ddp::new(initial_model(o, corpus)?)?;
     let rows = batches::shard_rows(BATCH, rank, WORLD);
-    let (losses, wall) = train(o, "data-parallel", rank, ddp.parameters(), |s| {
+    let (losses, wall, resident) = train(o, "data-parallel", rank, ddp.parameters(), |s| {
         let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
         let (x, y) = (
             x.narrow(0, rows.start, rows.len())?,
@@ -316,6 +329,7 @@ fn data_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
         losses,
         val_loss,
         wall,
+        resident,
     })
 }
 
@@ -355,33 +369,42 @@ fn sample(model: &Gpt, corpus: &Corpus, chars: usize, seed: u64) -> Res<String> 
 
 fn run(o: &Opts) -> Res<bool> {
     let corpus = Corpus::load()?;
-    let (rank, init_method, children) = launch::launch(WORLD)?;
-    // two processes share the machine: one thread each while both train
-    tp::set_num_threads(1);
-    let distributed = (|| -> Res<(Report, Report)> {
-        dist::init_process_group(
-            "cpu",
-            dist::InitOptions {
-                init_method,
-                rank: Some(rank),
-                world_size: Some(WORLD),
-                timeout: Duration::from_secs(300),
-            },
-        )?;
-        let tp_run = tensor_parallel(rank, o, &corpus)?;
-        let dp_run = data_parallel(rank, o, &corpus)?;
-        dist::barrier(None)?;
-        dist::destroy_process_group()?;
-        Ok((tp_run, dp_run))
-    })();
-    let (tp_run, dp_run) = launch::join(children, distributed)?;
-    if rank != 0 {
-        return Ok(true);
-    }
+    let distributed = if o.single_process {
+        None
+    } else {
+        let (rank, init_method, children) = launch::launch(WORLD)?;
+        // two processes share the machine: one thread each while both train
+        tp::set_num_threads(1);
+        let runs = (|| -> Res<(Report, Report)> {
+            dist::init_process_group(
+                "cpu",
+                dist::InitOptions {
+                    init_method,
+                    rank: Some(rank),
+                    world_size: Some(WORLD),
+                    timeout: Duration::from_secs(300),
+                },
+            )?;
+            let tp_run = tensor_parallel(rank, o, &corpus)?;
+            let dp_run = data_parallel(rank, o, &corpus)?;
+            dist::barrier(None)?;
+            dist::destroy_process_group()?;
+            Ok((tp_run, dp_run))
+        })();
+        let runs = launch::join(children, runs)?;
+        if rank != 0 {
+            return Ok(true);
+        }
+        Some(runs)
+    };
     let (single, model) = single_process(o, &corpus)?;
     let mut ok = true;
     println!("single-process: validation loss {:.4}", single.val_loss);
-    for (name, r) in [("tensor-parallel", &tp_run), ("data-parallel", &dp_run)] {
+    let compared = match &distributed {
+        Some((tp_run, dp_run)) => vec![("tensor-parallel", tp_run), ("data-parallel", dp_run)],
+        None => Vec::new(),
+    };
+    for &(name, r) in &compared {
         let d = max_diff(&r.losses, &single.losses);
         println!(
             "{name}: validation loss {:.4}, max loss difference {d:.2e}",
@@ -392,12 +415,29 @@ fn run(o: &Opts) -> Res<bool> {
             ok = false;
         }
     }
-    match learning_check(o.steps, single.val_loss, &single.losses) {
-        Ok(note) => println!("{note}"),
-        Err(why) => {
-            println!("learning check failed: {why}");
-            eprintln!("check failed: {why}");
-            ok = false;
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!(
+        "tensors: peak {:.1} MiB allocated, {:.1} MiB reserved by the caching allocator",
+        mib(tp::memory::peak_allocated_bytes()),
+        mib(tp::memory::reserved_bytes())
+    );
+    for (what, check) in [
+        (
+            "learning",
+            learning_check(o.steps, single.val_loss, &single.losses),
+        ),
+        (
+            "memory",
+            memory_check(o.steps, single.resident[0], single.resident[1]),
+        ),
+    ] {
+        match check {
+            Ok(note) => println!("{note}"),
+            Err(why) => {
+                println!("{what} check failed: {why}");
+                eprintln!("check failed: {why}");
+                ok = false;
+            }
         }
     }
     if o.sample > 0 {
@@ -405,20 +445,16 @@ fn run(o: &Opts) -> Res<bool> {
     }
     println!();
     println!("{:<16} {:>10} {:>12}", "run", "wall time", "ms per step");
-    for (name, r) in [
-        ("single-process", &single),
-        ("tensor-parallel", &tp_run),
-        ("data-parallel", &dp_run),
-    ] {
+    for (name, r) in std::iter::once(("single-process", &single)).chain(compared.iter().copied()) {
         println!(
             "{name:<16} {:>9.1}s {:>12.1}",
             r.wall.as_secs_f64(),
             r.wall.as_secs_f64() * 1e3 / r.losses.len().max(1) as f64
         );
     }
-    if let Some(p) = &o.plot {
-        let compared = |r: &Report| r.losses[..COMPARE_STEPS.min(r.losses.len())].to_vec();
-        let reference = compared(&single);
+    if let (Some(p), Some((tp_run, dp_run))) = (&o.plot, &distributed) {
+        let first = |r: &Report| r.losses[..COMPARE_STEPS.min(r.losses.len())].to_vec();
+        let reference = first(&single);
         let left = format!("first {COMPARE_STEPS} steps: 2 ranks vs one process");
         let right = format!("all {} steps: training loss, mean of 20 steps", o.steps);
         plot::two_panels(
@@ -429,8 +465,8 @@ fn run(o: &Opts) -> Res<bool> {
                 y_desc: "cross-entropy loss",
             },
             &[
-                ("tensor-parallel", reference.clone(), compared(&tp_run)),
-                ("data-parallel", reference, compared(&dp_run)),
+                ("tensor-parallel", reference.clone(), first(tp_run)),
+                ("data-parallel", reference, first(dp_run)),
             ],
             plot::Panel {
                 caption: &right,
