@@ -37,9 +37,12 @@ fn rows_per_piece(n: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Map {
     Exp,
+    Log,
+    Erf,
     Tanh,
     Sigmoid,
     GeluTanh,
+    GeluErf,
 }
 
 /// `f(x)` of contiguous elements.
@@ -51,26 +54,50 @@ pub(crate) fn map<E: Elem + StorageElement>(f: Map, x: &[E]) -> Vec<E> {
             #[inline(always)]
             || match f {
                 Map::Exp => rows::exp(xs, out),
+                Map::Log => rows::log(xs, out),
+                Map::Erf => rows::erf(xs, out),
                 Map::Tanh => rows::tanh(xs, out),
                 Map::Sigmoid => rows::sigmoid(xs, out),
                 Map::GeluTanh => rows::gelu_tanh(xs, out),
+                Map::GeluErf => rows::gelu_erf(xs, out),
             },
         )
     });
     y
 }
 
-/// tanh-GELU's input gradient `g * gelu_tanh'(x)` of contiguous elements.
-pub(crate) fn gelu_tanh_backward<E: Elem + StorageElement>(x: &[E], g: &[E]) -> Vec<E> {
+/// The elementwise functions of two operands with a vectorised kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Zip {
+    GeluTanhBackward,
+    GeluErfBackward,
+}
+
+/// `f(x, g)` of contiguous elements of one length.
+fn zip<E: Elem + StorageElement>(f: Zip, x: &[E], g: &[E]) -> Vec<E> {
     let mut dx = take::<E>(x.len());
     for_each_chunk(&mut dx, ELEMENTWISE_CHUNK, x.len(), |i, out| {
         let r = i * ELEMENTWISE_CHUNK..i * ELEMENTWISE_CHUNK + out.len();
+        let (xs, gs) = (&x[r.clone()], &g[r]);
         dispatch(
             #[inline(always)]
-            || rows::gelu_tanh_backward(&x[r.clone()], &g[r], out),
+            || match f {
+                Zip::GeluTanhBackward => rows::gelu_tanh_backward(xs, gs, out),
+                Zip::GeluErfBackward => rows::gelu_erf_backward(xs, gs, out),
+            },
         )
     });
     dx
+}
+
+/// tanh-GELU's input gradient `g * gelu_tanh'(x)` of contiguous elements.
+pub(crate) fn gelu_tanh_backward<E: Elem + StorageElement>(x: &[E], g: &[E]) -> Vec<E> {
+    zip(Zip::GeluTanhBackward, x, g)
+}
+
+/// Exact GELU's input gradient `g * gelu'(x)` of contiguous elements.
+pub(crate) fn gelu_erf_backward<E: Elem + StorageElement>(x: &[E], g: &[E]) -> Vec<E> {
+    zip(Zip::GeluErfBackward, x, g)
 }
 
 /// Softmax (or log-softmax with `log`) over each contiguous row of `n` elements of `x`.
