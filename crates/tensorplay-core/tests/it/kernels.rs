@@ -320,6 +320,89 @@ fn fused_kernels_pass_gradcheck_and_match_the_composed_gradients() -> tp::Result
     Ok(())
 }
 
+/// Cross-entropy composed of log-softmax and the negative mean of the targets' entries.
+fn cross_entropy_composed(x: &Tensor, target: &[i64]) -> tp::Result<Tensor> {
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let mut onehot = vec![0.0f64; n * c];
+    for (i, &t) in target.iter().enumerate() {
+        onehot[i * c + t as usize] = 1.0;
+    }
+    let onehot = Tensor::from_vec(onehot, &[n, c])?.to_dtype(x.dtype())?;
+    x.log_softmax(-1)?
+        .mul(&onehot)?
+        .sum()?
+        .div_scalar(-(n as f64))
+}
+
+#[test]
+fn fused_cross_entropy_matches_log_softmax_and_nll() -> tp::Result<()> {
+    tp::manual_seed(6);
+    let big = vec![1e4, 0.0, -1e4, 9999.0, -3.0, 1e4, 2.0, 1.0];
+    // (name, logits, targets): rows across the lanes' remainder, pieces of rows and threads
+    let cases: Vec<(&str, Tensor, Vec<i64>)> = vec![
+        (
+            "4 x 37",
+            tp::randn(&[4, 37])?.mul_scalar(3.0)?,
+            vec![0, 36, 5, 17],
+        ),
+        ("C = 1", tp::randn(&[5, 1])?, vec![0; 5]),
+        ("logits of 1e4", Tensor::from_vec(big, &[2, 4])?, vec![2, 0]),
+        (
+            "300 x 130, several pieces and threads",
+            tp::randn(&[300, 130])?.mul_scalar(5.0)?,
+            (0..300).map(|i| (i * 7 % 130) as i64).collect(),
+        ),
+    ];
+    for dtype in [tp::DType::F32, tp::DType::F64] {
+        let tol = if dtype == tp::DType::F32 {
+            Tol {
+                abs: 2e-6,
+                rel: 2e-5,
+            }
+        } else {
+            Tol {
+                abs: 1e-12,
+                rel: 1e-11,
+            }
+        };
+        for (name, x, target) in &cases {
+            let x = x.to_dtype(dtype)?.requires_grad_(true);
+            let t = Tensor::from_vec(target.clone(), &[target.len()])?;
+            let fused = F::cross_entropy(&x, &t)?;
+            let composed = cross_entropy_composed(&x, target)?;
+            let what = format!("cross_entropy {name}, {dtype}");
+            assert!(fused.item_f64()?.is_finite(), "{what}: not finite");
+            check(&format!("{what}: loss"), &fused, &composed, tol);
+            let g = Tensor::from_vec(vec![0.7f64], &[])?.to_dtype(dtype)?;
+            let opts = tp::autograd::GradOptions::default();
+            let a =
+                tp::autograd::grad(&[fused], std::slice::from_ref(&x), &[Some(g.clone())], opts)?;
+            let b = tp::autograd::grad(&[composed], std::slice::from_ref(&x), &[Some(g)], opts)?;
+            let (a, b) = (a[0].as_ref().expect("grad"), b[0].as_ref().expect("grad"));
+            check(&format!("{what}: gradient"), a, b, tol);
+        }
+    }
+    // an empty batch: a NaN loss (as PyTorch) and an empty gradient
+    let x = tp::zeros(&[0, 5])?.requires_grad_(true);
+    let loss = F::cross_entropy(&x, &Tensor::from_vec(Vec::<i64>::new(), &[0])?)?;
+    assert!(loss.item_f64()?.is_nan(), "N = 0: {loss:?}");
+    loss.backward()?;
+    assert_eq!(x.grad().expect("grad").shape(), &[0, 5]);
+    // float64 gradcheck, a C = 1 case among them
+    for (shape, target) in [(vec![3, 5], vec![4i64, 0, 2]), (vec![2, 1], vec![0, 0])] {
+        let x = tp::randn(&shape)?
+            .mul_scalar(2.0)?
+            .to_dtype(tp::DType::F64)?
+            .requires_grad_(true);
+        let t = Tensor::from_vec(target, &[shape[0]])?;
+        let f = |xs: &[Tensor]| Ok(vec![F::cross_entropy(&xs[0], &t)?]);
+        if let Err(e) = tp::autograd::gradcheck(f, &[x], Default::default()) {
+            panic!("cross_entropy {shape:?}: {e}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn fused_attention_matches_the_math_path_across_blocks() -> tp::Result<()> {
     tp::manual_seed(5);
