@@ -2,7 +2,9 @@
 //! float32, 8192 x 128 rows (1,048,576 floats), forward only, the best of 20 timed calls after
 //! 5 warm-up calls. Prints exactly the anchor's lines with the prefix `tensorplay-ops`:
 //! `exp_1m`, `softmax_1m`, `layernorm_1m`, `gelu_tanh_1m` and `sdpa_causal` (q, k, v of
-//! shape [16, 4, 64, 32]), in microseconds.
+//! shape [16, 4, 64, 32]), in microseconds; then rows without an anchor yet: `log_1m` (of
+//! `|x| + 0.5`), `erf_1m`, `gelu_erf_1m` and `cross_entropy_1m` (the 8192 x 128 logits
+//! against int64 targets, forward only).
 //!
 //! `cargo bench -p tensorplay-core --bench ops_step`; `cargo xtask bench-core` runs it beside
 //! the anchor. `TENSORPLAY_CPU_CAPABILITY=default|avx2|avx512` picks the kernels' level.
@@ -60,8 +62,10 @@ fn main() -> tp::Result<()> {
     let q = tp::randn(&[16, 4, 64, 32])?;
     let k = tp::randn(&[16, 4, 64, 32])?;
     let v = tp::randn(&[16, 4, 64, 32])?;
+    let pos = x.abs()?.add_scalar(0.5)?;
+    let target = Tensor::from_vec((0..8192).map(|i| i % 128).collect::<Vec<i64>>(), &[8192])?;
     let _guard = tp::no_grad();
-    let rows: [(&str, Op<'_>); 5] = [
+    let rows: [(&str, Op<'_>); 9] = [
         ("exp_1m", Box::new(|| x.exp())),
         ("softmax_1m", Box::new(|| x.softmax(-1))),
         (
@@ -72,6 +76,16 @@ fn main() -> tp::Result<()> {
         (
             "sdpa_causal",
             Box::new(|| F::scaled_dot_product_attention(&q, &k, &v, None, 0.0, true, None)),
+        ),
+        ("log_1m", Box::new(|| pos.log())),
+        ("erf_1m", Box::new(|| x.erf())),
+        (
+            "gelu_erf_1m",
+            Box::new(|| F::gelu(&x, F::Approximate::None)),
+        ),
+        (
+            "cross_entropy_1m",
+            Box::new(|| F::cross_entropy(&x, &target)),
         ),
     ];
     for (name, mut f) in rows {

@@ -1,11 +1,13 @@
 //! Elementwise math written as branch-free float arithmetic, so that the compiler vectorises
-//! the loops that call it (at every [`CpuCapability`](super::CpuCapability) level): `exp` and
-//! `tanh` for `float32`, and the element types' conversion to the type the kernels compute in.
+//! the loops that call it (at every [`CpuCapability`](super::CpuCapability) level): `exp`,
+//! `tanh`, `log` and `erf` for `float32`, and the element types' conversion to the type the
+//! kernels compute in.
 //!
 //! Error bounds (measured by the tests over dense sweeps of every finite `float32`, against
-//! the `float64` functions rounded to `float32`): [`exp_f32`] within 1 unit in the last place
-//! (ULP), [`tanh_f32`] within 2 ULP; both give the IEEE results at infinities and NaN.
-//! `float64` uses the standard library's (libm's) functions, one element at a time.
+//! the `float64` functions rounded to `float32`): [`exp_f32`], [`log_f32`] and [`erf_f32`]
+//! within 1 unit in the last place (ULP), [`tanh_f32`] within 2 ULP; all give the IEEE results
+//! at zeros, infinities and NaN. `float64` uses the standard library's (libm's) functions, one
+//! element at a time.
 
 use num_traits::Float;
 
@@ -79,12 +81,112 @@ pub(crate) fn tanh_f32(x: f32) -> f32 {
     if a < 0.55 { small } else { big }
 }
 
+/// `2^23`: multiplying a subnormal by it makes it normal, exactly.
+const TWO_23: f32 = 8_388_608.0;
+/// The bits of `sqrt(1/2)` (rounded down): the mantissa is reduced to `[sqrt(1/2), sqrt(2))`.
+const SQRT_HALF_BITS: i32 = 0x3f35_04f3;
+
+/// `ln(x)` for `float32`, within 1 ULP. A subnormal `x` is first scaled by `2^23` (exactly);
+/// then `x = 2^k m` with `m` in `[sqrt(1/2), sqrt(2))`, `f = m - 1` and `s = f / (2 + f)`, so
+/// `ln m = 2 atanh(s) = f - f^2/2 + s (f^2/2 + R(s^2))` with `R` the tail of atanh's Taylor
+/// series (`|s| < 0.172`, truncation below `3e-10` relative); the large terms `f` and
+/// `k ln2` (split as in [`exp_f32`]) are added last. `-inf` at `+-0`, NaN below 0 and for NaN,
+/// `+inf` at `+inf`.
+#[inline(always)]
+pub(crate) fn log_f32(x: f32) -> f32 {
+    let tiny = x < f32::MIN_POSITIVE;
+    let xs = if tiny { x * TWO_23 } else { x };
+    let k_adj: i32 = if tiny { -23 } else { 0 };
+    // the exponent and mantissa read from the bits, relative to sqrt(1/2)
+    let ix = (xs.to_bits() as i32).wrapping_sub(SQRT_HALF_BITS);
+    let k = (ix >> 23).wrapping_add(k_adj);
+    let m = f32::from_bits(((ix & 0x007f_ffff) + SQRT_HALF_BITS) as u32);
+    let f = m - 1.0;
+    let s = f / (2.0 + f);
+    let z = s * s;
+    let r = 2.0 / 11.0;
+    let r = r * z + 2.0 / 9.0;
+    let r = r * z + 2.0 / 7.0;
+    let r = r * z + 2.0 / 5.0;
+    let r = r * z + 2.0 / 3.0;
+    let r = r * z;
+    let half_f2 = 0.5 * f * f;
+    let k = k as f32;
+    let y = k * LN2_HI + (f - (half_f2 - (s * (half_f2 + r) + k * LN2_LO)));
+    if x.is_nan() {
+        x
+    } else if x < 0.0 {
+        f32::NAN
+    } else if x == 0.0 {
+        f32::NEG_INFINITY
+    } else if x == f32::INFINITY {
+        x
+    } else {
+        y
+    }
+}
+
+/// `erf(x) / x - 1` as a polynomial in `x^2` on `|x| < 1` (Chebyshev fit, error below `4e-11`):
+/// the `- 1` keeps the leading coefficient's rounding out of the result's last place.
+const ERF_SMALL: [f32; 8] = [
+    0.128_379_17,
+    -0.376_126_38,
+    0.112_837_82,
+    -0.026_865_43,
+    0.005_221_031_6,
+    -0.000_848_408_03,
+    0.000_112_659_59,
+    -9.667_045e-6,
+];
+
+/// `ln(erfc(x)) + x^2` as a polynomial in `x - 2.475` on `1 <= x <= 3.95` (Chebyshev fit, error
+/// below `8e-9`); above 3.95 `erf` rounds to 1 in `float32`.
+const ERF_BIG: [f32; 10] = [
+    -1.547_963,
+    -0.355_506_57,
+    0.056_928_895,
+    -0.011_077_314,
+    0.002_218_513_5,
+    -0.000_432_518_9,
+    7.966_782e-5,
+    -1.328_450_9e-5,
+    1.635_261_6e-6,
+    -6.847_706_4e-8,
+];
+
+/// `erf(x)` for `float32`, within 1 ULP: `x + x P(x^2)` below `|x| = 1`, and
+/// `1 - e^(Q(|x|) - x^2)` with the sign of `x` above (exactly `+-1` from `|x| = 3.92`). NaN
+/// for NaN.
+#[inline(always)]
+pub(crate) fn erf_f32(x: f32) -> f32 {
+    let a = x.abs();
+    let t = a * a;
+    let mut p = ERF_SMALL[7];
+    for &c in ERF_SMALL[..7].iter().rev() {
+        p = p * t + c;
+    }
+    let small = x + x * p;
+    let ac = a.min(3.95);
+    let u = ac - 2.475;
+    let mut q = ERF_BIG[9];
+    for &c in ERF_BIG[..9].iter().rev() {
+        q = q * u + c;
+    }
+    let big = (1.0 - exp_f32(q - ac * ac)).copysign(x);
+    let y = if a < 1.0 { small } else { big };
+    if x.is_nan() { x } else { y }
+}
+
 /// What the kernels compute in: `f32` or `f64`, with the vectorisable math.
 pub(crate) trait Real: FloatElement + Float + Send + Sync + 'static {
     /// `e^x` (see [`exp_f32`] for `float32`'s bound).
     fn exp_k(self) -> Self;
     /// `tanh(x)` (see [`tanh_f32`]).
     fn tanh_k(self) -> Self;
+    /// `ln(x)` (see [`log_f32`]).
+    fn ln_k(self) -> Self;
+    /// `erf(x)` (see [`erf_f32`]).
+    fn erf_k(self) -> Self;
     /// The constant `v`.
     fn c(v: f64) -> Self;
 }
@@ -97,6 +199,14 @@ impl Real for f32 {
     #[inline(always)]
     fn tanh_k(self) -> f32 {
         tanh_f32(self)
+    }
+    #[inline(always)]
+    fn ln_k(self) -> f32 {
+        log_f32(self)
+    }
+    #[inline(always)]
+    fn erf_k(self) -> f32 {
+        erf_f32(self)
     }
     #[inline(always)]
     fn c(v: f64) -> f32 {
@@ -112,6 +222,14 @@ impl Real for f64 {
     #[inline(always)]
     fn tanh_k(self) -> f64 {
         self.tanh()
+    }
+    #[inline(always)]
+    fn ln_k(self) -> f64 {
+        self.ln()
+    }
+    #[inline(always)]
+    fn erf_k(self) -> f64 {
+        libm::erf(self)
     }
     #[inline(always)]
     fn c(v: f64) -> f64 {

@@ -1,5 +1,5 @@
-//! The CPU kernels: vectorised math ([`math`]), fused row kernels ([`rows`]), fused attention
-//! ([`attention`]), with the instruction set chosen at run time ([`isa`]) and the intra-op
+//! The CPU kernels: vectorised math ([`math`]), fused row kernels ([`rows`]), fused
+//! cross-entropy ([`loss`]), fused attention ([`attention`]), with the instruction set chosen at run time ([`isa`]) and the intra-op
 //! thread pool ([`parallel`]). The operations in `ops/` and `nn/` call the entry points below
 //! on contiguous slices; each entry point cuts the work into fixed pieces, runs them on the
 //! pool, and compiles each piece for the processor's [`CpuCapability`].
@@ -9,6 +9,7 @@
 
 pub(crate) mod attention;
 mod isa;
+pub(crate) mod loss;
 pub(crate) mod math;
 mod parallel;
 pub(crate) mod rows;
@@ -16,7 +17,7 @@ pub(crate) mod rows;
 pub use isa::{CpuCapability, cpu_capability, set_cpu_capability};
 pub use parallel::{get_num_threads, set_num_threads};
 
-use num_traits::Zero;
+use num_traits::{ToPrimitive, Zero};
 
 use crate::storage::StorageElement;
 use crate::storage::pool::take;
@@ -37,9 +38,12 @@ fn rows_per_piece(n: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Map {
     Exp,
+    Log,
+    Erf,
     Tanh,
     Sigmoid,
     GeluTanh,
+    GeluErf,
 }
 
 /// `f(x)` of contiguous elements.
@@ -51,26 +55,50 @@ pub(crate) fn map<E: Elem + StorageElement>(f: Map, x: &[E]) -> Vec<E> {
             #[inline(always)]
             || match f {
                 Map::Exp => rows::exp(xs, out),
+                Map::Log => rows::log(xs, out),
+                Map::Erf => rows::erf(xs, out),
                 Map::Tanh => rows::tanh(xs, out),
                 Map::Sigmoid => rows::sigmoid(xs, out),
                 Map::GeluTanh => rows::gelu_tanh(xs, out),
+                Map::GeluErf => rows::gelu_erf(xs, out),
             },
         )
     });
     y
 }
 
-/// tanh-GELU's input gradient `g * gelu_tanh'(x)` of contiguous elements.
-pub(crate) fn gelu_tanh_backward<E: Elem + StorageElement>(x: &[E], g: &[E]) -> Vec<E> {
+/// The elementwise functions of two operands with a vectorised kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Zip {
+    GeluTanhBackward,
+    GeluErfBackward,
+}
+
+/// `f(x, g)` of contiguous elements of one length.
+fn zip<E: Elem + StorageElement>(f: Zip, x: &[E], g: &[E]) -> Vec<E> {
     let mut dx = take::<E>(x.len());
     for_each_chunk(&mut dx, ELEMENTWISE_CHUNK, x.len(), |i, out| {
         let r = i * ELEMENTWISE_CHUNK..i * ELEMENTWISE_CHUNK + out.len();
+        let (xs, gs) = (&x[r.clone()], &g[r]);
         dispatch(
             #[inline(always)]
-            || rows::gelu_tanh_backward(&x[r.clone()], &g[r], out),
+            || match f {
+                Zip::GeluTanhBackward => rows::gelu_tanh_backward(xs, gs, out),
+                Zip::GeluErfBackward => rows::gelu_erf_backward(xs, gs, out),
+            },
         )
     });
     dx
+}
+
+/// tanh-GELU's input gradient `g * gelu_tanh'(x)` of contiguous elements.
+pub(crate) fn gelu_tanh_backward<E: Elem + StorageElement>(x: &[E], g: &[E]) -> Vec<E> {
+    zip(Zip::GeluTanhBackward, x, g)
+}
+
+/// Exact GELU's input gradient `g * gelu'(x)` of contiguous elements.
+pub(crate) fn gelu_erf_backward<E: Elem + StorageElement>(x: &[E], g: &[E]) -> Vec<E> {
+    zip(Zip::GeluErfBackward, x, g)
 }
 
 /// Softmax (or log-softmax with `log`) over each contiguous row of `n` elements of `x`.
@@ -127,6 +155,69 @@ pub(crate) fn softmax_backward<E: Elem + StorageElement>(
                     } else {
                         rows::softmax_backward_row(yr, gr, dr);
                     }
+                }
+            },
+        )
+    });
+    dx
+}
+
+/// Cross-entropy of contiguous rows of `c` logits against class indices (each in `0..c`, the
+/// caller checks): each row's log-sum-exp, and the sum over rows of `lse - x[target]` (in
+/// float64, over fixed pieces of rows added in order).
+pub(crate) fn cross_entropy<E: Elem + StorageElement>(
+    x: &[E],
+    target: &[i64],
+    c: usize,
+) -> (Vec<E::Acc>, f64) {
+    let n = target.len();
+    let mut lse = vec![E::Acc::zero(); n];
+    if n == 0 || c == 0 {
+        return (lse, 0.0);
+    }
+    let per = rows_per_piece(c);
+    let sums = map_chunks(&mut lse, per, n * c, |i, out| {
+        dispatch(
+            #[inline(always)]
+            || {
+                let mut total = 0.0f64;
+                for (r, l) in out.iter_mut().enumerate() {
+                    let row = i * per + r;
+                    let xr = &x[row * c..(row + 1) * c];
+                    *l = loss::logsumexp_row(xr);
+                    let xt = xr[target[row] as usize].load();
+                    total += (*l - xt).to_f64().unwrap_or(f64::NAN);
+                }
+                total
+            },
+        )
+    });
+    (lse, sums.into_iter().sum())
+}
+
+/// Cross-entropy's input gradient `(softmax(x) - onehot(target)) * scale` from contiguous rows
+/// of `c` logits and the forward's log-sum-exps.
+pub(crate) fn cross_entropy_backward<E: Elem + StorageElement>(
+    x: &[E],
+    target: &[i64],
+    lse: &[E::Acc],
+    c: usize,
+    scale: E::Acc,
+) -> Vec<E> {
+    let mut dx = take::<E>(x.len());
+    if c == 0 {
+        return dx;
+    }
+    let per = rows_per_piece(c);
+    for_each_chunk(&mut dx, per * c, x.len(), |i, out| {
+        dispatch(
+            #[inline(always)]
+            || {
+                for (r, dr) in out.chunks_exact_mut(c).enumerate() {
+                    let row = i * per + r;
+                    let xr = &x[row * c..(row + 1) * c];
+                    let t = target[row] as usize;
+                    loss::cross_entropy_backward_row(xr, t, lse[row], scale, dr);
                 }
             },
         )

@@ -1,5 +1,5 @@
-//! Fused row kernels over contiguous rows: softmax and log-softmax, LayerNorm and tanh-GELU,
-//! forward and backward, each one pass (or two) over a row with no temporaries.
+//! Fused row kernels over contiguous rows: softmax and log-softmax, LayerNorm, tanh-GELU and
+//! erf-GELU, forward and backward, each one pass (or two) over a row with no temporaries.
 //!
 //! Sums run in [`LANES`] interleaved accumulators combined in a fixed order, so the compiler
 //! vectorises them and every [`CpuCapability`](super::CpuCapability) level gives the same bits
@@ -265,11 +265,58 @@ pub(crate) fn gelu_tanh_backward<E: Elem>(x: &[E], g: &[E], dx: &mut [E]) {
     }
 }
 
+/// `1 / sqrt(2)`.
+const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
+/// `1 / sqrt(2 pi)`, the standard normal density at 0.
+const NORMAL_PDF_0: f64 = 0.398_942_280_401_432_7;
+
+/// Exact GELU of the elements: `x Phi(x) = 0.5 x (1 + erf(x / sqrt(2)))`.
+#[inline(always)]
+pub(crate) fn gelu_erf<E: Elem>(x: &[E], y: &mut [E]) {
+    let (half, k) = (E::Acc::c(0.5), E::Acc::c(FRAC_1_SQRT_2));
+    for (o, &v) in y.iter_mut().zip(x) {
+        let v = v.load();
+        *o = E::store(half * v * (E::Acc::one() + (v * k).erf_k()));
+    }
+}
+
+/// Exact GELU's backward: `dx = g (Phi(x) + x phi(x))` with `phi(x) = e^(-x^2/2) / sqrt(2 pi)`.
+#[inline(always)]
+pub(crate) fn gelu_erf_backward<E: Elem>(x: &[E], g: &[E], dx: &mut [E]) {
+    let (half, k, p0) = (
+        E::Acc::c(0.5),
+        E::Acc::c(FRAC_1_SQRT_2),
+        E::Acc::c(NORMAL_PDF_0),
+    );
+    for ((o, &v), &gv) in dx.iter_mut().zip(x).zip(g) {
+        let v = v.load();
+        let cdf = half * (E::Acc::one() + (v * k).erf_k());
+        let pdf = p0 * (-(half * v * v)).exp_k();
+        *o = E::store(gv.load() * (cdf + v * pdf));
+    }
+}
+
 /// `e^x` of the elements.
 #[inline(always)]
 pub(crate) fn exp<E: Elem>(x: &[E], y: &mut [E]) {
     for (o, &v) in y.iter_mut().zip(x) {
         *o = E::store(v.load().exp_k());
+    }
+}
+
+/// `ln(x)` of the elements.
+#[inline(always)]
+pub(crate) fn log<E: Elem>(x: &[E], y: &mut [E]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = E::store(v.load().ln_k());
+    }
+}
+
+/// `erf(x)` of the elements.
+#[inline(always)]
+pub(crate) fn erf<E: Elem>(x: &[E], y: &mut [E]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = E::store(v.load().erf_k());
     }
 }
 

@@ -176,9 +176,10 @@ pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// int64 in `0..C`; returns the 0-d mean of `logsumexp(input[i]) - input[i, target[i]]`.
 ///
 /// One fused operation: the forward computes a numerically stable log-sum-exp per row (the
-/// row maximum is subtracted first); the backward is `(softmax(input) - onehot(target)) / N *
-/// grad`. Under `create_graph` that backward is built from differentiable tensor operations, so
-/// second derivatives work; otherwise it is one pass over the softmax saved by the forward.
+/// row maximum is subtracted first) and keeps only those `N` values; the backward is
+/// `(softmax(input) - onehot(target)) / N * grad`. Under `create_graph` that backward is built
+/// from differentiable tensor operations, so second derivatives work; otherwise, on the CPU, it
+/// is one vectorised pass over the logits (the softmax recomputed from the saved log-sum-exp).
 ///
 /// Errors: [`Error::IndexOutOfBounds`] for a class index outside `0..C` (the error names `C`),
 /// [`Error::ShapeMismatch`] when `target` is not `[N]`, [`Error::UnsupportedDType`] for a

@@ -4,9 +4,10 @@ use super::functional;
 use crate::autograd::{Context, Function, is_grad_enabled};
 use crate::backend::{self, DeviceStorage as _};
 use crate::cuda::CudaStorage;
+use crate::kernels;
 use crate::ops::float_dispatch;
 use crate::storage::StorageElement;
-use crate::{DType, Error, FloatElement, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 /// Mean squared error with mean reduction (`torch.nn.MSELoss()`).
 #[derive(Debug, Default, Clone, Copy)]
@@ -85,40 +86,6 @@ pub(crate) fn check_cross_entropy(input: &Tensor, target: &Tensor) -> Result<Vec
     Ok(t)
 }
 
-/// Per-row softmax probabilities (row-major `[N, C]`), the row maxima and the mean loss.
-fn ce_forward<T: FloatElement + StorageElement>(
-    s: &[T],
-    n: usize,
-    c: usize,
-    target: &[i64],
-) -> (Vec<T>, Vec<T>, T) {
-    let mut probs = Vec::with_capacity(n * c);
-    let mut maxes = Vec::with_capacity(n);
-    let mut total = 0.0f64;
-    for (i, row) in s.chunks_exact(c.max(1)).take(n).enumerate() {
-        let m = row.iter().copied().fold(T::neg_infinity(), T::max);
-        // a row of -inf (or empty) gives NaN as in PyTorch; keep the shift finite otherwise
-        let shift = if m.is_finite() { m } else { T::zero() };
-        let start = probs.len();
-        let mut sum = T::zero();
-        for &x in row {
-            let e = (x - shift).exp();
-            sum = sum + e;
-            probs.push(e);
-        }
-        let inv = T::one() / sum;
-        for p in &mut probs[start..] {
-            *p = *p * inv;
-        }
-        let lse = shift + sum.ln();
-        let xt = row[target[i] as usize];
-        total += crate::Element::to_f64(lse - xt);
-        maxes.push(shift);
-    }
-    let mean = <T as crate::Element>::from_f64(total / n as f64);
-    (probs, maxes, mean)
-}
-
 /// The device's per-row losses `[n]` and probabilities `[n, c]` as tensors.
 fn cx_rows(
     (loss, probs): (CudaStorage, CudaStorage),
@@ -147,6 +114,9 @@ struct CeSaved {
     target: Vec<i64>,
     n: usize,
     c: usize,
+    /// The host's fused forward: the saved tensors are `[logits, lse [N, 1]]` (else
+    /// `[logits, probs [N, C], maxes [N, 1]]`).
+    fused: bool,
 }
 
 impl Function for CrossEntropyFn {
@@ -167,21 +137,32 @@ impl Function for CrossEntropyFn {
             let loss = rows.sum()?.div_scalar(n as f64)?;
             let maxes = x.detach().max_dim(1, true)?.0;
             ctx.save_for_backward(&[inputs[0], &probs, &maxes]);
-            ctx.save_value(CeSaved { target, n, c });
+            ctx.save_value(CeSaved {
+                target,
+                n,
+                c,
+                fused: false,
+            });
             return Ok(vec![loss]);
         }
-        let (probs, maxes, loss) = float_dispatch!(x.dtype(), "cross_entropy", T => {
-            let (p, m, l) = x.with_slice("cross_entropy", |s: &[T], l| {
-                ce_forward::<T>(&s[l.offset..l.offset + n * c], n, c, &target)
+        // the host: one pass per row for its log-sum-exp and loss (kernels::loss)
+        let (lse, loss) = float_dispatch!(x.dtype(), "cross_entropy", T => {
+            let (lse, total) = x.with_slice("cross_entropy", |s: &[T], l| {
+                kernels::cross_entropy::<T>(&s[l.offset..l.offset + n * c], &target, c)
             })?;
+            let mean = <T as crate::Element>::from_f64(total / n as f64);
             (
-                Tensor::from_cpu(T::into_storage(p), &[n, c]),
-                Tensor::from_cpu(T::into_storage(m), &[n, 1]),
-                Tensor::from_cpu(T::into_storage(vec![l]), &[]),
+                Tensor::from_cpu(T::into_storage(lse), &[n, 1]),
+                Tensor::from_cpu(T::into_storage(vec![mean]), &[]),
             )
         });
-        ctx.save_for_backward(&[inputs[0], &probs, &maxes]);
-        ctx.save_value(CeSaved { target, n, c });
+        ctx.save_for_backward(&[inputs[0], &lse]);
+        ctx.save_value(CeSaved {
+            target,
+            n,
+            c,
+            fused: true,
+        });
         Ok(vec![loss])
     }
     fn backward(&self, ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
@@ -189,32 +170,38 @@ impl Function for CrossEntropyFn {
             return Ok(vec![None, None]);
         }
         let saved = ctx.saved_tensors()?;
-        let (x, probs, maxes) = (&saved[0], &saved[1], &saved[2]);
-        let CeSaved { target, n, c } = ctx.get::<CeSaved>()?;
+        let CeSaved {
+            target,
+            n,
+            c,
+            fused,
+        } = ctx.get::<CeSaved>()?;
         let (n, c) = (*n, *c);
+        let x = &saved[0];
+        // the logits' shift of each row: the log-sum-exp (fused) or the maximum
+        let shift = if *fused { &saved[1] } else { &saved[2] };
         let g = &g[0];
         if !is_grad_enabled() {
-            // first-order backward: one fused pass over the saved probabilities
+            // first-order backward: one fused pass over the logits (or the saved probabilities)
             let scale = g.item_f64()? / n as f64;
-            if probs.device().is_cuda() {
-                let onehot = onehot(target, n, c)?
-                    .to_dtype(x.dtype())?
-                    .to_device(x.device())?;
-                let gx = probs.mul_scalar(scale)?.sub(&onehot.mul_scalar(scale)?)?;
+            if *fused {
+                let x = x.contiguous()?;
+                let gx = float_dispatch!(x.dtype(), "cross_entropy_backward", T => {
+                    let lse = shift.to_vec::<T>()?;
+                    let sc = <T as crate::Element>::from_f64(scale);
+                    let v = x.with_slice("cross_entropy_backward", |s: &[T], l| {
+                        let s = &s[l.offset..l.offset + n * c];
+                        kernels::cross_entropy_backward::<T>(s, target, &lse, c, sc)
+                    })?;
+                    Tensor::from_cpu(T::into_storage(v), &[n, c])
+                });
                 return Ok(vec![Some(gx), None]);
             }
-            let gx = float_dispatch!(probs.dtype(), "cross_entropy_backward", T => {
-                let sc = <T as crate::Element>::from_f64(scale);
-                let v = probs.with_slice("cross_entropy_backward", |s: &[T], _| {
-                    let mut v: Vec<T> = s.iter().map(|&p| p * sc).collect();
-                    for (i, &k) in target.iter().enumerate() {
-                        let e = &mut v[i * c + k as usize];
-                        *e -= sc;
-                    }
-                    v
-                })?;
-                Tensor::from_cpu(T::into_storage(v), &[n, c])
-            });
+            let probs = &saved[1];
+            let onehot = onehot(target, n, c)?
+                .to_dtype(x.dtype())?
+                .to_device(x.device())?;
+            let gx = probs.mul_scalar(scale)?.sub(&onehot.mul_scalar(scale)?)?;
             return Ok(vec![Some(gx), None]);
         }
         // recorded backward (create_graph): softmax - onehot from differentiable ops on the
@@ -222,7 +209,7 @@ impl Function for CrossEntropyFn {
         let onehot = onehot(target, n, c)?
             .to_dtype(x.dtype())?
             .to_device(x.device())?;
-        let e = x.sub(maxes)?.exp()?;
+        let e = x.sub(shift)?.exp()?;
         let sm = e.div(&e.sum_dims(&[1], true)?)?;
         let gx = sm.sub(&onehot)?.div_scalar(n as f64)?.mul(g)?;
         Ok(vec![Some(gx), None])

@@ -7,6 +7,7 @@ pub(crate) mod attention;
 pub(crate) mod creation;
 pub(crate) mod device;
 pub(crate) mod elementwise;
+pub(crate) mod gelu_erf;
 pub(crate) mod gelu_tanh;
 pub(crate) mod index;
 pub(crate) mod mask;

@@ -1,4 +1,4 @@
-//! The vectorised CPU kernels: `exp` and `tanh` against float64 over sweeps of every kind of
+//! The vectorised CPU kernels: `exp`, `tanh`, `log` and `erf` against float64 over sweeps of every kind of
 //! float32 (with the ULP bound asserted) at every instruction-set level this machine has; the
 //! same bits at every level and thread count; the fused row kernels and attention against
 //! the composed operations; the caching allocator's statistics and reuse under threads.
@@ -24,6 +24,22 @@ fn sweep() -> Vec<f32> {
     ]);
     v.extend([
         88.72, 88.73, -103.9, -104.0, 0.549, 0.55, 0.551, 9.0, 9.1, -9.1,
+    ]);
+    // log's reduction edges and erf's pieces
+    v.extend([
+        f32::MIN_POSITIVE,
+        f32::from_bits(0x007f_ffff),
+        f32::MAX,
+        std::f32::consts::FRAC_1_SQRT_2,
+        std::f32::consts::SQRT_2,
+        1.0,
+        -1.0,
+        0.999_999_94,
+        1.000_000_1,
+        3.92,
+        3.95,
+        3.96,
+        -3.95,
     ]);
     v
 }
@@ -54,7 +70,7 @@ fn levels() -> Vec<CpuCapability> {
 }
 
 #[test]
-fn exp_and_tanh_within_their_ulp_bounds_at_every_level() -> tp::Result<()> {
+fn exp_tanh_log_erf_within_their_ulp_bounds_at_every_level() -> tp::Result<()> {
     let xs = sweep();
     let x = Tensor::from_vec(xs.clone(), &[xs.len()])?;
     type Case = (
@@ -64,9 +80,11 @@ fn exp_and_tanh_within_their_ulp_bounds_at_every_level() -> tp::Result<()> {
         u32,
         f32,
     );
-    let cases: [Case; 3] = [
+    let cases: [Case; 5] = [
         ("exp", |t| t.exp(), f64::exp, 1, 0.0),
         ("tanh", |t| t.tanh(), f64::tanh, 2, 0.0),
+        ("log", |t| t.log(), f64::ln, 1, 0.0),
+        ("erf", |t| t.erf(), libm::erf, 1, 0.0),
         (
             "sigmoid",
             |t| t.sigmoid(),
@@ -172,6 +190,19 @@ fn fused_row_kernels_match_the_composed_operations() -> tp::Result<()> {
             }),
         ),
         (
+            "gelu (erf)",
+            Box::new(|x| F::gelu(x, F::Approximate::None)),
+            Box::new(|x| {
+                let e = x.mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?.erf()?;
+                x.mul(&e.add_scalar(1.0)?)?.mul_scalar(0.5)
+            }),
+        ),
+        (
+            "gelu (erf) on a strided view",
+            Box::new(|x| x.transpose(0, -1)?.gelu()?.transpose(0, -1)),
+            Box::new(|x| F::gelu(x, F::Approximate::None)),
+        ),
+        (
             "layer_norm on a strided view",
             Box::new(|x| F::layer_norm(&x.transpose(0, 1)?, &[x.shape()[2]], None, None, 1e-5)),
             Box::new(|x| {
@@ -216,6 +247,159 @@ fn fused_row_kernels_match_the_composed_operations() -> tp::Result<()> {
         &softmax_composed(&with_inf)?,
         Tol::abs(1e-7),
     );
+    Ok(())
+}
+
+/// One gradient case: a name, a function of float64 leaves, and the leaves.
+type GradCase = (
+    &'static str,
+    Box<dyn Fn(&[Tensor]) -> tp::Result<Vec<Tensor>>>,
+    Vec<Tensor>,
+);
+
+#[test]
+fn fused_kernels_pass_gradcheck_and_match_the_composed_gradients() -> tp::Result<()> {
+    tp::manual_seed(4);
+    let leaf = |shape: &[usize], scale: f64| -> tp::Result<Tensor> {
+        Ok(tp::randn(shape)?
+            .mul_scalar(scale)?
+            .to_dtype(tp::DType::F64)?
+            .requires_grad_(true))
+    };
+    let gelu_composed = |x: &Tensor| -> tp::Result<Tensor> {
+        let e = x.mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?.erf()?;
+        x.mul(&e.add_scalar(1.0)?)?.mul_scalar(0.5)
+    };
+    let cases: Vec<GradCase> = vec![
+        (
+            "gelu (erf)",
+            Box::new(|xs| Ok(vec![F::gelu(&xs[0], F::Approximate::None)?])),
+            vec![leaf(&[3, 7], 2.0)?],
+        ),
+        (
+            "gelu (erf), composed",
+            Box::new(move |xs| Ok(vec![gelu_composed(&xs[0])?])),
+            vec![leaf(&[3, 7], 2.0)?],
+        ),
+    ];
+    for (name, f, inputs) in &cases {
+        if let Err(e) = tp::autograd::gradcheck(f, inputs, Default::default()) {
+            panic!("{name}: {e}");
+        }
+    }
+    // the fused and composed gradients of the same inputs, in float32 and float64
+    let x = tp::randn(&[4, 37])?.mul_scalar(3.0)?;
+    let g = tp::randn(&[4, 37])?;
+    for dtype in [tp::DType::F32, tp::DType::F64] {
+        let tol = if dtype == tp::DType::F32 {
+            Tol {
+                abs: 2e-6,
+                rel: 2e-5,
+            }
+        } else {
+            Tol {
+                abs: 1e-12,
+                rel: 1e-11,
+            }
+        };
+        let x = x.to_dtype(dtype)?.requires_grad_(true);
+        let g = g.to_dtype(dtype)?;
+        let opts = tp::autograd::GradOptions::default();
+        let fused = F::gelu(&x, F::Approximate::None)?;
+        let composed = gelu_composed(&x)?;
+        let a = tp::autograd::grad(&[fused], std::slice::from_ref(&x), &[Some(g.clone())], opts)?;
+        let b = tp::autograd::grad(
+            &[composed],
+            std::slice::from_ref(&x),
+            &[Some(g.clone())],
+            opts,
+        )?;
+        let (a, b) = (a[0].as_ref().expect("grad"), b[0].as_ref().expect("grad"));
+        check(&format!("gelu (erf) gradient, {dtype}"), a, b, tol);
+    }
+    Ok(())
+}
+
+/// Cross-entropy composed of log-softmax and the negative mean of the targets' entries.
+fn cross_entropy_composed(x: &Tensor, target: &[i64]) -> tp::Result<Tensor> {
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let mut onehot = vec![0.0f64; n * c];
+    for (i, &t) in target.iter().enumerate() {
+        onehot[i * c + t as usize] = 1.0;
+    }
+    let onehot = Tensor::from_vec(onehot, &[n, c])?.to_dtype(x.dtype())?;
+    x.log_softmax(-1)?
+        .mul(&onehot)?
+        .sum()?
+        .div_scalar(-(n as f64))
+}
+
+#[test]
+fn fused_cross_entropy_matches_log_softmax_and_nll() -> tp::Result<()> {
+    tp::manual_seed(6);
+    let big = vec![1e4, 0.0, -1e4, 9999.0, -3.0, 1e4, 2.0, 1.0];
+    // (name, logits, targets): rows across the lanes' remainder, pieces of rows and threads
+    let cases: Vec<(&str, Tensor, Vec<i64>)> = vec![
+        (
+            "4 x 37",
+            tp::randn(&[4, 37])?.mul_scalar(3.0)?,
+            vec![0, 36, 5, 17],
+        ),
+        ("C = 1", tp::randn(&[5, 1])?, vec![0; 5]),
+        ("logits of 1e4", Tensor::from_vec(big, &[2, 4])?, vec![2, 0]),
+        (
+            "300 x 130, several pieces and threads",
+            tp::randn(&[300, 130])?.mul_scalar(5.0)?,
+            (0..300).map(|i| (i * 7 % 130) as i64).collect(),
+        ),
+    ];
+    for dtype in [tp::DType::F32, tp::DType::F64] {
+        let tol = if dtype == tp::DType::F32 {
+            Tol {
+                abs: 2e-6,
+                rel: 2e-5,
+            }
+        } else {
+            Tol {
+                abs: 1e-12,
+                rel: 1e-11,
+            }
+        };
+        for (name, x, target) in &cases {
+            let x = x.to_dtype(dtype)?.requires_grad_(true);
+            let t = Tensor::from_vec(target.clone(), &[target.len()])?;
+            let fused = F::cross_entropy(&x, &t)?;
+            let composed = cross_entropy_composed(&x, target)?;
+            let what = format!("cross_entropy {name}, {dtype}");
+            assert!(fused.item_f64()?.is_finite(), "{what}: not finite");
+            check(&format!("{what}: loss"), &fused, &composed, tol);
+            let g = Tensor::from_vec(vec![0.7f64], &[])?.to_dtype(dtype)?;
+            let opts = tp::autograd::GradOptions::default();
+            let a =
+                tp::autograd::grad(&[fused], std::slice::from_ref(&x), &[Some(g.clone())], opts)?;
+            let b = tp::autograd::grad(&[composed], std::slice::from_ref(&x), &[Some(g)], opts)?;
+            let (a, b) = (a[0].as_ref().expect("grad"), b[0].as_ref().expect("grad"));
+            check(&format!("{what}: gradient"), a, b, tol);
+        }
+    }
+    // an empty batch: a NaN loss (as PyTorch) and an empty gradient
+    let x = tp::zeros(&[0, 5])?.requires_grad_(true);
+    let loss = F::cross_entropy(&x, &Tensor::from_vec(Vec::<i64>::new(), &[0])?)?;
+    assert!(loss.item_f64()?.is_nan(), "N = 0: {loss:?}");
+    loss.backward()?;
+    assert_eq!(x.grad().expect("grad").shape(), &[0, 5]);
+    // float64 gradcheck, a C = 1 case among them
+    for (shape, target) in [(vec![3, 5], vec![4i64, 0, 2]), (vec![2, 1], vec![0, 0])] {
+        let x = tp::randn(&shape)?
+            .mul_scalar(2.0)?
+            .to_dtype(tp::DType::F64)?
+            .requires_grad_(true);
+        let t = Tensor::from_vec(target, &[shape[0]])?;
+        let f = |xs: &[Tensor]| Ok(vec![F::cross_entropy(&xs[0], &t)?]);
+        if let Err(e) = tp::autograd::gradcheck(f, &[x], Default::default()) {
+            panic!("cross_entropy {shape:?}: {e}");
+        }
+    }
     Ok(())
 }
 

@@ -6,7 +6,7 @@ use crate::autograd::{Context, Function, apply};
 use crate::backend::{BinaryCode, DeviceStorage as _, UnaryCode};
 use crate::kernels::Map;
 use crate::ops::{device_map, device_map2, float_dispatch};
-use crate::{DType, Error, FloatElement, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 use num_traits::{Float, Zero};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -25,12 +25,6 @@ pub(super) enum UnaryKind {
     MulScalar(f64),
     DivScalar(f64),
     PowScalar(f64),
-}
-
-fn gelu<T: FloatElement>(x: T) -> T {
-    let half = T::from(0.5).unwrap_or_else(T::zero);
-    let inv_sqrt2 = T::from(std::f64::consts::FRAC_1_SQRT_2).unwrap_or_else(T::zero);
-    x * half * (T::one() + FloatElement::erf(x * inv_sqrt2))
 }
 
 /// The public name of a unary operation, for error messages.
@@ -106,15 +100,15 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
         match kind {
             Neg => unary_map::<T, T>(x, op, |v| -v),
             Exp => kernel_map(x, op, Map::Exp),
-            Log => unary_map::<T, T>(x, op, |v: T| v.ln()),
+            Log => kernel_map(x, op, Map::Log),
             Sqrt => unary_map::<T, T>(x, op, |v: T| v.sqrt()),
             Abs => unary_map::<T, T>(x, op, |v: T| v.abs()),
             #[allow(clippy::eq_op)]
             Relu => unary_map::<T, T>(x, op, |v: T| if v > T::zero() || v != v { v } else { T::zero() }),
             Sigmoid => kernel_map(x, op, Map::Sigmoid),
             Tanh => kernel_map(x, op, Map::Tanh),
-            Gelu => unary_map::<T, T>(x, op, gelu::<T>),
-            Erf => unary_map::<T, T>(x, op, FloatElement::erf),
+            Gelu => kernel_map(x, op, Map::GeluErf),
+            Erf => kernel_map(x, op, Map::Erf),
             AddScalar(s) => {
                 let s = c(s);
                 unary_map::<T, T>(x, op, |v| v + s)
