@@ -40,14 +40,7 @@ struct Page {
 /// The rendered facade docs: `$CARGO_TARGET_DIR/doc/tensorplay`, else the workspace's
 /// `target/doc/tensorplay`.
 fn doc_dir() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .parent()
-                .unwrap_or_else(|| Path::new("."))
-                .join("target")
-        });
+    let target = crate::process::target_dir();
     target.join("doc").join("tensorplay")
 }
 

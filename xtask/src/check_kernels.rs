@@ -142,8 +142,7 @@ pub(crate) fn run() -> Result<(), String> {
         &[],
         None,
     )?;
-    let target =
-        std::env::var("CARGO_TARGET_DIR").map_or_else(|_| PathBuf::from("target"), PathBuf::from);
+    let target = crate::process::target_dir();
     // absolute: the tests run in their crate's folder and dlopen the path as given
     let cache = std::env::current_dir()
         .map_err(|e| format!("the current folder: {e}"))?

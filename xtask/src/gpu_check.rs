@@ -63,8 +63,7 @@ pub(crate) fn bundle(dir: &Path, anchors: &Path) -> Result<PathBuf, String> {
             "cargo build of tensorplay-gpu-check failed ({status})"
         ));
     }
-    let target =
-        std::env::var("CARGO_TARGET_DIR").map_or_else(|_| PathBuf::from("target"), PathBuf::from);
+    let target = crate::process::target_dir();
     let bin = target.join("release/tensorplay-gpu-check");
     std::fs::create_dir_all(dir).map_err(|e| format!("could not create {}: {e}", dir.display()))?;
     let dest = dir.join("tensorplay-gpu-check");

@@ -24,3 +24,15 @@ pub(crate) fn run_capture(cmd: &mut Command) -> Result<String, String> {
 pub(crate) fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
 }
+
+/// Cargo's target directory: `$CARGO_TARGET_DIR`, else the workspace's `target` (absolute).
+pub(crate) fn target_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .unwrap_or_else(|| std::path::Path::new("."))
+                .join("target")
+        })
+}

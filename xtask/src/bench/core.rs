@@ -4,15 +4,17 @@
 //! and `benchmarks/torch_gpt.py step`, and the kernels' bench (`--bench ops_step`) beside
 //! `torch_ops_step.py`, alternately for `--rounds` rounds; the summary keeps each program's best
 //! round: `mlp_step`, `matmul_512`, `matmul_1024`, `gpt_step`, `exp_1m`, `softmax_1m`,
-//! `layernorm_1m`, `gelu_tanh_1m`, `sdpa_causal`.
+//! `layernorm_1m`, `gelu_tanh_1m`, `sdpa_causal`; and `gpt_train_2_threads`, the main job's
+//! single-process recipe for 200 steps on two threads (`gpt_distributed --single-process
+//! --threads 2 --steps 200`) beside `OMP_NUM_THREADS=2 torch_gpt.py train 200`.
 
 use std::path::Path;
 use std::process::Command;
 
 use super::anchor::{Pytorch, torch_with};
-use super::parse::{Metric, parse_core};
+use super::parse::{Metric, parse_core, parse_train_seconds};
 use super::summary::{Goal, Row, print_summary};
-use super::{Common, best, higher_is_better, run_torch};
+use super::{Common, best, higher_is_better, run_torch, run_torch_threads};
 use crate::packages::GPT_BENCH_PACKAGE;
 use crate::process::run_capture;
 
@@ -29,12 +31,51 @@ const ROWS: &[(&str, &str, Goal)] = &[
     ("matmul_512", "GFLOP/s", Goal::AtLeast(0.8)),
     ("matmul_1024", "GFLOP/s", Goal::AtLeast(0.8)),
     ("gpt_step", "us/step", Goal::AtMost(0.8)),
+    ("gpt_train_2_threads", "s", Goal::AtMost(1.0)),
     ("exp_1m", "us", Goal::AtMost(1.0)),
     ("softmax_1m", "us", Goal::AtMost(1.0)),
     ("layernorm_1m", "us", Goal::AtMost(1.0)),
     ("gelu_tanh_1m", "us", Goal::AtMost(1.0)),
     ("sdpa_causal", "us", Goal::AtMost(1.0)),
 ];
+
+/// Steps and threads of the `gpt_train_2_threads` row.
+const TRAIN_STEPS: usize = 200;
+const TRAIN_THREADS: usize = 2;
+
+/// The release build of `gpt_distributed`, the program the training row runs.
+fn gpt_program() -> Result<std::path::PathBuf, String> {
+    run_capture(Command::new("cargo").args([
+        "build",
+        "--release",
+        "-p",
+        GPT_BENCH_PACKAGE,
+        "--example",
+        "gpt_distributed",
+    ]))?;
+    Ok(crate::process::target_dir().join("release/examples/gpt_distributed"))
+}
+
+/// One timed single-process training run of ours: its wall time in seconds.
+fn our_training(program: &Path) -> Result<Metric, String> {
+    let o = run_capture(Command::new(program).args([
+        "--single-process",
+        "--threads",
+        &TRAIN_THREADS.to_string(),
+        "--steps",
+        &TRAIN_STEPS.to_string(),
+        "--sample",
+        "0",
+    ]))?;
+    print!("{o}");
+    let value = parse_train_seconds(&o)
+        .ok_or_else(|| format!("no single-process wall time in gpt_distributed's output:\n{o}"))?;
+    Ok(Metric {
+        key: "gpt_train_2_threads".into(),
+        value,
+        unit: "s".into(),
+    })
+}
 
 /// `cargo bench` of one of our benches (`--no-run`: build only).
 fn cargo_bench(package: &str, bench: &str, build_only: bool) -> Result<String, String> {
@@ -59,6 +100,7 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
     cargo_bench("tensorplay-core", "core_step", true)?;
     cargo_bench(GPT_BENCH_PACKAGE, "gpt_step", true)?;
     cargo_bench("tensorplay-core", "ops_step", true)?;
+    let program = gpt_program()?;
     let mut ours: Vec<Metric> = Vec::new();
     let mut theirs: Vec<Metric> = Vec::new();
     let mut torch_ran = false;
@@ -74,6 +116,7 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
             print!("{o}");
             ours.extend(parse_core(&o));
         }
+        ours.push(our_training(&program)?);
         if core.is_ok() || gpt.is_ok() || ops.is_ok() {
             eprintln!("round {r}: pytorch");
         }
@@ -97,6 +140,20 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
             };
             print!("{t}");
             theirs.extend(parse_core(&t));
+        }
+        if let Ok((python, script)) = &gpt {
+            let args = ["train".to_string(), TRAIN_STEPS.to_string()];
+            match run_torch_threads(python, script, &args, r, &["pytorch:"], TRAIN_THREADS) {
+                Ok(t) => {
+                    print!("{t}");
+                    theirs.extend(parse_train_seconds(&t).map(|value| Metric {
+                        key: "gpt_train_2_threads".into(),
+                        value,
+                        unit: "s".into(),
+                    }));
+                }
+                Err((_, why)) => last_failure = Some(why),
+            }
         }
     }
     let pytorch = match (&core, &gpt, torch_ran, last_failure) {
@@ -125,7 +182,9 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
         })
         .collect();
     print_summary(
-        &format!("best of {rounds} round(s), one thread each"),
+        &format!(
+            "best of {rounds} round(s), one thread each (gpt_train_2_threads: {TRAIN_THREADS})"
+        ),
         &rows,
         &pytorch,
     );

@@ -80,11 +80,23 @@ pub(crate) fn run_torch(
     round: usize,
     keep: &[&str],
 ) -> Result<String, (String, String)> {
+    run_torch_threads(python, script, args, round, keep, 1)
+}
+
+/// [`run_torch`] with `OMP_NUM_THREADS=threads`.
+pub(crate) fn run_torch_threads(
+    python: &Path,
+    script: &Path,
+    args: &[String],
+    round: usize,
+    keep: &[&str],
+    threads: usize,
+) -> Result<String, (String, String)> {
     match run_capture(
         Command::new(python)
             .arg(script)
             .args(args)
-            .env("OMP_NUM_THREADS", "1"),
+            .env("OMP_NUM_THREADS", threads.to_string()),
     ) {
         Ok(t) => Ok(t),
         Err(e) => {

@@ -51,6 +51,23 @@ pub(crate) fn parse_core(text: &str) -> Vec<Metric> {
     out
 }
 
+/// The wall time in seconds of a single-process training run: `gpt_distributed
+/// --single-process`'s table row `single-process  54.7s  91.2` or `torch_gpt.py train`'s
+/// `pytorch: validation loss 2.2354 (200 steps, seed 0, 12.3 s, 2 threads)`.
+pub(crate) fn parse_train_seconds(text: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let toks: Vec<&str> = line.split_whitespace().collect();
+        match toks.as_slice() {
+            ["single-process", wall, _per_step] => wall.strip_suffix('s')?.parse().ok(),
+            ["pytorch:", ..] => {
+                let i = toks.iter().position(|t| *t == "s,")?;
+                toks.get(i.checked_sub(1)?)?.parse().ok()
+            }
+            _ => None,
+        }
+    })
+}
+
 /// Parses the lines both RPC benchmarks print (the prefix differs):
 /// `<p> rpc_sync small  p50 X us  p99 Y us`, `<p> rpc_async small  X calls/s (5000 in flight)`,
 /// `<p> echo N MiB  X ms/round trip  Y GB/s`, `<p> remote+to_here   p50 X us`,
@@ -166,6 +183,31 @@ pub(crate) fn parse_ddp(text: &str) -> DdpRun {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn training_wall_times_are_read_from_both_programs() {
+        let cases: &[(&str, &str, Option<f64>)] = &[
+            (
+                "ours",
+                "single-process: validation loss 2.4\n\nrun  wall time  ms per step\nsingle-process        54.7s         91.2\n",
+                Some(54.7),
+            ),
+            (
+                "pytorch",
+                "pytorch: validation loss 2.2354 (200 steps, seed 0, 12.3 s, 2 threads)\n",
+                Some(12.3),
+            ),
+            (
+                "the validation line only",
+                "single-process: validation loss 2.4\n",
+                None,
+            ),
+            ("nothing", "", None),
+        ];
+        for (case, text, want) in cases {
+            assert_eq!(parse_train_seconds(text), *want, "{case}");
+        }
+    }
 
     fn m(key: &str, value: f64, unit: &str) -> Metric {
         Metric {

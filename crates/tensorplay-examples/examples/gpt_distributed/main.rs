@@ -415,12 +415,6 @@ fn run(o: &Opts) -> Res<bool> {
             ok = false;
         }
     }
-    let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    println!(
-        "tensors: peak {:.1} MiB allocated, {:.1} MiB reserved by the caching allocator",
-        mib(tp::memory::peak_allocated_bytes()),
-        mib(tp::memory::reserved_bytes())
-    );
     for (what, check) in [
         (
             "learning",
@@ -440,6 +434,12 @@ fn run(o: &Opts) -> Res<bool> {
             }
         }
     }
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!(
+        "tensors: peak {:.1} MiB allocated, {:.1} MiB reserved by the caching allocator",
+        mib(tp::memory::peak_allocated_bytes()),
+        mib(tp::memory::reserved_bytes())
+    );
     if o.sample > 0 {
         println!("\nsample:\n{}", sample(&model, &corpus, o.sample, o.seed)?);
     }
