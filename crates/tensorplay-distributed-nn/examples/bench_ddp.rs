@@ -3,8 +3,9 @@
 //! `../shared/anchors/torch_ddp_step.py` measures DDP over gloo, and printed in the same line
 //! shape, so `cargo xtask bench-ddp` can put the two side by side.
 //!
-//! Usage: `cargo run --release -p tensorplay-distributed-nn --example bench_ddp [world] [hidden] [steps]`
-//! (defaults 2 1024 30).
+//! Usage: `cargo run --release -p tensorplay-distributed-nn --example bench_ddp [world] [hidden]
+//! [steps] [view]` (defaults 2 1024 30; with `view`, DDP runs with `gradient_as_bucket_view`,
+//! as the anchor's own `view` argument).
 //!
 //! Each rank trains the MLP 784 -> hidden -> hidden -> hidden -> 10 (float32, ReLU,
 //! cross-entropy, SGD lr 0.01) on its own random batch of 32 (seeded by its rank), one thread
@@ -48,7 +49,7 @@ const INPUT: usize = 784;
 const CLASSES: usize = 10;
 
 /// The command line: `[world] [hidden] [steps]`, each at least 1.
-#[derive(Parser, Debug, Clone, Copy)]
+#[derive(Parser, Debug, Clone)]
 #[command(
     name = "bench_ddp",
     about = "One data-parallel training step of DistributedDataParallel on the \"cpu\" backend, \
@@ -64,6 +65,9 @@ struct Args {
     /// Timed steps (after 5 warm-up steps).
     #[arg(default_value_t = 30, value_parser = at_least_one)]
     steps: usize,
+    /// `view`: run DDP with `gradient_as_bucket_view` (each `.grad` a view into its bucket).
+    #[arg(value_parser = ["view"])]
+    view: Option<String>,
 }
 
 /// A whole number >= 1.
@@ -234,7 +238,13 @@ fn run(rank: usize, args: Args) -> R {
 
     // the DDP step, after one checked step
     let expected = mean_local_grads(args.hidden, &x, &y, args.world)?;
-    let ddp = Ddp::with_options(mlp(args.hidden)?, DdpOptions::default())?;
+    let ddp = Ddp::with_options(
+        mlp(args.hidden)?,
+        DdpOptions {
+            gradient_as_bucket_view: args.view.is_some(),
+            ..DdpOptions::default()
+        },
+    )?;
     let mut opt = sgd(ddp.parameters())?;
     opt.zero_grad()?;
     CrossEntropyLoss::new()
@@ -315,7 +325,7 @@ fn main() -> ExitCode {
     let mut opts = dist::SpawnOptions::new(args.world);
     opts.timeout = Some(Duration::from_secs(1800));
     opts.env.push(("TENSORPLAY_BENCH_PARENT".into(), parent));
-    let r = dist::spawn_with(opts, move |rank| run(rank, args));
+    let r = dist::spawn_with(opts, move |rank| run(rank, args.clone()));
     if let Ok(text) = std::fs::read_to_string(&report) {
         print!("{text}");
     }
