@@ -12,6 +12,7 @@ mod isa;
 pub(crate) mod loss;
 pub(crate) mod math;
 mod parallel;
+pub(crate) mod reduce;
 pub(crate) mod rows;
 
 pub use isa::{CpuCapability, cpu_capability, set_cpu_capability};

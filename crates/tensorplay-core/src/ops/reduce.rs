@@ -1,7 +1,7 @@
 //! Reductions over dimensions: sum, mean, and the `sum_to_size` that broadcasting's backward
 //! needs. The kernel [`reduce_kernel`] is shared with max/min/argmax.
 
-use super::numeric_dispatch;
+use super::{float_dispatch, numeric_dispatch};
 use crate::autograd::{Context, Function, apply};
 use crate::backend::{self, DeviceStorage as _, ReduceCode};
 use crate::layout::{Layout, normalize_dim};
@@ -119,6 +119,23 @@ fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
     };
     if let Some(r) = backend::on_device(&x, |c, l| c.reduce(l, dims, ReduceCode::Sum, false)) {
         return Ok(backend::device_tensor(r?.0, &shape));
+    }
+    if x.is_contiguous()
+        && crate::kernels::reduce::trailing(dims, x.ndim())
+        && matches!(x.dtype(), crate::DType::F32 | crate::DType::F64)
+    {
+        // float sums over trailing dims: the vectorised row kernel, in fixed pieces
+        let n: usize = dims.iter().map(|&d| x.shape()[d]).product();
+        let rows = x
+            .numel()
+            .checked_div(n)
+            .unwrap_or_else(|| shape.iter().product());
+        return float_dispatch!(x.dtype(), "sum", T => {
+            let v = x.with_slice("sum", |s: &[T], l| {
+                crate::kernels::reduce::sum_rows(&s[l.offset()..l.offset() + l.numel()], rows, n)
+            })?;
+            Ok(Tensor::from_cpu(T::into_storage(v), &shape))
+        });
     }
     let leading = !dims.is_empty()
         && dims.len() < x.ndim()

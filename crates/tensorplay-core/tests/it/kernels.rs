@@ -511,10 +511,61 @@ fn fused_attention_matches_the_math_path_across_blocks() -> tp::Result<()> {
 }
 
 #[test]
+fn float_sums_over_trailing_dims_match_a_float64_sum() -> tp::Result<()> {
+    tp::manual_seed(4);
+    // (name, shape, dims): short and long rows (a long one is cut into pieces), zero-size
+    let cases: &[(&str, &[usize], &[isize])] = &[
+        ("rows of 130", &[64, 130], &[-1]),
+        ("two trailing dims", &[4, 5, 6], &[1, 2]),
+        ("everything", &[4, 5, 6], &[]),
+        ("a long row, several pieces", &[2, 100_003], &[-1]),
+        ("rows of zero elements", &[7, 0], &[-1]),
+        ("no rows", &[0, 5], &[-1]),
+        ("one element", &[1], &[0]),
+    ];
+    for &(name, shape, dims) in cases {
+        let x = tp::randn(shape)?;
+        let got = x.sum_dims(dims, false)?;
+        let v: Vec<f32> = x.to_vec()?;
+        let n: usize = if dims.is_empty() {
+            shape.iter().product()
+        } else {
+            dims.iter()
+                .map(|&d| shape[(d + shape.len() as isize) as usize % shape.len()])
+                .product()
+        };
+        let rows = got.numel();
+        let want: Vec<f64> = (0..rows)
+            .map(|r| v[r * n..(r + 1) * n].iter().map(|&a| f64::from(a)).sum())
+            .collect();
+        let got: Vec<f64> = got.to_dtype(tp::DType::F64)?.to_vec()?;
+        // float32 sums of n values of about 1: a few ulps of sqrt(n)
+        let tol = Tol {
+            abs: 1e-6 * (n as f64).max(1.0).sqrt(),
+            rel: 1e-5,
+        };
+        if let Err(e) = check_close(name, &got, &want, tol) {
+            panic!("{e}");
+        }
+        let x64 = x.to_dtype(tp::DType::F64)?;
+        let got64: Vec<f64> = x64.sum_dims(dims, false)?.to_vec()?;
+        let tol64 = Tol {
+            abs: 1e-12 * (n as f64).max(1.0),
+            rel: 1e-12,
+        };
+        if let Err(e) = check_close(&format!("{name} (float64)"), &got64, &want, tol64) {
+            panic!("{e}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
     tp::manual_seed(9);
     let x = tp::randn(&[512, 200])?;
     let q = tp::randn(&[4, 4, 70, 16])?;
+    let long = tp::randn(&[300_001])?;
     let before = tp::get_num_threads();
     let run = || -> tp::Result<Vec<Vec<f32>>> {
         let w = tp::ones(&[200])?.requires_grad_(true);
@@ -524,6 +575,8 @@ fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
         y.sum()?.backward()?;
         let a = F::scaled_dot_product_attention(&q, &q, &q, None, 0.0, true, None)?;
         Ok(vec![
+            long.sum()?.to_vec()?,
+            x.sum_dims(&[-1], false)?.to_vec()?,
             y.to_vec()?,
             xr.grad().expect("grad").to_vec()?,
             w.grad().expect("grad").to_vec()?,
