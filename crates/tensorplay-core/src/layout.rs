@@ -231,8 +231,75 @@ pub fn normalize_dim(dim: isize, ndim: usize, op: &'static str) -> Result<usize>
     Ok(d as usize)
 }
 
+/// The strides that view a tensor of `shape` and `strides` as `new_shape` (same element count)
+/// without moving any element, when some exist (`reshape` of a strided view without a copy:
+/// dimensions may be split, and merged where they are laid out as one); `None` when the new
+/// shape needs a copy. PyTorch's rule (`computeStride`): walk the old dimensions from the last,
+/// in chunks whose elements are evenly spaced, and cut each chunk into new dimensions.
+pub(crate) fn view_strides(
+    shape: &[usize],
+    strides: &[usize],
+    new_shape: &[usize],
+) -> Option<Vec<usize>> {
+    let numel: usize = shape.iter().product();
+    if numel == 0 || shape.is_empty() {
+        // no element to move (or one): any strides describe it
+        return Some(contiguous_strides(new_shape));
+    }
+    let mut out = vec![0usize; new_shape.len()];
+    // the new dimensions not placed yet: 0..view_d
+    let mut view_d = new_shape.len();
+    let mut chunk_stride = *strides.last()?;
+    let (mut tensor_numel, mut view_numel) = (1usize, 1usize);
+    for d in (0..shape.len()).rev() {
+        tensor_numel *= shape[d];
+        // a chunk ends where the next (outer) dimension is not laid out right after this one
+        let ends = d == 0 || (shape[d - 1] != 1 && strides[d - 1] != tensor_numel * chunk_stride);
+        if !ends {
+            continue;
+        }
+        while view_d > 0 && (view_numel < tensor_numel || new_shape[view_d - 1] == 1) {
+            out[view_d - 1] = view_numel * chunk_stride;
+            view_numel *= new_shape[view_d - 1];
+            view_d -= 1;
+        }
+        if view_numel != tensor_numel {
+            return None;
+        }
+        if d > 0 {
+            chunk_stride = strides[d - 1];
+            tensor_numel = 1;
+            view_numel = 1;
+        }
+    }
+    (view_d == 0).then_some(out)
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn views_of_strided_tensors_without_a_copy() {
+        // (name, shape, strides, new shape, strides of the view or None for a copy)
+        let cases: &[(&str, &[usize], &[usize], &[usize], Option<&[usize]>)] = &[
+            ("contiguous split", &[4, 6], &[6, 1], &[4, 2, 3], Some(&[6, 3, 1])),
+            ("contiguous merge", &[4, 2, 3], &[6, 3, 1], &[24], Some(&[1])),
+            // a narrow of the last dim (a third of a fused projection) split into heads
+            ("narrowed split", &[2, 5, 8], &[120, 24, 1], &[2, 5, 2, 4], Some(&[120, 24, 4, 1])),
+            ("narrowed merge of the rows", &[2, 5, 8], &[120, 24, 1], &[10, 8], Some(&[24, 1])),
+            ("narrowed merge across the gap", &[2, 5, 8], &[120, 24, 1], &[2, 40], None),
+            ("transposed merge", &[3, 4], &[1, 3], &[12], None),
+            ("transposed split", &[3, 4], &[1, 3], &[3, 2, 2], Some(&[1, 6, 3])),
+            ("size-1 dims", &[1, 4, 1], &[99, 1, 7], &[4], Some(&[1])),
+            ("new size-1 dims", &[4], &[2], &[1, 4, 1], Some(&[8, 2, 2])),
+            ("broadcast dim kept", &[3, 4], &[0, 1], &[3, 2, 2], Some(&[0, 2, 1])),
+            ("zero elements", &[0, 4], &[4, 1], &[2, 0], Some(&[1, 1])),
+        ];
+        for &(name, shape, strides, new_shape, want) in cases {
+            let got = view_strides(shape, strides, new_shape);
+            assert_eq!(got.as_deref(), want, "{name}");
+        }
+    }
     use super::*;
 
     #[test]

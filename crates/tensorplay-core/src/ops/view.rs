@@ -247,12 +247,25 @@ impl Tensor {
         Ok(apply(Contiguous, &[self])?.remove(0))
     }
 
-    /// The same elements with a new shape (`reshape`): a view when the tensor is contiguous,
-    /// a copy otherwise. One dimension may be `-1` when passing `&[isize]`.
+    /// The same elements with a new shape (`reshape`): a view when the elements' strides allow
+    /// one (always for a contiguous tensor; for a strided view when the new dimensions split or
+    /// merge evenly spaced ones, as PyTorch's `view`), a copy otherwise. One dimension may be
+    /// `-1` when passing `&[isize]`.
     pub fn reshape<S: ShapeArg + ?Sized>(&self, shape: &S) -> Result<Tensor> {
         let shape = shape.resolve(self.numel(), "reshape")?;
         if shape == self.shape() {
             return Ok(self.clone());
+        }
+        if !self.is_contiguous()
+            && let Some(strides) =
+                crate::layout::view_strides(self.shape(), self.strides(), &shape)
+        {
+            let layout = Layout {
+                strides,
+                shape,
+                offset: self.layout().offset,
+            };
+            return self.restride("ViewBackward", layout, Back::Reshape(self.shape().to_vec()));
         }
         let x = self.contiguous()?;
         let layout = Layout {
@@ -263,18 +276,27 @@ impl Tensor {
         x.restride("ViewBackward", layout, Back::Reshape(self.shape().to_vec()))
     }
 
-    /// Like [`Tensor::reshape`] but never copies: errors when the tensor is not contiguous
-    /// (`view`).
+    /// Like [`Tensor::reshape`] but never copies (`view`): errors when the elements' strides
+    /// do not allow the new shape without moving them (a transposed tensor merged across its
+    /// swapped dimensions, say).
     pub fn view<S: ShapeArg + ?Sized>(&self, shape: &S) -> Result<Tensor> {
-        if !self.is_contiguous() {
+        let resolved = shape.resolve(self.numel(), "view")?;
+        if !self.is_contiguous()
+            && crate::layout::view_strides(self.shape(), self.strides(), &resolved).is_none()
+        {
             return Err(Error::invalid(
                 "view",
                 "self",
-                "a contiguous tensor (use reshape, which copies)",
-                format!("strides {:?} for shape {:?}", self.strides(), self.shape()),
+                "strides that allow the new shape without a copy (use reshape, which copies)",
+                format!(
+                    "strides {:?} for shape {:?}, viewed as {:?}",
+                    self.strides(),
+                    self.shape(),
+                    resolved
+                ),
             ));
         }
-        self.reshape(shape)
+        self.reshape(resolved.as_slice())
     }
 
     /// Flattens to one dimension.

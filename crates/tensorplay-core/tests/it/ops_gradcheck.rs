@@ -188,8 +188,13 @@ fn gradcheck_where_and_casts() {
 
 #[test]
 fn gradcheck_views() {
-    let cases: [(&str, F); 16] = [
+    let cases: [(&str, F); 18] = [
         ("reshape", |a| Ok(vec![a[0].reshape(&[3usize, 2])?])),
+        // a view without a copy: the narrowed columns split in two
+        ("reshape of narrowed", |a| {
+            Ok(vec![a[0].narrow(1, 1, 2)?.reshape(&[2usize, 2, 1])?])
+        }),
+        ("view of transposed", |a| Ok(vec![a[0].t()?.view(&[3usize, 2, 1])?])),
         ("reshape -1", |a| Ok(vec![a[0].reshape(&[-1isize, 6])?])),
         ("view", |a| Ok(vec![a[0].view(&[6usize])?])),
         ("permute", |a| {
@@ -758,6 +763,11 @@ fn errors_not_panics() -> tp::Result<()> {
     assert!(t.permute(&[0, 0]).is_err());
     assert!(t.reshape(&[4usize]).is_err());
     assert!(t.t()?.view(&[6usize]).is_err());
+    // a strided view reshaped without a copy shares the storage; across a gap it copies
+    let n = t.narrow(1, 0, 2)?;
+    assert!(n.reshape(&[2usize, 2, 1])?.shares_storage_with(&t));
+    assert!(!n.reshape(&[4usize])?.shares_storage_with(&t));
+    assert!(n.view(&[4usize]).is_err());
     assert!(t.expand(&[3, 3]).is_err());
     // shapes
     assert!(matches!(
