@@ -282,17 +282,59 @@ mod tests {
     fn views_of_strided_tensors_without_a_copy() {
         // (name, shape, strides, new shape, strides of the view or None for a copy)
         let cases: &[(&str, &[usize], &[usize], &[usize], Option<&[usize]>)] = &[
-            ("contiguous split", &[4, 6], &[6, 1], &[4, 2, 3], Some(&[6, 3, 1])),
-            ("contiguous merge", &[4, 2, 3], &[6, 3, 1], &[24], Some(&[1])),
+            (
+                "contiguous split",
+                &[4, 6],
+                &[6, 1],
+                &[4, 2, 3],
+                Some(&[6, 3, 1]),
+            ),
+            (
+                "contiguous merge",
+                &[4, 2, 3],
+                &[6, 3, 1],
+                &[24],
+                Some(&[1]),
+            ),
             // a narrow of the last dim (a third of a fused projection) split into heads
-            ("narrowed split", &[2, 5, 8], &[120, 24, 1], &[2, 5, 2, 4], Some(&[120, 24, 4, 1])),
-            ("narrowed merge of the rows", &[2, 5, 8], &[120, 24, 1], &[10, 8], Some(&[24, 1])),
-            ("narrowed merge across the gap", &[2, 5, 8], &[120, 24, 1], &[2, 40], None),
+            (
+                "narrowed split",
+                &[2, 5, 8],
+                &[120, 24, 1],
+                &[2, 5, 2, 4],
+                Some(&[120, 24, 4, 1]),
+            ),
+            (
+                "narrowed merge of the rows",
+                &[2, 5, 8],
+                &[120, 24, 1],
+                &[10, 8],
+                Some(&[24, 1]),
+            ),
+            (
+                "narrowed merge across the gap",
+                &[2, 5, 8],
+                &[120, 24, 1],
+                &[2, 40],
+                None,
+            ),
             ("transposed merge", &[3, 4], &[1, 3], &[12], None),
-            ("transposed split", &[3, 4], &[1, 3], &[3, 2, 2], Some(&[1, 6, 3])),
+            (
+                "transposed split",
+                &[3, 4],
+                &[1, 3],
+                &[3, 2, 2],
+                Some(&[1, 6, 3]),
+            ),
             ("size-1 dims", &[1, 4, 1], &[99, 1, 7], &[4], Some(&[1])),
             ("new size-1 dims", &[4], &[2], &[1, 4, 1], Some(&[8, 2, 2])),
-            ("broadcast dim kept", &[3, 4], &[0, 1], &[3, 2, 2], Some(&[0, 2, 1])),
+            (
+                "broadcast dim kept",
+                &[3, 4],
+                &[0, 1],
+                &[3, 2, 2],
+                Some(&[0, 2, 1]),
+            ),
             ("zero elements", &[0, 4], &[4, 1], &[2, 0], Some(&[1, 1])),
         ];
         for &(name, shape, strides, new_shape, want) in cases {

@@ -204,12 +204,38 @@ pub(crate) fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()
     Ok(())
 }
 
-/// Collects the elements of a strided view into a row-major vector.
-pub(crate) fn gather_strided<T: Copy>(s: &[T], l: &crate::Layout) -> Vec<T> {
+/// Collects the elements of a strided view into a row-major vector (a buffer of the caching
+/// allocator; rows whose elements are adjacent are copied whole).
+pub(crate) fn gather_strided<T: StorageElement>(s: &[T], l: &crate::Layout) -> Vec<T> {
     if let Some(r) = l.contiguous_range() {
-        return s[r].to_vec();
+        let mut v = crate::storage::pool::take::<T>(r.len());
+        v.copy_from_slice(&s[r]);
+        return v;
     }
-    let mut v = Vec::with_capacity(l.numel());
-    l.for_each_offset(|o| v.push(s[o]));
+    let n = l.numel();
+    let mut v = crate::storage::pool::take::<T>(n);
+    let nd = l.shape.len();
+    if n == 0 || nd == 0 {
+        l.for_each_offset(|o| v[0] = s[o]);
+        return v;
+    }
+    let inner = l.shape[nd - 1];
+    let mut i = 0;
+    if l.strides[nd - 1] == 1 {
+        let rows = crate::Layout {
+            shape: l.shape[..nd - 1].to_vec(),
+            strides: l.strides[..nd - 1].to_vec(),
+            offset: l.offset,
+        };
+        rows.for_each_offset(|o| {
+            v[i..i + inner].copy_from_slice(&s[o..o + inner]);
+            i += inner;
+        });
+    } else {
+        l.for_each_offset(|o| {
+            v[i] = s[o];
+            i += 1;
+        });
+    }
     v
 }

@@ -257,8 +257,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         if !self.is_contiguous()
-            && let Some(strides) =
-                crate::layout::view_strides(self.shape(), self.strides(), &shape)
+            && let Some(strides) = crate::layout::view_strides(self.shape(), self.strides(), &shape)
         {
             let layout = Layout {
                 strides,

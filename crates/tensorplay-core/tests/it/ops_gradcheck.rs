@@ -194,7 +194,9 @@ fn gradcheck_views() {
         ("reshape of narrowed", |a| {
             Ok(vec![a[0].narrow(1, 1, 2)?.reshape(&[2usize, 2, 1])?])
         }),
-        ("view of transposed", |a| Ok(vec![a[0].t()?.view(&[3usize, 2, 1])?])),
+        ("view of transposed", |a| {
+            Ok(vec![a[0].t()?.view(&[3usize, 2, 1])?])
+        }),
         ("reshape -1", |a| Ok(vec![a[0].reshape(&[-1isize, 6])?])),
         ("view", |a| Ok(vec![a[0].view(&[6usize])?])),
         ("permute", |a| {

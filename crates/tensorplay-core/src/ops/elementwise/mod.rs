@@ -43,12 +43,15 @@ pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
             }
             return out;
         }
-        let mut out: Vec<R> = Vec::with_capacity(n);
+        let mut out = take::<R>(n);
         if n == 0 {
             return out;
         }
         let nd = shape.len();
         let inner = shape[nd - 1];
+        if inner == 0 {
+            return out;
+        }
         let (ia, ib) = (la.strides[nd - 1], lb.strides[nd - 1]);
         let rows = |l: &Layout| Layout {
             shape: shape[..nd - 1].to_vec(),
@@ -57,23 +60,34 @@ pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
         };
         let (ra, rb) = (rows(&la), rows(&lb));
         let (oa, ob) = (ra.offsets(), rb.offsets());
-        for (&a0, &b0) in oa.iter().zip(&ob) {
+        // row by row into the output's rows (a bias over rows: the `(1, 1)` arm)
+        for ((&a0, &b0), o) in oa.iter().zip(&ob).zip(out.chunks_exact_mut(inner)) {
             match (ia, ib) {
-                (1, 1) => out.extend(
-                    sa[a0..a0 + inner]
-                        .iter()
-                        .zip(&sb[b0..b0 + inner])
-                        .map(|(&x, &y)| f(x, y)),
-                ),
+                (1, 1) => {
+                    for (o, (&x, &y)) in o
+                        .iter_mut()
+                        .zip(sa[a0..a0 + inner].iter().zip(&sb[b0..b0 + inner]))
+                    {
+                        *o = f(x, y);
+                    }
+                }
                 (1, 0) => {
                     let y = sb[b0];
-                    out.extend(sa[a0..a0 + inner].iter().map(|&x| f(x, y)))
+                    for (o, &x) in o.iter_mut().zip(&sa[a0..a0 + inner]) {
+                        *o = f(x, y);
+                    }
                 }
                 (0, 1) => {
                     let x = sa[a0];
-                    out.extend(sb[b0..b0 + inner].iter().map(|&y| f(x, y)))
+                    for (o, &y) in o.iter_mut().zip(&sb[b0..b0 + inner]) {
+                        *o = f(x, y);
+                    }
                 }
-                _ => out.extend((0..inner).map(|j| f(sa[a0 + j * ia], sb[b0 + j * ib]))),
+                _ => {
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = f(sa[a0 + j * ia], sb[b0 + j * ib]);
+                    }
+                }
             }
         }
         out
