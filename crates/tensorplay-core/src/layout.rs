@@ -281,7 +281,8 @@ mod tests {
     #[test]
     fn views_of_strided_tensors_without_a_copy() {
         // (name, shape, strides, new shape, strides of the view or None for a copy)
-        let cases: &[(&str, &[usize], &[usize], &[usize], Option<&[usize]>)] = &[
+        type Case<'a> = (&'a str, &'a [usize], &'a [usize], &'a [usize], Option<&'a [usize]>);
+        let cases: &[Case] = &[
             (
                 "contiguous split",
                 &[4, 6],
