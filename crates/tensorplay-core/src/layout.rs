@@ -281,7 +281,13 @@ mod tests {
     #[test]
     fn views_of_strided_tensors_without_a_copy() {
         // (name, shape, strides, new shape, strides of the view or None for a copy)
-        type Case<'a> = (&'a str, &'a [usize], &'a [usize], &'a [usize], Option<&'a [usize]>);
+        type Case<'a> = (
+            &'a str,
+            &'a [usize],
+            &'a [usize],
+            &'a [usize],
+            Option<&'a [usize]>,
+        );
         let cases: &[Case] = &[
             (
                 "contiguous split",

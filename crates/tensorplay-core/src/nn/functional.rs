@@ -39,37 +39,46 @@ pub fn linear(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<
             rhs: weight.dtype(),
         });
     }
+    if let Some(b) = bias {
+        if b.dtype() != weight.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "linear",
+                lhs: weight.dtype(),
+                rhs: b.dtype(),
+            });
+        }
+        if b.shape() != [weight.shape()[0]] {
+            return Err(Error::ShapeMismatch {
+                op: "linear (bias)",
+                lhs: vec![weight.shape()[0]],
+                rhs: b.shape().to_vec(),
+            });
+        }
+    }
     // batch dimensions are folded into the rows of one matrix product (as PyTorch does), so
     // the weight's gradient is one product too, not a batch of them summed
-    let y = if input.ndim() > 2 && input.is_contiguous() {
-        let k = input.shape()[input.ndim() - 1];
-        let mut out_shape = input.shape().to_vec();
-        *out_shape.last_mut().unwrap_or(&mut 0) = weight.shape()[0];
-        input
-            .reshape(&[input.numel() / k.max(1), k])?
-            .matmul(&weight.t()?)?
-            .reshape(&out_shape)?
+    let k = weight.shape()[1];
+    let mut out_shape = input.shape().to_vec();
+    *out_shape.last_mut().unwrap_or(&mut 0) = weight.shape()[0];
+    let folded = if input.ndim() > 2 && input.is_contiguous() {
+        Some(input.reshape(&[input.numel() / k.max(1), k])?)
+    } else if input.ndim() == 2 {
+        Some(input.clone())
     } else {
-        input.matmul(&weight.t()?)?
+        None
+    };
+    // the bias added inside the product: one pass over the output
+    if let (Some(x), Some(b)) = (&folded, bias)
+        && let Some(y) = crate::ops::addmm::addmm(x, weight, b)?
+    {
+        return y.reshape(&out_shape);
+    }
+    let y = match &folded {
+        Some(x) => x.matmul(&weight.t()?)?.reshape(&out_shape)?,
+        None => input.matmul(&weight.t()?)?,
     };
     match bias {
-        Some(b) => {
-            if b.dtype() != weight.dtype() {
-                return Err(Error::DTypeMismatch {
-                    op: "linear",
-                    lhs: weight.dtype(),
-                    rhs: b.dtype(),
-                });
-            }
-            if b.shape() != [weight.shape()[0]] {
-                return Err(Error::ShapeMismatch {
-                    op: "linear (bias)",
-                    lhs: vec![weight.shape()[0]],
-                    rhs: b.shape().to_vec(),
-                });
-            }
-            y.add(b)
-        }
+        Some(b) => y.add(b),
         None => Ok(y),
     }
 }

@@ -36,44 +36,72 @@ fn bmm_kernel<T: StorageElement + 'static>(
     let (oa, ob) = (bl(la).offsets(), bl(lb).offsets());
     let (a_rs, a_cs) = (la.strides[nd - 2] as isize, la.strides[nd - 1] as isize);
     let (b_rs, b_cs) = (lb.strides[nd - 2] as isize, lb.strides[nd - 1] as isize);
+    for bi in 0..nb {
+        let dst = &mut out[bi * m * n..(bi + 1) * m * n];
+        let (ta, tb) = (&sa[oa[bi]..], &sb[ob[bi]..]);
+        gemm_into(dst, (m, n, k), (ta, a_rs, a_cs), (tb, b_rs, b_cs), false);
+    }
+    out
+}
+
+/// `dst (m x n, row-major) = [dst +] lhs (m x k) @ rhs (k x n)` through `gemm`, with
+/// `read_dst` adding the product onto what `dst` holds. `lhs` and `rhs` start at their first
+/// element and are walked by (row stride, column stride); the intra-op threads are used above
+/// 2^18 multiply-adds.
+pub(crate) fn gemm_into<T: StorageElement + 'static>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    (lhs, lhs_rs, lhs_cs): (&[T], isize, isize),
+    (rhs, rhs_rs, rhs_cs): (&[T], isize, isize),
+    read_dst: bool,
+) {
+    if m * n == 0 || k == 0 {
+        return;
+    }
+    assert!(
+        dst.len() >= m * n,
+        "gemm_into: dst holds {} of {m} x {n}",
+        dst.len()
+    );
+    let last = |rs: isize, cs: isize, r: usize, c: usize| {
+        (r - 1) * rs.unsigned_abs() + (c - 1) * cs.unsigned_abs()
+    };
+    assert!(
+        last(lhs_rs, lhs_cs, m, k) < lhs.len() && last(rhs_rs, rhs_cs, k, n) < rhs.len(),
+        "gemm_into: an operand's extent passes its slice"
+    );
     let threads = get_num_threads();
     let par = if threads > 1 && m * n * k >= 1 << 18 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
     };
-    for bi in 0..nb {
-        let dst = &mut out[bi * m * n..(bi + 1) * m * n];
-        if k == 0 {
-            continue;
-        }
-        // SAFETY: every index gemm touches is within the slices: rows < m (n) and columns < k
-        // (n) of views whose extents were checked by the layouts; dst is m x n row-major.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                dst.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                sa.as_ptr().add(oa[bi]),
-                a_cs,
-                a_rs,
-                sb.as_ptr().add(ob[bi]),
-                b_cs,
-                b_rs,
-                T::default(),
-                one::<T>(),
-                false,
-                false,
-                false,
-                par,
-            );
-        }
+    // SAFETY: the asserts above keep every index gemm touches within the slices (non-negative
+    // strides: the callers' layouts have usize strides): rows < m (k) and columns < k (n) of
+    // each operand, and dst is m x n row-major.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            read_dst,
+            lhs.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            one::<T>(),
+            one::<T>(),
+            false,
+            false,
+            false,
+            par,
+        );
     }
-    out
 }
 
 fn one<T: StorageElement>() -> T {

@@ -3,6 +3,7 @@
 //! at the crate root.
 
 pub(crate) mod activation;
+pub(crate) mod addmm;
 pub(crate) mod attention;
 pub(crate) mod creation;
 pub(crate) mod device;

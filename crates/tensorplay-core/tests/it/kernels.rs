@@ -511,6 +511,64 @@ fn fused_attention_matches_the_math_path_across_blocks() -> tp::Result<()> {
 }
 
 #[test]
+fn linear_with_its_bias_in_the_product_matches_matmul_plus_bias() -> tp::Result<()> {
+    tp::manual_seed(6);
+    // (name, input shape, out features, input transposed): 3-d inputs fold into rows,
+    // strided inputs, and empty products (no rows, no inner elements, no outputs)
+    let cases: &[(&str, &[usize], usize, bool)] = &[
+        ("2-d", &[33, 20], 7, false),
+        ("3-d folded", &[4, 9, 16], 24, false),
+        ("transposed input", &[20, 33], 5, true),
+        ("no rows", &[0, 8], 3, false),
+        ("no inner elements", &[5, 0], 3, false),
+        ("no outputs", &[5, 8], 0, false),
+    ];
+    for &(name, shape, n, transposed) in cases {
+        let x = tp::randn(shape)?;
+        let x = if transposed { x.t()? } else { x };
+        let k = x.shape()[x.ndim() - 1];
+        let w = tp::randn(&[n, k])?.requires_grad_(true);
+        let b = tp::randn(&[n])?.requires_grad_(true);
+        let xr = x.detach().requires_grad_(true);
+        let fused = F::linear(&xr, &w, Some(&b))?;
+        let composed = xr.matmul(&w.t()?)?.add(&b)?;
+        check(
+            name,
+            &fused,
+            &composed,
+            Tol {
+                abs: 1e-5,
+                rel: 1e-5,
+            },
+        );
+        let g = tp::randn(fused.shape())?;
+        let grads = |y: &Tensor| -> tp::Result<Vec<Tensor>> {
+            for t in [&xr, &w, &b] {
+                t.set_grad(None);
+            }
+            y.backward_with(Some(&g), false, false)?;
+            Ok([&xr, &w, &b]
+                .iter()
+                .map(|t| t.grad().expect("a gradient"))
+                .collect())
+        };
+        let (gf, gc) = (grads(&fused)?, grads(&composed)?);
+        for (i, (a, c)) in gf.iter().zip(&gc).enumerate() {
+            check(
+                &format!("{name}: gradient {i}"),
+                a,
+                c,
+                Tol {
+                    abs: 1e-4,
+                    rel: 1e-4,
+                },
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn float_sums_over_trailing_dims_match_a_float64_sum() -> tp::Result<()> {
     tp::manual_seed(4);
     // (name, shape, dims): short and long rows (a long one is cut into pieces), zero-size
