@@ -68,6 +68,9 @@ struct Args {
     /// `view`: run DDP with `gradient_as_bucket_view` (each `.grad` a view into its bucket).
     #[arg(value_parser = ["view"])]
     view: Option<String>,
+    /// DDP's `bucket_cap_mb` (default: DDP's own default).
+    #[arg(long, value_name = "MiB")]
+    bucket_cap_mb: Option<f64>,
 }
 
 /// A whole number >= 1.
@@ -242,6 +245,9 @@ fn run(rank: usize, args: Args) -> R {
         mlp(args.hidden)?,
         DdpOptions {
             gradient_as_bucket_view: args.view.is_some(),
+            bucket_cap_mb: args
+                .bucket_cap_mb
+                .unwrap_or(DdpOptions::default().bucket_cap_mb),
             ..DdpOptions::default()
         },
     )?;

@@ -23,7 +23,7 @@ use num_traits::{ToPrimitive, Zero};
 use crate::storage::StorageElement;
 use crate::storage::pool::take;
 
-use isa::dispatch;
+pub(crate) use isa::dispatch;
 use math::Elem;
 use parallel::{for_each_chunk, map_chunks};
 

@@ -265,31 +265,34 @@ impl AdamCore {
             } else {
                 None
             };
+            let k = AdamConsts {
+                b1: tb1,
+                b2: tb2,
+                one_b1,
+                one_b2,
+                eps,
+                wd,
+                decay,
+                step_size,
+                bias_c2_sqrt,
+            };
+            let mode = match (use_wd, decoupled) {
+                (false, _) => Decay::None,
+                (true, true) => Decay::Decoupled,
+                (true, false) => Decay::L2,
+            };
             update_param::<T>(op, p, g, |ps, gs| {
-                for (j, (x, &gr)) in ps.iter_mut().zip(gs).enumerate() {
-                    let mut gr = gr;
-                    if use_wd {
-                        if decoupled {
-                            *x = *x * decay;
-                        } else {
-                            gr = gr + wd * *x;
-                        }
-                    }
-                    let mj = tb1 * mv[j] + one_b1 * gr;
-                    let vj = tb2 * vv[j] + one_b2 * gr * gr;
-                    mv[j] = mj;
-                    vv[j] = vj;
-                    let vd = match vmax_v.as_deref_mut() {
-                        Some(vm) => {
-                            let mx = if vm[j] > vj { vm[j] } else { vj };
-                            vm[j] = mx;
-                            mx
-                        }
-                        None => vj,
-                    };
-                    let denom = vd.sqrt() / bias_c2_sqrt + eps;
-                    *x = *x - step_size * (mj / denom);
-                }
+                // compiled for the processor's vector width (sqrt and division are exact, so
+                // every level gives the same bits)
+                crate::kernels::dispatch(
+                    #[inline(always)]
+                    || match (mode, vmax_v.as_mut().map(|v| &mut v[..])) {
+                        (Decay::None, None) => adam_slices::<T, 0>(ps, gs, mv, vv, &k),
+                        (Decay::Decoupled, None) => adam_slices::<T, 1>(ps, gs, mv, vv, &k),
+                        (Decay::L2, None) => adam_slices::<T, 2>(ps, gs, mv, vv, &k),
+                        (mode, Some(vm)) => amsgrad_slices(ps, gs, mv, vv, vm, mode, &k),
+                    },
+                )
             })?;
         }
         let st = &mut self.states[i];
@@ -521,5 +524,101 @@ impl Optimizer for AdamW {
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
         self.0
             .load_state_dict("AdamW.load_state_dict", "AdamW", state)
+    }
+}
+
+/// How weight decay enters an Adam step.
+#[derive(Clone, Copy)]
+enum Decay {
+    None,
+    /// AdamW: the parameter shrinks by `1 - lr * weight_decay` first.
+    Decoupled,
+    /// Adam: `weight_decay * p` is added to the gradient.
+    L2,
+}
+
+/// One step's constants, in the parameter's element type.
+struct AdamConsts<T> {
+    b1: T,
+    b2: T,
+    one_b1: T,
+    one_b2: T,
+    eps: T,
+    wd: T,
+    decay: T,
+    step_size: T,
+    bias_c2_sqrt: T,
+}
+
+/// The step of one element; `vmax` holds AMSGrad's running maximum when there is one.
+#[inline(always)]
+fn adam_elem<T: OptElem, const MODE: u8>(
+    x: &mut T,
+    g: T,
+    m: &mut T,
+    v: &mut T,
+    vmax: Option<&mut T>,
+    k: &AdamConsts<T>,
+) {
+    let mut g = g;
+    match MODE {
+        1 => *x = *x * k.decay,
+        2 => g = g + k.wd * *x,
+        _ => {}
+    }
+    let mj = k.b1 * *m + k.one_b1 * g;
+    let vj = k.b2 * *v + k.one_b2 * g * g;
+    *m = mj;
+    *v = vj;
+    let vd = match vmax {
+        Some(vm) => {
+            let mx = if *vm > vj { *vm } else { vj };
+            *vm = mx;
+            mx
+        }
+        None => vj,
+    };
+    let denom = vd.sqrt() / k.bias_c2_sqrt + k.eps;
+    *x = *x - k.step_size * (mj / denom);
+}
+
+/// The Adam step over whole slices (no per-element branches, so it vectorises); `MODE` is the
+/// weight decay (0 none, 1 decoupled, 2 L2).
+#[inline(always)]
+fn adam_slices<T: OptElem, const MODE: u8>(
+    ps: &mut [T],
+    gs: &[T],
+    m: &mut [T],
+    v: &mut [T],
+    k: &AdamConsts<T>,
+) {
+    for (((x, &g), mj), vj) in ps.iter_mut().zip(gs).zip(m.iter_mut()).zip(v.iter_mut()) {
+        adam_elem::<T, MODE>(x, g, mj, vj, None, k);
+    }
+}
+
+/// The AMSGrad step over whole slices.
+#[inline(always)]
+fn amsgrad_slices<T: OptElem>(
+    ps: &mut [T],
+    gs: &[T],
+    m: &mut [T],
+    v: &mut [T],
+    vmax: &mut [T],
+    mode: Decay,
+    k: &AdamConsts<T>,
+) {
+    let all = ps
+        .iter_mut()
+        .zip(gs)
+        .zip(m.iter_mut())
+        .zip(v.iter_mut())
+        .zip(vmax.iter_mut());
+    for ((((x, &g), mj), vj), vm) in all {
+        match mode {
+            Decay::None => adam_elem::<T, 0>(x, g, mj, vj, Some(vm), k),
+            Decay::Decoupled => adam_elem::<T, 1>(x, g, mj, vj, Some(vm), k),
+            Decay::L2 => adam_elem::<T, 2>(x, g, mj, vj, Some(vm), k),
+        }
     }
 }
