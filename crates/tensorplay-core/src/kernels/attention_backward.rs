@@ -1,0 +1,186 @@
+//! The backward of the fused attention ([`super::attention`]), as PyTorch's
+//! `FlashAttentionKernel.cpp`: for each (batch x heads) matrix, each query block walks its key
+//! blocks (up to the causal diagonal), recomputes the probabilities `P = exp(scale Q K^T - lse)`
+//! from the forward's log-sum-exp, and accumulates with `gemm` products `dV += P^T dO`,
+//! `dP = dO V^T`, `dS = P (dP - rowsum(dO O))`, `dQ += scale dS K` and `dK += scale dS^T Q`.
+//! Each matrix is one piece, computed whole by one thread.
+
+use num_traits::{One, Zero};
+
+use super::attention::{BK, BQ, Dims, Mask, Mat, exp_floor, exp_normal, mask_row, mm, pack};
+use super::isa::dispatch;
+use super::math::{Elem, Real};
+use super::parallel::map_chunks;
+use super::rows::sum_by2;
+use crate::storage::StorageElement;
+use crate::storage::pool::take;
+
+/// The gradients of one matrix: `dq` (`[l][e]`), `dk` (`[s][e]`) and `dv` (`[s][ev]`) from the
+/// output's gradient `g` and the output `o` (both read through their strides).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn backward_matrix<E: Elem>(
+    q: &Mat<'_, E>,
+    k: &Mat<'_, E>,
+    v: &Mat<'_, E>,
+    o: &Mat<'_, E>,
+    g: &Mat<'_, E>,
+    mask: &Mask<'_, E>,
+    lse: &[E::Acc],
+    d: Dims,
+    scale: E::Acc,
+    m: usize,
+    out: &mut [E],
+) {
+    let zero = E::Acc::zero();
+    let (e, ev) = (d.e, d.ev);
+    let causal = matches!(mask, Mask::Causal);
+    let (dq, rest) = out.split_at_mut(d.l * e);
+    let (dk, dv) = rest.split_at_mut(d.s * e);
+    // the matrix's operands in the computing type, rows contiguous
+    let mut qa = vec![zero; d.l * e];
+    let mut ka = vec![zero; d.s * e];
+    let mut va = vec![zero; d.s * ev];
+    let mut ga = vec![zero; d.l * ev];
+    pack(q, m, 0, d.l, e, &mut qa);
+    pack(k, m, 0, d.s, e, &mut ka);
+    pack(v, m, 0, d.s, ev, &mut va);
+    pack(g, m, 0, d.l, ev, &mut ga);
+    // D_i = g_i . o_i
+    let delta: Vec<E::Acc> = (0..d.l)
+        .map(|i| {
+            sum_by2(&ga[i * ev..(i + 1) * ev], o.row(m, i, ev), |x, y| {
+                x * y.load()
+            })
+        })
+        .collect();
+    let mut dq_acc = vec![zero; d.l * e];
+    let mut dk_acc = vec![zero; d.s * e];
+    let mut dv_acc = vec![zero; d.s * ev];
+    let bk = BK.min(d.s);
+    let mut p_buf = vec![zero; BQ.min(d.l) * bk];
+    let mut ds_buf = vec![zero; BQ.min(d.l) * bk];
+    let lo = exp_floor::<E::Acc>();
+    let mut i0 = 0;
+    while i0 < d.l {
+        let rows = BQ.min(d.l - i0);
+        let last_key = if causal { (i0 + rows).min(d.s) } else { d.s };
+        let qb = &qa[i0 * e..(i0 + rows) * e];
+        let gb = &ga[i0 * ev..(i0 + rows) * ev];
+        let mut j0 = 0;
+        while j0 < last_key {
+            let n = bk.min(last_key - j0);
+            let kb = &ka[j0 * e..(j0 + n) * e];
+            let vb = &va[j0 * ev..(j0 + n) * ev];
+            let (p, ds) = (&mut p_buf[..rows * n], &mut ds_buf[..rows * n]);
+            // P = exp(scale Q K^T - lse)
+            mm((rows, n, e), p, n, false, (qb, (e, 1)), (kb, (1, e)), scale);
+            for (r, row) in p.chunks_exact_mut(n).enumerate() {
+                mask_row(mask, m, i0 + r, j0, row);
+                let li = lse[i0 + r];
+                for x in row.iter_mut() {
+                    *x = exp_normal(*x - li, lo);
+                }
+            }
+            // dV += P^T dO
+            let dvb = &mut dv_acc[j0 * ev..(j0 + n) * ev];
+            mm(
+                (n, ev, rows),
+                dvb,
+                ev,
+                true,
+                (p, (1, n)),
+                (gb, (ev, 1)),
+                E::Acc::one(),
+            );
+            // dP = dO V^T, then dS = P (dP - D) in its place
+            mm(
+                (rows, n, ev),
+                ds,
+                n,
+                false,
+                (gb, (ev, 1)),
+                (vb, (1, ev)),
+                E::Acc::one(),
+            );
+            for (r, (dr, pr)) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate() {
+                let di = delta[i0 + r];
+                for (x, &pv) in dr.iter_mut().zip(pr) {
+                    *x = pv * (*x - di);
+                }
+            }
+            // dQ += scale dS K ; dK += scale dS^T Q
+            let dqb = &mut dq_acc[i0 * e..(i0 + rows) * e];
+            mm(
+                (rows, e, n),
+                dqb,
+                e,
+                true,
+                (ds, (n, 1)),
+                (kb, (e, 1)),
+                scale,
+            );
+            let dkb = &mut dk_acc[j0 * e..(j0 + n) * e];
+            mm(
+                (n, e, rows),
+                dkb,
+                e,
+                true,
+                (ds, (1, n)),
+                (qb, (e, 1)),
+                scale,
+            );
+            j0 += bk;
+        }
+        i0 += BQ;
+    }
+    for (dst, src) in [(dq, &dq_acc), (dk, &dk_acc), (dv, &dv_acc)] {
+        for (o, &x) in dst.iter_mut().zip(src.iter()) {
+            *o = E::store(x);
+        }
+    }
+}
+
+/// The backward: one buffer holding, for each matrix in turn, `dq` (`[l][e]`), `dk`
+/// (`[s][e]`) and `dv` (`[s][ev]`), contiguous.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<E: Elem + StorageElement>(
+    q: &Mat<'_, E>,
+    k: &Mat<'_, E>,
+    v: &Mat<'_, E>,
+    o: &Mat<'_, E>,
+    g: &Mat<'_, E>,
+    mask: &Mask<'_, E>,
+    lse: &[E::Acc],
+    d: Dims,
+    scale: f64,
+) -> Vec<E> {
+    let scale = E::Acc::c(scale);
+    let per = d.l * d.e + d.s * d.e + d.s * d.ev;
+    let mut out = take::<E>(d.bh * per);
+    if per == 0 {
+        return out;
+    }
+    let work = d.bh * d.l * d.s * (d.e + d.ev) * 2;
+    map_chunks(&mut out, per, work, |m, chunk| {
+        dispatch(
+            #[inline(always)]
+            || {
+                backward_matrix(
+                    q,
+                    k,
+                    v,
+                    o,
+                    g,
+                    mask,
+                    &lse[m * d.l..(m + 1) * d.l],
+                    d,
+                    scale,
+                    m,
+                    chunk,
+                )
+            },
+        )
+    });
+    out
+}
