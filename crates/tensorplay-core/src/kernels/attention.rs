@@ -17,7 +17,7 @@ pub(crate) use super::attention_backward::backward;
 use super::isa::dispatch;
 use super::math::{Elem, Real};
 use super::parallel::map_tasks;
-use super::rows::{max_by, sum_by};
+use super::rows::{LANES, sum_by};
 use crate::storage::StorageElement;
 use crate::storage::pool::take;
 
@@ -95,22 +95,15 @@ pub(super) fn exp_normal<A: Real>(x: A, lo: A) -> A {
     if x < lo { A::zero() } else { e }
 }
 
-/// Masks the scores `s` of query `i` (matrix `m`) against the keys from `j0`: `-inf` past the
-/// causal diagonal, or a bool mask's false elements, or an additive mask's elements added.
+/// Masks the scores `s` of query `i` (matrix `m`) against the keys from `j0` (a bool mask's
+/// false elements to `-inf`, an additive mask's elements added) and returns how many of them
+/// the query may see: under a causal mask the keys from there on are hidden, and left as they
+/// are for the caller.
 #[inline(always)]
-pub(super) fn mask_row<E: Elem>(
-    mask: &Mask<'_, E>,
-    m: usize,
-    i: usize,
-    j0: usize,
-    s: &mut [E::Acc],
-) {
+fn mask_row<E: Elem>(mask: &Mask<'_, E>, m: usize, i: usize, j0: usize, s: &mut [E::Acc]) -> usize {
     match mask {
         Mask::None => {}
-        Mask::Causal => {
-            let visible = (i + 1).saturating_sub(j0).min(s.len());
-            s[visible..].fill(E::Acc::neg_infinity());
-        }
+        Mask::Causal => return (i + 1).saturating_sub(j0).min(s.len()),
         Mask::Bool(b) => {
             let base = b.offsets[m] + i * b.row + j0 * b.col;
             for (j, o) in s.iter_mut().enumerate() {
@@ -126,6 +119,51 @@ pub(super) fn mask_row<E: Elem>(
             }
         }
     }
+    s.len()
+}
+
+/// A row of a score block whose first `n` columns hold scores (and whose length is a whole
+/// number of [`LANES`]): masks them and splits the row into the columns whose probabilities
+/// are computed, a whole number of vectors from the first (the columns past the keys the query
+/// sees there set to `-inf`), and the rest, whose probabilities are 0.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn live_columns<'a, E: Elem>(
+    mask: &Mask<'_, E>,
+    m: usize,
+    i: usize,
+    j0: usize,
+    n: usize,
+    row: &'a mut [E::Acc],
+) -> (&'a mut [E::Acc], &'a mut [E::Acc]) {
+    let visible = mask_row(mask, m, i, j0, &mut row[..n]);
+    let live = visible.next_multiple_of(LANES).min(row.len());
+    row[visible..live].fill(E::Acc::neg_infinity());
+    row.split_at_mut(live)
+}
+
+/// The maximum of a row of whole vectors of [`LANES`] (NaN ignored, `-inf` when empty), the
+/// lanes combined in a tree.
+#[inline(always)]
+fn row_max<A: Real>(x: &[A]) -> A {
+    let mut acc = [A::neg_infinity(); LANES];
+    for c in x.chunks_exact(LANES) {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            acc[l] = if acc[l + width] > acc[l] {
+                acc[l + width]
+            } else {
+                acc[l]
+            };
+        }
+    }
+    acc[0]
 }
 
 /// Rows `i0..i0 + n` of matrix `m` of `x` (their first `len` elements) into `out[..n * len]`,
@@ -233,11 +271,14 @@ fn forward_block<E: Elem>(
     } else {
         d.s
     };
-    let mut qb = vec![zero; rows * d.e];
-    pack(q, m, i0, rows, d.e, &mut qb);
-    let mut kb = vec![zero; bk * d.e];
-    let mut vb = vec![zero; bk * d.ev];
-    let mut sb = vec![zero; rows * bk];
+    // one scratch buffer: the query block, a key and a value block, a score block whose rows
+    // are whole vectors
+    let mut scratch =
+        vec![zero; rows * d.e + bk * (d.e + d.ev) + rows * bk.next_multiple_of(LANES)];
+    let (qb, rest) = scratch.split_at_mut(rows * d.e);
+    let (kb, rest) = rest.split_at_mut(bk * d.e);
+    let (vb, sb) = rest.split_at_mut(bk * d.ev);
+    pack(q, m, i0, rows, d.e, qb);
     let mut acc = vec![zero; rows * d.ev];
     let mut mx = vec![E::Acc::neg_infinity(); rows];
     let mut sum = vec![zero; rows];
@@ -245,36 +286,45 @@ fn forward_block<E: Elem>(
     let mut j0 = 0;
     while j0 < last_key {
         let n = bk.min(last_key - j0);
-        pack(k, m, j0, n, d.e, &mut kb);
-        pack(v, m, j0, n, d.ev, &mut vb);
-        let s = &mut sb[..rows * n];
+        let w = n.next_multiple_of(LANES);
+        pack(k, m, j0, n, d.e, kb);
+        pack(v, m, j0, n, d.ev, vb);
+        let s = &mut sb[..rows * w];
         // S = scale Q K^T
         mm(
             (rows, n, d.e),
             s,
-            n,
+            w,
             false,
-            (&qb, (d.e, 1)),
-            (&kb, (1, d.e)),
+            (qb, (d.e, 1)),
+            (kb, (1, d.e)),
             scale,
         );
-        for (r, row) in s.chunks_exact_mut(n).enumerate() {
-            mask_row(mask, m, i0 + r, j0, row);
-            let bmax = max_by(row, |x| x);
+        for (r, row) in s.chunks_exact_mut(w).enumerate() {
+            let (live, dead) = live_columns(mask, m, i0 + r, j0, n, row);
+            dead.fill(zero);
+            let bmax = row_max(live);
             let new_max = if bmax > mx[r] { bmax } else { mx[r] };
             if new_max == E::Acc::neg_infinity() {
                 // every key so far is masked: nothing to add
-                row.fill(zero);
+                live.fill(zero);
                 continue;
             }
-            let corr = exp_normal(mx[r] - new_max, lo);
-            for x in row.iter_mut() {
+            let corr = if mx[r] == E::Acc::neg_infinity() {
+                zero
+            } else {
+                exp_normal(mx[r] - new_max, lo)
+            };
+            for x in live.iter_mut() {
                 *x = exp_normal(*x - new_max, lo);
             }
-            sum[r] = sum[r] * corr + sum_by(row, |x| x);
+            sum[r] = sum[r] * corr + sum_by(live, |x| x);
             mx[r] = new_max;
-            for o in &mut acc[r * d.ev..(r + 1) * d.ev] {
-                *o = *o * corr;
+            if corr != E::Acc::one() {
+                // (a row that saw no key yet holds zeros)
+                for o in &mut acc[r * d.ev..(r + 1) * d.ev] {
+                    *o = *o * corr;
+                }
             }
         }
         // O += P V
@@ -283,8 +333,8 @@ fn forward_block<E: Elem>(
             &mut acc,
             d.ev,
             true,
-            (s, (n, 1)),
-            (&vb, (d.ev, 1)),
+            (s, (w, 1)),
+            (vb, (d.ev, 1)),
             E::Acc::one(),
         );
         j0 += bk;

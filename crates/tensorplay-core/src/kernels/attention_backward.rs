@@ -7,11 +7,11 @@
 
 use num_traits::{One, Zero};
 
-use super::attention::{BK, BQ, Dims, Mask, Mat, exp_floor, exp_normal, mask_row, mm, pack};
+use super::attention::{BK, BQ, Dims, Mask, Mat, exp_floor, exp_normal, live_columns, mm, pack};
 use super::isa::dispatch;
 use super::math::{Elem, Real};
 use super::parallel::map_chunks;
-use super::rows::sum_by2;
+use super::rows::{LANES, sum_by2};
 use crate::storage::StorageElement;
 use crate::storage::pool::take;
 
@@ -58,8 +58,9 @@ fn backward_matrix<E: Elem>(
     let mut dk_acc = vec![zero; d.s * e];
     let mut dv_acc = vec![zero; d.s * ev];
     let bk = BK.min(d.s);
-    let mut p_buf = vec![zero; BQ.min(d.l) * bk];
-    let mut ds_buf = vec![zero; BQ.min(d.l) * bk];
+    let block = BQ.min(d.l) * bk.next_multiple_of(LANES);
+    let mut p_buf = vec![zero; block];
+    let mut ds_buf = vec![zero; block];
     let lo = exp_floor::<E::Acc>();
     let mut i0 = 0;
     while i0 < d.l {
@@ -70,15 +71,20 @@ fn backward_matrix<E: Elem>(
         let mut j0 = 0;
         while j0 < last_key {
             let n = bk.min(last_key - j0);
+            // rows of the blocks are whole vectors; the live columns of each row
+            let w = n.next_multiple_of(LANES);
+            let mut live = [0; BQ];
             let kb = &ka[j0 * e..(j0 + n) * e];
             let vb = &va[j0 * ev..(j0 + n) * ev];
-            let (p, ds) = (&mut p_buf[..rows * n], &mut ds_buf[..rows * n]);
+            let (p, ds) = (&mut p_buf[..rows * w], &mut ds_buf[..rows * w]);
             // P = exp(scale Q K^T - lse)
-            mm((rows, n, e), p, n, false, (qb, (e, 1)), (kb, (1, e)), scale);
-            for (r, row) in p.chunks_exact_mut(n).enumerate() {
-                mask_row(mask, m, i0 + r, j0, row);
+            mm((rows, n, e), p, w, false, (qb, (e, 1)), (kb, (1, e)), scale);
+            for (r, row) in p.chunks_exact_mut(w).enumerate() {
+                let (lv, dead) = live_columns(mask, m, i0 + r, j0, n, row);
+                dead.fill(zero);
+                live[r] = lv.len();
                 let li = lse[i0 + r];
-                for x in row.iter_mut() {
+                for x in lv.iter_mut() {
                     *x = exp_normal(*x - li, lo);
                 }
             }
@@ -89,25 +95,27 @@ fn backward_matrix<E: Elem>(
                 dvb,
                 ev,
                 true,
-                (p, (1, n)),
+                (p, (1, w)),
                 (gb, (ev, 1)),
                 E::Acc::one(),
             );
-            // dP = dO V^T, then dS = P (dP - D) in its place
+            // dP = dO V^T, then dS = P (dP - D) in its place (0 where P is)
             mm(
                 (rows, n, ev),
                 ds,
-                n,
+                w,
                 false,
                 (gb, (ev, 1)),
                 (vb, (1, ev)),
                 E::Acc::one(),
             );
-            for (r, (dr, pr)) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate() {
+            for (r, (dr, pr)) in ds.chunks_exact_mut(w).zip(p.chunks_exact(w)).enumerate() {
                 let di = delta[i0 + r];
-                for (x, &pv) in dr.iter_mut().zip(pr) {
+                let (dl, dead) = dr.split_at_mut(live[r]);
+                for (x, &pv) in dl.iter_mut().zip(pr) {
                     *x = pv * (*x - di);
                 }
+                dead.fill(zero);
             }
             // dQ += scale dS K ; dK += scale dS^T Q
             let dqb = &mut dq_acc[i0 * e..(i0 + rows) * e];
@@ -116,7 +124,7 @@ fn backward_matrix<E: Elem>(
                 dqb,
                 e,
                 true,
-                (ds, (n, 1)),
+                (ds, (w, 1)),
                 (kb, (e, 1)),
                 scale,
             );
@@ -126,7 +134,7 @@ fn backward_matrix<E: Elem>(
                 dkb,
                 e,
                 true,
-                (ds, (1, n)),
+                (ds, (1, w)),
                 (qb, (e, 1)),
                 scale,
             );
