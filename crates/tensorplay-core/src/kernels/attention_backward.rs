@@ -10,12 +10,12 @@ use num_traits::{One, Zero};
 use super::attention::{BK, BQ, Dims, Mask, Mat, exp_floor, exp_normal, live_columns, mm, pack};
 use super::isa::dispatch;
 use super::math::{Elem, Real};
-use super::parallel::map_chunks;
+use super::parallel::for_each_piece;
 use super::rows::{LANES, sum_by2};
 use crate::storage::StorageElement;
 use crate::storage::pool::take;
 
-/// The gradients of one matrix: `dq` (`[l][e]`), `dk` (`[s][e]`) and `dv` (`[s][ev]`) from the
+/// The gradients of one matrix, `dq` (`[l][e]`), `dk` (`[s][e]`) and `dv` (`[s][ev]`), from the
 /// output's gradient `g` and the output `o` (both read through their strides).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -30,13 +30,11 @@ fn backward_matrix<E: Elem>(
     d: Dims,
     scale: E::Acc,
     m: usize,
-    out: &mut [E],
+    (dq, dk, dv): Grads<'_, E>,
 ) {
     let zero = E::Acc::zero();
     let (e, ev) = (d.e, d.ev);
     let causal = matches!(mask, Mask::Causal);
-    let (dq, rest) = out.split_at_mut(d.l * e);
-    let (dk, dv) = rest.split_at_mut(d.s * e);
     // the matrix's operands in the computing type, rows contiguous
     let mut qa = vec![zero; d.l * e];
     let mut ka = vec![zero; d.s * e];
@@ -149,8 +147,11 @@ fn backward_matrix<E: Elem>(
     }
 }
 
-/// The backward: one buffer holding, for each matrix in turn, `dq` (`[l][e]`), `dk`
-/// (`[s][e]`) and `dv` (`[s][ev]`), contiguous.
+/// One matrix's `dq`, `dk` and `dv`.
+type Grads<'a, E> = (&'a mut [E], &'a mut [E], &'a mut [E]);
+
+/// The backward: `dq` (`[bh][l][e]`), `dk` (`[bh][s][e]`) and `dv` (`[bh][s][ev]`),
+/// contiguous.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<E: Elem + StorageElement>(
     q: &Mat<'_, E>,
@@ -162,15 +163,22 @@ pub(crate) fn backward<E: Elem + StorageElement>(
     lse: &[E::Acc],
     d: Dims,
     scale: f64,
-) -> Vec<E> {
+) -> (Vec<E>, Vec<E>, Vec<E>) {
     let scale = E::Acc::c(scale);
-    let per = d.l * d.e + d.s * d.e + d.s * d.ev;
-    let mut out = take::<E>(d.bh * per);
-    if per == 0 {
-        return out;
+    let mut dq = take::<E>(d.bh * d.l * d.e);
+    let mut dk = take::<E>(d.bh * d.s * d.e);
+    let mut dv = take::<E>(d.bh * d.s * d.ev);
+    let mut pieces = Vec::with_capacity(d.bh);
+    let (mut rq, mut rk, mut rv) = (&mut dq[..], &mut dk[..], &mut dv[..]);
+    for _ in 0..d.bh {
+        let (q1, q2) = std::mem::take(&mut rq).split_at_mut(d.l * d.e);
+        let (k1, k2) = std::mem::take(&mut rk).split_at_mut(d.s * d.e);
+        let (v1, v2) = std::mem::take(&mut rv).split_at_mut(d.s * d.ev);
+        pieces.push((q1, k1, v1));
+        (rq, rk, rv) = (q2, k2, v2);
     }
     let work = d.bh * d.l * d.s * (d.e + d.ev) * 2;
-    map_chunks(&mut out, per, work, |m, chunk| {
+    for_each_piece(pieces, work, |m, grads| {
         dispatch(
             #[inline(always)]
             || {
@@ -185,10 +193,10 @@ pub(crate) fn backward<E: Elem + StorageElement>(
                     d,
                     scale,
                     m,
-                    chunk,
+                    grads,
                 )
             },
         )
     });
-    out
+    (dq, dk, dv)
 }
