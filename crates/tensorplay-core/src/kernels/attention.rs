@@ -300,30 +300,43 @@ fn forward_block<E: Elem>(
             (kb, (1, d.e)),
             scale,
         );
+        // the rows' maxima first, then their exponentials, then their sums: the exponentials of
+        // consecutive rows are independent work the processor overlaps
+        let mut live = [0usize; BQ];
+        let mut corr = [E::Acc::one(); BQ];
         for (r, row) in s.chunks_exact_mut(w).enumerate() {
-            let (live, dead) = live_columns(mask, m, i0 + r, j0, n, row);
+            let (lv, dead) = live_columns(mask, m, i0 + r, j0, n, row);
             dead.fill(zero);
-            let bmax = row_max(live);
+            let bmax = row_max(lv);
             let new_max = if bmax > mx[r] { bmax } else { mx[r] };
             if new_max == E::Acc::neg_infinity() {
                 // every key so far is masked: nothing to add
-                live.fill(zero);
+                lv.fill(zero);
                 continue;
             }
-            let corr = if mx[r] == E::Acc::neg_infinity() {
-                zero
+            live[r] = lv.len();
+            if mx[r] != E::Acc::neg_infinity() {
+                corr[r] = exp_normal(mx[r] - new_max, lo);
             } else {
-                exp_normal(mx[r] - new_max, lo)
-            };
-            for x in live.iter_mut() {
-                *x = exp_normal(*x - new_max, lo);
-            }
-            sum[r] = sum[r] * corr + sum_by(live, |x| x);
-            mx[r] = new_max;
-            if corr != E::Acc::one() {
                 // (a row that saw no key yet holds zeros)
+                corr[r] = zero;
+            }
+            mx[r] = new_max;
+        }
+        for (r, row) in s.chunks_exact_mut(w).enumerate() {
+            let shift = mx[r];
+            for x in &mut row[..live[r]] {
+                *x = exp_normal(*x - shift, lo);
+            }
+        }
+        for (r, row) in s.chunks_exact(w).enumerate() {
+            if live[r] == 0 {
+                continue;
+            }
+            sum[r] = sum[r] * corr[r] + sum_by(&row[..live[r]], |x| x);
+            if corr[r] != E::Acc::one() && corr[r] != zero {
                 for o in &mut acc[r * d.ev..(r + 1) * d.ev] {
-                    *o = *o * corr;
+                    *o = *o * corr[r];
                 }
             }
         }
