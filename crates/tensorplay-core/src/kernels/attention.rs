@@ -127,7 +127,6 @@ fn mask_row<E: Elem>(mask: &Mask<'_, E>, m: usize, i: usize, j0: usize, s: &mut 
 /// are computed, a whole number of vectors from the first (the columns past the keys the query
 /// sees there set to `-inf`), and the rest, whose probabilities are 0.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(super) fn live_columns<'a, E: Elem>(
     mask: &Mask<'_, E>,
     m: usize,
