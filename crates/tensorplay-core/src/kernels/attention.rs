@@ -4,10 +4,10 @@
 //! causal diagonal are skipped; the backward ([`backward`], in `attention_backward.rs`)
 //! recomputes the scores block by block from the saved log-sum-exp of each row.
 //!
-//! The block products (`Q K^T`, `P V`) are matrix products of the `gemm` crate on blocks copied
-//! into the computing type; the softmax work between them runs over rows of a block. Operands
-//! are read through their strides (the last dimension contiguous), so heads split out of a fused
-//! projection are not copied whole. Work is split over (batch x heads) and query blocks in the
+//! The block products (`Q K^T`, `P V`) are single-threaded matrix products of the `gemm`
+//! crate; the softmax work between them runs over rows of a block. Operands are read in place
+//! through their strides (the last dimension contiguous; loaded into the computing type only
+//! where it is not the element type), so heads split out of a fused projection need no copy. Work is split over (batch x heads) and query blocks in the
 //! forward, over (batch x heads) in the backward; each piece is computed whole by one thread
 //! (the products single-threaded), so the thread count does not change a bit.
 
@@ -186,6 +186,28 @@ pub(super) fn pack<E: Elem>(
     }
 }
 
+/// Rows `i0..i0 + n` of matrix `m` of `x` (their first `len` elements) as an operand of [`mm`]
+/// in the computing type, and the stride between its rows: read in place where the element
+/// type is the computing type, else loaded into `buf` (by [`pack`]).
+#[inline(always)]
+pub(super) fn rows_of<'a, E: Elem>(
+    x: &'a Mat<'a, E>,
+    m: usize,
+    i0: usize,
+    n: usize,
+    len: usize,
+    buf: &'a mut Vec<E::Acc>,
+) -> (&'a [E::Acc], usize) {
+    match E::as_acc(x.data) {
+        Some(data) if n > 0 && len > 0 => (&data[x.offsets[m] + i0 * x.row..], x.row),
+        _ => {
+            buf.resize(n * len, E::Acc::zero());
+            pack(x, m, i0, n, len, buf);
+            (&buf[..n * len], len)
+        }
+    }
+}
+
 /// The sizes `(m, n, k)` of a product of an `m x k` and a `k x n` matrix.
 pub(super) type Sizes = (usize, usize, usize);
 
@@ -270,14 +292,11 @@ fn forward_block<E: Elem>(
     } else {
         d.s
     };
-    // one scratch buffer: the query block, a key and a value block, a score block whose rows
-    // are whole vectors
-    let mut scratch =
-        vec![zero; rows * d.e + bk * (d.e + d.ev) + rows * bk.next_multiple_of(LANES)];
-    let (qb, rest) = scratch.split_at_mut(rows * d.e);
-    let (kb, rest) = rest.split_at_mut(bk * d.e);
-    let (vb, sb) = rest.split_at_mut(bk * d.ev);
-    pack(q, m, i0, rows, d.e, qb);
+    // the blocks of q, k and v where they must be loaded, and a score block whose rows are
+    // whole vectors
+    let (mut qbuf, mut kbuf, mut vbuf) = (Vec::new(), Vec::new(), Vec::new());
+    let mut sb = vec![zero; rows * bk.next_multiple_of(LANES)];
+    let (qb, qrs) = rows_of(q, m, i0, rows, d.e, &mut qbuf);
     let mut acc = vec![zero; rows * d.ev];
     let mut mx = vec![E::Acc::neg_infinity(); rows];
     let mut sum = vec![zero; rows];
@@ -286,8 +305,8 @@ fn forward_block<E: Elem>(
     while j0 < last_key {
         let n = bk.min(last_key - j0);
         let w = n.next_multiple_of(LANES);
-        pack(k, m, j0, n, d.e, kb);
-        pack(v, m, j0, n, d.ev, vb);
+        let (kop, krs) = rows_of(k, m, j0, n, d.e, &mut kbuf);
+        let (vop, vrs) = rows_of(v, m, j0, n, d.ev, &mut vbuf);
         let s = &mut sb[..rows * w];
         // S = scale Q K^T
         mm(
@@ -295,8 +314,8 @@ fn forward_block<E: Elem>(
             s,
             w,
             false,
-            (qb, (d.e, 1)),
-            (kb, (1, d.e)),
+            (qb, (qrs, 1)),
+            (kop, (1, krs)),
             scale,
         );
         // the rows' maxima first, then their exponentials, then their sums: the exponentials of
@@ -346,7 +365,7 @@ fn forward_block<E: Elem>(
             d.ev,
             true,
             (s, (w, 1)),
-            (vb, (d.ev, 1)),
+            (vop, (vrs, 1)),
             E::Acc::one(),
         );
         j0 += bk;

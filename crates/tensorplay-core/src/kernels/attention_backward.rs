@@ -7,7 +7,7 @@
 
 use num_traits::{One, Zero};
 
-use super::attention::{BK, BQ, Dims, Mask, Mat, exp_floor, exp_normal, live_columns, mm, pack};
+use super::attention::{BK, BQ, Dims, Mask, Mat, exp_floor, exp_normal, live_columns, mm, rows_of};
 use super::isa::dispatch;
 use super::math::{Elem, Real};
 use super::parallel::for_each_piece;
@@ -35,19 +35,17 @@ fn backward_matrix<E: Elem>(
     let zero = E::Acc::zero();
     let (e, ev) = (d.e, d.ev);
     let causal = matches!(mask, Mask::Causal);
-    // the matrix's operands in the computing type, rows contiguous
-    let mut qa = vec![zero; d.l * e];
-    let mut ka = vec![zero; d.s * e];
-    let mut va = vec![zero; d.s * ev];
-    let mut ga = vec![zero; d.l * ev];
-    pack(q, m, 0, d.l, e, &mut qa);
-    pack(k, m, 0, d.s, e, &mut ka);
-    pack(v, m, 0, d.s, ev, &mut va);
-    pack(g, m, 0, d.l, ev, &mut ga);
+    // the matrix's operands in the computing type, and their row strides
+    let mut bufs: [Vec<E::Acc>; 4] = Default::default();
+    let [qbuf, kbuf, vbuf, gbuf] = &mut bufs;
+    let (qa, qrs) = rows_of(q, m, 0, d.l, e, qbuf);
+    let (ka, krs) = rows_of(k, m, 0, d.s, e, kbuf);
+    let (va, vrs) = rows_of(v, m, 0, d.s, ev, vbuf);
+    let (ga, grs) = rows_of(g, m, 0, d.l, ev, gbuf);
     // D_i = g_i . o_i
     let delta: Vec<E::Acc> = (0..d.l)
         .map(|i| {
-            sum_by2(&ga[i * ev..(i + 1) * ev], o.row(m, i, ev), |x, y| {
+            sum_by2(&ga[i * grs..i * grs + ev], o.row(m, i, ev), |x, y| {
                 x * y.load()
             })
         })
@@ -64,19 +62,27 @@ fn backward_matrix<E: Elem>(
     while i0 < d.l {
         let rows = BQ.min(d.l - i0);
         let last_key = if causal { (i0 + rows).min(d.s) } else { d.s };
-        let qb = &qa[i0 * e..(i0 + rows) * e];
-        let gb = &ga[i0 * ev..(i0 + rows) * ev];
+        let qb = &qa[i0 * qrs..];
+        let gb = &ga[i0 * grs..];
         let mut j0 = 0;
         while j0 < last_key {
             let n = bk.min(last_key - j0);
             // rows of the blocks are whole vectors; the live columns of each row
             let w = n.next_multiple_of(LANES);
             let mut live = [0; BQ];
-            let kb = &ka[j0 * e..(j0 + n) * e];
-            let vb = &va[j0 * ev..(j0 + n) * ev];
+            let kb = &ka[j0 * krs..];
+            let vb = &va[j0 * vrs..];
             let (p, ds) = (&mut p_buf[..rows * w], &mut ds_buf[..rows * w]);
             // P = exp(scale Q K^T - lse)
-            mm((rows, n, e), p, w, false, (qb, (e, 1)), (kb, (1, e)), scale);
+            mm(
+                (rows, n, e),
+                p,
+                w,
+                false,
+                (qb, (qrs, 1)),
+                (kb, (1, krs)),
+                scale,
+            );
             for (r, row) in p.chunks_exact_mut(w).enumerate() {
                 let (lv, dead) = live_columns(mask, m, i0 + r, j0, n, row);
                 dead.fill(zero);
@@ -94,7 +100,7 @@ fn backward_matrix<E: Elem>(
                 ev,
                 true,
                 (p, (1, w)),
-                (gb, (ev, 1)),
+                (gb, (grs, 1)),
                 E::Acc::one(),
             );
             // dP = dO V^T, then dS = P (dP - D) in its place (0 where P is)
@@ -103,8 +109,8 @@ fn backward_matrix<E: Elem>(
                 ds,
                 w,
                 false,
-                (gb, (ev, 1)),
-                (vb, (1, ev)),
+                (gb, (grs, 1)),
+                (vb, (1, vrs)),
                 E::Acc::one(),
             );
             for (r, (dr, pr)) in ds.chunks_exact_mut(w).zip(p.chunks_exact(w)).enumerate() {
@@ -123,7 +129,7 @@ fn backward_matrix<E: Elem>(
                 e,
                 true,
                 (ds, (w, 1)),
-                (kb, (e, 1)),
+                (kb, (krs, 1)),
                 scale,
             );
             let dkb = &mut dk_acc[j0 * e..(j0 + n) * e];
@@ -133,7 +139,7 @@ fn backward_matrix<E: Elem>(
                 e,
                 true,
                 (ds, (1, w)),
-                (qb, (e, 1)),
+                (qb, (qrs, 1)),
                 scale,
             );
             j0 += bk;
