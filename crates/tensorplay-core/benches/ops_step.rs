@@ -3,8 +3,9 @@
 //! 5 warm-up calls. Prints exactly the anchor's lines with the prefix `tensorplay-ops`:
 //! `exp_1m`, `softmax_1m`, `layernorm_1m`, `gelu_tanh_1m` and `sdpa_causal` (q, k, v of
 //! shape [16, 4, 64, 32]), in microseconds; then rows without an anchor yet: `log_1m` (of
-//! `|x| + 0.5`), `erf_1m`, `gelu_erf_1m` and `cross_entropy_1m` (the 8192 x 128 logits
-//! against int64 targets, forward only).
+//! `|x| + 0.5`), `erf_1m`, `gelu_erf_1m`, `cross_entropy_1m` (the 8192 x 128 logits
+//! against int64 targets, forward only) and `sdpa_causal_fwd_bwd` (`sdpa_causal`'s forward
+//! and the gradients of q, k and v, the GPT training step's attention).
 //!
 //! `cargo bench -p tensorplay-core --bench ops_step`; `cargo xtask bench-core` runs it beside
 //! the anchor. `TENSORPLAY_CPU_CAPABILITY=default|avx2|avx512` picks the kernels' level.
@@ -65,7 +66,13 @@ fn main() -> tp::Result<()> {
     let pos = x.abs()?.add_scalar(0.5)?;
     let target = Tensor::from_vec((0..8192).map(|i| i % 128).collect::<Vec<i64>>(), &[8192])?;
     let _guard = tp::no_grad();
-    let rows: [(&str, Op<'_>); 9] = [
+    let (ql, kl, vl) = (
+        q.detach().requires_grad_(true),
+        k.detach().requires_grad_(true),
+        v.detach().requires_grad_(true),
+    );
+    let g = tp::randn(&[16, 4, 64, 32])?;
+    let rows: [(&str, Op<'_>); 10] = [
         ("exp_1m", Box::new(|| x.exp())),
         ("softmax_1m", Box::new(|| x.softmax(-1))),
         (
@@ -86,6 +93,21 @@ fn main() -> tp::Result<()> {
         (
             "cross_entropy_1m",
             Box::new(|| F::cross_entropy(&x, &target)),
+        ),
+        (
+            "sdpa_causal_fwd_bwd",
+            Box::new(|| {
+                let _grad = tp::set_grad_enabled(true);
+                let y = F::scaled_dot_product_attention(&ql, &kl, &vl, None, 0.0, true, None)?;
+                let inputs = [ql.clone(), kl.clone(), vl.clone()];
+                let opts = tp::autograd::GradOptions::default();
+                let grads = tp::autograd::grad(&[y], &inputs, &[Some(g.clone())], opts)?;
+                grads
+                    .into_iter()
+                    .flatten()
+                    .next()
+                    .map_or_else(|| tp::zeros(&[1]), Ok)
+            }),
         ),
     ];
     for (name, mut f) in rows {

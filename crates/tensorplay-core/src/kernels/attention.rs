@@ -1,26 +1,31 @@
-//! Fused scaled-dot-product attention on the CPU (FlashAttention's algorithm): each query
-//! block walks the key blocks with an online softmax (a running maximum and sum per row), so
-//! the `[L, S]` score matrix is never stored; blocks above the causal diagonal are skipped; the
-//! backward recomputes the scores block by block from the saved log-sum-exp of each row.
+//! Fused scaled-dot-product attention on the CPU (FlashAttention's algorithm, as PyTorch's
+//! `FlashAttentionKernel.cpp`): each query block walks the key blocks with an online softmax (a
+//! running maximum and sum per row), so the `[L, S]` score matrix is never stored; keys past the
+//! causal diagonal are skipped; the backward ([`backward`], in `attention_backward.rs`)
+//! recomputes the scores block by block from the saved log-sum-exp of each row.
 //!
-//! Operands are read in place through their strides (the last dimension contiguous), so heads
-//! split out of a fused projection need no copy. Work is split over (batch x heads) and query
-//! blocks in the forward, over (batch x heads) in the backward; each piece is computed whole by
-//! one thread, so the thread count does not change a bit.
+//! The block products (`Q K^T`, `P V`) are single-threaded matrix products of the `gemm`
+//! crate; the softmax work between them runs over rows of a block. Operands are read in place
+//! through their strides (the last dimension contiguous; loaded into the computing type only
+//! where it is not the element type), so heads split out of a fused projection need no copy. Work is split over (batch x heads) and query blocks in the
+//! forward, over (batch x heads) in the backward; each piece is computed whole by one thread
+//! (the products single-threaded), so the thread count does not change a bit.
 
 use num_traits::{Float, One, Zero};
 
+pub(crate) use super::attention_backward::backward;
 use super::isa::dispatch;
 use super::math::{Elem, Real};
-use super::parallel::{map_chunks, map_tasks};
-use super::rows::{max_by, sum_by};
+use super::parallel::map_tasks;
+use super::rows::{LANES, sum_by};
 use crate::storage::StorageElement;
 use crate::storage::pool::take;
 
 /// Query rows per block.
-const BQ: usize = 32;
-/// Key rows per block.
-const BK: usize = 64;
+pub(super) const BQ: usize = 32;
+/// Key rows per block (PyTorch's `kvSplitSize` for short sequences): a causal query block
+/// reads only the keys up to its last row's.
+pub(super) const BK: usize = 512;
 
 /// One operand: for each (batch x heads) matrix the offset of its first row, and the stride
 /// between its rows (elements within a row are contiguous).
@@ -32,8 +37,9 @@ pub(crate) struct Mat<'a, E> {
 }
 
 impl<E: Elem> Mat<'_, E> {
+    /// Row `i` (its first `len` elements) of matrix `m`.
     #[inline(always)]
-    fn row(&self, m: usize, i: usize, len: usize) -> &[E] {
+    pub(super) fn row(&self, m: usize, i: usize, len: usize) -> &[E] {
         let o = self.offsets[m] + i * self.row;
         &self.data[o..o + len]
     }
@@ -73,76 +79,31 @@ pub(crate) struct Dims {
     pub(crate) ev: usize,
 }
 
-/// The keys query `i` may see in the key block starting at `j0` (`0..` this many), under a
-/// causal mask.
+/// The least `x` whose `e^x` [`exp_normal`] computes: `ln` of the least normal number, plus a
+/// margin.
 #[inline(always)]
-fn visible(mask_causal: bool, i: usize, j0: usize, bk: usize) -> usize {
-    if mask_causal {
-        (i + 1).saturating_sub(j0).min(bk)
-    } else {
-        bk
-    }
+pub(super) fn exp_floor<A: Real>() -> A {
+    A::min_positive_value().ln() + A::c(0.5)
 }
 
-/// How many columns to compute for `n` visible keys in a block of `bk`: `n` rounded up to a
-/// whole vector (the extra scores are masked), so the loops have no scalar tails.
+/// `e^x`, or 0 below `lo` ([`exp_floor`]), so that no subnormal number is made: making one
+/// (a masked score's `e^-inf`) costs the processor a microcode assist of about a hundred cycles.
+/// NaN stays NaN.
 #[inline(always)]
-fn padded(n: usize, bk: usize) -> usize {
-    n.div_ceil(16).saturating_mul(16).min(bk).max(n)
+pub(super) fn exp_normal<A: Real>(x: A, lo: A) -> A {
+    let e = (if x < lo { lo } else { x }).exp_k();
+    if x < lo { A::zero() } else { e }
 }
 
-/// The scores of query row `qi` against the packed key block `kt` (`[e][BK]`, already scaled),
-/// with the mask applied, into `s[..padded(n, bk)]` (the columns from `n` are `-inf`).
+/// Masks the scores `s` of query `i` (matrix `m`) against the keys from `j0` (a bool mask's
+/// false elements to `-inf`, an additive mask's elements added) and returns how many of them
+/// the query may see: under a causal mask the keys from there on are hidden, and left as they
+/// are for the caller.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn scores<E: Elem>(
-    qi: &[E],
-    kt: &[E::Acc],
-    n: usize,
-    mask: &Mask<'_, E>,
-    m: usize,
-    i: usize,
-    j0: usize,
-    s: &mut [E::Acc],
-    bk: usize,
-) {
-    let nv = padded(n, bk);
-    let s = &mut s[..nv];
-    if nv == BK {
-        // a whole block: the accumulators are a fixed array the compiler keeps in registers
-        let mut acc = [E::Acc::zero(); BK];
-        for (e, &q) in qi.iter().enumerate() {
-            let q = q.load();
-            if let Ok(krow) = <&[E::Acc; BK]>::try_from(&kt[e * BK..(e + 1) * BK]) {
-                for j in 0..BK {
-                    acc[j] = acc[j] + q * krow[j];
-                }
-            }
-        }
-        s.copy_from_slice(&acc);
-    } else {
-        s.fill(E::Acc::zero());
-        for (e, &q) in qi.iter().enumerate() {
-            let q = q.load();
-            let krow = &kt[e * BK..e * BK + nv];
-            for (o, &k) in s.iter_mut().zip(krow) {
-                *o = *o + q * k;
-            }
-        }
-    }
-    for o in &mut s[n..] {
-        *o = E::Acc::neg_infinity();
-    }
-    let s = &mut s[..n];
-    apply_mask(mask, m, i, j0, s);
-}
-
-/// Applies a bool or additive mask to the scores `s` of query `i` (matrix `m`) against the
-/// keys from `j0`; causal masks and none are applied by the callers' visible counts.
-#[inline(always)]
-fn apply_mask<E: Elem>(mask: &Mask<'_, E>, m: usize, i: usize, j0: usize, s: &mut [E::Acc]) {
+fn mask_row<E: Elem>(mask: &Mask<'_, E>, m: usize, i: usize, j0: usize, s: &mut [E::Acc]) -> usize {
     match mask {
-        Mask::None | Mask::Causal => {}
+        Mask::None => {}
+        Mask::Causal => return (i + 1).saturating_sub(j0).min(s.len()),
         Mask::Bool(b) => {
             let base = b.offsets[m] + i * b.row + j0 * b.col;
             for (j, o) in s.iter_mut().enumerate() {
@@ -158,74 +119,159 @@ fn apply_mask<E: Elem>(mask: &Mask<'_, E>, m: usize, i: usize, j0: usize, s: &mu
             }
         }
     }
+    s.len()
 }
 
-/// Packs rows `j0..j0 + n` of `k` (matrix `m`) transposed into `kt[e][BK]`, times `scale`.
+/// A row of a score block whose first `n` columns hold scores (and whose length is a whole
+/// number of [`LANES`]): masks them and splits the row into the columns whose probabilities
+/// are computed, a whole number of vectors from the first (the columns past the keys the query
+/// sees there set to `-inf`), and the rest, whose probabilities are 0.
 #[inline(always)]
-fn pack_t<E: Elem>(
-    k: &Mat<'_, E>,
-    m: usize,
-    j0: usize,
-    n: usize,
-    e: usize,
-    scale: E::Acc,
-    kt: &mut [E::Acc],
-) {
-    for j in 0..n {
-        let row = k.row(m, j0 + j, e);
-        for (f, &v) in row.iter().enumerate() {
-            kt[f * BK + j] = v.load() * scale;
-        }
-    }
-}
-
-/// Query rows computed together: their scores share each loaded key, and their outputs each
-/// loaded value row.
-const TR: usize = 4;
-
-/// The scores of the `tr` query rows from `i` against the packed key block `kt`, the first
-/// `nv` columns of each of `st` (columns of a row from its visible count `ns[t]` are `-inf`),
-/// with the mask applied.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn score_tile<E: Elem>(
-    q: &Mat<'_, E>,
-    kt: &[E::Acc],
+pub(super) fn live_columns<'a, E: Elem>(
     mask: &Mask<'_, E>,
-    d: Dims,
     m: usize,
     i: usize,
     j0: usize,
-    tr: usize,
-    ns: &[usize; TR],
-    nv: usize,
-    st: &mut [[E::Acc; BK]; TR],
+    n: usize,
+    row: &'a mut [E::Acc],
+) -> (&'a mut [E::Acc], &'a mut [E::Acc]) {
+    let visible = mask_row(mask, m, i, j0, &mut row[..n]);
+    let live = visible.next_multiple_of(LANES).min(row.len());
+    row[visible..live].fill(E::Acc::neg_infinity());
+    row.split_at_mut(live)
+}
+
+/// The maximum of a row of whole vectors of [`LANES`] (NaN ignored, `-inf` when empty), the
+/// lanes combined in a tree.
+#[inline(always)]
+fn row_max<A: Real>(x: &[A]) -> A {
+    let mut acc = [A::neg_infinity(); LANES];
+    for c in x.chunks_exact(LANES) {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            acc[l] = if acc[l + width] > acc[l] {
+                acc[l + width]
+            } else {
+                acc[l]
+            };
+        }
+    }
+    acc[0]
+}
+
+/// Rows `i0..i0 + n` of matrix `m` of `x` (their first `len` elements) into `out[..n * len]`,
+/// loaded into the computing type.
+#[inline(always)]
+pub(super) fn pack<E: Elem>(
+    x: &Mat<'_, E>,
+    m: usize,
+    i0: usize,
+    n: usize,
+    len: usize,
+    out: &mut [E::Acc],
 ) {
-    let rows: [&[E]; TR] = std::array::from_fn(|t| q.row(m, i + t.min(tr - 1), d.e));
-    for row in st.iter_mut() {
-        row.fill(E::Acc::zero());
+    if len == 0 {
+        return;
     }
-    for f in 0..d.e {
-        let qv: [E::Acc; TR] = std::array::from_fn(|t| rows[t][f].load());
-        let krow = &kt[f * BK..f * BK + nv];
-        for (t, row) in st.iter_mut().enumerate() {
-            let qf = qv[t];
-            for (o, &k) in row[..nv].iter_mut().zip(krow) {
-                *o = *o + qf * k;
-            }
+    for (r, o) in out[..n * len].chunks_exact_mut(len).enumerate() {
+        for (dst, &src) in o.iter_mut().zip(x.row(m, i0 + r, len)) {
+            *dst = src.load();
         }
-    }
-    for t in 0..tr {
-        let row = &mut st[t][..nv];
-        for o in &mut row[ns[t]..] {
-            *o = E::Acc::neg_infinity();
-        }
-        apply_mask(mask, m, i + t, j0, &mut row[..ns[t]]);
     }
 }
 
-/// The forward of one query block of matrix `m`: the output rows (`[rows][ev]`) and each row's
-/// log-sum-exp of the scores.
+/// Rows `i0..i0 + n` of matrix `m` of `x` (their first `len` elements) as an operand of [`mm`]
+/// in the computing type, and the stride between its rows: read in place where the element
+/// type is the computing type, else loaded into `buf` (by [`pack`]).
+#[inline(always)]
+pub(super) fn rows_of<'a, E: Elem>(
+    x: &'a Mat<'a, E>,
+    m: usize,
+    i0: usize,
+    n: usize,
+    len: usize,
+    buf: &'a mut Vec<E::Acc>,
+) -> (&'a [E::Acc], usize) {
+    match E::as_acc(x.data) {
+        Some(data) if n > 0 && len > 0 => (&data[x.offsets[m] + i0 * x.row..], x.row),
+        _ => {
+            buf.resize(n * len, E::Acc::zero());
+            pack(x, m, i0, n, len, buf);
+            (&buf[..n * len], len)
+        }
+    }
+}
+
+/// The sizes `(m, n, k)` of a product of an `m x k` and a `k x n` matrix.
+pub(super) type Sizes = (usize, usize, usize);
+
+/// An operand of [`mm`]: its elements and the strides `(rows, columns)` that place element
+/// `(i, j)` at `i * rows + j * columns`.
+pub(super) type Operand<'a, A> = (&'a [A], (usize, usize));
+
+/// `dst = beta * lhs rhs` (or `dst += beta * lhs rhs` with `add`) by one single-threaded `gemm`
+/// call, for an `m x k` `lhs` and a `k x n` `rhs`; `dst` holds rows of `n` contiguous elements
+/// `drs` apart. Panics when an operand's extent passes the end of its slice.
+pub(super) fn mm<A: Real>(
+    (m, n, k): Sizes,
+    dst: &mut [A],
+    drs: usize,
+    add: bool,
+    (lhs, (lrs, lcs)): Operand<'_, A>,
+    (rhs, (rrs, rcs)): Operand<'_, A>,
+    beta: A,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(drs >= n && (m - 1) * drs + n <= dst.len(), "mm: dst");
+    if k == 0 {
+        if !add {
+            for r in 0..m {
+                dst[r * drs..r * drs + n].fill(A::zero());
+            }
+        }
+        return;
+    }
+    assert!((m - 1) * lrs + (k - 1) * lcs < lhs.len(), "mm: lhs");
+    assert!((k - 1) * rrs + (n - 1) * rcs < rhs.len(), "mm: rhs");
+    // SAFETY: the asserts above keep every element gemm reads or writes inside the slices
+    // (strides are non-negative, so the extremes are the last row and column); `dst`'s rows do
+    // not overlap (`drs >= n`), and `dst` is borrowed mutably, so it aliases neither operand.
+    // `A` is f32 or f64, types gemm supports.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            drs as isize,
+            add,
+            lhs.as_ptr(),
+            lcs as isize,
+            lrs as isize,
+            rhs.as_ptr(),
+            rcs as isize,
+            rrs as isize,
+            A::one(),
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// The forward of one query block of matrix `m` (rows from `i0`): the output rows
+/// (`[rows][ev]`) and each row's log-sum-exp of the scores.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn forward_block<E: Elem>(
@@ -238,76 +284,91 @@ fn forward_block<E: Elem>(
     m: usize,
     i0: usize,
 ) -> (Vec<E::Acc>, Vec<E::Acc>) {
+    let zero = E::Acc::zero();
     let rows = BQ.min(d.l - i0);
-    let causal = matches!(mask, Mask::Causal);
-    let mut acc = vec![E::Acc::zero(); rows * d.ev];
+    let bk = BK.min(d.s);
+    let last_key = if matches!(mask, Mask::Causal) {
+        (i0 + rows).min(d.s)
+    } else {
+        d.s
+    };
+    // the blocks of q, k and v where they must be loaded, and a score block whose rows are
+    // whole vectors
+    let (mut qbuf, mut kbuf, mut vbuf) = (Vec::new(), Vec::new(), Vec::new());
+    let mut sb = vec![zero; rows * bk.next_multiple_of(LANES)];
+    let (qb, qrs) = rows_of(q, m, i0, rows, d.e, &mut qbuf);
+    let mut acc = vec![zero; rows * d.ev];
     let mut mx = vec![E::Acc::neg_infinity(); rows];
-    let mut sum = vec![E::Acc::zero(); rows];
-    let mut kt = vec![E::Acc::zero(); d.e * BK];
-    let mut st = [[E::Acc::zero(); BK]; TR];
-    let last_key = if causal { (i0 + rows).min(d.s) } else { d.s };
+    let mut sum = vec![zero; rows];
+    let lo = exp_floor::<E::Acc>();
     let mut j0 = 0;
     while j0 < last_key {
-        let bk = BK.min(d.s - j0);
-        pack_t(k, m, j0, bk, d.e, scale, &mut kt);
-        let mut r0 = 0;
-        while r0 < rows {
-            let tr = TR.min(rows - r0);
-            let ns: [usize; TR] = std::array::from_fn(|t| {
-                if t < tr {
-                    visible(causal, i0 + r0 + t, j0, bk)
-                } else {
-                    0
-                }
-            });
-            let nmax = ns.iter().copied().max().unwrap_or(0);
-            if nmax == 0 {
-                r0 += TR;
+        let n = bk.min(last_key - j0);
+        let w = n.next_multiple_of(LANES);
+        let (kop, krs) = rows_of(k, m, j0, n, d.e, &mut kbuf);
+        let (vop, vrs) = rows_of(v, m, j0, n, d.ev, &mut vbuf);
+        let s = &mut sb[..rows * w];
+        // S = scale Q K^T
+        mm(
+            (rows, n, d.e),
+            s,
+            w,
+            false,
+            (qb, (qrs, 1)),
+            (kop, (1, krs)),
+            scale,
+        );
+        // the rows' maxima first, then their exponentials, then their sums: the exponentials of
+        // consecutive rows are independent work the processor overlaps
+        let mut live = [0usize; BQ];
+        let mut corr = [E::Acc::one(); BQ];
+        for (r, row) in s.chunks_exact_mut(w).enumerate() {
+            let (lv, dead) = live_columns(mask, m, i0 + r, j0, n, row);
+            dead.fill(zero);
+            let bmax = row_max(lv);
+            let new_max = if bmax > mx[r] { bmax } else { mx[r] };
+            if new_max == E::Acc::neg_infinity() {
+                // every key so far is masked: nothing to add
+                lv.fill(zero);
                 continue;
             }
-            let nv = padded(nmax, bk);
-            score_tile(q, &kt, mask, d, m, i0 + r0, j0, tr, &ns, nv, &mut st);
-            let mut active = [false; TR];
-            let mut corr = [E::Acc::zero(); TR];
-            for t in 0..tr {
-                let r = r0 + t;
-                let row = &mut st[t][..nv];
-                let bmax = max_by(row, |x| x);
-                let new_max = if bmax > mx[r] { bmax } else { mx[r] };
-                if ns[t] == 0 || new_max == E::Acc::neg_infinity() {
-                    // every key so far is masked: nothing to add
-                    row.fill(E::Acc::zero());
-                    corr[t] = E::Acc::one();
-                    continue;
-                }
-                active[t] = true;
-                corr[t] = (mx[r] - new_max).exp_k();
-                for x in row.iter_mut() {
-                    *x = (*x - new_max).exp_k();
-                }
-                sum[r] = sum[r] * corr[t] + sum_by(row, |x| x);
-                mx[r] = new_max;
-                for o in &mut acc[r * d.ev..(r + 1) * d.ev] {
-                    *o = *o * corr[t];
-                }
+            live[r] = lv.len();
+            if mx[r] != E::Acc::neg_infinity() {
+                corr[r] = exp_normal(mx[r] - new_max, lo);
+            } else {
+                // (a row that saw no key yet holds zeros)
+                corr[r] = zero;
             }
-            if active.iter().any(|&a| a) {
-                let out = &mut acc[r0 * d.ev..(r0 + tr) * d.ev];
-                // j indexes both the value rows and every tile row's weights
-                #[allow(clippy::needless_range_loop)]
-                for j in 0..nmax {
-                    let vr = v.row(m, j0 + j, d.ev);
-                    for (t, orow) in out.chunks_exact_mut(d.ev.max(1)).enumerate() {
-                        let p = st[t][j];
-                        for (o, &x) in orow.iter_mut().zip(vr) {
-                            *o = *o + p * x.load();
-                        }
-                    }
-                }
-            }
-            r0 += TR;
+            mx[r] = new_max;
         }
-        j0 += BK;
+        for (r, row) in s.chunks_exact_mut(w).enumerate() {
+            let shift = mx[r];
+            for x in &mut row[..live[r]] {
+                *x = exp_normal(*x - shift, lo);
+            }
+        }
+        for (r, row) in s.chunks_exact(w).enumerate() {
+            if live[r] == 0 {
+                continue;
+            }
+            sum[r] = sum[r] * corr[r] + sum_by(&row[..live[r]], |x| x);
+            if corr[r] != E::Acc::one() && corr[r] != zero {
+                for o in &mut acc[r * d.ev..(r + 1) * d.ev] {
+                    *o = *o * corr[r];
+                }
+            }
+        }
+        // O += P V
+        mm(
+            (rows, d.ev, n),
+            &mut acc,
+            d.ev,
+            true,
+            (s, (w, 1)),
+            (vop, (vrs, 1)),
+            E::Acc::one(),
+        );
+        j0 += bk;
     }
     for r in 0..rows {
         // a row with every key masked is 0 / 0 = NaN, as the composed softmax gives
@@ -358,144 +419,4 @@ pub(crate) fn forward<E: Elem + StorageElement>(
         lse[m * d.l + i0..m * d.l + i0 + l.len()].copy_from_slice(&l);
     }
     (out, lse)
-}
-
-/// The gradients of one matrix: `dq` (`[l][e]`), `dk` (`[s][e]`) and `dv` (`[s][ev]`) from the
-/// output's gradient `g` and the output `o` (both read through their strides).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn backward_matrix<E: Elem>(
-    q: &Mat<'_, E>,
-    k: &Mat<'_, E>,
-    v: &Mat<'_, E>,
-    o: &Mat<'_, E>,
-    g: &Mat<'_, E>,
-    mask: &Mask<'_, E>,
-    lse: &[E::Acc],
-    d: Dims,
-    scale: E::Acc,
-    m: usize,
-    out: &mut [E],
-) {
-    let causal = matches!(mask, Mask::Causal);
-    let (dq, rest) = out.split_at_mut(d.l * d.e);
-    let (dk, dv) = rest.split_at_mut(d.s * d.e);
-    let mut dq_acc = vec![E::Acc::zero(); d.l * d.e];
-    let mut dk_acc = vec![E::Acc::zero(); d.s * d.e];
-    let mut dv_acc = vec![E::Acc::zero(); d.s * d.ev];
-    // D_i = g_i . o_i
-    let delta: Vec<E::Acc> = (0..d.l)
-        .map(|i| {
-            let (gi, oi) = (g.row(m, i, d.ev), o.row(m, i, d.ev));
-            gi.iter()
-                .zip(oi)
-                .fold(E::Acc::zero(), |a, (&x, &y)| a + x.load() * y.load())
-        })
-        .collect();
-    let mut kt = vec![E::Acc::zero(); d.e * BK];
-    let mut vt = vec![E::Acc::zero(); d.ev * BK];
-    let mut p = [E::Acc::zero(); BK];
-    let mut dp = [E::Acc::zero(); BK];
-    let mut j0 = 0;
-    while j0 < d.s {
-        let bk = BK.min(d.s - j0);
-        pack_t(k, m, j0, bk, d.e, scale, &mut kt);
-        pack_t(v, m, j0, bk, d.ev, E::Acc::one(), &mut vt);
-        let first_query = if causal { j0 } else { 0 };
-        for i in first_query..d.l {
-            let n = visible(causal, i, j0, bk);
-            if n == 0 {
-                continue;
-            }
-            let qi = q.row(m, i, d.e);
-            let gi = g.row(m, i, d.ev);
-            scores(qi, &kt, n, mask, m, i, j0, &mut p, bk);
-            let nv = padded(n, bk);
-            let li = lse[i];
-            for x in &mut p[..nv] {
-                *x = (*x - li).exp_k();
-            }
-            // dp_j = g_i . v_j
-            let dpn = &mut dp[..nv];
-            dpn.fill(E::Acc::zero());
-            for (f, &gv) in gi.iter().enumerate() {
-                let gv = gv.load();
-                for (o, &x) in dpn.iter_mut().zip(&vt[f * BK..f * BK + nv]) {
-                    *o = *o + gv * x;
-                }
-            }
-            let dqi = &mut dq_acc[i * d.e..(i + 1) * d.e];
-            for j in 0..n {
-                let pj = p[j];
-                // dv_j += p_ij g_i
-                for (o, &x) in dv_acc[(j0 + j) * d.ev..(j0 + j + 1) * d.ev]
-                    .iter_mut()
-                    .zip(gi)
-                {
-                    *o = *o + pj * x.load();
-                }
-                let ds = pj * (dp[j] - delta[i]) * scale;
-                // dq_i += ds k_j ; dk_j += ds q_i
-                for (o, &x) in dqi.iter_mut().zip(k.row(m, j0 + j, d.e)) {
-                    *o = *o + ds * x.load();
-                }
-                for (o, &x) in dk_acc[(j0 + j) * d.e..(j0 + j + 1) * d.e]
-                    .iter_mut()
-                    .zip(qi)
-                {
-                    *o = *o + ds * x.load();
-                }
-            }
-        }
-        j0 += BK;
-    }
-    for (dst, src) in [(dq, &dq_acc), (dk, &dk_acc), (dv, &dv_acc)] {
-        for (o, &x) in dst.iter_mut().zip(src.iter()) {
-            *o = E::store(x);
-        }
-    }
-}
-
-/// The backward: one buffer holding, for each matrix in turn, `dq` (`[l][e]`), `dk`
-/// (`[s][e]`) and `dv` (`[s][ev]`), contiguous.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<E: Elem + StorageElement>(
-    q: &Mat<'_, E>,
-    k: &Mat<'_, E>,
-    v: &Mat<'_, E>,
-    o: &Mat<'_, E>,
-    g: &Mat<'_, E>,
-    mask: &Mask<'_, E>,
-    lse: &[E::Acc],
-    d: Dims,
-    scale: f64,
-) -> Vec<E> {
-    let scale = E::Acc::c(scale);
-    let per = d.l * d.e + d.s * d.e + d.s * d.ev;
-    let mut out = take::<E>(d.bh * per);
-    if per == 0 {
-        return out;
-    }
-    let work = d.bh * d.l * d.s * (d.e + d.ev) * 2;
-    map_chunks(&mut out, per, work, |m, chunk| {
-        dispatch(
-            #[inline(always)]
-            || {
-                backward_matrix(
-                    q,
-                    k,
-                    v,
-                    o,
-                    g,
-                    mask,
-                    &lse[m * d.l..(m + 1) * d.l],
-                    d,
-                    scale,
-                    m,
-                    chunk,
-                )
-            },
-        )
-    });
-    out
 }

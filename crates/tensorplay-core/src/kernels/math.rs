@@ -247,6 +247,8 @@ pub(crate) trait Elem: Copy + Send + Sync + 'static {
     fn load(self) -> Self::Acc;
     /// A computed value as the element type (rounded to nearest).
     fn store(v: Self::Acc) -> Self;
+    /// The elements as the computing type without a copy, where it is the element type.
+    fn as_acc(x: &[Self]) -> Option<&[Self::Acc]>;
 }
 
 impl Elem for f32 {
@@ -259,6 +261,10 @@ impl Elem for f32 {
     fn store(v: f32) -> f32 {
         v
     }
+    #[inline(always)]
+    fn as_acc(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
 }
 
 impl Elem for f64 {
@@ -270,5 +276,9 @@ impl Elem for f64 {
     #[inline(always)]
     fn store(v: f64) -> f64 {
         v
+    }
+    #[inline(always)]
+    fn as_acc(x: &[f64]) -> Option<&[f64]> {
+        Some(x)
     }
 }

@@ -8,6 +8,7 @@
 //! kernel computes in, so the 16-bit float types reuse the kernels by loading into `float32`.
 
 pub(crate) mod attention;
+mod attention_backward;
 mod isa;
 pub(crate) mod loss;
 pub(crate) mod math;

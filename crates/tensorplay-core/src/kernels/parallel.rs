@@ -155,3 +155,22 @@ pub(crate) fn map_tasks<R: Send>(
         }
     })
 }
+
+/// `f(i, piece)` for the pieces in order of `pieces` (each owned by one call), in parallel when
+/// `work` is large enough.
+pub(crate) fn for_each_piece<T: Send>(
+    pieces: Vec<T>,
+    work: usize,
+    f: impl Fn(usize, T) + Sync + Send,
+) {
+    with_pool(work, |par| {
+        if par {
+            pieces
+                .into_par_iter()
+                .enumerate()
+                .for_each(|(i, p)| f(i, p));
+        } else {
+            pieces.into_iter().enumerate().for_each(|(i, p)| f(i, p));
+        }
+    })
+}

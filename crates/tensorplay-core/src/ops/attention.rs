@@ -160,7 +160,7 @@ impl FusedAttention {
             .into_iter()
             .map(T::load)
             .collect::<Vec<_>>();
-        let grads = self.with_mask::<T, _>(|mask| {
+        let (dq, dk, dv) = self.with_mask::<T, _>(|mask| {
             with_all::<T, _>(&[q, k, v, o, &g], OP, |s| {
                 let mat = |i: usize| {
                     let (offsets, row) = matrices(s[i].1);
@@ -183,15 +183,6 @@ impl FusedAttention {
                 )
             })
         })??;
-        let per = d.l * d.e + d.s * d.e + d.s * d.ev;
-        let mut dq = Vec::with_capacity(d.bh * d.l * d.e);
-        let mut dk = Vec::with_capacity(d.bh * d.s * d.e);
-        let mut dv = Vec::with_capacity(d.bh * d.s * d.ev);
-        for m in grads.chunks_exact(per.max(1)) {
-            dq.extend_from_slice(&m[..d.l * d.e]);
-            dk.extend_from_slice(&m[d.l * d.e..d.l * d.e + d.s * d.e]);
-            dv.extend_from_slice(&m[d.l * d.e + d.s * d.e..]);
-        }
         Ok(vec![
             Some(Tensor::from_vec(dq, q.shape())?),
             Some(Tensor::from_vec(dk, k.shape())?),

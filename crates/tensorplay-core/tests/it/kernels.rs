@@ -406,7 +406,7 @@ fn fused_cross_entropy_matches_log_softmax_and_nll() -> tp::Result<()> {
 #[test]
 fn fused_attention_matches_the_math_path_across_blocks() -> tp::Result<()> {
     tp::manual_seed(5);
-    // (name, batch dims, L, S, E, Ev, mask): lengths cross the 32-query and 64-key blocks
+    // (name, batch dims, L, S, E, Ev, mask): lengths cross the 32-query and 512-key blocks
     type Case = (
         &'static str,
         Vec<usize>,
@@ -440,6 +440,43 @@ fn fused_attention_matches_the_math_path_across_blocks() -> tp::Result<()> {
         ("bool mask", vec![2, 2], 40, 66, 4, 4, "bool"),
         ("float mask", vec![3], 17, 65, 4, 2, "float"),
         ("3-d input", vec![3], 9, 9, 4, 4, "causal"),
+        (
+            "causal, one key past a key block",
+            vec![1],
+            513,
+            513,
+            4,
+            3,
+            "causal",
+        ),
+        (
+            "no mask, one key short of a key block",
+            vec![2],
+            31,
+            511,
+            4,
+            4,
+            "none",
+        ),
+        (
+            "float mask, a whole key block",
+            vec![2],
+            32,
+            512,
+            4,
+            4,
+            "float",
+        ),
+        (
+            "bool mask, keys across blocks",
+            vec![1, 2],
+            33,
+            1030,
+            3,
+            5,
+            "bool",
+        ),
+        ("causal, L > S", vec![2], 45, 20, 4, 4, "causal"),
     ];
     for (name, batch, l, s, e, ev, mask) in cases {
         let shape = |rows: usize, feats: usize| {
@@ -631,10 +668,13 @@ fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
         let ln = F::layer_norm(&xr, &[200], Some(&w), None, 1e-5)?;
         let y = ln.softmax(-1)?.gelu_tanh()?.exp()?;
         y.sum()?.backward()?;
-        let a = F::scaled_dot_product_attention(&q, &q, &q, None, 0.0, true, None)?;
+        let qr = q.detach().requires_grad_(true);
+        let a = F::scaled_dot_product_attention(&qr, &qr, &qr, None, 0.0, true, None)?;
+        a.mul(&a)?.sum()?.backward()?;
         Ok(vec![
             long.sum()?.to_vec()?,
             x.sum_dims(&[-1], false)?.to_vec()?,
+            qr.grad().expect("grad").to_vec()?,
             y.to_vec()?,
             xr.grad().expect("grad").to_vec()?,
             w.grad().expect("grad").to_vec()?,
