@@ -247,7 +247,7 @@ fn run(rank: usize, args: Args) -> R {
             gradient_as_bucket_view: args.view.is_some(),
             bucket_cap_mb: args
                 .bucket_cap_mb
-                .unwrap_or(DdpOptions::default().bucket_cap_mb),
+                .unwrap_or_else(|| DdpOptions::default().bucket_cap_mb),
             ..DdpOptions::default()
         },
     )?;
