@@ -26,10 +26,54 @@ use crate::storage::pool::take;
 
 pub(crate) use isa::dispatch;
 use math::Elem;
-use parallel::{for_each_chunk, map_chunks};
+use parallel::map_chunks;
+pub(crate) use parallel::{for_each_chunk, with_pool};
 
 /// Elements per piece of an elementwise kernel.
-const ELEMENTWISE_CHUNK: usize = 1 << 14;
+pub(crate) const ELEMENTWISE_CHUNK: usize = 1 << 14;
+
+/// `out[i] = f(x[i])` in pieces on the intra-op threads (above the size threshold); the
+/// generic elementwise maps of `ops/` run through it.
+pub(crate) fn par_map<T: Copy + Sync, R: Send>(
+    x: &[T],
+    out: &mut [R],
+    f: impl Fn(T) -> R + Sync + Send,
+) {
+    let n = out.len().min(x.len());
+    for_each_chunk(&mut out[..n], ELEMENTWISE_CHUNK, n, |i, o| {
+        let xs = &x[i * ELEMENTWISE_CHUNK..i * ELEMENTWISE_CHUNK + o.len()];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (o, &v) in o.iter_mut().zip(xs) {
+                    *o = f(v);
+                }
+            },
+        )
+    });
+}
+
+/// `out[i] = f(a[i], b[i])` as [`par_map`].
+pub(crate) fn par_zip<T: Copy + Sync, R: Send>(
+    a: &[T],
+    b: &[T],
+    out: &mut [R],
+    f: impl Fn(T, T) -> R + Sync + Send,
+) {
+    let n = out.len().min(a.len()).min(b.len());
+    for_each_chunk(&mut out[..n], ELEMENTWISE_CHUNK, n, |i, o| {
+        let r = i * ELEMENTWISE_CHUNK..i * ELEMENTWISE_CHUNK + o.len();
+        let (a, b) = (&a[r.clone()], &b[r]);
+        dispatch(
+            #[inline(always)]
+            || {
+                for (o, (&x, &y)) in o.iter_mut().zip(a.iter().zip(b)) {
+                    *o = f(x, y);
+                }
+            },
+        )
+    });
+}
 
 /// Rows per piece of a row kernel over rows of `n` elements (about 8K elements a piece).
 fn rows_per_piece(n: usize) -> usize {

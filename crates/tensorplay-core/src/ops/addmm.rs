@@ -26,10 +26,13 @@ impl Function for Addmm {
             let bias: Vec<T> = b.to_vec()?;
             let v = super::with_two(x, w, "linear", |sx: &[T], _, sw: &[T], _| {
                 let mut out = take::<T>(m * n);
-                if n > 0 {
-                    for row in out.chunks_exact_mut(n) {
-                        row.copy_from_slice(&bias);
-                    }
+                // whole rows per piece, on the intra-op threads for large outputs
+                if let Some(per) = crate::kernels::ELEMENTWISE_CHUNK.checked_div(n) {
+                    crate::kernels::for_each_chunk(&mut out, per.max(1) * n, m * n, |_, rows| {
+                        for row in rows.chunks_exact_mut(n) {
+                            row.copy_from_slice(&bias);
+                        }
+                    });
                 }
                 // the weight's transpose: (k, n) walked by (column, row) strides of [N, K]
                 gemm_into(

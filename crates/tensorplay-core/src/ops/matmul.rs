@@ -3,7 +3,6 @@
 use super::{float_dispatch, same_device, with_two};
 use crate::autograd::{Context, Function, apply};
 use crate::backend::{self, DeviceStorage as _};
-use crate::kernels::get_num_threads;
 use crate::layout::{Layout, broadcast_shapes};
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
@@ -46,8 +45,8 @@ fn bmm_kernel<T: StorageElement + 'static>(
 
 /// `dst (m x n, row-major) = [dst +] lhs (m x k) @ rhs (k x n)` through `gemm`, with
 /// `read_dst` adding the product onto what `dst` holds. `lhs` and `rhs` start at their first
-/// element and are walked by (row stride, column stride); the intra-op threads are used above
-/// 2^18 multiply-adds.
+/// element and are walked by (row stride, column stride). Above 2^18 multiply-adds gemm splits
+/// the output's tiles over the intra-op threads.
 pub(crate) fn gemm_into<T: StorageElement + 'static>(
     dst: &mut [T],
     (m, n, k): (usize, usize, usize),
@@ -70,37 +69,44 @@ pub(crate) fn gemm_into<T: StorageElement + 'static>(
         last(lhs_rs, lhs_cs, m, k) < lhs.len() && last(rhs_rs, rhs_cs, k, n) < rhs.len(),
         "gemm_into: an operand's extent passes its slice"
     );
-    let threads = get_num_threads();
-    let par = if threads > 1 && m * n * k >= 1 << 18 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
+    let threads = crate::kernels::get_num_threads();
+    let parallel = threads > 1 && m * n * k >= 1 << 18;
+    let mut run = |par: gemm::Parallelism| {
+        // SAFETY: the asserts above keep every index gemm touches within the slices
+        // (non-negative strides: the callers' layouts have usize strides): rows < m (k) and
+        // columns < k (n) of each operand, and dst is m x n row-major.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                read_dst,
+                lhs.as_ptr(),
+                lhs_cs,
+                lhs_rs,
+                rhs.as_ptr(),
+                rhs_cs,
+                rhs_rs,
+                one::<T>(),
+                one::<T>(),
+                false,
+                false,
+                false,
+                par,
+            );
+        }
     };
-    // SAFETY: the asserts above keep every index gemm touches within the slices (non-negative
-    // strides: the callers' layouts have usize strides): rows < m (k) and columns < k (n) of
-    // each operand, and dst is m x n row-major.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            read_dst,
-            lhs.as_ptr(),
-            lhs_cs,
-            lhs_rs,
-            rhs.as_ptr(),
-            rhs_cs,
-            rhs_rs,
-            one::<T>(),
-            one::<T>(),
-            false,
-            false,
-            false,
-            par,
-        );
+    if parallel {
+        // inside the intra-op pool, so that gemm's workers are its threads (one pool of
+        // `get_num_threads()` threads, not a second one spinning beside it); gemm splits the
+        // output's tiles between them and sums each element over the inner dimension in the
+        // same blocks whatever the thread count (the thread-count test checks the bits)
+        crate::kernels::with_pool(usize::MAX, |_| run(gemm::Parallelism::Rayon(threads)));
+    } else {
+        run(gemm::Parallelism::None);
     }
 }
 

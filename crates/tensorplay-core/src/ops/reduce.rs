@@ -154,24 +154,31 @@ fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
 }
 
 /// The sum of the rows of `x` (`inner` elements each), accumulated in blocks of 32 rows added
-/// to the total (fewer rounding steps than one running sum over every row).
+/// to the total (fewer rounding steps than one running sum over every row). Columns are cut
+/// into pieces of 64 summed on the intra-op threads; each column is summed in the same order
+/// whatever the thread count.
 fn sum_rows<T: StorageElement + super::WrappingArith>(x: &[T], inner: usize) -> Vec<T> {
+    const COLS: usize = 64;
     let mut total = vec![T::default(); inner];
     if inner == 0 {
         return total;
     }
-    let mut block = vec![T::default(); inner];
-    for rows in x.chunks(32 * inner) {
-        block.copy_from_slice(&rows[..inner]);
-        for row in rows.chunks_exact(inner).skip(1) {
-            for (b, &v) in block.iter_mut().zip(row) {
-                *b = b.wadd(v);
+    crate::kernels::for_each_chunk(&mut total, COLS, x.len(), |p, total| {
+        let c0 = p * COLS;
+        let w = total.len();
+        let mut block = vec![T::default(); w];
+        for rows in x.chunks(32 * inner) {
+            block.copy_from_slice(&rows[c0..c0 + w]);
+            for row in rows.chunks_exact(inner).skip(1) {
+                for (b, &v) in block.iter_mut().zip(&row[c0..c0 + w]) {
+                    *b = b.wadd(v);
+                }
+            }
+            for (t, &b) in total.iter_mut().zip(&block) {
+                *t = t.wadd(b);
             }
         }
-        for (t, &b) in total.iter_mut().zip(&block) {
-            *t = t.wadd(b);
-        }
-    }
+    });
     total
 }
 

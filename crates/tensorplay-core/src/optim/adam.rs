@@ -282,16 +282,14 @@ impl AdamCore {
                 (true, false) => Decay::L2,
             };
             update_param::<T>(op, p, g, |ps, gs| {
-                // compiled for the processor's vector width (sqrt and division are exact, so
-                // every level gives the same bits)
-                crate::kernels::dispatch(
-                    #[inline(always)]
-                    || match (mode, vmax_v.as_mut().map(|v| &mut v[..])) {
-                        (Decay::None, None) => adam_slices::<T, 0>(ps, gs, mv, vv, &k),
-                        (Decay::Decoupled, None) => adam_slices::<T, 1>(ps, gs, mv, vv, &k),
-                        (Decay::L2, None) => adam_slices::<T, 2>(ps, gs, mv, vv, &k),
-                        (mode, Some(vm)) => amsgrad_slices(ps, gs, mv, vv, vm, mode, &k),
-                    },
+                adam_parallel(
+                    ps,
+                    gs,
+                    mv,
+                    vv,
+                    vmax_v.as_mut().map(|v| &mut v[..]),
+                    mode,
+                    &k,
                 )
             })?;
         }
@@ -527,8 +525,54 @@ impl Optimizer for AdamW {
     }
 }
 
+/// Elements per piece of the parallel Adam step.
+const ADAM_CHUNK: usize = 1 << 14;
+
+/// The Adam step over a parameter's elements in pieces on the intra-op threads (above the size
+/// threshold), each piece compiled for the processor's vector width; elementwise, so neither
+/// the thread count nor the level changes a bit (sqrt and division are exact).
+fn adam_parallel<T: OptElem>(
+    ps: &mut [T],
+    gs: &[T],
+    m: &mut [T],
+    v: &mut [T],
+    vmax: Option<&mut [T]>,
+    mode: Decay,
+    k: &AdamConsts<T>,
+) {
+    use rayon::prelude::*;
+    let one = |ps: &mut [T], gs: &[T], m: &mut [T], v: &mut [T], vm: Option<&mut [T]>| {
+        crate::kernels::dispatch(
+            #[inline(always)]
+            || match (mode, vm) {
+                (Decay::None, None) => adam_slices::<T, 0>(ps, gs, m, v, k),
+                (Decay::Decoupled, None) => adam_slices::<T, 1>(ps, gs, m, v, k),
+                (Decay::L2, None) => adam_slices::<T, 2>(ps, gs, m, v, k),
+                (mode, Some(vm)) => amsgrad_slices(ps, gs, m, v, vm, mode, k),
+            },
+        )
+    };
+    crate::kernels::with_pool(ps.len(), |par| {
+        if !par {
+            return one(ps, gs, m, v, vmax);
+        }
+        let c = ADAM_CHUNK;
+        let pieces = ps
+            .par_chunks_mut(c)
+            .zip(gs.par_chunks(c))
+            .zip(m.par_chunks_mut(c))
+            .zip(v.par_chunks_mut(c));
+        match vmax {
+            None => pieces.for_each(|(((p, g), m), v)| one(p, g, m, v, None)),
+            Some(vm) => pieces
+                .zip(vm.par_chunks_mut(c))
+                .for_each(|((((p, g), m), v), vm)| one(p, g, m, v, Some(vm))),
+        }
+    })
+}
+
 /// How weight decay enters an Adam step.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum Decay {
     None,
     /// AdamW: the parameter shrinks by `1 - lr * weight_decay` first.

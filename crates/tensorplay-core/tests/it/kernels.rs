@@ -661,8 +661,27 @@ fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
     let x = tp::randn(&[512, 200])?;
     let q = tp::randn(&[4, 4, 70, 16])?;
     let long = tp::randn(&[300_001])?;
+    // a product whose inner dimension gemm cuts into blocks
+    let (ma, mb) = (tp::randn(&[300, 1500])?, tp::randn(&[1500, 200])?);
+    let (lx, lw, lb) = (
+        tp::randn(&[256, 300])?,
+        tp::randn(&[200, 300])?,
+        tp::randn(&[200])?,
+    );
     let before = tp::get_num_threads();
     let run = || -> tp::Result<Vec<Vec<f32>>> {
+        // linear (its bias in the product), elementwise maps, the bias gradient's column sums
+        // and an AdamW step, each large enough to be split over threads
+        // copies: the optimizer updates them in place
+        let (w, b) = (
+            lw.deep_clone()?.requires_grad_(true),
+            lb.deep_clone()?.requires_grad_(true),
+        );
+        let h = F::linear(&lx, &w, Some(&b))?.relu()?.mul_scalar(0.5)?;
+        h.mul(&h)?.sum()?.backward()?;
+        let b_grad: Vec<f32> = b.grad().expect("grad").to_vec()?;
+        let mut opt = tp::optim::AdamW::new(vec![w.clone(), b.clone()], Default::default())?;
+        tp::optim::Optimizer::step(&mut opt)?;
         let w = tp::ones(&[200])?.requires_grad_(true);
         let xr = x.detach().requires_grad_(true);
         let ln = F::layer_norm(&xr, &[200], Some(&w), None, 1e-5)?;
@@ -674,6 +693,10 @@ fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
         Ok(vec![
             long.sum()?.to_vec()?,
             x.sum_dims(&[-1], false)?.to_vec()?,
+            h.to_vec()?,
+            ma.matmul(&mb)?.to_vec()?,
+            b_grad,
+            w.detach().to_vec()?,
             qr.grad().expect("grad").to_vec()?,
             y.to_vec()?,
             xr.grad().expect("grad").to_vec()?,

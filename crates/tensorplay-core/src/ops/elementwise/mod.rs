@@ -28,7 +28,7 @@ pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
     a: &Tensor,
     b: &Tensor,
     op: &'static str,
-    f: impl Fn(T, T) -> R,
+    f: impl Fn(T, T) -> R + Sync + Send,
 ) -> Result<Tensor> {
     same_device(op, a, b)?;
     let shape = broadcast_shapes(a.shape(), b.shape(), op)?;
@@ -38,9 +38,7 @@ pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
         let n: usize = shape.iter().product();
         if let (Some(ra), Some(rb)) = (la.contiguous_range(), lb.contiguous_range()) {
             let mut out = take::<R>(n);
-            for (o, (&x, &y)) in out.iter_mut().zip(sa[ra].iter().zip(&sb[rb])) {
-                *o = f(x, y);
-            }
+            kernels::par_zip(&sa[ra], &sb[rb], &mut out, &f);
             return out;
         }
         let mut out = take::<R>(n);
@@ -99,14 +97,12 @@ pub(crate) fn binary_map<T: StorageElement, R: StorageElement>(
 pub(crate) fn unary_map<T: StorageElement, R: StorageElement>(
     x: &Tensor,
     op: &'static str,
-    f: impl Fn(T) -> R,
+    f: impl Fn(T) -> R + Sync + Send,
 ) -> Result<Tensor> {
     let v = x.with_slice(op, |s: &[T], l| match l.contiguous_range() {
         Some(r) => {
             let mut out = take::<R>(r.len());
-            for (o, &v) in out.iter_mut().zip(&s[r]) {
-                *o = f(v);
-            }
+            kernels::par_map(&s[r], &mut out, &f);
             out
         }
         None => {
