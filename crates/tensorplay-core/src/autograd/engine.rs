@@ -44,6 +44,9 @@ pub struct BackwardResult {
 #[derive(PartialEq, Eq)]
 struct Ready {
     seq: u64,
+    /// How many nodes were queued before this one: among equal `seq` (the accumulate nodes)
+    /// the earlier-queued runs first, so the order never depends on where nodes live in memory.
+    pushed: u64,
     key: usize,
 }
 impl Ord for Ready {
@@ -51,8 +54,12 @@ impl Ord for Ready {
         // accumulate nodes (seq u64::MAX) first, as soon as they are ready, as in PyTorch:
         // a leaf's `.grad` (and its post-accumulate hooks, which start data parallelism's
         // all-reduces) must not wait for the rest of the pass; then later-created nodes first
-        // (reverse creation order)
-        self.seq.cmp(&o.seq).then(self.key.cmp(&o.key))
+        // (reverse creation order); ties in queueing order (a node's edges in order), so every
+        // rank of a data-parallel job starts its buckets in the same order
+        self.seq
+            .cmp(&o.seq)
+            .then(o.pushed.cmp(&self.pushed))
+            .then(self.key.cmp(&o.key))
     }
 }
 impl PartialOrd for Ready {
@@ -268,12 +275,17 @@ pub fn run_backward(
         accumulate(&mut buf[e.0.input_nr], g.clone())?;
     }
     let mut ready = BinaryHeap::new();
-    for (k, n) in &nodes {
-        if deps.get(k).copied().unwrap_or(0) == 0 {
+    let mut pushed = 0u64;
+    // the roots, in the order given (the nodes without a parent in the graph)
+    for (e, _) in roots {
+        let k = key(&e.0.node);
+        if deps.get(&k).copied().unwrap_or(0) == 0 && !ready.iter().any(|r: &Ready| r.key == k) {
             ready.push(Ready {
-                seq: n.seq,
-                key: *k,
+                seq: e.0.node.seq,
+                pushed,
+                key: k,
             });
+            pushed += 1;
         }
     }
     let mut result = BackwardResult {
@@ -398,8 +410,10 @@ pub fn run_backward(
             if *d == 0 {
                 ready.push(Ready {
                     seq: child.seq,
+                    pushed,
                     key: ck,
                 });
+                pushed += 1;
             }
         }
     }

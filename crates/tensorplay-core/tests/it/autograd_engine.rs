@@ -459,3 +459,59 @@ fn the_weight_gradient_of_a_transposed_operand_is_contiguous() -> tp::Result<()>
     }
     Ok(())
 }
+
+/// Leaves whose gradients become ready together are accumulated (and their post-accumulate
+/// hooks run) in one fixed order, whatever addresses their nodes got: data parallelism starts
+/// its buckets from these hooks, and ranks that start them in different orders disagree.
+#[test]
+fn leaves_ready_together_accumulate_in_a_fixed_order() {
+    use std::sync::{Arc, Mutex};
+    type Build = fn(&[Tensor]) -> tp::Result<Tensor>;
+    // (case, leaf lengths, the loss); a leaf of length 4 is [2, 2], of length 2 is [2]
+    let cases: [(&str, &[usize], Build); 3] = [
+        ("linear with bias", &[4, 4, 2], |l| {
+            tp::nn::functional::linear(&l[0], &l[1], Some(&l[2]))?.sum()
+        }),
+        ("mul of two leaves", &[4, 4], |l| l[0].mul(&l[1])?.sum()),
+        ("sum of three leaves", &[4, 4, 4], |l| l[0].add(&l[1])?.add(&l[2])?.sum()),
+    ];
+    let check = |name: &str, lens: &[usize], build: Build| -> Result<(), String> {
+        let mut first: Option<Vec<usize>> = None;
+        let mut keep = vec![];
+        for rep in 0..24 {
+            // allocations between the repetitions move the next graph's nodes around
+            keep.push(vec![0u8; 64 * (rep % 5 + 1)]);
+            let leaves: Vec<Tensor> = lens
+                .iter()
+                .map(|&n| {
+                    let shape: &[usize] = if n == 4 { &[2, 2] } else { &[2] };
+                    t64(&[0.5, -1.0, 2.0, 0.25][..n], shape)
+                })
+                .collect();
+            let order: Arc<Mutex<Vec<usize>>> = Arc::default();
+            for (i, l) in leaves.iter().enumerate() {
+                let o = order.clone();
+                l.register_post_accumulate_grad_hook(move |_| {
+                    o.lock().unwrap().push(i);
+                    Ok(())
+                })
+                .map_err(|e| format!("{name}: {e}"))?;
+            }
+            build(&leaves)
+                .and_then(|y| y.backward())
+                .map_err(|e| format!("{name}: {e}"))?;
+            let got = order.lock().unwrap().clone();
+            match &first {
+                None => first = Some(got),
+                Some(f) if *f != got => {
+                    return Err(format!("{name}: repetition {rep} ran {got:?}, the first {f:?}"));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    };
+    for (name, lens, build) in cases {
+        check(name, lens, build).unwrap();
+    }
+}
