@@ -473,7 +473,9 @@ fn leaves_ready_together_accumulate_in_a_fixed_order() {
             tp::nn::functional::linear(&l[0], &l[1], Some(&l[2]))?.sum()
         }),
         ("mul of two leaves", &[4, 4], |l| l[0].mul(&l[1])?.sum()),
-        ("sum of three leaves", &[4, 4, 4], |l| l[0].add(&l[1])?.add(&l[2])?.sum()),
+        ("sum of three leaves", &[4, 4, 4], |l| {
+            l[0].add(&l[1])?.add(&l[2])?.sum()
+        }),
     ];
     let check = |name: &str, lens: &[usize], build: Build| -> Result<(), String> {
         let mut first: Option<Vec<usize>> = None;
@@ -504,7 +506,9 @@ fn leaves_ready_together_accumulate_in_a_fixed_order() {
             match &first {
                 None => first = Some(got),
                 Some(f) if *f != got => {
-                    return Err(format!("{name}: repetition {rep} ran {got:?}, the first {f:?}"));
+                    return Err(format!(
+                        "{name}: repetition {rep} ran {got:?}, the first {f:?}"
+                    ));
                 }
                 Some(_) => {}
             }
