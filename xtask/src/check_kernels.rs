@@ -1,7 +1,8 @@
 //! `cargo xtask check-kernels`: the CUDA kernels on a machine without a GPU.
 //!
-//! 1. Their logic: the host emulation's tests (`cargo test -p tensorplay-core --features
-//!    cuda-emulator`), every kernel family against the CPU's operations.
+//! 1. Their logic: the host emulation's tests (`cuda::` in the core's unit tests, built with
+//!    the feature `cuda-emulator`, which the test kit turns on), every kernel family against
+//!    the CPU's operations.
 //! 2. Their build: NVIDIA's compiler wheels from PyPI (NVRTC and ptxas of CUDA 12.9 and 13.5,
 //!    pinned, cached under `target/nvidia-wheels`) compile every kernel through the same code
 //!    the GPU path runs and assemble it for each supported architecture.
@@ -130,18 +131,10 @@ fn cargo_test(args: &[&str], env: &[(&str, &Path)], archs: Option<&str>) -> Resu
 /// Runs both checks; `Err` names the first that failed.
 pub(crate) fn run() -> Result<(), String> {
     println!("== the kernels' logic: the host emulation against the CPU");
-    cargo_test(
-        &[
-            "-p",
-            "tensorplay-core",
-            "--features",
-            "cuda-emulator",
-            "--lib",
-            "cuda::",
-        ],
-        &[],
-        None,
-    )?;
+    // `--workspace` and no features: the build `cargo test --workspace` made (the test kit
+    // turns the emulator on), reused; `-p` or `--features` would resolve other features for
+    // the dependencies and compile everything again
+    cargo_test(&["--workspace", "--lib", "--", "cuda::"], &[], None)?;
     let target = crate::process::target_dir();
     // absolute: the tests run in their crate's folder and dlopen the path as given
     let cache = std::env::current_dir()
@@ -156,10 +149,7 @@ pub(crate) fn run() -> Result<(), String> {
         let (nvrtc, ptxas) = fetch(t, &cache)?;
         cargo_test(
             &[
-                "-p",
-                "tensorplay-core",
-                "--features",
-                "cuda",
+                "--workspace",
                 "--test",
                 "it",
                 "--",

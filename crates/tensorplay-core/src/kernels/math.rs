@@ -24,22 +24,26 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 const ROUNDER: f32 = 12_582_912.0;
 
 /// `e^x` for `float32`, within 1 ULP. `x` is reduced to `k ln2 + r` with `|r| <= ln2 / 2`,
-/// `e^r` is the degree-7 Taylor polynomial (truncation below `6e-9` relative), and `2^k` is
-/// applied as two exact powers so that results in the subnormal range round once. `+inf`
-/// above `88.73`, `0` below `-103.98`, NaN for NaN.
+/// `e^r` is the degree-7 Taylor polynomial (truncation below `6e-9` relative) in Horner form
+/// with fused multiply-adds, and `2^k` is applied as two exact powers so that results in the
+/// subnormal range round once. `+inf` above `88.73`, `0` below `-103.98`, NaN for NaN.
+///
+/// The multiply-adds are `f32::mul_add`, rounded once at every level: a vector instruction
+/// where the level has FMA, the C library's `fmaf` at the [`Default`](super::CpuCapability)
+/// level, so every level gives the same bits (the fallback pays a call per element).
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
     let xc = x.clamp(-104.0, 89.0);
-    let t = xc * LOG2E + ROUNDER;
+    let t = xc.mul_add(LOG2E, ROUNDER);
     let k = t - ROUNDER;
-    let r = (xc - k * LN2_HI) - k * LN2_LO;
-    let p = 1.0 / 5040.0;
-    let p = p * r + 1.0 / 720.0;
-    let p = p * r + 1.0 / 120.0;
-    let p = p * r + 1.0 / 24.0;
-    let p = p * r + 1.0 / 6.0;
-    let p = p * r + 0.5;
-    let p = (p * r) * r + r + 1.0;
+    let r = k.mul_add(-LN2_LO, k.mul_add(-LN2_HI, xc));
+    let p: f32 = 1.0 / 5040.0;
+    let p = p.mul_add(r, 1.0 / 720.0);
+    let p = p.mul_add(r, 1.0 / 120.0);
+    let p = p.mul_add(r, 1.0 / 24.0);
+    let p = p.mul_add(r, 1.0 / 6.0);
+    let p = p.mul_add(r, 0.5);
+    let p = (p * r).mul_add(r, r) + 1.0;
     // k in [-150, 129], read from the low bits of `t` (a bit cast, where a float-to-int
     // conversion would not vectorise); applied as two halves, each a normal power of two
     let k = (t.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
@@ -47,8 +51,8 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     let k2 = k.wrapping_sub(k1);
     let s1 = f32::from_bits((k1.wrapping_add(127) as u32) << 23);
     let s2 = f32::from_bits((k2.wrapping_add(127) as u32) << 23);
-    let y = (p * s1) * s2;
-    if x.is_nan() { x } else { y }
+    // a NaN stays NaN through `clamp` and every product, so it needs no select
+    (p * s1) * s2
 }
 
 /// The Taylor coefficients of `tanh(x) / x` in powers of `x^2` (`1, -1/3, 2/15, ...`),

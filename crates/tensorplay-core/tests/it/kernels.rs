@@ -113,7 +113,7 @@ fn exp_tanh_log_erf_within_their_ulp_bounds_at_every_level() -> tp::Result<()> {
                 worst <= *bound,
                 "{name} at {level}: {worst} ulp at x = {at:e} (bound {bound})"
             );
-            // no fused multiply-add anywhere: every level gives the same bits
+            // every level gives the same bits (multiply-adds are fused at every level)
             match first.get(ci) {
                 None => first.push(got),
                 Some(want) => assert!(
