@@ -3,9 +3,9 @@
 //!
 //! Sums run in [`LANES`] interleaved accumulators combined in a fixed order, so the compiler
 //! vectorises them and every [`CpuCapability`](super::CpuCapability) level gives the same bits
-//! (no fused multiply-add is used either).
+//! (the only fused multiply-adds are `f32::mul_add` calls, rounded once at every level).
 
-use num_traits::{Float, One};
+use num_traits::{Float, One, Zero};
 
 use super::math::{Elem, Real};
 
@@ -67,6 +67,34 @@ pub(crate) fn sum_by2<A: Real, P: Copy, Q: Copy>(x: &[P], y: &[Q], f: impl Fn(P,
     s
 }
 
+/// Writes `y_i = f(x_i)` and returns `sum(y_i)` (as stored), in one pass, adding in the order
+/// of [`sum_by`] (so the sum has the bits `sum_by(y, ..)` would give).
+#[inline(always)]
+pub(crate) fn map_sum<E: Elem>(x: &[E], y: &mut [E], f: impl Fn(E::Acc) -> E::Acc) -> E::Acc {
+    let n = x.len().min(y.len());
+    let (x, y) = (&x[..n], &mut y[..n]);
+    let mut acc = [E::Acc::zero(); LANES];
+    let (cx, mut cy) = (x.chunks_exact(LANES), y.chunks_exact_mut(LANES));
+    let tx = cx.remainder();
+    for (a, b) in cx.zip(&mut cy) {
+        if let (Ok(a), Ok(b)) = (
+            <&[E; LANES]>::try_from(a),
+            <&mut [E; LANES]>::try_from(b),
+        ) {
+            for l in 0..LANES {
+                b[l] = E::store(f(a[l].load()));
+                acc[l] = acc[l] + b[l].load();
+            }
+        }
+    }
+    let mut s = fold_lanes(acc);
+    for (o, &v) in cy.into_remainder().iter_mut().zip(tx) {
+        *o = E::store(f(v.load()));
+        s = s + o.load();
+    }
+    s
+}
+
 /// The row's maximum of `f(x_i)`, ignoring NaN (`-inf` for an empty row). A NaN in a row makes
 /// its softmax NaN through the sum of exponentials, whatever the maximum.
 #[inline(always)]
@@ -97,10 +125,7 @@ pub(crate) fn max_by<A: Real, P: Copy>(x: &[P], f: impl Fn(P) -> A) -> A {
 #[inline(always)]
 pub(crate) fn softmax_row<E: Elem>(x: &[E], y: &mut [E]) {
     let m = max_by(x, E::load);
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o = E::store((v.load() - m).exp_k());
-    }
-    let inv = E::Acc::one() / sum_by(y, E::load);
+    let inv = E::Acc::one() / map_sum(x, y, |v| (v - m).exp_k());
     for o in y.iter_mut() {
         *o = E::store(o.load() * inv);
     }
