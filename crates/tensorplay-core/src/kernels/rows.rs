@@ -77,10 +77,7 @@ pub(crate) fn map_sum<E: Elem>(x: &[E], y: &mut [E], f: impl Fn(E::Acc) -> E::Ac
     let (cx, mut cy) = (x.chunks_exact(LANES), y.chunks_exact_mut(LANES));
     let tx = cx.remainder();
     for (a, b) in cx.zip(&mut cy) {
-        if let (Ok(a), Ok(b)) = (
-            <&[E; LANES]>::try_from(a),
-            <&mut [E; LANES]>::try_from(b),
-        ) {
+        if let (Ok(a), Ok(b)) = (<&[E; LANES]>::try_from(a), <&mut [E; LANES]>::try_from(b)) {
             for l in 0..LANES {
                 b[l] = E::store(f(a[l].load()));
                 acc[l] = acc[l] + b[l].load();
