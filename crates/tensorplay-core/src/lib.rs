@@ -38,6 +38,29 @@ pub mod memory {
         allocated_bytes, cache_limit_bytes, empty_cache, peak_allocated_bytes, reserved_bytes,
         reset_peak,
     };
+
+    /// The whole process's resident memory in bytes (`VmRSS` of `/proc/self/status`, what
+    /// `top` shows), as opposed to the tensor bytes above; `None` where the system has no such
+    /// file (outside Linux).
+    pub fn process_resident_bytes() -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+        // "VmRSS:     123456 kB"
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn resident_memory_is_read_on_linux() {
+            if cfg!(target_os = "linux") {
+                let b = super::process_resident_bytes().expect("/proc/self/status VmRSS");
+                // a test process holds at least its own code: more than 1 MiB, less than 1 TiB
+                assert!((1 << 20..1 << 40).contains(&b), "{b}");
+            }
+        }
+    }
 }
 pub mod nn;
 mod ops;

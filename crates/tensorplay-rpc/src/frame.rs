@@ -616,13 +616,7 @@ mod tests {
     }
 
     fn resident_bytes() -> usize {
-        let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-        let pages: usize = statm
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
-        pages * 4096
+        tensorplay_core::memory::process_resident_bytes().unwrap_or(0) as usize
     }
 
     /// Found by the hostile trial of issue 18: a prefix claiming a 255 MiB header made the

@@ -11,8 +11,9 @@ use crate::kernels::{self, Map};
 use crate::ops::elementwise::{kernel_map, kernel_zip};
 use crate::{Error, Result, Tensor};
 
-/// `d gelu / dx = Phi(x) + x phi(x)` at `x`, composed of differentiable operations.
-fn slope(x: &Tensor) -> Result<Tensor> {
+/// `d gelu / dx = Phi(x) + x phi(x)` at `x`, composed of differentiable operations (also the
+/// unary op's composed backward).
+pub(crate) fn slope(x: &Tensor) -> Result<Tensor> {
     let cdf = x
         .mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?
         .erf()?

@@ -59,7 +59,7 @@ use tp::{DType, Tensor, no_grad};
 
 use tensorplay_examples::gpt_batches as batches;
 use tensorplay_examples::gpt_checks::{
-    COMPARE_STEPS, MEMORY_FIRST_STEP, learning_check, max_diff, memory_check, resident_bytes,
+    COMPARE_STEPS, MEMORY_FIRST_STEP, learning_check, max_diff, memory_check,
 };
 use tensorplay_examples::{launch, plot};
 
@@ -236,7 +236,7 @@ fn train(
         sched.step(&mut opt)?;
         losses.push(loss);
         if s + 1 == MEMORY_FIRST_STEP {
-            resident[0] = resident_bytes();
+            resident[0] = tp::memory::process_resident_bytes();
         }
         if s % 10 == 0 {
             bar.set_message(format!("loss {loss:.4}"));
@@ -245,7 +245,7 @@ fn train(
     }
     bar.finish_and_clear();
     let wall = start.elapsed();
-    resident[1] = resident_bytes();
+    resident[1] = tp::memory::process_resident_bytes();
     Ok((losses, wall, resident))
 }
 

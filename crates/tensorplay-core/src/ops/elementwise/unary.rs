@@ -197,21 +197,7 @@ impl Function for Unary {
                     .mul_scalar(2.0 / std::f64::consts::PI.sqrt())?;
                 g.mul(&d)?
             }
-            Gelu => {
-                // d/dx x Phi(x) = Phi(x) + x phi(x)
-                let x = saved()?;
-                let cdf = x
-                    .mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?
-                    .erf()?
-                    .add_scalar(1.0)?
-                    .mul_scalar(0.5)?;
-                let pdf = x
-                    .mul(&x)?
-                    .mul_scalar(-0.5)?
-                    .exp()?
-                    .mul_scalar(1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
-                g.mul(&cdf.add(&x.mul(&pdf)?)?)?
-            }
+            Gelu => g.mul(&crate::ops::gelu_erf::slope(&saved()?)?)?,
             PowScalar(p) => {
                 let x = saved()?;
                 if p == 0.0 {
