@@ -76,6 +76,13 @@ pub fn memory_check(steps: usize, first: Option<u64>, last: Option<u64>) -> Resu
         return Ok("memory check skipped: resident memory cannot be read here".to_string());
     };
     let growth = last as f64 / first.max(1) as f64 - 1.0;
+    if steps < LEARN_STEPS {
+        return Ok(format!(
+            "memory check skipped: it needs --steps {LEARN_STEPS} or more (resident memory {:.1} \
+             MiB after step {steps})",
+            mib(last)
+        ));
+    }
     let note = format!(
         "resident memory {:.1} MiB after step {MEMORY_FIRST_STEP}, {:.1} MiB after step {steps} \
          ({:+.1}%)",
@@ -83,11 +90,6 @@ pub fn memory_check(steps: usize, first: Option<u64>, last: Option<u64>) -> Resu
         mib(last),
         growth * 100.0
     );
-    if steps < LEARN_STEPS {
-        return Ok(format!(
-            "memory check skipped ({note}): it needs --steps {LEARN_STEPS} or more"
-        ));
-    }
     if last as f64 > first as f64 * (1.0 + MAX_MEMORY_GROWTH) {
         return Err(format!(
             "the {note} grew by more than {:.0}%",

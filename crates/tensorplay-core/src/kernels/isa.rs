@@ -109,15 +109,21 @@ pub fn cpu_capability() -> CpuCapability {
         Ok(v) => match CpuCapability::parse(&v) {
             Some(l) if l <= best => l,
             Some(l) => {
-                tracing::warn!(
-                    "TENSORPLAY_CPU_CAPABILITY={v}: this processor lacks {l}; using {best}"
+                super::warn_env(
+                    "TENSORPLAY_CPU_CAPABILITY",
+                    &format!(
+                        "TENSORPLAY_CPU_CAPABILITY={v}: this processor lacks {l}; using {best}"
+                    ),
                 );
                 best
             }
             None => {
-                tracing::warn!(
-                    "TENSORPLAY_CPU_CAPABILITY={v} is not one of default, avx2, avx512; using \
-                     {best}"
+                super::warn_env(
+                    "TENSORPLAY_CPU_CAPABILITY",
+                    &format!(
+                        "TENSORPLAY_CPU_CAPABILITY={v:?} is not one of default, avx2, avx512; \
+                         using {best}"
+                    ),
                 );
                 best
             }
@@ -130,8 +136,8 @@ pub fn cpu_capability() -> CpuCapability {
 }
 
 /// Makes the CPU kernels use `level` from now on in this process (tests use it to run every
-/// path the machine has; results differ between levels only within the kernels' stated error
-/// bounds).
+/// path the machine has; every level gives the same bits, except for which NaN a NaN result
+/// is).
 ///
 /// Errors: [`Error::InvalidArgument`] naming `level` when this processor does not support it.
 pub fn set_cpu_capability(level: CpuCapability) -> Result<()> {

@@ -18,16 +18,21 @@ pub(crate) const MIN_PARALLEL_WORK: usize = 1 << 15;
 /// 0 until set: the default rule applies.
 static NUM_THREADS: AtomicUsize = AtomicUsize::new(0);
 
+/// The most intra-op threads: a larger count from [`set_num_threads`] or `OMP_NUM_THREADS` is
+/// taken as this (a pool of 100,000 threads took minutes to start its first operation).
+pub(crate) const MAX_NUM_THREADS: usize = 1024;
+
 /// Sets the number of threads the CPU kernels may use (`torch.set_num_threads`): matrix
 /// products, elementwise operations, row kernels (softmax, LayerNorm, GELU) and attention, each
-/// above a size threshold. `0` restores the default (see [`get_num_threads`]). Results do not
-/// depend on the number.
+/// above a size threshold. `0` restores the default (see [`get_num_threads`]); a count above
+/// 1024 is taken as 1024. Results do not depend on the number.
 pub fn set_num_threads(n: usize) {
-    NUM_THREADS.store(n, Ordering::Relaxed);
+    NUM_THREADS.store(n.min(MAX_NUM_THREADS), Ordering::Relaxed);
 }
 
 /// The number of threads the CPU kernels may use: the last [`set_num_threads`], else
-/// `OMP_NUM_THREADS` when it is a positive integer (as PyTorch reads it), else 1 inside a rank
+/// `OMP_NUM_THREADS` when it is a positive integer (as PyTorch reads it; at most 1024; another
+/// value is reported on standard error and ignored), else 1 inside a rank
 /// started by `spawn` or `tensorplay-run` (the environment has `RANK` and `WORLD_SIZE`, as
 /// torchrun's ranks do, where PyTorch defaults to one thread per rank), else the cores this
 /// process may run on (its CPU affinity and cgroup quota).
@@ -42,10 +47,28 @@ fn default_threads() -> usize {
     // the environment and the cgroup files are read once (dozens of syscalls)
     static DEFAULT: OnceLock<usize> = OnceLock::new();
     *DEFAULT.get_or_init(|| {
-        let omp = std::env::var("OMP_NUM_THREADS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n > 0);
+        let omp = std::env::var("OMP_NUM_THREADS").ok().and_then(|v| {
+            match v.trim().parse::<usize>() {
+                Ok(n) if (1..=MAX_NUM_THREADS).contains(&n) => Some(n),
+                Ok(n) if n > MAX_NUM_THREADS => {
+                    super::warn_env(
+                        "OMP_NUM_THREADS",
+                        &format!("OMP_NUM_THREADS={n} is above {MAX_NUM_THREADS}; using {MAX_NUM_THREADS}"),
+                    );
+                    Some(MAX_NUM_THREADS)
+                }
+                _ => {
+                    super::warn_env(
+                        "OMP_NUM_THREADS",
+                        &format!(
+                            "OMP_NUM_THREADS={v:?} is not a positive integer; ignored (the \
+                             default rule chooses the thread count)"
+                        ),
+                    );
+                    None
+                }
+            }
+        });
         let in_rank =
             std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some();
         match omp {
@@ -173,4 +196,22 @@ pub(crate) fn for_each_piece<T: Send>(
             pieces.into_iter().enumerate().for_each(|(i, p)| f(i, p));
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_huge_thread_count_is_capped() {
+        let before = NUM_THREADS.load(Ordering::Relaxed);
+        for (asked, want) in [
+            (100_000, MAX_NUM_THREADS),
+            (MAX_NUM_THREADS, MAX_NUM_THREADS),
+        ] {
+            set_num_threads(asked);
+            assert_eq!(get_num_threads(), want, "set_num_threads({asked})");
+        }
+        NUM_THREADS.store(before, Ordering::Relaxed);
+    }
 }

@@ -77,15 +77,37 @@ fn lock() -> std::sync::MutexGuard<'static, Cache> {
     cache().lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The most bytes the cache keeps: `TENSORPLAY_CPU_CACHE_MIB` MiB, else 256 MiB.
+/// The cache's bound without `TENSORPLAY_CPU_CACHE_MIB`, in MiB.
+const DEFAULT_CACHE_MIB: usize = 256;
+
+/// The bytes a `TENSORPLAY_CPU_CACHE_MIB` value means, `None` when it is not a whole number of
+/// MiB whose bytes fit a `usize`.
+fn cache_bytes_of(v: &str) -> Option<usize> {
+    v.trim().parse::<usize>().ok()?.checked_mul(1 << 20)
+}
+
+/// The most bytes the cache keeps: `TENSORPLAY_CPU_CACHE_MIB` MiB (a whole number; `0` turns
+/// the cache off), else 256 MiB. A value that is not a whole number, or whose bytes do not fit
+/// a `usize`, is reported on standard error and the default used.
 pub fn cache_limit_bytes() -> usize {
     static LIMIT: OnceLock<usize> = OnceLock::new();
     *LIMIT.get_or_init(|| {
-        std::env::var("TENSORPLAY_CPU_CACHE_MIB")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(256)
-            << 20
+        let Ok(v) = std::env::var("TENSORPLAY_CPU_CACHE_MIB") else {
+            return DEFAULT_CACHE_MIB << 20;
+        };
+        match cache_bytes_of(&v) {
+            Some(b) => b,
+            None => {
+                crate::kernels::warn_env(
+                    "TENSORPLAY_CPU_CACHE_MIB",
+                    &format!(
+                        "TENSORPLAY_CPU_CACHE_MIB={v:?} is not a whole number of MiB that fits \
+                         this machine's addresses; using {DEFAULT_CACHE_MIB}"
+                    ),
+                );
+                DEFAULT_CACHE_MIB << 20
+            }
+        }
     })
 }
 
@@ -223,6 +245,24 @@ pub fn empty_cache() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_limits_are_read_without_wrapping() {
+        let cases: [(&str, Option<usize>); 8] = [
+            ("256", Some(256 << 20)),
+            (" 1 ", Some(1 << 20)),
+            ("0", Some(0)),
+            ("-1", None),
+            ("abc", None),
+            ("", None),
+            // these wrapped to 0 and to 1 MiB before
+            ("17592186044416", None),
+            ("17592186044417", None),
+        ];
+        for (v, want) in cases {
+            assert_eq!(cache_bytes_of(v), want, "TENSORPLAY_CPU_CACHE_MIB={v:?}");
+        }
+    }
 
     /// A class's buffers after a sequence of takes and returns and a sweep.
     struct Case {

@@ -18,9 +18,11 @@ use crate::MAX_STEPS;
     about = "Trains a character-level GPT (4 layers, width 128, 4 heads, context 64) on \
              Shakespeare three times from the same weights and batches: tensor-parallel on 2 \
              ranks, data-parallel on 2 ranks, then in one process. Prints each run's validation \
-             loss and, for the distributed runs, the largest difference from the single-process \
-             losses over the first 100 steps (exit 1 if one reaches 1e-4), then a sample of \
-             generated text.",
+             loss (the single-process reference first) and, for the distributed runs, the largest difference from the \
+             single-process losses over the first 100 steps (exit 1 if one reaches 1e-4); then \
+             the learning check and the memory check of the single-process run (from 600 steps \
+             on; exit 1 if it did not learn or its resident memory grew by more than 10%), the \
+             tensor memory, a sample of generated text and a timing table.",
     after_help = "Started by hand it starts its second rank itself; under tensorplay-run (or \
                   torchrun's, Slurm's or Open MPI's variables) it takes RANK and WORLD_SIZE=2 \
                   from the environment."
@@ -66,7 +68,7 @@ fn parse_steps(v: &str) -> Result<usize, String> {
     let steps: usize = v.parse().map_err(|e| format!("bad --steps {v:?}: {e}"))?;
     if !(COMPARE_STEPS..=MAX_STEPS).contains(&steps) {
         return Err(format!(
-            "--steps must be from {COMPARE_STEPS} (the compared steps) to {MAX_STEPS}, got {v}"
+            "expected {COMPARE_STEPS} (the compared steps) to {MAX_STEPS}"
         ));
     }
     Ok(steps)
@@ -160,11 +162,13 @@ mod tests {
             },
             Case {
                 args: &["--steps", "99"],
-                want: Err("--steps must be from 100"),
+                want: Err("expected 100 (the compared steps)"),
             },
             Case {
                 args: &["--steps", "1000001"],
-                want: Err("to 1000000, got 1000001"),
+                want: Err(
+                    "invalid value '1000001' for '--steps <N>': expected 100 (the compared steps) to 1000000",
+                ),
             },
             Case {
                 args: &["--steps", "x"],
