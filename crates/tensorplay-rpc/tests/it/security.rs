@@ -95,10 +95,15 @@ async fn attack(
         .await
         .map_err(|e| format!("handshake: {e:?}"))?;
     // the client may consider the handshake done before the server checked its certificate
-    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| format!("open: {e}"))?;
+    let (mut send, mut recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| format!("open: {e}: {:?}", conn.close_reason()))?;
     send.write_all(&frame)
         .await
-        .map_err(|e| format!("write: {e}"))?;
+        // the server may refuse the certificate while the frame is being written: the
+        // handshake's reason is then in the connection's close reason, not the write error
+        .map_err(|e| format!("write: {e}: {:?}", conn.close_reason()))?;
     let _ = send.finish();
     let resp = recv
         .read_to_end(1 << 20)
