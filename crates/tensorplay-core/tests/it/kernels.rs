@@ -673,14 +673,17 @@ fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
         // linear (its bias in the product), elementwise maps, the bias gradient's column sums
         // and an AdamW step, each large enough to be split over threads
         // copies: the optimizer updates them in place
-        let (w, b) = (
+        let (lin_w, lin_b) = (
             lw.deep_clone()?.requires_grad_(true),
             lb.deep_clone()?.requires_grad_(true),
         );
-        let h = F::linear(&lx, &w, Some(&b))?.relu()?.mul_scalar(0.5)?;
+        let h = F::linear(&lx, &lin_w, Some(&lin_b))?
+            .relu()?
+            .mul_scalar(0.5)?;
         h.mul(&h)?.sum()?.backward()?;
-        let b_grad: Vec<f32> = b.grad().expect("grad").to_vec()?;
-        let mut opt = tp::optim::AdamW::new(vec![w.clone(), b.clone()], Default::default())?;
+        let b_grad: Vec<f32> = lin_b.grad().expect("grad").to_vec()?;
+        let mut opt =
+            tp::optim::AdamW::new(vec![lin_w.clone(), lin_b.clone()], Default::default())?;
         tp::optim::Optimizer::step(&mut opt)?;
         let w = tp::ones(&[200])?.requires_grad_(true);
         let xr = x.detach().requires_grad_(true);
@@ -696,7 +699,10 @@ fn results_do_not_depend_on_the_thread_count() -> tp::Result<()> {
             h.to_vec()?,
             ma.matmul(&mb)?.to_vec()?,
             b_grad,
-            w.detach().to_vec()?,
+            // the AdamW step's results (the layer norm's `w` below shadowed this once, so the
+            // step went unchecked)
+            lin_w.detach().to_vec()?,
+            lin_b.detach().to_vec()?,
             qr.grad().expect("grad").to_vec()?,
             y.to_vec()?,
             xr.grad().expect("grad").to_vec()?,
