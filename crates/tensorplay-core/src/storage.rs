@@ -1,6 +1,6 @@
 //! Storage: the memory a tensor views.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 mod buf;
@@ -142,9 +142,9 @@ impl Storage {
 #[derive(Debug)]
 pub(crate) struct StorageCell {
     data: RwLock<Storage>,
-    /// The host bytes counted as allocated when the cell was made (uncounted at drop, whatever
-    /// `with_storage_mut` put in the cell meanwhile).
-    counted: usize,
+    /// The host bytes counted as allocated for the cell's buffer (uncounted at drop, whatever
+    /// `with_storage_mut` put in the cell meanwhile); [`StorageCell::resize`] recounts.
+    counted: AtomicUsize,
     version: AtomicU64,
 }
 
@@ -159,7 +159,7 @@ impl Drop for StorageCell {
                 Storage::Cpu(c) => Some(c),
                 Storage::Cuda(_) => None,
             },
-            self.counted,
+            *self.counted.get_mut(),
         );
     }
 }
@@ -172,7 +172,7 @@ impl StorageCell {
         };
         pool::on_alloc(counted);
         StorageCell {
-            counted,
+            counted: AtomicUsize::new(counted),
             data: RwLock::new(s),
             version: AtomicU64::new(0),
         }
@@ -192,5 +192,37 @@ impl StorageCell {
     }
     pub(crate) fn version(&self) -> u64 {
         self.version.load(Ordering::Relaxed)
+    }
+    /// Puts the version counter back to `v` (after a write that must not invalidate the
+    /// tensors autograd saved, such as refilling a gathered parameter with the same values).
+    pub(crate) fn set_version(&self, v: u64) {
+        self.version.store(v, Ordering::Relaxed);
+    }
+    /// Replaces the host buffer by one of `n` elements of the same dtype (values unspecified
+    /// until written; the old ones are gone), without bumping the version: `n = 0` frees the
+    /// memory while the tensors over it live on. The allocator's statistics follow.
+    pub(crate) fn resize(&self, n: usize) -> Result<()> {
+        let mut g = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let Storage::Cpu(c) = &mut *g else {
+            return Err(Error::NotSupported {
+                op: "resize_storage_",
+                detail: "on CUDA tensors yet".into(),
+            });
+        };
+        if c.len() == n {
+            return Ok(());
+        }
+        let fresh = if n == 0 {
+            CpuStorage::zeros(c.dtype(), 0)
+        } else {
+            crate::with_dtype!(c.dtype(), T => T::into_storage(pool::take::<T>(n)))
+        };
+        let old = std::mem::replace(c, fresh);
+        let now = pool::capacity_bytes(c);
+        pool::on_alloc(now);
+        let before = self.counted.swap(now, Ordering::Relaxed);
+        drop(g);
+        pool::on_free(Some(old), before);
+        Ok(())
     }
 }

@@ -185,6 +185,38 @@ impl Tensor {
         self.0.storage.version()
     }
 
+    /// Runs `f` and then puts the storage's version counter back to what it was, so that the
+    /// writes `f` makes do not invalidate the tensors autograd saved for backward (PyTorch's
+    /// `torch.autograd._unsafe_preserve_version_counter`). For writes that restore the values
+    /// autograd saw, such as fully sharded data parallelism refilling a gathered parameter;
+    /// anything else makes backward silently use the new values.
+    pub fn preserve_version_counter<R>(&self, f: impl FnOnce() -> R) -> R {
+        let v = self.0.storage.version();
+        let r = f();
+        self.0.storage.set_version(v);
+        r
+    }
+
+    /// Resizes the host storage this tensor views to `numel` elements of its dtype
+    /// (`tensor.untyped_storage().resize_(numel * itemsize)`): `0` frees the memory while the
+    /// tensor, its views and the tensors autograd saved live on; resizing back gives new
+    /// memory whose values are unspecified until written. Every view of the storage sees the
+    /// change; reading or writing one whose elements lie past the new end is an
+    /// [`Error::InvalidArgument`] saying the storage was freed, never a read of other memory.
+    /// The version counter is not bumped. [`crate::memory::allocated_bytes`] follows.
+    ///
+    /// Fully sharded data parallelism frees the unsharded parameters this way between uses.
+    ///
+    /// Errors: [`Error::NotSupported`] for a CUDA tensor.
+    pub fn resize_storage_(&self, numel: usize) -> Result<()> {
+        self.0.storage.resize(numel)
+    }
+
+    /// Elements of the storage this tensor views (all of it, not only this view's).
+    pub fn storage_numel(&self) -> usize {
+        self.0.storage.read_len()
+    }
+
     pub(crate) fn meta(&self) -> MutexGuard<'_, AutogradMeta> {
         self.0.meta.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -198,6 +230,7 @@ impl Tensor {
         let guard = self.0.storage.read();
         match &*guard {
             Storage::Cpu(c) => {
+                check_extent(c.len(), &self.0.layout, op)?;
                 let s = T::slice(c).ok_or_else(|| Error::UnsupportedDType {
                     op,
                     dtype: c.dtype(),
@@ -221,6 +254,7 @@ impl Tensor {
         let mut guard = self.0.storage.write();
         match &mut *guard {
             Storage::Cpu(c) => {
+                check_extent(c.len(), &self.0.layout, op)?;
                 let dt = c.dtype();
                 let s = T::slice_mut(c).ok_or(Error::UnsupportedDType {
                     op,
@@ -371,4 +405,23 @@ impl fmt::Debug for Tensor {
         }
         write!(f, ")")
     }
+}
+
+/// An error when a view's elements reach past its storage's `len` elements (the storage was
+/// shrunk by [`Tensor::resize_storage_`]): kernels index the storage by the layout's offsets.
+pub(crate) fn check_extent(len: usize, layout: &Layout, op: &'static str) -> Result<()> {
+    let need = layout.storage_extent();
+    if need > len {
+        return Err(Error::invalid(
+            op,
+            "tensor",
+            format!("a tensor whose storage holds its elements ({need} needed)"),
+            format!(
+                "a storage of {len} elements: it was freed or shrunk by resize_storage_ (a fully \
+                 sharded parameter is freed between uses: read it inside unshard() or use the \
+                 shard that parameters() lists)"
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -207,6 +207,15 @@ pub mod distributed {
     #[doc(inline)]
     pub use tensorplay_distributed_nn::checkpoint;
 
+    /// `torch.distributed.fsdp`: fully sharded data parallelism,
+    /// [`fully_shard`](fsdp::fully_shard); see `docs/fully-sharded.md`.
+    pub mod fsdp {
+        #[doc(inline)]
+        pub use tensorplay_distributed_nn::parallel::fsdp::{
+            FsdpEvent, FsdpModule, FsdpOptions, fully_shard,
+        };
+    }
+
     #[doc(inline)]
     pub use tensorplay_collectives::device_mesh;
 

@@ -1,9 +1,10 @@
-//! [`ModuleCore`] (a module's training flag and forward hooks) and [`RemovableHandle`].
+//! [`ModuleCore`] (a module's training flag, forward hooks and the state a parallelism API
+//! attaches in place), [`AttachedState`] and [`RemovableHandle`].
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use crate::{Result, Tensor};
+use crate::{Error, Result, Tensor};
 
 /// A forward hook: sees a module's input (as the pre-hooks left it) and output after
 /// `forward`, and may replace the output by returning `Some` (`register_forward_hook`).
@@ -15,6 +16,21 @@ pub type ForwardPreHook = Box<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send +
 
 type SharedPost = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 type SharedPre = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+
+/// State that a parallelism API attaches to a module in place, as PyTorch's `fully_shard`
+/// turns a module into an FSDP module: the API keeps its state here (reachable from the
+/// module, for nested calls to find) and says which tensors the module's parameter listing
+/// shows instead of its own.
+pub trait AttachedState: Send + Sync + 'static {
+    /// The API that attached it (`"fully_shard"`), for errors.
+    fn kind(&self) -> &'static str;
+    /// The tensor [`super::Module::named_parameters`] lists in place of `param` (a parameter
+    /// of this module or of a descendant), or `None` to list `param` itself. Fully sharded
+    /// data parallelism lists each parameter's local shard, so optimizers see the shards.
+    fn parameter_in_place_of(&self, param: &Tensor) -> Option<Tensor>;
+    /// The state itself, for the API to downcast.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
 
 /// The hooks of one module, each with the id its handle removes it by.
 #[derive(Default)]
@@ -37,6 +53,7 @@ fn lock(hooks: &Mutex<Hooks>) -> MutexGuard<'_, Hooks> {
 pub struct ModuleCore {
     training: bool,
     hooks: Arc<Mutex<Hooks>>,
+    attached: Option<Arc<dyn AttachedState>>,
 }
 
 impl ModuleCore {
@@ -46,7 +63,27 @@ impl ModuleCore {
         ModuleCore {
             training: true,
             hooks: Arc::default(),
+            attached: None,
         }
+    }
+    /// Attaches a parallelism API's state (see [`AttachedState`]). Errors
+    /// ([`Error::InvalidArgument`]) when a state is attached already, naming both APIs: a
+    /// module is fully sharded once.
+    pub fn attach(&mut self, state: Arc<dyn AttachedState>) -> Result<()> {
+        if let Some(a) = &self.attached {
+            return Err(Error::invalid(
+                state.kind(),
+                "module",
+                "a module no parallelism API has taken over",
+                format!("a module {} was applied to already", a.kind()),
+            ));
+        }
+        self.attached = Some(state);
+        Ok(())
+    }
+    /// The attached state, if any.
+    pub fn attached(&self) -> Option<&Arc<dyn AttachedState>> {
+        self.attached.as_ref()
     }
     /// Whether the module is in training mode.
     pub fn training(&self) -> bool {
@@ -134,6 +171,7 @@ impl fmt::Debug for ModuleCore {
             .field("training", &self.training)
             .field("forward_pre_hooks", &pre)
             .field("forward_hooks", &post)
+            .field("attached", &self.attached.as_ref().map(|a| a.kind()))
             .finish()
     }
 }

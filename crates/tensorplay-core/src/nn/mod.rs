@@ -33,7 +33,7 @@ pub mod utils;
 pub use attention::MultiheadAttention;
 pub use container::ModuleList;
 pub use fields::{AsModule, ModuleFields};
-pub use hooks::{ForwardHook, ForwardPreHook, ModuleCore, RemovableHandle};
+pub use hooks::{AttachedState, ForwardHook, ForwardPreHook, ModuleCore, RemovableHandle};
 pub use layers::{Dropout, Embedding, GELU, Linear, ReLU, Sequential, Sigmoid, Tanh};
 pub use loss::{CrossEntropyLoss, MSELoss};
 pub use module::Module;

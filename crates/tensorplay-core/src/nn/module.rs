@@ -68,11 +68,21 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
     /// by two modules, such as a language model's embedding and output head) is listed once,
     /// under its first name, as PyTorch's `named_parameters()` does; so optimizers step it
     /// once and its gradient is the sum over both uses.
+    ///
+    /// A module with an [`AttachedState`](super::AttachedState) (a fully sharded one) lists
+    /// what the state puts in place of its parameters: their local shards.
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = self.local_parameters();
         for (name, child) in self.named_children() {
             for (n, p) in child.named_parameters() {
                 out.push((format!("{name}.{n}"), p));
+            }
+        }
+        if let Some(a) = self.core().attached() {
+            for (_, p) in out.iter_mut() {
+                if let Some(s) = a.parameter_in_place_of(p) {
+                    *p = s;
+                }
             }
         }
         let mut seen = BTreeSet::new();
@@ -210,12 +220,27 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
     /// Moves every parameter and buffer to `device` (`module.to(device)` with a [`Device`]):
     /// each is replaced by a new leaf on the device that keeps its `requires_grad` (and its
     /// `.grad`, moved as well). Either every tensor moves or none does; errors with
-    /// [`Error::CudaUnavailable`] when CUDA is asked for and cannot be used.
+    /// [`Error::CudaUnavailable`] when CUDA is asked for and cannot be used, and with
+    /// [`Error::NotSupported`] when a module of the tree is fully sharded (move it before).
     ///
     /// This is the method to override (a module that cannot move refuses here). Callers
     /// usually write [`Module::to`], which also takes a device string and calls this;
     /// [`Module::cpu`] and [`Module::cuda`] call it too.
     fn to_device(&mut self, device: Device) -> Result<()> {
+        if let Some((name, m)) = self
+            .named_modules()
+            .into_iter()
+            .find(|(_, m)| m.core().attached().is_some())
+        {
+            let kind = m.core().attached().map_or("", |a| a.kind());
+            return Err(Error::NotSupported {
+                op: "Module::to_device",
+                detail: format!(
+                    "on a module {kind} was applied to (at {:?}): move the module first",
+                    name
+                ),
+            });
+        }
         let mut moved = Vec::new();
         for (_, p) in self
             .named_parameters()

@@ -110,6 +110,8 @@ pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(
                 detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
             });
         };
+        crate::tensor::check_extent(c.len(), a.layout(), op)?;
+        crate::tensor::check_extent(c.len(), b.layout(), op)?;
         let sa = A::slice(c).ok_or_else(|| Error::DTypeMismatch {
             op,
             lhs: c.dtype(),

@@ -13,4 +13,5 @@ mod ops_gradcheck;
 mod optim;
 mod promotion;
 mod proptests;
+mod storage;
 mod transformer_layers;

@@ -6,11 +6,11 @@
 //!   ([`ColwiseParallel`](tensor::ColwiseParallel), [`RowwiseParallel`](tensor::RowwiseParallel),
 //!   [`parallelize_module`](tensor::parallelize_module)); the façade re-exports it as
 //!   `tensorplay::distributed::tensor::parallel`.
-//! - `fsdp`: fully sharded data parallelism, under construction (its sharding arithmetic so
-//!   far; crate-private until `fully_shard` lands).
+//! - [`fsdp`]: fully sharded data parallelism, [`fully_shard`](fsdp::fully_shard)
+//!   (`torch.distributed.fsdp`; the façade re-exports it as `tensorplay::distributed::fsdp`).
 
 pub mod ddp;
-pub(crate) mod fsdp;
+pub mod fsdp;
 pub mod tensor;
 
 pub use ddp::{

@@ -3,6 +3,7 @@
 
 mod bad_arguments;
 mod ddp;
+mod fsdp;
 mod gradcheck;
 mod hostile;
 mod semantics;

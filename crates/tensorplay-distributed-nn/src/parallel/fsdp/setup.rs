@@ -1,0 +1,231 @@
+//! What `fully_shard` does once: find the group's parameters, check that every rank has the
+//! same ones, cut this rank's shards, free the unsharded storage and install the hooks.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tensorplay_collectives::{self as dist, Error as DistError, ProcessGroup};
+use tensorplay_core::autograd::HookHandle;
+use tensorplay_core::nn::Module;
+use tensorplay_core::{DType, Result, Tensor, TensorId};
+
+use super::FsdpOptions;
+use super::param::ShardSpec;
+use super::state::{self, FsdpState, Managed};
+
+const OP: &str = "fully_shard";
+
+/// `fully_shard` calls made by this process so far.
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Which call claimed each unsharded parameter, with the parameter's name there: a
+/// parameter claimed by one call and reachable from a sibling's module is an error.
+/// Tensor ids are never reused, so entries of dropped models are only stale, never wrong.
+static CLAIMED: Mutex<BTreeMap<TensorId, (usize, String)>> = Mutex::new(BTreeMap::new());
+
+fn invalid(
+    rank: usize,
+    arg: &str,
+    expected: impl Into<String>,
+    got: impl std::fmt::Display,
+) -> tensorplay_core::Error {
+    DistError::invalid(OP, rank as i64, arg, expected, got).into()
+}
+
+/// The process group of `options.mesh` (1-D) or the default group.
+fn group_of(options: &FsdpOptions) -> Result<ProcessGroup> {
+    match &options.mesh {
+        None => Ok(dist::default_group(OP)?),
+        Some(m) if m.ndim() == 1 => Ok(m.get_group(0)?.clone()),
+        Some(m) => Err(invalid(
+            m.get_rank(),
+            "mesh",
+            "a 1-D mesh (the ranks that share the shards)",
+            format!("a mesh of shape {:?}", m.shape()),
+        )),
+    }
+}
+
+/// Shards `module` as `fully_shard` describes: returns the attached state and the gradient
+/// hooks' handles.
+pub(super) fn shard_module(
+    module: &mut dyn Module,
+    options: &FsdpOptions,
+) -> Result<(Arc<FsdpState>, Vec<HookHandle>)> {
+    let group = group_of(options)?;
+    let rank = dist::get_rank(Some(&group))?;
+    let world = dist::get_world_size(Some(&group))?;
+    let me = group.my_global_rank();
+    if let Some(a) = module.core().attached() {
+        return Err(invalid(
+            me,
+            "module",
+            "a module not fully sharded yet (call fully_shard once per module)",
+            format!("a module {} was applied to already", a.kind()),
+        ));
+    }
+    let params = collect(module, me)?;
+    agree(&params, &group, me)?;
+    let dtype = group_dtype(&params, me)?;
+    let index = CALLS.fetch_add(1, Ordering::Relaxed);
+    {
+        let mut claimed = CLAIMED.lock().unwrap_or_else(PoisonError::into_inner);
+        for (name, p) in &params {
+            claimed.insert(p.id(), (index, name.clone()));
+        }
+    }
+    let mut managed = Vec::with_capacity(params.len());
+    for (name, full) in params {
+        let shard = shard_of(&full, rank, world)?;
+        full.set_grad(None);
+        full.resize_storage_(0)?;
+        managed.push(Managed { name, full, shard });
+    }
+    let state = Arc::new(FsdpState::new(
+        index,
+        group,
+        (rank, world),
+        dtype,
+        managed,
+        options.reshard_after_forward,
+    ));
+    let hooks = state::grad_hooks(&state)?;
+    let core = module.core_mut();
+    let pre = Arc::downgrade(&state);
+    core.push_pre_hook(Box::new(move |_| {
+        if let Some(s) = pre.upgrade() {
+            s.pre_forward()?;
+        }
+        Ok(None)
+    }));
+    let post = Arc::downgrade(&state);
+    core.push_hook(Box::new(move |_, out| {
+        if let Some(s) = post.upgrade() {
+            s.post_forward(out)?;
+        }
+        Ok(None)
+    }));
+    core.attach(state.clone())?;
+    Ok((state, hooks))
+}
+
+/// The group's parameters with their names: those of `module` and its descendants that no
+/// nested `fully_shard` call took, each once (tied weights under their first name).
+fn collect(module: &dyn Module, me: usize) -> Result<Vec<(String, Tensor)>> {
+    // the unsharded parameters of nested calls below this module
+    let mut nested: HashSet<TensorId> = HashSet::new();
+    for (_, m) in module.named_modules().into_iter().skip(1) {
+        if let Some(s) = m
+            .core()
+            .attached()
+            .and_then(|a| a.as_any().downcast_ref::<FsdpState>())
+        {
+            nested.extend(s.full_ids());
+        }
+    }
+    let claimed = CLAIMED.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (path, m) in module.named_modules() {
+        for (n, p) in m.local_parameters() {
+            let name = if path.is_empty() {
+                n
+            } else {
+                format!("{path}.{n}")
+            };
+            if nested.contains(&p.id()) || !seen.insert(p.id()) {
+                continue;
+            }
+            if let Some((call, there)) = claimed.get(&p.id()) {
+                return Err(invalid(
+                    me,
+                    "module",
+                    "parameters that belong to one fully_shard group (wrap the smallest module \
+                     that holds every user of a shared parameter)",
+                    format!(
+                        "parameter {name:?} is {there:?} of fully_shard call {call}, a module \
+                         outside this one"
+                    ),
+                ));
+            }
+            out.push((name, p));
+        }
+    }
+    Ok(out)
+}
+
+/// The one floating dtype of the group's parameters.
+fn group_dtype(params: &[(String, Tensor)], me: usize) -> Result<DType> {
+    let Some((first, p0)) = params.first() else {
+        return Ok(DType::F32);
+    };
+    let dtype = p0.dtype();
+    for (name, p) in params {
+        if !p.dtype().is_float() || p.dtype() != dtype {
+            return Err(invalid(
+                me,
+                "module",
+                format!("floating-point parameters of one dtype ({first:?} is {dtype})"),
+                format!("parameter {name:?} of dtype {}", p.dtype()),
+            ));
+        }
+    }
+    Ok(dtype)
+}
+
+/// Every rank of `group` has the same parameters (names, shapes, dtypes, trainability) in
+/// this call; else an error on every rank naming the first rank and parameter that differ.
+fn agree(params: &[(String, Tensor)], group: &ProcessGroup, me: usize) -> Result<()> {
+    type Entry = (String, Vec<usize>, String, bool);
+    let mine: Vec<Entry> = params
+        .iter()
+        .map(|(n, p)| {
+            (
+                n.clone(),
+                p.shape().to_vec(),
+                p.dtype().to_string(),
+                p.requires_grad(),
+            )
+        })
+        .collect();
+    let all = dist::all_gather_object(&mine, Some(group))?;
+    let show = |e: Option<&Entry>| match e {
+        Some((n, s, d, g)) => format!("{n:?} {s:?} {d}{}", if *g { "" } else { " (frozen)" }),
+        None => "no parameter".to_string(),
+    };
+    for (r, list) in all.iter().enumerate().skip(1) {
+        let n = list.len().max(all[0].len());
+        if let Some(i) = (0..n).find(|&i| list.get(i) != all[0].get(i)) {
+            return Err(invalid(
+                me,
+                "module",
+                format!(
+                    "the same parameters on every rank, in the same fully_shard order (rank \
+                     0's parameter {i}: {})",
+                    show(all[0].get(i))
+                ),
+                format!("rank {}'s: {}", group.ranks()[r], show(list.get(i))),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// This rank's rows of `full` as a new leaf with `full`'s `requires_grad`.
+fn shard_of(full: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
+    let spec = ShardSpec::new(full.shape(), world);
+    let rows = spec.rows_of(rank);
+    let local = spec.local_shape(full.shape(), rank);
+    let s = full
+        .detach()
+        .reshape(&[spec.rows, spec.row_numel])?
+        .narrow(0, rows.start, rows.len())?
+        .reshape(&local)?
+        .deep_clone()?;
+    Ok(if full.requires_grad() {
+        s.requires_grad_(true)
+    } else {
+        s
+    })
+}

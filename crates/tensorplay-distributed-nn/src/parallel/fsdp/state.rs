@@ -1,0 +1,389 @@
+//! The runtime of one `fully_shard` group: its parameters' shards and unsharded tensors, the
+//! all-gather that fills the unsharded tensors, the reduce-scatter that turns their gradients
+//! into the shards' `.grad`, and the hooks that run them around forward and backward.
+//!
+//! Every parameter has two tensors. The **unsharded** one is the leaf the module holds and
+//! computes with; its storage is freed ([`Tensor::resize_storage_`] to 0) while the group is
+//! resharded and refilled by the all-gather. The **shard** is a leaf of the rank's rows
+//! (see [`super::param`]); it is what `parameters()` lists, so the optimizer steps it and keeps
+//! its state for it alone.
+
+use std::cell::Cell;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+
+use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
+use tensorplay_core::nn::AttachedState;
+use tensorplay_core::{DType, Result, Tensor, TensorId, no_grad};
+
+use super::group::FlatLayout;
+
+/// One parameter of a group.
+pub(crate) struct Managed {
+    /// Its name under the module `fully_shard` was called on.
+    pub(crate) name: String,
+    /// The tensor the module holds (full shape; storage freed while resharded).
+    pub(crate) full: Tensor,
+    /// This rank's rows, a leaf: what the optimizer steps.
+    pub(crate) shard: Tensor,
+}
+
+/// One event of a group's life, recorded in order (for tests of prefetching and overlap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsdpEvent {
+    /// The all-gather of the group's parameters was issued.
+    AllGather,
+    /// The module's forward began (after its pre-forward hook).
+    ForwardStart,
+    /// The module's forward ended (its post-forward hook ran).
+    ForwardEnd,
+    /// The reduce-scatter of the group's gradients was issued.
+    ReduceScatter,
+    /// The end of backward finished the group (gradients in the shards' `.grad`).
+    BackwardEnd,
+    /// The unsharded parameters were freed.
+    Reshard,
+}
+
+/// What changes from step to step.
+struct Runtime {
+    /// The unsharded parameters hold the shards' values.
+    unsharded: bool,
+    /// Gradients accumulated into unsharded parameters in the running backward.
+    ready: usize,
+    /// The reduce-scatter in flight: its handle, output (this rank's block) and input.
+    reduce: Option<(Work, Tensor, Tensor)>,
+    /// The end-of-backward callback is queued for the running backward.
+    callback_queued: bool,
+    /// Decided at the first forward: no other fully sharded module was in forward.
+    is_root: Option<bool>,
+    reshard_after_forward: bool,
+    reshard_after_backward: bool,
+    requires_gradient_sync: bool,
+    events: Vec<FsdpEvent>,
+}
+
+/// The state of one `fully_shard` call, attached to its module.
+pub(crate) struct FsdpState {
+    /// The call's number on this rank (0 for the first `fully_shard`), for errors.
+    pub(crate) index: usize,
+    pub(crate) group: ProcessGroup,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) dtype: DType,
+    pub(crate) params: Vec<Managed>,
+    pub(crate) layout: FlatLayout,
+    /// Parameters that take gradients.
+    trainable: usize,
+    rt: Mutex<Runtime>,
+}
+
+thread_local! {
+    /// Fully sharded modules in forward on this thread (the root decides it is the root by
+    /// finding none).
+    static IN_FORWARD: Cell<usize> = const { Cell::new(0) };
+}
+
+impl FsdpState {
+    pub(crate) fn new(
+        index: usize,
+        group: ProcessGroup,
+        (rank, world): (usize, usize),
+        dtype: DType,
+        params: Vec<Managed>,
+        reshard_after_forward: bool,
+    ) -> FsdpState {
+        let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.full.shape().to_vec()).collect();
+        let trainable = params.iter().filter(|p| p.shard.requires_grad()).count();
+        FsdpState {
+            index,
+            group,
+            rank,
+            world,
+            dtype,
+            layout: FlatLayout::new(&shapes, world),
+            params,
+            trainable,
+            rt: Mutex::new(Runtime {
+                unsharded: false,
+                ready: 0,
+                reduce: None,
+                callback_queued: false,
+                is_root: None,
+                reshard_after_forward,
+                reshard_after_backward: true,
+                requires_gradient_sync: true,
+                events: Vec::new(),
+            }),
+        }
+    }
+
+    fn rt(&self) -> MutexGuard<'_, Runtime> {
+        // the runtime is consistent between statements: a panic leaves nothing half-written
+        self.rt.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Fills the unsharded parameters from every rank's shards (one all-gather); nothing
+    /// when they are filled already.
+    pub(crate) fn unshard(&self) -> Result<()> {
+        let mut rt = self.rt();
+        self.unshard_locked(&mut rt)
+    }
+
+    fn unshard_locked(&self, rt: &mut Runtime) -> Result<()> {
+        if rt.unsharded {
+            return Ok(());
+        }
+        if self.params.is_empty() {
+            // a module without parameters of its own: nothing to gather (on every rank alike)
+            rt.unsharded = true;
+            return Ok(());
+        }
+        let _g = no_grad();
+        let l = &self.layout;
+        let block = Tensor::zeros(&[l.block_numel()], self.dtype)?;
+        for (i, p) in self.params.iter().enumerate() {
+            let r = l.in_block(i, self.rank);
+            if !r.is_empty() {
+                block
+                    .narrow(0, r.start, r.len())?
+                    .copy_(&p.shard.detach().reshape(&[r.len()])?)?;
+            }
+        }
+        let all = Tensor::zeros(&[l.total_numel()], self.dtype)?;
+        rt.events.push(FsdpEvent::AllGather);
+        dist::all_gather_into_tensor(&all, &block, Some(&self.group))?;
+        for (i, p) in self.params.iter().enumerate() {
+            let numel = p.full.numel();
+            p.full.resize_storage_(numel)?;
+            let flat = p.full.detach().reshape(&[numel])?;
+            p.full.preserve_version_counter(|| -> Result<()> {
+                for (src, dst) in l.pieces(i) {
+                    flat.narrow(0, dst.start, dst.len())?.copy_(&all.narrow(
+                        0,
+                        src.start,
+                        src.len(),
+                    )?)?;
+                }
+                Ok(())
+            })?;
+        }
+        rt.unsharded = true;
+        Ok(())
+    }
+
+    /// Frees the unsharded parameters' storage.
+    pub(crate) fn reshard(&self) -> Result<()> {
+        let mut rt = self.rt();
+        self.reshard_locked(&mut rt)
+    }
+
+    fn reshard_locked(&self, rt: &mut Runtime) -> Result<()> {
+        if !rt.unsharded {
+            return Ok(());
+        }
+        for p in &self.params {
+            p.full.resize_storage_(0)?;
+        }
+        rt.unsharded = false;
+        rt.events.push(FsdpEvent::Reshard);
+        Ok(())
+    }
+
+    /// The pre-forward hook: decides whether this module is the root (the first forward),
+    /// then gathers the parameters.
+    pub(crate) fn pre_forward(&self) -> Result<()> {
+        let mut rt = self.rt();
+        let root = *rt.is_root.get_or_insert_with(|| IN_FORWARD.get() == 0);
+        // the root starts the count afresh, so that a forward that failed half-way does not
+        // leave it off
+        IN_FORWARD.set(if root { 1 } else { IN_FORWARD.get() + 1 });
+        self.unshard_locked(&mut rt)?;
+        rt.events.push(FsdpEvent::ForwardStart);
+        Ok(())
+    }
+
+    /// The post-forward hook: registers the pre-backward hook on the output when a backward
+    /// may follow, and frees the parameters unless they are kept for backward (the root, or
+    /// `reshard_after_forward = false`).
+    pub(crate) fn post_forward(self: &Arc<Self>, output: &Tensor) -> Result<()> {
+        IN_FORWARD.set(IN_FORWARD.get().saturating_sub(1));
+        let mut rt = self.rt();
+        rt.events.push(FsdpEvent::ForwardEnd);
+        let backward_follows =
+            tensorplay_core::autograd::is_grad_enabled() && output.requires_grad();
+        if backward_follows {
+            let weak = Arc::downgrade(self);
+            output.register_hook(move |_| {
+                if let Some(s) = weak.upgrade() {
+                    s.pre_backward()?;
+                }
+                Ok(None)
+            })?;
+        }
+        let keep = backward_follows && (rt.is_root == Some(true) || !rt.reshard_after_forward);
+        if !keep {
+            self.reshard_locked(&mut rt)?;
+        }
+        Ok(())
+    }
+
+    /// The pre-backward hook (the gradient of the module's output arrived): gathers the
+    /// parameters again if they were freed, and queues the end-of-backward work.
+    fn pre_backward(self: &Arc<Self>) -> Result<()> {
+        let mut rt = self.rt();
+        self.queue_end_locked(&mut rt)?;
+        self.unshard_locked(&mut rt)
+    }
+
+    fn queue_end_locked(self: &Arc<Self>, rt: &mut Runtime) -> Result<()> {
+        if rt.callback_queued {
+            return Ok(());
+        }
+        let weak = Arc::downgrade(self);
+        tensorplay_core::autograd::queue_callback(move || match weak.upgrade() {
+            Some(s) => s.end_backward(),
+            None => Ok(()),
+        })?;
+        rt.callback_queued = true;
+        Ok(())
+    }
+
+    /// The post-accumulate-grad hook of parameter `i`: once every trainable parameter of the
+    /// group has its gradient, their reduce-scatter starts while backward goes on.
+    pub(crate) fn grad_ready(self: &Arc<Self>, _i: usize) -> Result<()> {
+        let mut rt = self.rt();
+        self.queue_end_locked(&mut rt)?;
+        if !rt.requires_gradient_sync {
+            return Ok(());
+        }
+        rt.ready += 1;
+        if rt.ready >= self.trainable {
+            self.start_reduce_locked(&mut rt)?;
+        }
+        Ok(())
+    }
+
+    /// Packs the unsharded gradients (zeros for those missing) into the reduce-scatter's
+    /// input, frees them, and issues the reduce-scatter.
+    fn start_reduce_locked(&self, rt: &mut Runtime) -> Result<()> {
+        let _g = no_grad();
+        let l = &self.layout;
+        let input = Tensor::zeros(&[l.total_numel()], self.dtype)?;
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(g) = p.full.grad() else { continue };
+            let g = g.detach().reshape(&[p.full.numel()])?;
+            for (dst, src) in l.pieces(i) {
+                input.narrow(0, dst.start, dst.len())?.copy_(&g.narrow(
+                    0,
+                    src.start,
+                    src.len(),
+                )?)?;
+            }
+            p.full.set_grad(None);
+        }
+        let output = Tensor::zeros(&[l.block_numel()], self.dtype)?;
+        rt.events.push(FsdpEvent::ReduceScatter);
+        let work =
+            dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))?;
+        rt.reduce = Some((work, output, input));
+        rt.ready = 0;
+        Ok(())
+    }
+
+    /// The end of backward: a reduce-scatter whose gradients did not all arrive goes out now,
+    /// the reduce-scatter is waited for, its averaged block lands in the shards' `.grad`
+    /// (added to what is there), and the parameters are freed.
+    fn end_backward(&self) -> Result<()> {
+        let mut rt = self.rt();
+        rt.callback_queued = false;
+        if rt.requires_gradient_sync && rt.ready > 0 {
+            self.start_reduce_locked(&mut rt)?;
+        }
+        if let Some((work, output, _input)) = rt.reduce.take() {
+            work.wait(None)?;
+            let _g = no_grad();
+            output.mul_scalar_(1.0 / self.world as f64)?;
+            for (i, p) in self.params.iter().enumerate() {
+                if !p.shard.requires_grad() {
+                    continue;
+                }
+                let r = self.layout.in_block(i, self.rank);
+                let g = output
+                    .narrow(0, r.start, r.len())?
+                    .reshape(p.shard.shape())?
+                    .deep_clone()?;
+                match p.shard.grad() {
+                    Some(old) => old.add_(&g)?,
+                    None => p.shard.set_grad(Some(g)),
+                }
+            }
+        }
+        rt.events.push(FsdpEvent::BackwardEnd);
+        if rt.reshard_after_backward {
+            self.reshard_locked(&mut rt)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn set_reshard_after_forward(&self, v: bool) {
+        self.rt().reshard_after_forward = v;
+    }
+    pub(crate) fn set_reshard_after_backward(&self, v: bool) {
+        self.rt().reshard_after_backward = v;
+    }
+    pub(crate) fn set_requires_gradient_sync(&self, v: bool) {
+        self.rt().requires_gradient_sync = v;
+    }
+    pub(crate) fn is_unsharded(&self) -> bool {
+        self.rt().unsharded
+    }
+    pub(crate) fn is_root(&self) -> Option<bool> {
+        self.rt().is_root
+    }
+    pub(crate) fn take_events(&self) -> Vec<FsdpEvent> {
+        std::mem::take(&mut self.rt().events)
+    }
+
+    /// The unsharded tensors' ids (what nested `fully_shard` calls above this one skip).
+    pub(crate) fn full_ids(&self) -> impl Iterator<Item = TensorId> + '_ {
+        self.params.iter().map(|p| p.full.id())
+    }
+}
+
+impl AttachedState for FsdpState {
+    fn kind(&self) -> &'static str {
+        "fully_shard"
+    }
+    fn parameter_in_place_of(&self, param: &Tensor) -> Option<Tensor> {
+        let id = param.id();
+        self.params
+            .iter()
+            .find(|p| p.full.id() == id)
+            .map(|p| p.shard.clone())
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Installs the group's hooks: the post-accumulate-grad hook of every trainable unsharded
+/// parameter (forward hooks are the module's, installed by `fully_shard`).
+pub(crate) fn grad_hooks(
+    state: &Arc<FsdpState>,
+) -> Result<Vec<tensorplay_core::autograd::HookHandle>> {
+    let mut out = Vec::new();
+    for (i, p) in state.params.iter().enumerate() {
+        if !p.full.requires_grad() {
+            continue;
+        }
+        let weak: Weak<FsdpState> = Arc::downgrade(state);
+        out.push(
+            p.full
+                .register_post_accumulate_grad_hook(move |_| match weak.upgrade() {
+                    Some(s) => s.grad_ready(i),
+                    None => Ok(()),
+                })?,
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,430 @@
+//! `fully_shard` across real processes (`spawn`, the "cpu" backend): gradients and parameters
+//! (after AdamW steps) against the single-process run of the whole batch, for an MLP and a small GPT, nested and
+//! root-only wrapping, with and without resharding after forward, frozen and tied parameters,
+//! dimensions 0 that do not divide by the world; the bytes each rank keeps; and bad inputs
+//! that must fail on every rank.
+
+use std::time::Duration;
+
+use tensorplay::models::{Gpt, GptConfig};
+use tensorplay_collectives as dist;
+use tensorplay_core::nn::{self, Linear, Module, Sequential};
+use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
+use tensorplay_core::{self as tp, DType, Tensor};
+use tensorplay_distributed_nn::parallel::fsdp::{FsdpEvent, FsdpModule, FsdpOptions, fully_shard};
+use tensorplay_testkit::{Tol, check_close, cpu_world};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+const STEPS: usize = 3;
+/// Rows of the whole batch (every world used here divides it).
+const BATCH: usize = 12;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Model {
+    /// Linear 5 -> 7 -> 6 -> 3 with Tanh: dimensions 0 of 7, 6 and 3 rows.
+    Mlp,
+    /// The GPT of `tensorplay::models` with 2 blocks of width 16 and a tied head.
+    Gpt,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Wrap {
+    /// Every child with parameters (every block), then the root.
+    Nested,
+    /// The root alone.
+    RootOnly,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    name: &'static str,
+    model: Model,
+    wrap: Wrap,
+    reshard_after_forward: bool,
+    dtype: DType,
+    /// The first layer's bias (the MLP) or the first block's first LayerNorm (the GPT) frozen.
+    frozen: bool,
+}
+
+const fn case(name: &'static str, model: Model, wrap: Wrap, raf: bool, dtype: DType) -> Case {
+    Case {
+        name,
+        model,
+        wrap,
+        reshard_after_forward: raf,
+        dtype,
+        frozen: false,
+    }
+}
+
+fn gpt_config(dtype: DType) -> GptConfig {
+    GptConfig {
+        vocab_size: 11,
+        block_size: 8,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        dropout: 0.0,
+        dtype,
+    }
+}
+
+fn mlp(dtype: DType) -> tp::Result<Sequential> {
+    let dims = [5, 7, 6, 3];
+    let mut m = Sequential::new();
+    for (k, w) in dims.windows(2).enumerate() {
+        let l = Linear::new(w[0], w[1], true)?;
+        let leaf = |t: &Tensor| -> tp::Result<Tensor> {
+            Ok(t.detach()
+                .to_dtype(dtype)?
+                .deep_clone()?
+                .requires_grad_(true))
+        };
+        let b = l.bias.as_ref().map(leaf).transpose()?;
+        m = m.add(Linear::from_weights(leaf(&l.weight)?, b)?);
+        if k + 2 < dims.len() {
+            m = m.add(nn::Tanh::new());
+        }
+    }
+    Ok(m)
+}
+
+/// The case's model, built from the seed (the same on every rank and in the reference).
+fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
+    tp::manual_seed(7);
+    let mut m: Box<dyn Module> = match c.model {
+        Model::Mlp => Box::new(mlp(c.dtype)?),
+        Model::Gpt => Box::new(Gpt::new(gpt_config(c.dtype))?),
+    };
+    if c.frozen {
+        let name = match c.model {
+            Model::Mlp => "0.bias",
+            Model::Gpt => "h.0.ln_1.weight",
+        };
+        let (_, p) = m
+            .named_parameters()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .ok_or_else(|| tp::Error::Autograd(format!("no parameter {name}")))?;
+        p.set_requires_grad(false)?;
+    }
+    m.train(true)?;
+    Ok(m)
+}
+
+/// Rows `from..from + n` of the case's data: `(input, target)`.
+fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
+    match c.model {
+        Model::Mlp => {
+            let x: Vec<f64> = (from..from + n)
+                .flat_map(|i| (0..5).map(move |j| ((i * 13 + j * 7) as f64 * 0.37).sin()))
+                .collect();
+            let y: Vec<f64> = (from..from + n)
+                .flat_map(|i| (0..3).map(move |j| ((i * 5 + j * 11) as f64 * 0.23).cos()))
+                .collect();
+            Ok((
+                Tensor::from_vec(x, &[n, 5])?.to_dtype(c.dtype)?,
+                Tensor::from_vec(y, &[n, 3])?.to_dtype(c.dtype)?,
+            ))
+        }
+        Model::Gpt => {
+            let t = 8;
+            let tok = |i: usize, j: usize| ((i * 7 + j * 3 + i * j) % 11) as i64;
+            let x: Vec<i64> = (from..from + n)
+                .flat_map(|i| (0..t).map(move |j| tok(i, j)))
+                .collect();
+            let y: Vec<i64> = (from..from + n)
+                .flat_map(|i| (0..t).map(move |j| tok(i, j + 1)))
+                .collect();
+            Ok((Tensor::from_vec(x, &[n, t])?, Tensor::from_vec(y, &[n, t])?))
+        }
+    }
+}
+
+fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
+    let out = m.call(x)?;
+    match c.model {
+        Model::Mlp => nn::MSELoss::new().forward(&out, y),
+        Model::Gpt => {
+            let n = y.numel();
+            nn::functional::cross_entropy(&out.reshape(&[n, 11])?, &y.reshape(&[n])?)
+        }
+    }
+}
+
+/// Wraps `m` as the case says; the handles, the root's last.
+fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
+    let opts = FsdpOptions {
+        reshard_after_forward: c.reshard_after_forward,
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    if c.wrap == Wrap::Nested {
+        for (_, child) in m.named_children_mut() {
+            // the GPT's blocks are in `h`; the MLP's layers are its children
+            if child.named_children().iter().any(|(n, _)| n == "0") {
+                for (_, block) in child.named_children_mut() {
+                    out.push(fully_shard(block, opts.clone())?);
+                }
+            } else if !child.local_parameters().is_empty() && c.model == Model::Mlp {
+                out.push(fully_shard(child, opts.clone())?);
+            }
+        }
+    }
+    out.push(fully_shard(m, opts)?);
+    Ok(out)
+}
+
+/// The whole tensor of which every rank holds `shard` (rows in rank order), as `f64`s.
+fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
+    let all: Vec<Vec<f64>> = dist::all_gather_object(&shard.to_vec_f64()?, None)?;
+    Ok(all.concat())
+}
+
+/// AdamW in float64; SGD in float32, where AdamW's division by the root of the second moment
+/// turns gradients that are zero up to rounding (the key projection's bias: softmax ignores
+/// it) into steps of size `lr` whose signs are the rounding's, in either run.
+fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>> {
+    Ok(if dtype == DType::F64 {
+        Box::new(AdamW::new(
+            params,
+            AdamWOptions {
+                lr: 1e-2,
+                weight_decay: 0.01,
+                ..Default::default()
+            },
+        )?)
+    } else {
+        Box::new(SGD::new(
+            params,
+            SgdOptions {
+                lr: 0.1,
+                ..Default::default()
+            },
+        )?)
+    })
+}
+
+fn tol(dtype: DType) -> Tol {
+    if dtype == DType::F64 {
+        Tol::scaled(1e-12)
+    } else {
+        Tol::scaled(1e-5)
+    }
+}
+
+/// One case on this rank: `STEPS` AdamW steps of the fully sharded model on the rank's rows
+/// beside the single-process model on the whole batch; after every backward the gathered
+/// gradient of every parameter equals the reference's, after the last step the parameters.
+fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
+    let what = format!("{} (world {world})", c.name);
+    let mut model = build(c)?;
+    let reference = build(c)?;
+    let names: Vec<String> = reference
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let handles = wrap(c, model.as_mut())?;
+    let listed: Vec<String> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    if listed != names {
+        return Err(format!("{what}: parameters listed as {listed:?}, want {names:?}").into());
+    }
+    let mut opt = optimizer(model.parameters(), c.dtype)?;
+    let mut ref_opt = optimizer(reference.parameters(), c.dtype)?;
+    let per = BATCH / world;
+    for step in 0..STEPS {
+        let (x, y) = rows(c, step * BATCH + rank * per, per)?;
+        let (xa, ya) = rows(c, step * BATCH, BATCH)?;
+        opt.zero_grad()?;
+        loss(c, model.as_ref(), &x, &y)?.backward()?;
+        ref_opt.zero_grad()?;
+        loss(c, reference.as_ref(), &xa, &ya)?.backward()?;
+        for ((n, s), (_, r)) in model
+            .named_parameters()
+            .iter()
+            .zip(reference.named_parameters())
+        {
+            match (s.grad(), r.grad()) {
+                (Some(g), Some(h)) => check_close(
+                    &format!("{what}, step {step}: grad of {n}"),
+                    &gathered(&g)?,
+                    &h.to_vec_f64()?,
+                    tol(c.dtype),
+                )?,
+                (None, None) => {}
+                (g, h) => {
+                    return Err(format!(
+                        "{what}, step {step}: grad of {n} is {} here, {} in the reference",
+                        if g.is_some() { "set" } else { "None" },
+                        if h.is_some() { "set" } else { "None" },
+                    )
+                    .into());
+                }
+            }
+        }
+        // between steps every group is resharded: nothing gathered stays
+        if let Some(h) = handles.iter().find(|h| h.is_unsharded()) {
+            return Err(format!("{what}, step {step}: {h:?} still gathered after backward").into());
+        }
+        opt.step()?;
+        ref_opt.step()?;
+    }
+    for ((n, s), (_, r)) in model
+        .named_parameters()
+        .iter()
+        .zip(reference.named_parameters())
+    {
+        check_close(
+            &format!("{what}: {n} after {STEPS} steps"),
+            &gathered(s)?,
+            &r.to_vec_f64()?,
+            tol(c.dtype),
+        )?;
+    }
+    Ok(())
+}
+
+const CASES: [Case; 6] = [
+    case(
+        "mlp nested, reshard after forward",
+        Model::Mlp,
+        Wrap::Nested,
+        true,
+        DType::F64,
+    ),
+    case(
+        "mlp root only",
+        Model::Mlp,
+        Wrap::RootOnly,
+        true,
+        DType::F64,
+    ),
+    case(
+        "mlp nested, kept until backward",
+        Model::Mlp,
+        Wrap::Nested,
+        false,
+        DType::F64,
+    ),
+    case(
+        "gpt nested, reshard after forward",
+        Model::Gpt,
+        Wrap::Nested,
+        true,
+        DType::F64,
+    ),
+    case(
+        "gpt nested, float32",
+        Model::Gpt,
+        Wrap::Nested,
+        true,
+        DType::F32,
+    ),
+    case(
+        "gpt root only, kept",
+        Model::Gpt,
+        Wrap::RootOnly,
+        false,
+        DType::F64,
+    ),
+];
+
+const FROZEN: [Case; 2] = [
+    Case {
+        frozen: true,
+        ..case(
+            "mlp with a frozen bias",
+            Model::Mlp,
+            Wrap::Nested,
+            true,
+            DType::F64,
+        )
+    },
+    Case {
+        frozen: true,
+        ..case(
+            "gpt with a frozen LayerNorm",
+            Model::Gpt,
+            Wrap::Nested,
+            true,
+            DType::F64,
+        )
+    },
+];
+
+fn check_world(world: usize, cases: &[Case]) {
+    cpu_world(world, TIMEOUT, |rank| -> TestResult {
+        for c in cases {
+            run_case(c, rank, world)?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn matches_one_process_world_2() {
+    check_world(2, &CASES);
+    check_world(2, &FROZEN);
+}
+
+#[test]
+fn matches_one_process_worlds_1_3_4() {
+    check_world(1, &CASES[..1]);
+    check_world(3, &[CASES[0], CASES[3]]);
+    check_world(4, &[CASES[0], CASES[3], FROZEN[1]]);
+}
+
+/// The order of a step's events on the block groups: each all-gather before its forward, the
+/// reduce-scatter issued in backward (before the end of backward finishes the group).
+#[test]
+fn events_follow_forward_and_backward() {
+    let c = CASES[3];
+    cpu_world(2, TIMEOUT, |rank| -> TestResult {
+        let mut model = build(&c)?;
+        let handles = wrap(&c, model.as_mut())?;
+        let (x, y) = rows(&c, rank * 6, 6)?;
+        loss(&c, model.as_ref(), &x, &y)?.backward()?;
+        use FsdpEvent::*;
+        let block = [
+            AllGather,
+            ForwardStart,
+            ForwardEnd,
+            Reshard,
+            AllGather,
+            ReduceScatter,
+            BackwardEnd,
+            Reshard,
+        ];
+        let root = [
+            AllGather,
+            ForwardStart,
+            ForwardEnd,
+            ReduceScatter,
+            BackwardEnd,
+            Reshard,
+        ];
+        for (i, h) in handles.iter().enumerate() {
+            let want: &[FsdpEvent] = if i + 1 == handles.len() {
+                &root
+            } else {
+                &block
+            };
+            let got = h.take_events();
+            if got != want {
+                return Err(format!("group {i}: events {got:?}, want {want:?}").into());
+            }
+            let is_root = h.is_root() == Some(true);
+            if is_root != (i + 1 == handles.len()) {
+                return Err(format!("group {i}: is_root {:?}", h.is_root()).into());
+            }
+        }
+        Ok(())
+    });
+}
