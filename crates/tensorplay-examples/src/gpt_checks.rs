@@ -99,6 +99,28 @@ pub fn memory_check(steps: usize, first: Option<u64>, last: Option<u64>) -> Resu
     Ok(format!("memory check passed: {note}"))
 }
 
+/// The bytes of training state a rank holds: `params`, their `.grad`s and `opt`'s state
+/// tensors (AdamW's `exp_avg`, `exp_avg_sq` and `step`), each counted by the size of its
+/// storage (elements x dtype size). The definition of PyTorch's anchor
+/// (`torch_fsdp_step.py`): for a fully sharded model `params` are the local shards; DDP's
+/// bucket copies and FSDP's transient gathered parameters are not among these tensors.
+///
+/// Errors: the optimizer's state cannot be read.
+pub fn state_bytes(
+    params: &[tensorplay::Tensor],
+    opt: &dyn tensorplay::optim::Optimizer,
+) -> tensorplay::Result<usize> {
+    let size = |t: &tensorplay::Tensor| t.storage_numel() * t.dtype().size_in_bytes();
+    let mut n = 0;
+    for p in params {
+        n += size(p) + p.grad().as_ref().map_or(0, size);
+    }
+    for per_param in opt.state_dict()?.state.values() {
+        n += per_param.values().map(size).sum::<usize>();
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +214,35 @@ mod tests {
                 (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
             }
         }
+    }
+
+    /// The counted bytes equal what the allocator measures for the same tensors: an AdamW
+    /// state built and dropped on this thread moves `allocated_bytes` by the count (buffers
+    /// are rounded up to the allocator's size classes, at most an eighth more).
+    #[test]
+    fn state_bytes_match_the_allocator() {
+        use tensorplay::optim::{AdamW, AdamWOptions, Optimizer};
+        let mib = 1 << 18; // float32 elements in 1 MiB
+        let params = vec![
+            tensorplay::zeros(&[mib, 2]).unwrap().requires_grad_(true),
+            tensorplay::zeros(&[mib]).unwrap().requires_grad_(true),
+        ];
+        let before = tensorplay::memory::allocated_bytes();
+        let mut opt = AdamW::new(params.clone(), AdamWOptions::default()).unwrap();
+        for p in &params {
+            p.set_grad(Some(tensorplay::ones(p.shape()).unwrap()));
+        }
+        opt.step().unwrap();
+        let grown = tensorplay::memory::allocated_bytes() - before;
+        let counted = state_bytes(&params, &opt).unwrap();
+        // parameters 3 MiB, gradients 3 MiB, two moments 6 MiB, two 8-byte step counters
+        assert_eq!(counted, 12 * (1 << 20) + 16, "counted {counted} bytes");
+        // all but the parameters were made here; the step counters are plain integers in the
+        // optimizer, tensors only in its state_dict
+        let extra = counted - 3 * (1 << 20);
+        assert!(
+            grown + 16 >= extra && grown <= extra + extra / 8 + 4096,
+            "the allocator grew by {grown} bytes, the count (without parameters) is {extra}"
+        );
     }
 }

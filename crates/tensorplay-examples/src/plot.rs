@@ -107,8 +107,8 @@ pub fn two_panels(
     let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     let (l_area, r_area) = root.split_horizontally(600);
-    // a darker green than plotters' GREEN, legible as a thin line on white
-    let colours = [RED, BLUE, RGBColor(0, 140, 0)];
+    // a darker green than plotters' GREEN, legible as a thin line on white; purple for a fourth run
+    let colours = [RED, BLUE, RGBColor(0, 140, 0), RGBColor(150, 0, 170)];
 
     let steps = left
         .iter()

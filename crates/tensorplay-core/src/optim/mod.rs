@@ -180,9 +180,50 @@ pub(crate) fn check_grads(
 /// parameter on a device a contiguous tensor there.
 #[derive(Debug, Clone)]
 pub(crate) enum Buf {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
+    F32(Counted<f32>),
+    F64(Counted<f64>),
     Device(Tensor),
+}
+
+/// A host state vector that [`crate::memory::allocated_bytes`] counts while it lives, as it
+/// counts tensors (the optimizer's state is part of what a rank holds). Never resized.
+#[derive(Debug)]
+pub(crate) struct Counted<T> {
+    v: Vec<T>,
+    bytes: usize,
+}
+
+impl<T> Counted<T> {
+    pub(crate) fn new(v: Vec<T>) -> Counted<T> {
+        let bytes = v.capacity() * size_of::<T>();
+        crate::storage::pool::on_alloc(bytes);
+        Counted { v, bytes }
+    }
+}
+
+impl<T: Clone> Clone for Counted<T> {
+    fn clone(&self) -> Self {
+        Counted::new(self.v.clone())
+    }
+}
+
+impl<T> Drop for Counted<T> {
+    fn drop(&mut self) {
+        crate::storage::pool::on_free(None, self.bytes);
+    }
+}
+
+impl<T> std::ops::Deref for Counted<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.v
+    }
+}
+
+impl<T> std::ops::DerefMut for Counted<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.v
+    }
 }
 
 /// The state `slot` of device parameter `p` as a contiguous tensor beside it: kept when it
@@ -274,7 +315,7 @@ pub(crate) fn device_step(
 
 /// A float element the optimizers update.
 pub(crate) trait OptElem: FloatElement + StorageElement {
-    fn buf(b: &mut Buf) -> Option<&mut Vec<Self>>;
+    fn buf(b: &mut Buf) -> Option<&mut [Self]>;
     fn wrap(v: Vec<Self>) -> Buf;
     fn c(v: f64) -> Self {
         <Self as Element>::from_f64(v)
@@ -282,25 +323,25 @@ pub(crate) trait OptElem: FloatElement + StorageElement {
 }
 use crate::Element;
 impl OptElem for f32 {
-    fn buf(b: &mut Buf) -> Option<&mut Vec<f32>> {
+    fn buf(b: &mut Buf) -> Option<&mut [f32]> {
         match b {
             Buf::F32(v) => Some(v),
             Buf::F64(_) | Buf::Device(_) => None,
         }
     }
     fn wrap(v: Vec<f32>) -> Buf {
-        Buf::F32(v)
+        Buf::F32(Counted::new(v))
     }
 }
 impl OptElem for f64 {
-    fn buf(b: &mut Buf) -> Option<&mut Vec<f64>> {
+    fn buf(b: &mut Buf) -> Option<&mut [f64]> {
         match b {
             Buf::F64(v) => Some(v),
             Buf::F32(_) | Buf::Device(_) => None,
         }
     }
     fn wrap(v: Vec<f64>) -> Buf {
-        Buf::F64(v)
+        Buf::F64(Counted::new(v))
     }
 }
 
@@ -309,7 +350,7 @@ pub(crate) fn state<T: OptElem>(
     slot: &mut Option<Buf>,
     n: usize,
     init: impl FnOnce() -> Vec<T>,
-) -> Result<&mut Vec<T>> {
+) -> Result<&mut [T]> {
     if slot.as_mut().and_then(T::buf).is_none_or(|v| v.len() != n) {
         *slot = Some(T::wrap(init()));
     }

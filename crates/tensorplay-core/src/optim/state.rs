@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use super::Buf;
+use super::{Buf, Counted};
 use crate::serialize::{load_with_metadata, problem, save_with_metadata};
 use crate::{DType, Error, Result, Tensor};
 
@@ -240,8 +240,8 @@ fn group_from_json(v: &Value) -> std::result::Result<GroupState, String> {
 /// `buf` (the state of `param`) as a tensor of the parameter's shape.
 pub(crate) fn buf_tensor(buf: &Buf, param: &Tensor) -> Result<Tensor> {
     match buf {
-        Buf::F32(v) => Tensor::from_vec(v.clone(), param.shape()),
-        Buf::F64(v) => Tensor::from_vec(v.clone(), param.shape()),
+        Buf::F32(v) => Tensor::from_slice(v, param.shape()),
+        Buf::F64(v) => Tensor::from_slice(v, param.shape()),
         Buf::Device(t) => t.detach().deep_clone(),
     }
 }
@@ -268,8 +268,10 @@ pub(crate) fn tensor_buf(
         ));
     }
     Ok(match t.dtype() {
-        DType::F32 => Buf::F32(t.to_vec()?),
-        DType::F64 | DType::I64 | DType::Bool => Buf::F64(t.to_dtype(DType::F64)?.to_vec()?),
+        DType::F32 => Buf::F32(Counted::new(t.to_vec()?)),
+        DType::F64 | DType::I64 | DType::Bool => {
+            Buf::F64(Counted::new(t.to_dtype(DType::F64)?.to_vec()?))
+        }
     })
 }
 

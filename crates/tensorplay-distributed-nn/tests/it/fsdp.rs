@@ -381,48 +381,82 @@ fn matches_one_process_worlds_1_3_4() {
     check_world(4, &[CASES[0], CASES[3], FROZEN[1]]);
 }
 
-/// The order of a step's events on the block groups: each all-gather before its forward, the
-/// reduce-scatter issued in backward (before the end of backward finishes the group).
+/// Where `e` falls in `events`: the sequence numbers of its occurrences.
+fn seqs(events: &[(u64, FsdpEvent)], e: FsdpEvent) -> Vec<u64> {
+    events
+        .iter()
+        .filter(|(_, x)| *x == e)
+        .map(|(n, _)| *n)
+        .collect()
+}
+
+/// Overlap, from the recorded order of a second step (the first forward learns the order):
+/// in forward, the next group's all-gather is issued before this group's forward ends; in
+/// backward, the group before is gathered before this group's reduce-scatter is issued; the
+/// first reduce-scatter is issued before backward ends; every group is resharded after.
 #[test]
-fn events_follow_forward_and_backward() {
+fn prefetching_and_reduce_scatter_overlap_compute() {
     let c = CASES[3];
     cpu_world(2, TIMEOUT, |rank| -> TestResult {
+        use FsdpEvent::*;
         let mut model = build(&c)?;
         let handles = wrap(&c, model.as_mut())?;
-        let (x, y) = rows(&c, rank * 6, 6)?;
-        loss(&c, model.as_ref(), &x, &y)?.backward()?;
-        use FsdpEvent::*;
-        let block = [
-            AllGather,
-            ForwardStart,
-            ForwardEnd,
-            Reshard,
-            AllGather,
-            ReduceScatter,
-            BackwardEnd,
-            Reshard,
-        ];
-        let root = [
-            AllGather,
-            ForwardStart,
-            ForwardEnd,
-            ReduceScatter,
-            BackwardEnd,
-            Reshard,
-        ];
-        for (i, h) in handles.iter().enumerate() {
-            let want: &[FsdpEvent] = if i + 1 == handles.len() {
-                &root
-            } else {
-                &block
-            };
-            let got = h.take_events();
-            if got != want {
-                return Err(format!("group {i}: events {got:?}, want {want:?}").into());
+        for step in 0..2 {
+            let (x, y) = rows(&c, step * 12 + rank * 6, 6)?;
+            loss(&c, model.as_ref(), &x, &y)?.backward()?;
+            if step == 0 {
+                for h in &handles {
+                    h.take_events();
+                }
             }
-            let is_root = h.is_root() == Some(true);
-            if is_root != (i + 1 == handles.len()) {
-                return Err(format!("group {i}: is_root {:?}", h.is_root()).into());
+        }
+        // forward order: the root, then the blocks
+        let mut order: Vec<&FsdpModule> = vec![&handles[handles.len() - 1]];
+        order.extend(&handles[..handles.len() - 1]);
+        let ev: Vec<Vec<(u64, FsdpEvent)>> = order.iter().map(|h| h.take_events()).collect();
+        let first = |k: usize, e| {
+            seqs(&ev[k], e)
+                .first()
+                .copied()
+                .ok_or_else(|| format!("group {k}: no {e:?} in {:?}", ev[k]))
+        };
+        let last = |k: usize, e| {
+            seqs(&ev[k], e)
+                .last()
+                .copied()
+                .ok_or_else(|| format!("group {k}: no {e:?} in {:?}", ev[k]))
+        };
+        for k in 0..order.len() - 1 {
+            if first(k + 1, AllGather)? > first(k, ForwardEnd)? {
+                return Err(format!(
+                    "forward: group {}'s all-gather after group {k}'s forward ended: {ev:?}",
+                    k + 1
+                )
+                .into());
+            }
+        }
+        for k in 2..order.len() {
+            // the block before this one was gathered again for backward before this one's
+            // gradients went out
+            if last(k - 1, AllGather)? > first(k, ReduceScatter)? {
+                return Err(format!("backward: group {}'s all-gather late: {ev:?}", k - 1).into());
+            }
+        }
+        let first_rs = (0..order.len())
+            .map(|k| first(k, ReduceScatter))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ends = (0..order.len())
+            .map(|k| first(k, BackwardEnd))
+            .collect::<Result<Vec<_>, _>>()?;
+        if first_rs.iter().min() > ends.iter().min() {
+            return Err(format!("no reduce-scatter before backward ended: {ev:?}").into());
+        }
+        for (k, h) in order.iter().enumerate() {
+            if h.is_unsharded() {
+                return Err(format!("group {k} still gathered: {ev:?}").into());
+            }
+            if h.is_root() != Some(k == 0) {
+                return Err(format!("group {k}: is_root {:?}", h.is_root()).into());
             }
         }
         Ok(())

@@ -1,14 +1,17 @@
 //! The second main job: a small character-level GPT (`tensorplay::models::Gpt`: 4 layers, width
 //! 128, 4 heads, context 64, tied head, about 0.8 M parameters) trained on Shakespeare (the
-//! 1.1 MB text in `crates/tensorplay-models/data/`, embedded at build time), three times from the same
-//! initial weights with the same batches:
+//! 1.1 MB text in `crates/tensorplay-models/data/`, embedded at build time), four times from the
+//! same initial weights with the same batches:
 //!
 //! 1. **tensor-parallel** (2 ranks, Megatron's layout): each rank holds 2 of the 4 heads of every
 //!    attention and half the columns of every MLP; `copy_to_group` / `reduce_from_group` carry
 //!    activations and gradients across.
 //! 2. **data-parallel** (2 ranks, `DistributedDataParallel`): each rank takes 8 of the 16
 //!    sequences of every batch; DDP averages the gradients during backward.
-//! 3. **single-process**: the reference (rank 0 alone, after the others).
+//! 3. **fully-sharded** (2 ranks, `fully_shard` on each block, then on the root): each rank
+//!    takes 8 sequences as in data-parallel but keeps only its half of every parameter, of its
+//!    gradient and of AdamW's moments; whole parameters are gathered around each block's use.
+//! 4. **single-process**: the reference (rank 0 alone, after the others).
 //!
 //! Recipe: batches of 16 sequences of 64 characters at offsets of the first 90% of the text drawn
 //! independently for every (seed, step, row) by a counter-based hash (docs/models.md, "Batches"), AdamW (lr 1e-3, betas 0.9/0.99, weight decay 0.01), linear warm-up for 100
@@ -24,7 +27,13 @@
 //! single-process: validation loss V
 //! tensor-parallel: validation loss V, max loss difference D
 //! data-parallel: validation loss V, max loss difference D
+//! fully-sharded: validation loss V, max loss difference D
+//! fully-sharded: state bytes per rank S, data-parallel R
 //! ```
+//!
+//! `S` and `R` are rank 0's bytes of parameters, gradients and AdamW state after the last step
+//! of each run, from the tensors' storage sizes (`gpt_checks::state_bytes`; DDP's bucket
+//! copies and FSDP's transient gathered parameters are not among them).
 //!
 //! `D` is the largest absolute difference between the run's training losses and the
 //! single-process ones over the first 100 steps; the program exits non-zero when a `D` reaches
@@ -46,26 +55,23 @@
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use indicatif::{ProgressBar, ProgressStyle};
 use tensorplay as tp;
-use tp::distributed::{self as dist, ReduceOp};
+use tp::distributed as dist;
 use tp::models::{Gpt, GptConfig};
 use tp::nn::Module;
-use tp::nn::parallel::DistributedDataParallel as Ddp;
-use tp::optim::lr_scheduler::{LrScheduler, WarmupCosineLR};
-use tp::optim::{AdamW, AdamWOptions, Optimizer};
+use tp::optim::AdamWOptions;
 use tp::{DType, Tensor, no_grad};
 
 use tensorplay_examples::gpt_batches as batches;
-use tensorplay_examples::gpt_checks::{
-    COMPARE_STEPS, MEMORY_FIRST_STEP, learning_check, max_diff, memory_check,
-};
+use tensorplay_examples::gpt_checks::{COMPARE_STEPS, learning_check, max_diff, memory_check};
 use tensorplay_examples::{launch, plot};
 
 mod args;
+mod runs;
 use args::Opts;
+use runs::Report;
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -167,173 +173,6 @@ impl SplitMix {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// training
-
-struct Report {
-    /// The training loss of every step.
-    losses: Vec<f64>,
-    val_loss: f64,
-    wall: Duration,
-    /// Resident bytes after step [`MEMORY_FIRST_STEP`] and after the last step.
-    resident: [Option<u64>; 2],
-}
-
-fn progress(steps: usize, what: &str, rank: usize) -> ProgressBar {
-    if rank != 0 {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(steps as u64);
-    if let Ok(style) =
-        ProgressStyle::with_template("{prefix:>16} {bar:30} {pos}/{len} steps [{elapsed}] {msg}")
-    {
-        bar.set_style(style);
-    }
-    bar.set_prefix(what.to_string());
-    bar
-}
-
-/// The model every run starts from: built from the seed, the same on every rank.
-fn initial_model(o: &Opts, corpus: &Corpus) -> Res<Gpt> {
-    tp::manual_seed(o.seed);
-    Ok(Gpt::new(config(corpus.vocab.len()))?)
-}
-
-/// The recipe's learning-rate schedule for a run of `steps` steps: the warm-up is always
-/// [`WARMUP`] steps, so the compared first 100 steps are the same whatever `--steps` is; the
-/// cosine decay runs from there to the last step. A run of at most `WARMUP` steps (as in CI,
-/// `--steps 100`) ends inside the warm-up.
-fn schedule(opt: &mut AdamW, steps: usize) -> Res<WarmupCosineLR> {
-    Ok(WarmupCosineLR::new(
-        opt,
-        WARMUP,
-        steps.max(WARMUP + 1),
-        0.1,
-    )?)
-}
-
-/// `steps` optimizer steps of the recipe; `step(index, opt)` runs one forward and backward and
-/// returns the loss of the whole batch.
-fn train(
-    o: &Opts,
-    run: &str,
-    rank: usize,
-    params: Vec<Tensor>,
-    mut step: impl FnMut(usize) -> Res<f64>,
-) -> Res<(Vec<f64>, Duration, [Option<u64>; 2])> {
-    let mut opt = AdamW::new(params, adamw())?;
-    let mut sched = schedule(&mut opt, o.steps)?;
-    let bar = progress(o.steps, run, rank);
-    let start = Instant::now();
-    let mut losses = Vec::with_capacity(o.steps);
-    let mut resident = [None; 2];
-    for s in 0..o.steps {
-        opt.zero_grad()?;
-        let loss = step(s)?;
-        if !loss.is_finite() {
-            return Err(format!("{run}: the loss of step {s} is {loss}").into());
-        }
-        opt.step()?;
-        sched.step(&mut opt)?;
-        losses.push(loss);
-        if s + 1 == MEMORY_FIRST_STEP {
-            resident[0] = tp::memory::process_resident_bytes();
-        }
-        if s % 10 == 0 {
-            bar.set_message(format!("loss {loss:.4}"));
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    let wall = start.elapsed();
-    resident[1] = tp::memory::process_resident_bytes();
-    Ok((losses, wall, resident))
-}
-
-/// The mean loss of the fixed validation batches.
-fn validation_loss(model: &Gpt, corpus: &Corpus, seed: u64) -> Res<f64> {
-    let _g = no_grad();
-    let mut sum = 0.0;
-    for b in 0..VAL_BATCHES {
-        let (x, y) = Corpus::batch(&corpus.val, seed, batches::VALIDATION, b, BATCH)?;
-        sum += model.loss(&x, &y)?.item_f64()?;
-    }
-    Ok(sum / VAL_BATCHES as f64)
-}
-
-fn single_process(o: &Opts, corpus: &Corpus) -> Res<(Report, Gpt)> {
-    // 0: the default rule (the cores of the process's affinity)
-    tp::set_num_threads(o.threads.map_or(0, usize::from));
-    let model = initial_model(o, corpus)?;
-    let (losses, wall, resident) = train(o, "single-process", 0, model.parameters(), |s| {
-        let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
-        let loss = model.loss(&x, &y)?;
-        loss.backward()?;
-        Ok(loss.item_f64()?)
-    })?;
-    let val_loss = validation_loss(&model, corpus, o.seed)?;
-    Ok((
-        Report {
-            losses,
-            val_loss,
-            wall,
-            resident,
-        },
-        model,
-    ))
-}
-
-fn tensor_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
-    let group = dist::default_group("tensor-parallel")?;
-    let model = initial_model(o, corpus)?.tensor_parallel(&group)?;
-    // every rank computes the whole batch's loss; each shard's gradient is its slice of the
-    // single-process gradient
-    let (losses, wall, resident) = train(o, "tensor-parallel", rank, model.parameters(), |s| {
-        let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
-        let loss = model.loss(&x, &y)?;
-        loss.backward()?;
-        Ok(loss.item_f64()?)
-    })?;
-    let val_loss = validation_loss(&model, corpus, o.seed)?;
-    Ok(Report {
-        losses,
-        val_loss,
-        wall,
-        resident,
-    })
-}
-
-fn data_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
-    // broadcasts rank 0's parameters (the same ones: every rank built them from the seed)
-    let ddp = Ddp::new(initial_model(o, corpus)?)?;
-    let rows = batches::shard_rows(BATCH, rank, WORLD);
-    let (losses, wall, resident) = train(o, "data-parallel", rank, ddp.parameters(), |s| {
-        let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
-        let (x, y) = (
-            x.narrow(0, rows.start, rows.len())?,
-            y.narrow(0, rows.start, rows.len())?,
-        );
-        let logits = ddp.call(&x)?;
-        let n = y.numel();
-        let v = logits.shape()[2];
-        let local =
-            tp::nn::functional::cross_entropy(&logits.reshape(&[n, v])?, &y.reshape(&[n])?)?;
-        // DDP averages the gradients of the equal shares: the whole batch's mean loss
-        local.backward()?;
-        let _g = no_grad();
-        let t = Tensor::from_vec(vec![local.item_f64()? / WORLD as f64], &[1])?;
-        dist::all_reduce(&t, ReduceOp::Sum, None)?;
-        Ok(t.item::<f64>()?)
-    })?;
-    let val_loss = validation_loss(ddp.module(), corpus, o.seed)?;
-    Ok(Report {
-        losses,
-        val_loss,
-        wall,
-        resident,
-    })
-}
-
 /// `chars` characters sampled from `model` (temperature 0.8), starting from a newline.
 fn sample(model: &Gpt, corpus: &Corpus, chars: usize, seed: u64) -> Res<String> {
     let _g = no_grad();
@@ -376,7 +215,7 @@ fn run(o: &Opts) -> Res<bool> {
         let (rank, init_method, children) = launch::launch(WORLD)?;
         // two processes share the machine: one thread each while both train
         tp::set_num_threads(1);
-        let runs = (|| -> Res<(Report, Report)> {
+        let runs = (|| -> Res<Vec<(&'static str, Report)>> {
             dist::init_process_group(
                 "cpu",
                 dist::InitOptions {
@@ -386,11 +225,14 @@ fn run(o: &Opts) -> Res<bool> {
                     timeout: Duration::from_secs(300),
                 },
             )?;
-            let tp_run = tensor_parallel(rank, o, &corpus)?;
-            let dp_run = data_parallel(rank, o, &corpus)?;
+            let runs = vec![
+                ("tensor-parallel", runs::tensor_parallel(rank, o, &corpus)?),
+                ("data-parallel", runs::data_parallel(rank, o, &corpus)?),
+                ("fully-sharded", runs::fully_sharded(rank, o, &corpus)?),
+            ];
             dist::barrier(None)?;
             dist::destroy_process_group()?;
-            Ok((tp_run, dp_run))
+            Ok(runs)
         })();
         let runs = launch::join(children, runs)?;
         if rank != 0 {
@@ -398,13 +240,14 @@ fn run(o: &Opts) -> Res<bool> {
         }
         Some(runs)
     };
-    let (single, model) = single_process(o, &corpus)?;
+    let (single, model) = runs::single_process(o, &corpus)?;
     let mut ok = true;
     println!("single-process: validation loss {:.4}", single.val_loss);
-    let compared = match &distributed {
-        Some((tp_run, dp_run)) => vec![("tensor-parallel", tp_run), ("data-parallel", dp_run)],
-        None => Vec::new(),
-    };
+    let compared: Vec<(&str, &Report)> = distributed
+        .iter()
+        .flatten()
+        .map(|(name, r)| (*name, r))
+        .collect();
     for &(name, r) in &compared {
         let d = max_diff(&r.losses, &single.losses);
         println!(
@@ -415,6 +258,15 @@ fn run(o: &Opts) -> Res<bool> {
             eprintln!("check failed: {name} loss difference {d:e} >= {MAX_LOSS_DIFF:e}");
             ok = false;
         }
+    }
+    let state = |name: &str| {
+        compared
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, r)| r.state_bytes)
+    };
+    if let (Some(s), Some(r)) = (state("fully-sharded"), state("data-parallel")) {
+        println!("fully-sharded: state bytes per rank {s}, data-parallel {r}");
     }
     for (what, check) in [
         (
@@ -453,7 +305,7 @@ fn run(o: &Opts) -> Res<bool> {
             r.wall.as_secs_f64() * 1e3 / r.losses.len().max(1) as f64
         );
     }
-    if let (Some(p), Some((tp_run, dp_run))) = (&o.plot, &distributed) {
+    if let (Some(p), false) = (&o.plot, compared.is_empty()) {
         let first = |r: &Report| r.losses[..COMPARE_STEPS.min(r.losses.len())].to_vec();
         let reference = first(&single);
         let left = format!("first {COMPARE_STEPS} steps: 2 ranks vs one process");
@@ -465,20 +317,19 @@ fn run(o: &Opts) -> Res<bool> {
                 x_desc: "step",
                 y_desc: "cross-entropy loss",
             },
-            &[
-                ("tensor-parallel", reference.clone(), first(tp_run)),
-                ("data-parallel", reference, first(dp_run)),
-            ],
+            &compared
+                .iter()
+                .map(|(name, r)| (*name, reference.clone(), first(r)))
+                .collect::<Vec<_>>(),
             plot::Panel {
                 caption: &right,
                 x_desc: "step",
                 y_desc: "mean cross-entropy loss",
             },
-            &[
-                ("single-process", smooth(&single.losses, 20)),
-                ("tensor-parallel", smooth(&tp_run.losses, 20)),
-                ("data-parallel", smooth(&dp_run.losses, 20)),
-            ],
+            &std::iter::once(("single-process", &single))
+                .chain(compared.iter().copied())
+                .map(|(name, r)| (name, smooth(&r.losses, 20)))
+                .collect::<Vec<_>>(),
         )
         .map_err(|e| format!("writing the plot to {}: {e}", p.display()))?;
         println!("\nloss curves written to {}", p.display());
@@ -533,33 +384,6 @@ mod tests {
         let (x, y) = Corpus::batch(&c.train, 3, batches::TRAIN, 7, 2).unwrap();
         let (x, y) = (x.to_vec::<i64>().unwrap(), y.to_vec::<i64>().unwrap());
         assert_eq!(x[1..CONTEXT], y[..CONTEXT - 1]);
-    }
-
-    #[test]
-    fn the_schedule_accepts_every_permitted_step_count() {
-        // CI runs `--steps 100`: the warm-up alone (this was refused once, failing CI)
-        for steps in [COMPARE_STEPS, WARMUP, WARMUP + 1, 600, MAX_STEPS] {
-            let w = Tensor::from_vec(vec![0.0f32; 2], &[2])
-                .unwrap()
-                .requires_grad_(true);
-            let mut opt = AdamW::new(vec![w], adamw()).unwrap();
-            let mut sched =
-                schedule(&mut opt, steps).unwrap_or_else(|e| panic!("--steps {steps}: {e}"));
-            let mut lrs = Vec::new();
-            for _ in 0..COMPARE_STEPS {
-                sched.step(&mut opt).unwrap();
-                lrs.push(opt.lr());
-            }
-            // the compared steps warm up the same way for every run length
-            assert!(
-                (lrs[9] - 1e-3 * 11.0 / 100.0).abs() < 1e-12,
-                "--steps {steps}: {lrs:?}"
-            );
-            assert!(
-                lrs.windows(2).all(|p| p[1] >= p[0]),
-                "--steps {steps}: {lrs:?}"
-            );
-        }
     }
 }
 

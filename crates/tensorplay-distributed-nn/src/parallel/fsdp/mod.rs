@@ -136,9 +136,11 @@ impl FsdpModule {
             .collect()
     }
 
-    /// The group's events since the last call, in order (all-gathers, forward start and end,
-    /// reduce-scatters, resharding): what tests of prefetching and overlap read.
-    pub fn take_events(&self) -> Vec<FsdpEvent> {
+    /// The group's events since the last call, in order, each with its number in one
+    /// process-wide sequence (so events of different groups can be ordered): all-gathers,
+    /// forward start and end, reduce-scatters, resharding, the end of backward. What tests of
+    /// prefetching and overlap read.
+    pub fn take_events(&self) -> Vec<(u64, FsdpEvent)> {
         self.state.take_events()
     }
 }

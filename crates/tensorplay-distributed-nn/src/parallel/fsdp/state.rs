@@ -8,7 +8,8 @@
 //! (see [`super::param`]); it is what `parameters()` lists, so the optimizer steps it and keeps
 //! its state for it alone.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
@@ -27,10 +28,12 @@ pub(crate) struct Managed {
     pub(crate) shard: Tensor,
 }
 
-/// One event of a group's life, recorded in order (for tests of prefetching and overlap).
+/// One event of a group's life (for tests of prefetching and overlap); each is recorded with
+/// a number from one process-wide sequence, so events of different groups can be ordered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FsdpEvent {
-    /// The all-gather of the group's parameters was issued.
+    /// The all-gather of the group's parameters was issued (by its own hook, or ahead of use
+    /// by the hook of the group before it: prefetching).
     AllGather,
     /// The module's forward began (after its pre-forward hook).
     ForwardStart,
@@ -52,6 +55,11 @@ struct Runtime {
     ready: usize,
     /// The reduce-scatter in flight: its handle, output (this rank's block) and input.
     reduce: Option<(Work, Tensor, Tensor)>,
+    /// An all-gather issued ahead of use (prefetched): its handle, its output and the
+    /// shards' versions when it was issued (a shard written since makes it stale).
+    pending: Option<(Work, Tensor, Vec<u64>)>,
+    /// The root learnt the groups' forward order (its first forward ended).
+    order_learnt: bool,
     /// The end-of-backward callback is queued for the running backward.
     callback_queued: bool,
     /// Decided at the first forward: no other fully sharded module was in forward.
@@ -59,7 +67,15 @@ struct Runtime {
     reshard_after_forward: bool,
     reshard_after_backward: bool,
     requires_gradient_sync: bool,
-    events: Vec<FsdpEvent>,
+    events: Vec<(u64, FsdpEvent)>,
+}
+
+/// The groups to prefetch, learnt from the first forward: the group whose forward comes
+/// after this one's, and the group whose backward comes after this one's.
+#[derive(Default)]
+struct Links {
+    next_forward: Option<Weak<FsdpState>>,
+    next_backward: Option<Weak<FsdpState>>,
 }
 
 /// The state of one `fully_shard` call, attached to its module.
@@ -75,12 +91,23 @@ pub(crate) struct FsdpState {
     /// Parameters that take gradients.
     trainable: usize,
     rt: Mutex<Runtime>,
+    links: Mutex<Links>,
 }
+
+/// The sequence numbers of [`FsdpEvent`]s.
+static EVENT_SEQ: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     /// Fully sharded modules in forward on this thread (the root decides it is the root by
     /// finding none).
     static IN_FORWARD: Cell<usize> = const { Cell::new(0) };
+    /// The groups in the order of the root's first forward, while it runs.
+    static RECORDING: RefCell<Option<Vec<Weak<FsdpState>>>> = const { RefCell::new(None) };
+}
+
+fn record(rt: &mut Runtime, e: FsdpEvent) {
+    rt.events
+        .push((EVENT_SEQ.fetch_add(1, Ordering::Relaxed), e));
 }
 
 impl FsdpState {
@@ -107,6 +134,8 @@ impl FsdpState {
                 unsharded: false,
                 ready: 0,
                 reduce: None,
+                pending: None,
+                order_learnt: false,
                 callback_queued: false,
                 is_root: None,
                 reshard_after_forward,
@@ -114,6 +143,7 @@ impl FsdpState {
                 requires_gradient_sync: true,
                 events: Vec::new(),
             }),
+            links: Mutex::new(Links::default()),
         }
     }
 
@@ -138,20 +168,18 @@ impl FsdpState {
             rt.unsharded = true;
             return Ok(());
         }
+        let (work, all) = match rt.pending.take() {
+            Some((work, all, versions)) if versions == self.shard_versions() => (work, all),
+            stale => {
+                if let Some((work, ..)) = stale {
+                    work.wait(None)?;
+                }
+                self.issue_gather(rt)?
+            }
+        };
+        work.wait(None)?;
         let _g = no_grad();
         let l = &self.layout;
-        let block = Tensor::zeros(&[l.block_numel()], self.dtype)?;
-        for (i, p) in self.params.iter().enumerate() {
-            let r = l.in_block(i, self.rank);
-            if !r.is_empty() {
-                block
-                    .narrow(0, r.start, r.len())?
-                    .copy_(&p.shard.detach().reshape(&[r.len()])?)?;
-            }
-        }
-        let all = Tensor::zeros(&[l.total_numel()], self.dtype)?;
-        rt.events.push(FsdpEvent::AllGather);
-        dist::all_gather_into_tensor(&all, &block, Some(&self.group))?;
         for (i, p) in self.params.iter().enumerate() {
             let numel = p.full.numel();
             p.full.resize_storage_(numel)?;
@@ -171,6 +199,68 @@ impl FsdpState {
         Ok(())
     }
 
+    /// Packs this rank's shards into its block and issues the all-gather of every rank's
+    /// block (asynchronously: the caller waits).
+    fn issue_gather(&self, rt: &mut Runtime) -> Result<(Work, Tensor)> {
+        let _g = no_grad();
+        let l = &self.layout;
+        let block = Tensor::zeros(&[l.block_numel()], self.dtype)?;
+        for (i, p) in self.params.iter().enumerate() {
+            let r = l.in_block(i, self.rank);
+            if !r.is_empty() {
+                block
+                    .narrow(0, r.start, r.len())?
+                    .copy_(&p.shard.detach().reshape(&[r.len()])?)?;
+            }
+        }
+        let all = Tensor::zeros(&[l.total_numel()], self.dtype)?;
+        record(rt, FsdpEvent::AllGather);
+        let work = dist::all_gather_into_tensor_async(&all, &block, Some(&self.group))?;
+        Ok((work, all))
+    }
+
+    /// Issues this group's all-gather ahead of its use, unless its parameters are gathered
+    /// or being gathered.
+    fn prefetch(&self) -> Result<()> {
+        let mut rt = self.rt();
+        if rt.unsharded || rt.pending.is_some() || self.params.is_empty() {
+            return Ok(());
+        }
+        let (work, all) = self.issue_gather(&mut rt)?;
+        rt.pending = Some((work, all, self.shard_versions()));
+        Ok(())
+    }
+
+    fn shard_versions(&self) -> Vec<u64> {
+        self.params.iter().map(|p| p.shard.version()).collect()
+    }
+
+    /// Waits for a prefetched all-gather nobody used and drops it.
+    fn drop_pending(rt: &mut Runtime) -> Result<()> {
+        if let Some((work, ..)) = rt.pending.take() {
+            work.wait(None)?;
+        }
+        Ok(())
+    }
+
+    /// Prefetches the group after this one in forward (`backward == false`) or backward
+    /// order, as learnt from the first forward.
+    fn prefetch_next(self: &Arc<Self>, backward: bool) -> Result<()> {
+        let next = {
+            let l = self.links.lock().unwrap_or_else(PoisonError::into_inner);
+            let n = if backward {
+                &l.next_backward
+            } else {
+                &l.next_forward
+            };
+            n.as_ref().and_then(Weak::upgrade)
+        };
+        match next {
+            Some(n) if !Arc::ptr_eq(&n, self) => n.prefetch(),
+            _ => Ok(()),
+        }
+    }
+
     /// Frees the unsharded parameters' storage.
     pub(crate) fn reshard(&self) -> Result<()> {
         let mut rt = self.rt();
@@ -185,21 +275,53 @@ impl FsdpState {
             p.full.resize_storage_(0)?;
         }
         rt.unsharded = false;
-        rt.events.push(FsdpEvent::Reshard);
+        record(rt, FsdpEvent::Reshard);
         Ok(())
     }
 
     /// The pre-forward hook: decides whether this module is the root (the first forward),
     /// then gathers the parameters.
-    pub(crate) fn pre_forward(&self) -> Result<()> {
-        let mut rt = self.rt();
-        let root = *rt.is_root.get_or_insert_with(|| IN_FORWARD.get() == 0);
-        // the root starts the count afresh, so that a forward that failed half-way does not
-        // leave it off
-        IN_FORWARD.set(if root { 1 } else { IN_FORWARD.get() + 1 });
-        self.unshard_locked(&mut rt)?;
-        rt.events.push(FsdpEvent::ForwardStart);
-        Ok(())
+    pub(crate) fn pre_forward(self: &Arc<Self>) -> Result<()> {
+        {
+            let mut rt = self.rt();
+            let root = *rt.is_root.get_or_insert_with(|| IN_FORWARD.get() == 0);
+            // the root starts the count afresh, so that a forward that failed half-way does
+            // not leave it off
+            IN_FORWARD.set(if root { 1 } else { IN_FORWARD.get() + 1 });
+            if root && !rt.order_learnt {
+                RECORDING.set(Some(Vec::new()));
+            }
+            RECORDING.with_borrow_mut(|r| {
+                if let Some(order) = r
+                    && !order
+                        .iter()
+                        .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(self)))
+                {
+                    order.push(Arc::downgrade(self));
+                }
+            });
+            self.unshard_locked(&mut rt)?;
+            record(&mut rt, FsdpEvent::ForwardStart);
+        }
+        // the next group's all-gather runs while this one computes
+        self.prefetch_next(false)
+    }
+
+    /// Links the groups of the root's first forward (`order`, the root first) for
+    /// prefetching: each to the next in forward order; in backward the root to the last
+    /// group, and each group to the one before it.
+    fn learn_order(order: Vec<Weak<FsdpState>>) {
+        let order: Vec<Arc<FsdpState>> = order.iter().filter_map(Weak::upgrade).collect();
+        for (i, g) in order.iter().enumerate() {
+            let next_backward = match i {
+                0 if order.len() > 1 => order.last(),
+                0 | 1 => None,
+                _ => order.get(i - 1),
+            };
+            let mut l = g.links.lock().unwrap_or_else(PoisonError::into_inner);
+            l.next_forward = order.get(i + 1).map(Arc::downgrade);
+            l.next_backward = next_backward.map(Arc::downgrade);
+        }
     }
 
     /// The post-forward hook: registers the pre-backward hook on the output when a backward
@@ -208,7 +330,13 @@ impl FsdpState {
     pub(crate) fn post_forward(self: &Arc<Self>, output: &Tensor) -> Result<()> {
         IN_FORWARD.set(IN_FORWARD.get().saturating_sub(1));
         let mut rt = self.rt();
-        rt.events.push(FsdpEvent::ForwardEnd);
+        record(&mut rt, FsdpEvent::ForwardEnd);
+        if rt.is_root == Some(true) && !rt.order_learnt {
+            if let Some(order) = RECORDING.take() {
+                Self::learn_order(order);
+            }
+            rt.order_learnt = true;
+        }
         let backward_follows =
             tensorplay_core::autograd::is_grad_enabled() && output.requires_grad();
         if backward_follows {
@@ -230,9 +358,13 @@ impl FsdpState {
     /// The pre-backward hook (the gradient of the module's output arrived): gathers the
     /// parameters again if they were freed, and queues the end-of-backward work.
     fn pre_backward(self: &Arc<Self>) -> Result<()> {
-        let mut rt = self.rt();
-        self.queue_end_locked(&mut rt)?;
-        self.unshard_locked(&mut rt)
+        {
+            let mut rt = self.rt();
+            self.queue_end_locked(&mut rt)?;
+            self.unshard_locked(&mut rt)?;
+        }
+        // the group backward reaches next is gathered while this one computes
+        self.prefetch_next(true)
     }
 
     fn queue_end_locked(self: &Arc<Self>, rt: &mut Runtime) -> Result<()> {
@@ -264,7 +396,8 @@ impl FsdpState {
     }
 
     /// Packs the unsharded gradients (zeros for those missing) into the reduce-scatter's
-    /// input, frees them, and issues the reduce-scatter.
+    /// input, frees them, issues the reduce-scatter and frees the unsharded parameters
+    /// (`reshard_after_backward`).
     fn start_reduce_locked(&self, rt: &mut Runtime) -> Result<()> {
         let _g = no_grad();
         let l = &self.layout;
@@ -282,11 +415,17 @@ impl FsdpState {
             p.full.set_grad(None);
         }
         let output = Tensor::zeros(&[l.block_numel()], self.dtype)?;
-        rt.events.push(FsdpEvent::ReduceScatter);
+        record(rt, FsdpEvent::ReduceScatter);
         let work =
             dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))?;
         rt.reduce = Some((work, output, input));
         rt.ready = 0;
+        // every use of the parameters in this backward is done (their gradients are
+        // accumulated): free them now, not at the end of backward, so that the groups are
+        // not all whole at once
+        if rt.reshard_after_backward {
+            self.reshard_locked(rt)?;
+        }
         Ok(())
     }
 
@@ -318,7 +457,8 @@ impl FsdpState {
                 }
             }
         }
-        rt.events.push(FsdpEvent::BackwardEnd);
+        Self::drop_pending(&mut rt)?;
+        record(&mut rt, FsdpEvent::BackwardEnd);
         if rt.reshard_after_backward {
             self.reshard_locked(&mut rt)?;
         }
@@ -340,7 +480,7 @@ impl FsdpState {
     pub(crate) fn is_root(&self) -> Option<bool> {
         self.rt().is_root
     }
-    pub(crate) fn take_events(&self) -> Vec<FsdpEvent> {
+    pub(crate) fn take_events(&self) -> Vec<(u64, FsdpEvent)> {
         std::mem::take(&mut self.rt().events)
     }
 
