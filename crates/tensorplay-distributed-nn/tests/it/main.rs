@@ -4,6 +4,7 @@
 mod bad_arguments;
 mod ddp;
 mod fsdp;
+mod fsdp_faults;
 mod gradcheck;
 mod hostile;
 mod semantics;

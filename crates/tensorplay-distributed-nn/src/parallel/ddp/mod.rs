@@ -100,6 +100,22 @@ impl std::fmt::Debug for DdpOptions {
     }
 }
 
+/// The state DDP attaches to its wrapper's core: nothing but the mark that DDP took the
+/// module over (another parallelism API refuses it).
+struct DdpMarker;
+
+impl tensorplay_core::nn::AttachedState for DdpMarker {
+    fn kind(&self) -> &'static str {
+        "DistributedDataParallel"
+    }
+    fn parameter_in_place_of(&self, _param: &Tensor) -> Option<Tensor> {
+        None
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// What the last synced step's reduction cost (PyTorch's `_get_ddp_logging_data` timings).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepStats {
@@ -195,6 +211,28 @@ impl<M: Module> DistributedDataParallel<M> {
             )
             .into());
         }
+        if let Some((path, m)) = module
+            .named_modules()
+            .into_iter()
+            .find(|(_, m)| m.core().attached().is_some())
+        {
+            let kind = m.core().attached().map_or("", |a| a.kind());
+            return Err(dist::Error::invalid(
+                "DistributedDataParallel",
+                rank as i64,
+                "module",
+                "a module no other parallelism API has taken over",
+                format!(
+                    "{kind} was applied to {} already (use one of them)",
+                    if path.is_empty() {
+                        "the module".to_string()
+                    } else {
+                        format!("{path:?}")
+                    }
+                ),
+            )
+            .into());
+        }
         if !(options.bucket_cap_mb.is_finite() && options.bucket_cap_mb > 0.0) {
             return Err(dist::Error::invalid(
                 "DistributedDataParallel",
@@ -228,13 +266,16 @@ impl<M: Module> DistributedDataParallel<M> {
             instance,
         )?;
         let hooks = reducer.install_hooks()?;
+        let mut core = ModuleCore::new();
+        // marks the wrapper, so that fully_shard refuses it
+        core.attach(Arc::new(DdpMarker))?;
         Ok(DistributedDataParallel {
             module,
             reducer,
             hooks,
             sync: AtomicBool::new(true),
             broadcast_buffers: options.broadcast_buffers,
-            core: ModuleCore::new(),
+            core,
         })
     }
 

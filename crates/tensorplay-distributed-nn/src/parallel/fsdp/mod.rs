@@ -27,6 +27,7 @@
 // the layout's accessors beyond what the runtime uses are exercised by its tests
 #![cfg_attr(not(test), allow(dead_code))]
 
+mod error;
 pub(crate) mod group;
 pub(crate) mod param;
 mod setup;
@@ -38,6 +39,7 @@ use tensorplay_collectives::device_mesh::DeviceMesh;
 use tensorplay_core::nn::Module;
 use tensorplay_core::{Result, Tensor};
 
+pub use error::FsdpError;
 pub use state::FsdpEvent;
 use state::FsdpState;
 

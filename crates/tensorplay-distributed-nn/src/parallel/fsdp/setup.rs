@@ -115,13 +115,14 @@ pub(super) fn shard_module(
 fn collect(module: &dyn Module, me: usize) -> Result<Vec<(String, Tensor)>> {
     // the unsharded parameters of nested calls below this module
     let mut nested: HashSet<TensorId> = HashSet::new();
-    for (_, m) in module.named_modules().into_iter().skip(1) {
+    for (path, m) in module.named_modules().into_iter().skip(1) {
         if let Some(s) = m
             .core()
             .attached()
             .and_then(|a| a.as_any().downcast_ref::<FsdpState>())
         {
             nested.extend(s.full_ids());
+            s.set_path(&path);
         }
     }
     let claimed = CLAIMED.lock().unwrap_or_else(PoisonError::into_inner);

@@ -16,7 +16,11 @@ use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
 use tensorplay_core::nn::AttachedState;
 use tensorplay_core::{DType, Result, Tensor, TensorId, no_grad};
 
+use super::error::FsdpError;
 use super::group::FlatLayout;
+
+const GATHER: &str = "the all-gather before forward or backward";
+const REDUCE: &str = "the reduce-scatter of the gradients";
 
 /// One parameter of a group.
 pub(crate) struct Managed {
@@ -92,6 +96,8 @@ pub(crate) struct FsdpState {
     trainable: usize,
     rt: Mutex<Runtime>,
     links: Mutex<Links>,
+    /// The module's path under the root, set when the root is sharded.
+    path: Mutex<Option<String>>,
 }
 
 /// The sequence numbers of [`FsdpEvent`]s.
@@ -144,6 +150,46 @@ impl FsdpState {
                 events: Vec::new(),
             }),
             links: Mutex::new(Links::default()),
+            path: Mutex::new(None),
+        }
+    }
+
+    /// Records the module's path under the root (for errors).
+    pub(crate) fn set_path(&self, path: &str) {
+        *self.path.lock().unwrap_or_else(PoisonError::into_inner) = Some(path.to_string());
+    }
+
+    /// The group, for errors: its module's path or its call's number, and its first
+    /// parameter.
+    pub(crate) fn label(&self) -> String {
+        let path = self
+            .path
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let at = match path.as_deref() {
+            Some("") => "the root".to_string(),
+            Some(p) => format!("{p:?}"),
+            None => format!("of fully_shard call {}", self.index),
+        };
+        match self.params.first() {
+            Some(p) => format!("{at} ({} parameters from {:?})", self.params.len(), p.name),
+            None => at,
+        }
+    }
+
+    /// The error of a failed collective of this group.
+    fn failed(
+        &self,
+        phase: &'static str,
+    ) -> impl FnOnce(dist::Error) -> tensorplay_core::Error + '_ {
+        move |source| {
+            tensorplay_core::Error::external(FsdpError::Collective {
+                rank: self.group.my_global_rank(),
+                group: self.label(),
+                phase,
+                source,
+            })
         }
     }
 
@@ -172,12 +218,12 @@ impl FsdpState {
             Some((work, all, versions)) if versions == self.shard_versions() => (work, all),
             stale => {
                 if let Some((work, ..)) = stale {
-                    work.wait(None)?;
+                    work.wait(None).map_err(self.failed(GATHER))?;
                 }
                 self.issue_gather(rt)?
             }
         };
-        work.wait(None)?;
+        work.wait(None).map_err(self.failed(GATHER))?;
         let _g = no_grad();
         let l = &self.layout;
         for (i, p) in self.params.iter().enumerate() {
@@ -215,7 +261,8 @@ impl FsdpState {
         }
         let all = Tensor::zeros(&[l.total_numel()], self.dtype)?;
         record(rt, FsdpEvent::AllGather);
-        let work = dist::all_gather_into_tensor_async(&all, &block, Some(&self.group))?;
+        let work = dist::all_gather_into_tensor_async(&all, &block, Some(&self.group))
+            .map_err(self.failed(GATHER))?;
         Ok((work, all))
     }
 
@@ -236,9 +283,9 @@ impl FsdpState {
     }
 
     /// Waits for a prefetched all-gather nobody used and drops it.
-    fn drop_pending(rt: &mut Runtime) -> Result<()> {
+    fn drop_pending(&self, rt: &mut Runtime) -> Result<()> {
         if let Some((work, ..)) = rt.pending.take() {
-            work.wait(None)?;
+            work.wait(None).map_err(self.failed(GATHER))?;
         }
         Ok(())
     }
@@ -417,7 +464,8 @@ impl FsdpState {
         let output = Tensor::zeros(&[l.block_numel()], self.dtype)?;
         record(rt, FsdpEvent::ReduceScatter);
         let work =
-            dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))?;
+            dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))
+                .map_err(self.failed(REDUCE))?;
         rt.reduce = Some((work, output, input));
         rt.ready = 0;
         // every use of the parameters in this backward is done (their gradients are
@@ -439,7 +487,7 @@ impl FsdpState {
             self.start_reduce_locked(&mut rt)?;
         }
         if let Some((work, output, _input)) = rt.reduce.take() {
-            work.wait(None)?;
+            work.wait(None).map_err(self.failed(REDUCE))?;
             let _g = no_grad();
             output.mul_scalar_(1.0 / self.world as f64)?;
             for (i, p) in self.params.iter().enumerate() {
@@ -457,7 +505,7 @@ impl FsdpState {
                 }
             }
         }
-        Self::drop_pending(&mut rt)?;
+        self.drop_pending(&mut rt)?;
         record(&mut rt, FsdpEvent::BackwardEnd);
         if rt.reshard_after_backward {
             self.reshard_locked(&mut rt)?;
