@@ -190,7 +190,7 @@ fn an_extra_forward_fails_instead_of_hanging() {
         } else {
             dist::barrier(None).map_err(Into::into)
         };
-        let err = res.err().ok_or(format!("rank {rank} went on"))?;
+        let err = res.err().ok_or_else(|| format!("rank {rank} went on"))?;
         if start.elapsed() > Duration::from_secs(20) {
             return Err(format!("rank {rank} took {:?}", start.elapsed()).into());
         }

@@ -5,6 +5,7 @@ mod bad_arguments;
 mod ddp;
 mod fsdp;
 mod fsdp_faults;
+mod fsdp_memory;
 mod gradcheck;
 mod hostile;
 mod semantics;

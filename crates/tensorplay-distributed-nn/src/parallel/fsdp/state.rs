@@ -107,6 +107,10 @@ thread_local! {
     /// Fully sharded modules in forward on this thread (the root decides it is the root by
     /// finding none).
     static IN_FORWARD: Cell<usize> = const { Cell::new(0) };
+    /// The group whose reduce-scatter was issued last on this thread (finished before the
+    /// next is issued: one in flight at a time, so that its buffers go before the next's are
+    /// made).
+    static IN_FLIGHT: RefCell<Option<Weak<FsdpState>>> = const { RefCell::new(None) };
     /// The groups in the order of the root's first forward, while it runs.
     static RECORDING: RefCell<Option<Vec<Weak<FsdpState>>>> = const { RefCell::new(None) };
 }
@@ -445,7 +449,12 @@ impl FsdpState {
     /// Packs the unsharded gradients (zeros for those missing) into the reduce-scatter's
     /// input, frees them, issues the reduce-scatter and frees the unsharded parameters
     /// (`reshard_after_backward`).
-    fn start_reduce_locked(&self, rt: &mut Runtime) -> Result<()> {
+    fn start_reduce_locked(self: &Arc<Self>, rt: &mut Runtime) -> Result<()> {
+        if let Some(prev) = IN_FLIGHT.take().and_then(|w| w.upgrade())
+            && !Arc::ptr_eq(&prev, self)
+        {
+            prev.finish_reduce()?;
+        }
         let _g = no_grad();
         let l = &self.layout;
         let input = Tensor::zeros(&[l.total_numel()], self.dtype)?;
@@ -467,6 +476,7 @@ impl FsdpState {
             dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))
                 .map_err(self.failed(REDUCE))?;
         rt.reduce = Some((work, output, input));
+        IN_FLIGHT.set(Some(Arc::downgrade(self)));
         rt.ready = 0;
         // every use of the parameters in this backward is done (their gradients are
         // accumulated): free them now, not at the end of backward, so that the groups are
@@ -480,12 +490,29 @@ impl FsdpState {
     /// The end of backward: a reduce-scatter whose gradients did not all arrive goes out now,
     /// the reduce-scatter is waited for, its averaged block lands in the shards' `.grad`
     /// (added to what is there), and the parameters are freed.
-    fn end_backward(&self) -> Result<()> {
+    fn end_backward(self: &Arc<Self>) -> Result<()> {
         let mut rt = self.rt();
         rt.callback_queued = false;
         if rt.requires_gradient_sync && rt.ready > 0 {
             self.start_reduce_locked(&mut rt)?;
         }
+        self.finish_reduce_locked(&mut rt)?;
+        self.drop_pending(&mut rt)?;
+        record(&mut rt, FsdpEvent::BackwardEnd);
+        if rt.reshard_after_backward {
+            self.reshard_locked(&mut rt)?;
+        }
+        Ok(())
+    }
+
+    fn finish_reduce(&self) -> Result<()> {
+        let mut rt = self.rt();
+        self.finish_reduce_locked(&mut rt)
+    }
+
+    /// Waits for the group's reduce-scatter, if one is in flight, and adds its averaged
+    /// block to the shards' `.grad`; its buffers go.
+    fn finish_reduce_locked(&self, rt: &mut Runtime) -> Result<()> {
         if let Some((work, output, _input)) = rt.reduce.take() {
             work.wait(None).map_err(self.failed(REDUCE))?;
             let _g = no_grad();
@@ -504,11 +531,6 @@ impl FsdpState {
                     None => p.shard.set_grad(Some(g)),
                 }
             }
-        }
-        self.drop_pending(&mut rt)?;
-        record(&mut rt, FsdpEvent::BackwardEnd);
-        if rt.reshard_after_backward {
-            self.reshard_locked(&mut rt)?;
         }
         Ok(())
     }
