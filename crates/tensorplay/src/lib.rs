@@ -212,7 +212,7 @@ pub mod distributed {
     pub mod fsdp {
         #[doc(inline)]
         pub use tensorplay_distributed_nn::parallel::fsdp::{
-            FsdpEvent, FsdpModule, FsdpOptions, fully_shard,
+            FsdpError, FsdpEvent, FsdpModule, FsdpOptions, clip_grad_norm_, fully_shard,
         };
     }
 

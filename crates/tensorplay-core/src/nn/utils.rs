@@ -1,4 +1,5 @@
-//! Gradient clipping (`torch.nn.utils`): [`clip_grad_norm_`] and [`clip_grad_value_`].
+//! Gradient clipping (`torch.nn.utils`): [`clip_grad_norm_`] (and its halves
+//! [`get_total_norm`] and [`clip_grads_with_norm_`]) and [`clip_grad_value_`].
 //!
 //! Both run between `loss.backward()` and `optimizer.step()` and change the `.grad` of the
 //! parameters they are given; parameters without a `.grad` are skipped.
@@ -103,13 +104,71 @@ pub fn clip_grad_norm_(
             format!("a total norm of {total}"),
         ));
     }
+    scale_grads(&grads, max_norm, total)?;
+    Ok(total)
+}
+
+/// Multiplies every gradient by `max_norm / (total + 1e-6)` when that is below 1.
+fn scale_grads(grads: &[(&Tensor, Tensor)], max_norm: f64, total: f64) -> Result<()> {
     let coef = max_norm / (total + EPS);
     if coef < 1.0 {
-        for (p, g) in &grads {
+        for (p, g) in grads {
             p.set_grad(Some(map_values(g, |x| x * coef)?));
         }
     }
-    Ok(total)
+    Ok(())
+}
+
+/// The total `norm_type`-norm of `tensors` as if concatenated into one vector, in float64
+/// (`torch.nn.utils.get_total_norm`): the first half of [`clip_grad_norm_`], for callers that
+/// combine norms themselves (fully sharded data parallelism sums the shards' across ranks).
+/// NaN when an element is NaN; 0 for no tensors.
+///
+/// Errors ([`Error::InvalidArgument`]): `norm_type` NaN or not positive; a tensor that is not
+/// float32 or float64.
+pub fn get_total_norm(tensors: &[Tensor], norm_type: f64) -> Result<f64> {
+    const OP: &str = "get_total_norm";
+    if norm_type.is_nan() || norm_type <= 0.0 {
+        return Err(Error::invalid(
+            OP,
+            "norm_type",
+            "a positive number p (or f64::INFINITY for the largest absolute value)",
+            norm_type,
+        ));
+    }
+    let mut pairs = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        if !t.dtype().is_float() {
+            return Err(Error::invalid(
+                OP,
+                "tensors",
+                "float32 or float64 tensors",
+                format!("a tensor of dtype {} (tensor {i})", t.dtype()),
+            ));
+        }
+        pairs.push((t, t.clone()));
+    }
+    total_norm(&pairs, norm_type)
+}
+
+/// Scales the gradients of `parameters` by `max_norm / (total_norm + 1e-6)` when that is below
+/// 1 (`torch.nn.utils.clip_grads_with_norm_`): the second half of [`clip_grad_norm_`], given
+/// the total norm from elsewhere. Parameters without a `.grad` are skipped.
+///
+/// Errors ([`Error::InvalidArgument`]): `max_norm` negative or NaN; a gradient that is not
+/// float32 or float64.
+pub fn clip_grads_with_norm_(parameters: &[Tensor], max_norm: f64, total_norm: f64) -> Result<()> {
+    const OP: &str = "clip_grads_with_norm_";
+    if max_norm.is_nan() || max_norm < 0.0 {
+        return Err(Error::invalid(
+            OP,
+            "max_norm",
+            "a non-negative number (or f64::INFINITY)",
+            max_norm,
+        ));
+    }
+    let grads = float_grads(OP, parameters)?;
+    scale_grads(&grads, max_norm, total_norm)
 }
 
 /// Clamps every element of the gradients of `parameters` into `[-clip_value, clip_value]`

@@ -11,7 +11,9 @@ use tensorplay_collectives as dist;
 use tensorplay_core::nn::{self, Linear, Module, Sequential};
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
 use tensorplay_core::{self as tp, DType, Tensor};
-use tensorplay_distributed_nn::parallel::fsdp::{FsdpEvent, FsdpModule, FsdpOptions, fully_shard};
+use tensorplay_distributed_nn::parallel::fsdp::{
+    FsdpEvent, FsdpModule, FsdpOptions, clip_grad_norm_ as sharded_clip, fully_shard,
+};
 use tensorplay_testkit::{Tol, check_close, cpu_world};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -457,6 +459,66 @@ fn prefetching_and_reduce_scatter_overlap_compute() {
             }
             if h.is_root() != Some(k == 0) {
                 return Err(format!("group {k}: is_root {:?}", h.is_root()).into());
+            }
+        }
+        Ok(())
+    });
+}
+
+/// `fsdp::clip_grad_norm_` over shards (and replicated parameters, counted once) gives the
+/// single-process total norm and clipped gradients, for the 2-norm and the largest value.
+/// Every rank trains on the whole batch, so the replicated layers' gradients agree.
+#[test]
+fn clip_grad_norm_matches_one_process() {
+    let c = CASES[0];
+    cpu_world(2, TIMEOUT, |_rank| -> TestResult {
+        for (norm_type, max_norm) in [(2.0, 0.05), (f64::INFINITY, 0.01), (1.0, 1e6)] {
+            let what = format!("norm_type {norm_type}, max_norm {max_norm}");
+            let mut model = build(&c)?;
+            // only the first layer is sharded: the others stay whole on every rank
+            let first = model
+                .named_children_mut()
+                .into_iter()
+                .next()
+                .ok_or("no layer")?
+                .1;
+            fully_shard(first, FsdpOptions::default())?;
+            let reference = build(&c)?;
+            let (x, y) = rows(&c, 0, BATCH)?;
+            loss(&c, model.as_ref(), &x, &y)?.backward()?;
+            loss(&c, reference.as_ref(), &x, &y)?.backward()?;
+            let total = sharded_clip(&model.parameters(), max_norm, norm_type, false)?;
+            let want = tp::nn::utils::clip_grad_norm_(
+                &reference.parameters(),
+                max_norm,
+                norm_type,
+                false,
+            )?;
+            check_close(
+                &format!("{what}: total norm"),
+                &[total],
+                &[want],
+                tol(c.dtype),
+            )?;
+            for ((n, s), (_, r)) in model
+                .named_parameters()
+                .iter()
+                .zip(reference.named_parameters())
+            {
+                let g = s.grad().ok_or_else(|| format!("{what}: no grad for {n}"))?;
+                let sharded = n.starts_with("0.");
+                let got = if sharded {
+                    gathered(&g)?
+                } else {
+                    g.to_vec_f64()?
+                };
+                let want = r.grad().ok_or("no reference grad")?.to_vec_f64()?;
+                check_close(
+                    &format!("{what}: clipped grad of {n}"),
+                    &got,
+                    &want,
+                    tol(c.dtype),
+                )?;
             }
         }
         Ok(())

@@ -27,6 +27,7 @@
 // the layout's accessors beyond what the runtime uses are exercised by its tests
 #![cfg_attr(not(test), allow(dead_code))]
 
+mod clip;
 mod error;
 pub(crate) mod group;
 pub(crate) mod param;
@@ -39,6 +40,7 @@ use tensorplay_collectives::device_mesh::DeviceMesh;
 use tensorplay_core::nn::Module;
 use tensorplay_core::{Result, Tensor};
 
+pub use clip::clip_grad_norm_;
 pub use error::FsdpError;
 pub use state::FsdpEvent;
 use state::FsdpState;

@@ -24,6 +24,15 @@ static CALLS: AtomicUsize = AtomicUsize::new(0);
 /// Tensor ids are never reused, so entries of dropped models are only stale, never wrong.
 static CLAIMED: Mutex<BTreeMap<TensorId, (usize, String)>> = Mutex::new(BTreeMap::new());
 
+/// The shards of every call, with their group's process group (for gradient clipping).
+static SHARDS: Mutex<BTreeMap<TensorId, ProcessGroup>> = Mutex::new(BTreeMap::new());
+
+/// The process group `t` is a shard over, if it is a fully sharded parameter's shard.
+pub(super) fn group_of_shard(t: &Tensor) -> Option<ProcessGroup> {
+    let shards = SHARDS.lock().unwrap_or_else(PoisonError::into_inner);
+    shards.get(&t.id()).cloned()
+}
+
 fn invalid(
     rank: usize,
     arg: &str,
@@ -81,6 +90,12 @@ pub(super) fn shard_module(
         full.set_grad(None);
         full.resize_storage_(0)?;
         managed.push(Managed { name, full, shard });
+    }
+    {
+        let mut shards = SHARDS.lock().unwrap_or_else(PoisonError::into_inner);
+        for m in &managed {
+            shards.insert(m.shard.id(), group.clone());
+        }
     }
     let state = Arc::new(FsdpState::new(
         index,
