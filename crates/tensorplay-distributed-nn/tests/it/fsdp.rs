@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tensorplay::models::{Gpt, GptConfig};
 use tensorplay_collectives as dist;
+use tensorplay_core::nn::utils::clip_grad_norm_;
 use tensorplay_core::nn::{self, Linear, Module, Sequential};
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
 use tensorplay_core::{self as tp, DType, Tensor};
@@ -488,12 +489,7 @@ fn clip_grad_norm_matches_one_process() {
             loss(&c, model.as_ref(), &x, &y)?.backward()?;
             loss(&c, reference.as_ref(), &x, &y)?.backward()?;
             let total = sharded_clip(&model.parameters(), max_norm, norm_type, false)?;
-            let want = tp::nn::utils::clip_grad_norm_(
-                &reference.parameters(),
-                max_norm,
-                norm_type,
-                false,
-            )?;
+            let want = clip_grad_norm_(&reference.parameters(), max_norm, norm_type, false)?;
             check_close(
                 &format!("{what}: total norm"),
                 &[total],
