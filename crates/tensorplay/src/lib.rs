@@ -457,6 +457,11 @@ pub struct CheckpointsDoctests;
 #[cfg(doctest)]
 pub struct TensorParallelDoctests;
 
+/// The fully-sharded page's example, compiled as a doc test.
+#[doc = include_str!("../../../docs/fully-sharded.md")]
+#[cfg(all(doctest, feature = "models"))]
+pub struct FullyShardedDoctests;
+
 /// The RPC page's examples, compiled as doc tests.
 #[doc = include_str!("../../../docs/rpc.md")]
 #[cfg(all(doctest, feature = "rpc"))]
