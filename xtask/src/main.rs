@@ -8,6 +8,7 @@
 //! | `test-resume` | `resume.rs`: the main job killed and restarted by `tensorplay-run` |
 //! | `bench-core` | `bench/core.rs`: MLP step, matmul and GPT step beside PyTorch |
 //! | `bench-ddp` | `bench/ddp.rs`: a DDP training step beside PyTorch DDP over gloo |
+//! | `bench-fsdp` | `bench/fsdp.rs`: a fully sharded GPT training step beside PyTorch FSDP2 over gloo |
 //! | `bench-rpc` | `bench/rpc.rs`: RPC latency, rate and echo beside TensorPipe |
 //! | `bench-collectives` | `bench/collectives.rs`: collective bandwidth beside gloo |
 //! | `conformance` | `conformance.rs`: a conformance vectors file |
@@ -65,6 +66,9 @@ enum Cmd {
     /// DistributedDataParallel training step (MLP 784-hidden-hidden-hidden-10, batch 32 per
     /// rank) next to PyTorch DDP over gloo: local step, DDP step, overhead and their ratios.
     BenchDdp(bench::ddp::Args),
+    /// Fully sharded GPT training step (8 blocks of width 256, batch 8 per rank) next to
+    /// PyTorch's FSDP2 over gloo: step time, state bytes per rank, and against our own DDP.
+    BenchFsdp(bench::fsdp::Args),
     /// Runs a conformance vectors file against the differentiable collectives (one world of
     /// processes per world size in the file); ends with `N passed, M failed`.
     Conformance(conformance::Args),
@@ -95,6 +99,7 @@ fn main() -> ExitCode {
         Cmd::TestResume => resume::test_resume(),
         Cmd::BenchCollectives(a) => bench::collectives::run(&a),
         Cmd::BenchDdp(a) => bench::ddp::run(&a),
+        Cmd::BenchFsdp(a) => bench::fsdp::run(&a),
         Cmd::Conformance(a) => conformance::run(&a),
         Cmd::BenchCore(a) => bench::core::run(&a),
         Cmd::BenchRpc(a) => bench::rpc::run(&a),

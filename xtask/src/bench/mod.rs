@@ -19,6 +19,7 @@ pub(crate) mod collectives;
 pub(crate) mod core;
 pub(crate) mod cpu;
 pub(crate) mod ddp;
+pub(crate) mod fsdp;
 pub(crate) mod parse;
 pub(crate) mod rpc;
 pub(crate) mod summary;
