@@ -143,7 +143,8 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
         "world {world}, GPT {layers} blocks of width {width}, batch 8 per rank, float32, AdamW, \
          {steps} timed steps; params {} (PyTorch: {})",
         med(&mut ours.iter(), |r| r.params).map_or_else(|| "-".into(), |v| v.to_string()),
-        med(&mut torch_runs.iter().copied(), |r| r.params).map_or_else(|| "-".into(), |v| v.to_string()),
+        med(&mut torch_runs.iter().copied(), |r| r.params)
+            .map_or_else(|| "-".into(), |v| v.to_string()),
     );
     let mut rows = Vec::new();
     let compared: [(&str, &str, Field, Goal); 4] = [

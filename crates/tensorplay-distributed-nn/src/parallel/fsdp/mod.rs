@@ -6,12 +6,12 @@
 //! then the root). Each call makes the module's parameters not claimed by an earlier call one
 //! **group**:
 //!
-//! - every parameter is split along dimension 0 as `torch.chunk` splits it ([`param`]); the
+//! - every parameter is split along dimension 0 as `torch.chunk` splits it (`param.rs`); the
 //!   rank's rows become a new leaf, the **shard**, which is what `parameters()` and
 //!   `named_parameters()` list from then on: an optimizer built from them steps the shards and
 //!   keeps state for them only;
 //! - before the module's forward a hook all-gathers the group's shards into one flat buffer
-//!   ([`group`]) and copies them out into the module's own (unsharded) parameters; after
+//!   (`group.rs`) and copies them out into the module's own (unsharded) parameters; after
 //!   forward it frees them again (`reshard_after_forward`, ZeRO-3), except on the root, whose
 //!   parameters backward needs first;
 //! - when the gradient of the module's output arrives in backward, a hook gathers the
