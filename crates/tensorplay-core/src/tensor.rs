@@ -65,6 +65,8 @@ pub(crate) struct AutogradMeta {
     pub(crate) leaf_hooks: Vec<crate::autograd::Hook>,
     /// Hooks run after a backward pass accumulated into this leaf's `.grad`, with their ids.
     pub(crate) post_accumulate_hooks: Vec<(u64, crate::autograd::PostAccumulateGradHook)>,
+    /// Set by [`Tensor::mark_sharded`]: the API whose shard this tensor is.
+    pub(crate) sharded_by: Option<&'static str>,
 }
 
 impl Tensor {
@@ -210,6 +212,18 @@ impl Tensor {
     /// Errors: [`Error::NotSupported`] for a CUDA tensor.
     pub fn resize_storage_(&self, numel: usize) -> Result<()> {
         self.0.storage.resize(numel)
+    }
+
+    /// Marks this tensor as one rank's shard of a larger tensor, made by `by` (`"fully_shard"`),
+    /// so that whole-tensor operations that would silently give a per-rank answer refuse it:
+    /// [`crate::nn::utils::clip_grad_norm_`] errors and names the sharded counterpart.
+    pub fn mark_sharded(&self, by: &'static str) {
+        self.meta().sharded_by = Some(by);
+    }
+
+    /// The API whose shard this tensor is ([`Tensor::mark_sharded`]), if any.
+    pub fn sharded_by(&self) -> Option<&'static str> {
+        self.meta().sharded_by
     }
 
     /// Elements of the storage this tensor views (all of it, not only this view's).
@@ -418,8 +432,9 @@ pub(crate) fn check_extent(len: usize, layout: &Layout, op: &'static str) -> Res
             format!("a tensor whose storage holds its elements ({need} needed)"),
             format!(
                 "a storage of {len} elements: it was freed or shrunk by resize_storage_ (a fully \
-                 sharded parameter is freed between uses: read it inside unshard() or use the \
-                 shard that parameters() lists)"
+                 sharded parameter is freed between uses: run the module with `call`, whose \
+                 hooks gather it, not `forward`; read it inside unshard(); or use the shard that \
+                 parameters() lists)"
             ),
         ));
     }

@@ -19,6 +19,7 @@
 //! | `torch.distributed.nn` | [`distributed::nn`] |
 //! | `torch.multiprocessing.spawn` | [`distributed::spawn()`] |
 //! | `torchrun` | the `tensorplay-run` binary of this crate (see the README) |
+//! | `torch.distributed.fsdp.fully_shard` | [`distributed::fsdp::fully_shard`] |
 //! | (nanoGPT, Megatron-LM) | `models` (feature `models`): a GPT and its tensor-parallel form |
 //!
 //! ```
@@ -70,6 +71,7 @@
 //! - [core.md]: tensors, autograd, `nn`, `optim`;
 //! - [collectives.md]: process groups, the cpu and NCCL backends, `spawn`, `tensorplay-run`;
 //! - [data-parallel.md]: `DistributedDataParallel`, `DistributedSampler`, `DataLoader`;
+//! - [fully-sharded.md]: fully sharded data parallelism, `fully_shard`;
 //! - [rpc.md], [distributed-autograd.md], [distributed-nn.md] and [remote-training.md] (a
 //!   `RemoteModule` trained with distributed autograd and `DistributedOptimizer`, a complete
 //!   program);
@@ -81,6 +83,7 @@
 //! [core.md]: https://example.invalid/tensorplay/blob/main/docs/core.md
 //! [collectives.md]: https://example.invalid/tensorplay/blob/main/docs/collectives.md
 //! [data-parallel.md]: https://example.invalid/tensorplay/blob/main/docs/data-parallel.md
+//! [fully-sharded.md]: https://example.invalid/tensorplay/blob/main/docs/fully-sharded.md
 //! [rpc.md]: https://example.invalid/tensorplay/blob/main/docs/rpc.md
 //! [distributed-autograd.md]: https://example.invalid/tensorplay/blob/main/docs/distributed-autograd.md
 //! [distributed-nn.md]: https://example.invalid/tensorplay/blob/main/docs/distributed-nn.md

@@ -30,6 +30,10 @@ pub trait AttachedState: Send + Sync + 'static {
     fn parameter_in_place_of(&self, param: &Tensor) -> Option<Tensor>;
     /// The state itself, for the API to downcast.
     fn as_any(&self) -> &dyn std::any::Any;
+    /// Called by [`super::Module::zero_grad`]: clears gradients the state keeps outside the
+    /// listed parameters (fully sharded data parallelism's unsynced whole gradients). Nothing
+    /// by default.
+    fn zero_grad(&self) {}
 }
 
 /// The hooks of one module, each with the id its handle removes it by.

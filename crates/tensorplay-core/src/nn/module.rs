@@ -200,10 +200,16 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
     }
 
     /// Clears the gradient of every parameter (`zero_grad(set_to_none=True)`, PyTorch 2's
-    /// default).
+    /// default), and those an attached state keeps aside (a fully sharded module's gradients
+    /// accumulated without sync).
     fn zero_grad(&self) -> Result<()> {
         for p in self.parameters() {
             p.set_grad(None);
+        }
+        for (_, m) in self.named_modules() {
+            if let Some(a) = m.core().attached() {
+                a.zero_grad();
+            }
         }
         Ok(())
     }

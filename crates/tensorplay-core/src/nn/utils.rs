@@ -91,6 +91,19 @@ pub fn clip_grad_norm_(
             norm_type,
         ));
     }
+    if let Some((i, by)) = parameters
+        .iter()
+        .enumerate()
+        .find_map(|(i, p)| p.sharded_by().map(|by| (i, by)))
+    {
+        return Err(Error::invalid(
+            OP,
+            "parameters",
+            "whole parameters (for shards use tp::distributed::fsdp::clip_grad_norm_, which \
+             adds the norms across ranks)",
+            format!("parameter {i}, a shard made by {by}: its norm here would be this rank's only"),
+        ));
+    }
     let grads = float_grads(OP, parameters)?;
     let total = total_norm(&grads, norm_type)?;
     if error_if_nonfinite && !total.is_finite() {

@@ -458,7 +458,7 @@ fn prefetching_and_reduce_scatter_overlap_compute() {
             if h.is_unsharded() {
                 return Err(format!("group {k} still gathered: {ev:?}").into());
             }
-            if h.is_root() != Some(k == 0) {
+            if h.is_root() != (k == 0) {
                 return Err(format!("group {k}: is_root {:?}", h.is_root()).into());
             }
         }

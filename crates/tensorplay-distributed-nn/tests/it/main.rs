@@ -6,6 +6,7 @@ mod ddp;
 mod fsdp;
 mod fsdp_faults;
 mod fsdp_memory;
+mod fsdp_misuse;
 mod gradcheck;
 mod hostile;
 mod semantics;

@@ -104,25 +104,29 @@ impl FsdpModule {
         self.state.is_unsharded()
     }
 
-    /// Whether this module was the root of its first forward (no other fully sharded module
-    /// was in forward); `None` before its first forward.
-    pub fn is_root(&self) -> Option<bool> {
+    /// Whether this module is a root: no fully sharded module above it was wrapped (a root
+    /// keeps its parameters from forward to backward and learns the groups' order for
+    /// prefetching).
+    pub fn is_root(&self) -> bool {
         self.state.is_root()
     }
 
-    /// Changes [`FsdpOptions::reshard_after_forward`] (`set_reshard_after_forward`).
+    /// Changes [`FsdpOptions::reshard_after_forward`] (`set_reshard_after_forward`), for this
+    /// module's group and those of the fully sharded modules below it (PyTorch's
+    /// `recurse=True`, as for the two setters after this one).
     pub fn set_reshard_after_forward(&self, reshard: bool) {
         self.state.set_reshard_after_forward(reshard)
     }
 
-    /// Whether backward's end frees the gathered parameters (`set_reshard_after_backward`,
-    /// default true).
+    /// Whether backward frees the gathered parameters once their gradients are out
+    /// (`set_reshard_after_backward`, default true); this group and those below it.
     pub fn set_reshard_after_backward(&self, reshard: bool) {
         self.state.set_reshard_after_backward(reshard)
     }
 
     /// Whether backward reduce-scatters the gradients (`set_requires_gradient_sync`, default
-    /// true). With `false` the gradients accumulate, whole, in the module's unsharded
+    /// true), for this group and those of the fully sharded modules below it: call it on the
+    /// root. With `false` the gradients accumulate, whole, in the module's unsharded
     /// parameters across backward passes (gradient accumulation over micro-batches); the next
     /// backward with `true` reduce-scatters the sums. Meanwhile each rank holds the whole
     /// group's gradients: the memory FSDP otherwise saves.
@@ -186,7 +190,6 @@ impl FsdpModule {
 /// or not floating point, in the group; a parameter an earlier sibling call claimed;
 /// ranks that disagree on the group's parameters. Collective errors.
 pub fn fully_shard<M: Module + ?Sized>(module: &mut M, options: FsdpOptions) -> Result<FsdpModule> {
-    // the gradient hooks stay registered with their handles dropped
-    let (state, _hooks) = setup::shard_module(module.as_module_mut(), &options)?;
+    let state = setup::shard_module(module.as_module_mut(), &options)?;
     Ok(FsdpModule { state })
 }

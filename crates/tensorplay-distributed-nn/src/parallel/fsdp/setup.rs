@@ -3,16 +3,15 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use tensorplay_collectives::{self as dist, Error as DistError, ProcessGroup};
-use tensorplay_core::autograd::HookHandle;
 use tensorplay_core::nn::Module;
 use tensorplay_core::{DType, Result, Tensor, TensorId};
 
 use super::FsdpOptions;
 use super::param::ShardSpec;
-use super::state::{self, FsdpState, Managed};
+use super::state::{FsdpState, Managed};
 
 const OP: &str = "fully_shard";
 
@@ -56,12 +55,11 @@ fn group_of(options: &FsdpOptions) -> Result<ProcessGroup> {
     }
 }
 
-/// Shards `module` as `fully_shard` describes: returns the attached state and the gradient
-/// hooks' handles.
+/// Shards `module` as `fully_shard` describes: returns the attached state.
 pub(super) fn shard_module(
     module: &mut dyn Module,
     options: &FsdpOptions,
-) -> Result<(Arc<FsdpState>, Vec<HookHandle>)> {
+) -> Result<Arc<FsdpState>> {
     let group = group_of(options)?;
     let rank = dist::get_rank(Some(&group))?;
     let world = dist::get_world_size(Some(&group))?;
@@ -74,7 +72,7 @@ pub(super) fn shard_module(
             format!("a module {} was applied to already", a.kind()),
         ));
     }
-    let params = collect(module, me)?;
+    let (params, below) = collect(module, me)?;
     agree(&params, &group, me)?;
     let dtype = group_dtype(&params, me)?;
     let index = CALLS.fetch_add(1, Ordering::Relaxed);
@@ -97,15 +95,22 @@ pub(super) fn shard_module(
             shards.insert(m.shard.id(), group.clone());
         }
     }
-    let state = Arc::new(FsdpState::new(
-        index,
-        group,
-        (rank, world),
-        dtype,
-        managed,
-        options.reshard_after_forward,
-    ));
-    let hooks = state::grad_hooks(&state)?;
+    let state = Arc::new_cyclic(|me| {
+        FsdpState::new(
+            index,
+            group,
+            (rank, world),
+            dtype,
+            managed,
+            options.reshard_after_forward,
+            me.clone(),
+        )
+    });
+    for s in below.iter().filter_map(Weak::upgrade) {
+        s.set_has_parent();
+    }
+    state.set_below(below);
+    state.sync_trainable()?;
     let core = module.core_mut();
     let pre = Arc::downgrade(&state);
     core.push_pre_hook(Box::new(move |_| {
@@ -122,14 +127,18 @@ pub(super) fn shard_module(
         Ok(None)
     }));
     core.attach(state.clone())?;
-    Ok((state, hooks))
+    Ok(state)
 }
 
 /// The group's parameters with their names: those of `module` and its descendants that no
-/// nested `fully_shard` call took, each once (tied weights under their first name).
-fn collect(module: &dyn Module, me: usize) -> Result<Vec<(String, Tensor)>> {
+/// nested `fully_shard` call took, each once (tied weights under their first name); and the
+/// nested calls' groups.
+type Collected = (Vec<(String, Tensor)>, Vec<Weak<FsdpState>>);
+
+fn collect(module: &dyn Module, me: usize) -> Result<Collected> {
     // the unsharded parameters of nested calls below this module
     let mut nested: HashSet<TensorId> = HashSet::new();
+    let mut below = Vec::new();
     for (path, m) in module.named_modules().into_iter().skip(1) {
         if let Some(s) = m
             .core()
@@ -138,8 +147,25 @@ fn collect(module: &dyn Module, me: usize) -> Result<Vec<(String, Tensor)>> {
         {
             nested.extend(s.full_ids());
             s.set_path(&path);
+            below.push(s.me());
         }
     }
+    let nested_paths: Vec<String> = module
+        .named_modules()
+        .into_iter()
+        .skip(1)
+        .filter(|(_, m)| {
+            m.core()
+                .attached()
+                .is_some_and(|a| a.as_any().is::<FsdpState>())
+        })
+        .map(|(p, _)| p)
+        .collect();
+    let inside = |path: &str| {
+        nested_paths
+            .iter()
+            .any(|n| path == n || path.starts_with(&format!("{n}.")))
+    };
     let claimed = CLAIMED.lock().unwrap_or_else(PoisonError::into_inner);
     let mut seen = HashSet::new();
     let mut out = Vec::new();
@@ -150,6 +176,20 @@ fn collect(module: &dyn Module, me: usize) -> Result<Vec<(String, Tensor)>> {
             } else {
                 format!("{path}.{n}")
             };
+            if nested.contains(&p.id()) && !inside(&path) {
+                let (call, there) = claimed.get(&p.id()).cloned().unwrap_or_default();
+                return Err(invalid(
+                    me,
+                    "module",
+                    "a parameter used only inside the fully sharded module that holds it (a \
+                     weight tied across modules belongs to the smallest module holding every \
+                     user: wrap that one, or leave the inner ones unwrapped)",
+                    format!(
+                        "parameter {name:?} is also {there:?} of the inner fully_shard call \
+                         {call}, whose parameters are freed outside its forward"
+                    ),
+                ));
+            }
             if nested.contains(&p.id()) || !seen.insert(p.id()) {
                 continue;
             }
@@ -157,18 +197,19 @@ fn collect(module: &dyn Module, me: usize) -> Result<Vec<(String, Tensor)>> {
                 return Err(invalid(
                     me,
                     "module",
-                    "parameters that belong to one fully_shard group (wrap the smallest module \
-                     that holds every user of a shared parameter)",
+                    "parameters no other fully_shard call took: call fully_shard bottom-up \
+                     (inner modules first, the root last), and give a parameter two modules \
+                     share to the smallest module holding both",
                     format!(
-                        "parameter {name:?} is {there:?} of fully_shard call {call}, a module \
-                         outside this one"
+                        "parameter {name:?} is {there:?} of fully_shard call {call}, on a \
+                         module that contains this one or sits beside it"
                     ),
                 ));
             }
             out.push((name, p));
         }
     }
-    Ok(out)
+    Ok((out, below))
 }
 
 /// The one floating dtype of the group's parameters.
@@ -205,7 +246,18 @@ fn agree(params: &[(String, Tensor)], group: &ProcessGroup, me: usize) -> Result
             )
         })
         .collect();
-    let all = dist::all_gather_object(&mine, Some(group))?;
+    // the sum of each parameter's values, as bits: ranks must hold the same weights (nothing
+    // is broadcast), and the same module
+    let _g = tensorplay_core::no_grad();
+    let sums: Vec<u64> = params
+        .iter()
+        .map(|(_, p)| {
+            let v = p.detach().to_dtype(DType::F64)?.sum()?.item::<f64>()?;
+            Ok(v.to_bits())
+        })
+        .collect::<Result<_>>()?;
+    let all = dist::all_gather_object(&(mine, sums), Some(group))?;
+    let (all, all_sums): (Vec<Vec<Entry>>, Vec<Vec<u64>>) = all.into_iter().unzip();
     let show = |e: Option<&Entry>| match e {
         Some((n, s, d, g)) => format!("{n:?} {s:?} {d}{}", if *g { "" } else { " (frozen)" }),
         None => "no parameter".to_string(),
@@ -224,6 +276,23 @@ fn agree(params: &[(String, Tensor)], group: &ProcessGroup, me: usize) -> Result
                 format!("rank {}'s: {}", group.ranks()[r], show(list.get(i))),
             ));
         }
+        if let Some(i) = (0..all_sums[r].len()).find(|&i| all_sums[r][i] != all_sums[0][i]) {
+            return Err(invalid(
+                me,
+                "module",
+                format!(
+                    "the same weights on every rank (build the model from the same seed: \
+                     fully_shard broadcasts nothing); rank 0's {:?} sums to {}",
+                    all[0][i].0,
+                    f64::from_bits(all_sums[0][i])
+                ),
+                format!(
+                    "rank {}'s sums to {}",
+                    group.ranks()[r],
+                    f64::from_bits(all_sums[r][i])
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -239,6 +308,7 @@ fn shard_of(full: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
         .narrow(0, rows.start, rows.len())?
         .reshape(&local)?
         .deep_clone()?;
+    s.mark_sharded("fully_shard");
     Ok(if full.requires_grad() {
         s.requires_grad_(true)
     } else {

@@ -8,8 +8,8 @@
 //! (see [`super::param`]); it is what `parameters()` lists, so the optimizer steps it and keeps
 //! its state for it alone.
 
-use std::cell::{Cell, RefCell};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
@@ -66,8 +66,15 @@ struct Runtime {
     order_learnt: bool,
     /// The end-of-backward callback is queued for the running backward.
     callback_queued: bool,
-    /// Decided at the first forward: no other fully sharded module was in forward.
-    is_root: Option<bool>,
+    /// The shards' versions when the unsharded parameters were last filled (a shard written
+    /// since, by an optimizer step, makes them stale).
+    gathered_versions: Vec<u64>,
+    /// The shards' versions at the last forward (backward refuses to pair other weights with
+    /// that forward's activations).
+    forward_versions: Vec<u64>,
+    /// Parameters that take gradients now, and which have their gradient hook.
+    trainable: usize,
+    hooked: Vec<bool>,
     reshard_after_forward: bool,
     reshard_after_backward: bool,
     requires_gradient_sync: bool,
@@ -92,21 +99,22 @@ pub(crate) struct FsdpState {
     pub(crate) dtype: DType,
     pub(crate) params: Vec<Managed>,
     pub(crate) layout: FlatLayout,
-    /// Parameters that take gradients.
-    trainable: usize,
+    /// A fully sharded module above this one was wrapped (this one is not a root).
+    has_parent: AtomicBool,
     rt: Mutex<Runtime>,
     links: Mutex<Links>,
     /// The module's path under the root, set when the root is sharded.
     path: Mutex<Option<String>>,
+    /// The groups of fully sharded modules below this one (set when this one is sharded):
+    /// the setters recurse into them, as PyTorch's `recurse=True`.
+    below: Mutex<Vec<Weak<FsdpState>>>,
+    me: Weak<FsdpState>,
 }
 
 /// The sequence numbers of [`FsdpEvent`]s.
 static EVENT_SEQ: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
-    /// Fully sharded modules in forward on this thread (the root decides it is the root by
-    /// finding none).
-    static IN_FORWARD: Cell<usize> = const { Cell::new(0) };
     /// The group whose reduce-scatter was issued last on this thread (finished before the
     /// next is issued: one in flight at a time, so that its buffers go before the next's are
     /// made).
@@ -128,9 +136,10 @@ impl FsdpState {
         dtype: DType,
         params: Vec<Managed>,
         reshard_after_forward: bool,
+        me: Weak<FsdpState>,
     ) -> FsdpState {
         let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.full.shape().to_vec()).collect();
-        let trainable = params.iter().filter(|p| p.shard.requires_grad()).count();
+        let n = params.len();
         FsdpState {
             index,
             group,
@@ -139,7 +148,7 @@ impl FsdpState {
             dtype,
             layout: FlatLayout::new(&shapes, world),
             params,
-            trainable,
+            has_parent: AtomicBool::new(false),
             rt: Mutex::new(Runtime {
                 unsharded: false,
                 ready: 0,
@@ -147,7 +156,10 @@ impl FsdpState {
                 pending: None,
                 order_learnt: false,
                 callback_queued: false,
-                is_root: None,
+                gathered_versions: Vec::new(),
+                forward_versions: Vec::new(),
+                trainable: 0,
+                hooked: vec![false; n],
                 reshard_after_forward,
                 reshard_after_backward: true,
                 requires_gradient_sync: true,
@@ -155,6 +167,31 @@ impl FsdpState {
             }),
             links: Mutex::new(Links::default()),
             path: Mutex::new(None),
+            below: Mutex::new(Vec::new()),
+            me,
+        }
+    }
+
+    /// A weak handle on this state (it lives in an `Arc` made by `Arc::new_cyclic`).
+    pub(crate) fn me(&self) -> Weak<FsdpState> {
+        self.me.clone()
+    }
+
+    /// Records the groups of the fully sharded modules below this one.
+    pub(crate) fn set_below(&self, below: Vec<Weak<FsdpState>>) {
+        *self.below.lock().unwrap_or_else(PoisonError::into_inner) = below;
+    }
+
+    /// This group and every group below it.
+    fn with_below(&self, f: &dyn Fn(&FsdpState)) {
+        f(self);
+        let below = self
+            .below
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        for s in below.iter().filter_map(Weak::upgrade) {
+            f(&s);
         }
     }
 
@@ -211,7 +248,12 @@ impl FsdpState {
 
     fn unshard_locked(&self, rt: &mut Runtime) -> Result<()> {
         if rt.unsharded {
-            return Ok(());
+            if rt.gathered_versions == self.shard_versions() {
+                return Ok(());
+            }
+            // kept gathered (the root, `reshard_after_forward = false`, `unshard()`) while an
+            // optimizer step wrote the shards: gather again
+            rt.unsharded = false;
         }
         if self.params.is_empty() {
             // a module without parameters of its own: nothing to gather (on every rank alike)
@@ -246,6 +288,7 @@ impl FsdpState {
             })?;
         }
         rt.unsharded = true;
+        rt.gathered_versions = self.shard_versions();
         Ok(())
     }
 
@@ -330,17 +373,32 @@ impl FsdpState {
         Ok(())
     }
 
-    /// The pre-forward hook: decides whether this module is the root (the first forward),
-    /// then gathers the parameters.
+    /// Whether no fully sharded module above this one was wrapped (the root keeps its
+    /// parameters from forward to backward and learns the groups' order).
+    pub(crate) fn is_root(&self) -> bool {
+        !self.has_parent.load(Ordering::Relaxed)
+    }
+
+    /// Marks this group as below another fully sharded module.
+    pub(crate) fn set_has_parent(&self) {
+        self.has_parent.store(true, Ordering::Relaxed);
+    }
+
+    /// The pre-forward hook: recovers from a backward that failed half-way, follows changes
+    /// of `requires_grad`, then gathers the parameters and prefetches the next group.
     pub(crate) fn pre_forward(self: &Arc<Self>) -> Result<()> {
         {
             let mut rt = self.rt();
-            let root = *rt.is_root.get_or_insert_with(|| IN_FORWARD.get() == 0);
-            // the root starts the count afresh, so that a forward that failed half-way does
-            // not leave it off
-            IN_FORWARD.set(if root { 1 } else { IN_FORWARD.get() + 1 });
-            if root && !rt.order_learnt {
-                RECORDING.set(Some(Vec::new()));
+            if rt.callback_queued {
+                self.recover_failed_backward(&mut rt)?;
+            }
+            self.sync_trainable_locked(&mut rt)?;
+            let root = self.is_root();
+            if root {
+                self.set_path("");
+                if !rt.order_learnt {
+                    RECORDING.set(Some(Vec::new()));
+                }
             }
             RECORDING.with_borrow_mut(|r| {
                 if let Some(order) = r
@@ -352,10 +410,64 @@ impl FsdpState {
                 }
             });
             self.unshard_locked(&mut rt)?;
+            rt.forward_versions = self.shard_versions();
             record(&mut rt, FsdpEvent::ForwardStart);
         }
         // the next group's all-gather runs while this one computes
         self.prefetch_next(false)
+    }
+
+    /// A forward starts while the last backward's end never came (the backward failed, and
+    /// the engine dropped its end-of-backward callbacks): its reduce-scatter is waited for and
+    /// dropped, its unsharded gradients too (unless gradients accumulate unsynced), and the
+    /// parameters freed, so the next step starts clean.
+    fn recover_failed_backward(&self, rt: &mut Runtime) -> Result<()> {
+        rt.callback_queued = false;
+        rt.ready = 0;
+        if let Some((work, ..)) = rt.reduce.take() {
+            work.wait(None).map_err(self.failed(REDUCE))?;
+        }
+        if rt.requires_gradient_sync {
+            for p in &self.params {
+                p.full.set_grad(None);
+            }
+        }
+        self.drop_pending(rt)?;
+        self.reshard_locked(rt)
+    }
+
+    /// Makes the unsharded parameters take gradients as their shards do (a user may freeze or
+    /// unfreeze `parameters()` after wrapping), with a gradient hook on each trainable one.
+    fn sync_trainable_locked(self: &Arc<Self>, rt: &mut Runtime) -> Result<()> {
+        let mut trainable = 0;
+        for (i, p) in self.params.iter().enumerate() {
+            let want = p.shard.requires_grad();
+            if p.full.requires_grad() != want {
+                p.full.set_requires_grad(want)?;
+            }
+            if want {
+                trainable += 1;
+                if !rt.hooked[i] {
+                    let weak: Weak<FsdpState> = Arc::downgrade(self);
+                    // the hook stays registered with its handle dropped
+                    let _handle = p
+                        .full
+                        .register_post_accumulate_grad_hook(move |_| match weak.upgrade() {
+                            Some(s) => s.grad_ready(i),
+                            None => Ok(()),
+                        })?;
+                    rt.hooked[i] = true;
+                }
+            }
+        }
+        rt.trainable = trainable;
+        Ok(())
+    }
+
+    /// [`FsdpState::sync_trainable_locked`] at wrap time.
+    pub(crate) fn sync_trainable(self: &Arc<Self>) -> Result<()> {
+        let mut rt = self.rt();
+        self.sync_trainable_locked(&mut rt)
     }
 
     /// Links the groups of the root's first forward (`order`, the root first) for
@@ -379,10 +491,9 @@ impl FsdpState {
     /// may follow, and frees the parameters unless they are kept for backward (the root, or
     /// `reshard_after_forward = false`).
     pub(crate) fn post_forward(self: &Arc<Self>, output: &Tensor) -> Result<()> {
-        IN_FORWARD.set(IN_FORWARD.get().saturating_sub(1));
         let mut rt = self.rt();
         record(&mut rt, FsdpEvent::ForwardEnd);
-        if rt.is_root == Some(true) && !rt.order_learnt {
+        if self.is_root() && !rt.order_learnt {
             if let Some(order) = RECORDING.take() {
                 Self::learn_order(order);
             }
@@ -399,7 +510,7 @@ impl FsdpState {
                 Ok(None)
             })?;
         }
-        let keep = backward_follows && (rt.is_root == Some(true) || !rt.reshard_after_forward);
+        let keep = backward_follows && (self.is_root() || !rt.reshard_after_forward);
         if !keep {
             self.reshard_locked(&mut rt)?;
         }
@@ -411,6 +522,17 @@ impl FsdpState {
     fn pre_backward(self: &Arc<Self>) -> Result<()> {
         {
             let mut rt = self.rt();
+            if rt.forward_versions != self.shard_versions() {
+                let name = self.params.first().map_or("", |p| p.name.as_str());
+                return Err(tensorplay_core::Error::Autograd(format!(
+                    "fully_shard on rank {}: group {}: the shards (such as {name:?}) were \
+                     written between the module's forward and its backward (an optimizer step \
+                     before backward?): backward would pair the new weights with the old \
+                     activations; step after backward",
+                    self.group.my_global_rank(),
+                    self.label()
+                )));
+            }
             self.queue_end_locked(&mut rt)?;
             self.unshard_locked(&mut rt)?;
         }
@@ -440,7 +562,7 @@ impl FsdpState {
             return Ok(());
         }
         rt.ready += 1;
-        if rt.ready >= self.trainable {
+        if rt.ready >= rt.trainable {
             self.start_reduce_locked(&mut rt)?;
         }
         Ok(())
@@ -536,19 +658,16 @@ impl FsdpState {
     }
 
     pub(crate) fn set_reshard_after_forward(&self, v: bool) {
-        self.rt().reshard_after_forward = v;
+        self.with_below(&|s| s.rt().reshard_after_forward = v);
     }
     pub(crate) fn set_reshard_after_backward(&self, v: bool) {
-        self.rt().reshard_after_backward = v;
+        self.with_below(&|s| s.rt().reshard_after_backward = v);
     }
     pub(crate) fn set_requires_gradient_sync(&self, v: bool) {
-        self.rt().requires_gradient_sync = v;
+        self.with_below(&|s| s.rt().requires_gradient_sync = v);
     }
     pub(crate) fn is_unsharded(&self) -> bool {
         self.rt().unsharded
-    }
-    pub(crate) fn is_root(&self) -> Option<bool> {
-        self.rt().is_root
     }
     pub(crate) fn take_events(&self) -> Vec<(u64, FsdpEvent)> {
         std::mem::take(&mut self.rt().events)
@@ -574,26 +693,11 @@ impl AttachedState for FsdpState {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
-}
-
-/// Installs the group's hooks: the post-accumulate-grad hook of every trainable unsharded
-/// parameter (forward hooks are the module's, installed by `fully_shard`).
-pub(crate) fn grad_hooks(
-    state: &Arc<FsdpState>,
-) -> Result<Vec<tensorplay_core::autograd::HookHandle>> {
-    let mut out = Vec::new();
-    for (i, p) in state.params.iter().enumerate() {
-        if !p.full.requires_grad() {
-            continue;
+    fn zero_grad(&self) {
+        // gradients accumulated unsynced (`set_requires_gradient_sync(false)`) live on the
+        // unsharded parameters
+        for p in &self.params {
+            p.full.set_grad(None);
         }
-        let weak: Weak<FsdpState> = Arc::downgrade(state);
-        out.push(
-            p.full
-                .register_post_accumulate_grad_hook(move |_| match weak.upgrade() {
-                    Some(s) => s.grad_ready(i),
-                    None => Ok(()),
-                })?,
-        );
     }
-    Ok(out)
 }
