@@ -162,10 +162,17 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
             if let Some(v) = state_dict.get(name)
                 && v.shape() != t.shape()
             {
+                let sharded = match t.sharded_by() {
+                    Some(by) => format!(
+                        " (a shard made by {by}: this rank's rows only; load the state dict \
+                         this rank saved)"
+                    ),
+                    None => String::new(),
+                };
                 return Err(Error::invalid(
                     "load_state_dict",
                     "state_dict",
-                    format!("shape {:?} for key {name:?}", t.shape()),
+                    format!("shape {:?} for key {name:?}{sharded}", t.shape()),
                     format!("shape {:?}", v.shape()),
                 ));
             }

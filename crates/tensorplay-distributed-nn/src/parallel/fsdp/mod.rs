@@ -29,8 +29,10 @@
 
 mod clip;
 mod error;
+mod gather;
 pub(crate) mod group;
 pub(crate) mod param;
+mod reduce;
 mod setup;
 mod state;
 

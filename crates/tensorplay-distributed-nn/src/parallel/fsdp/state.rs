@@ -1,6 +1,6 @@
-//! The runtime of one `fully_shard` group: its parameters' shards and unsharded tensors, the
-//! all-gather that fills the unsharded tensors, the reduce-scatter that turns their gradients
-//! into the shards' `.grad`, and the hooks that run them around forward and backward.
+//! The state of one `fully_shard` group — its parameters' shards and unsharded tensors — and
+//! the hooks that run its all-gather (`gather.rs`) and reduce-scatter (`reduce.rs`) around
+//! forward and backward.
 //!
 //! Every parameter has two tensors. The **unsharded** one is the leaf the module holds and
 //! computes with; its storage is freed ([`Tensor::resize_storage_`] to 0) while the group is
@@ -12,15 +12,15 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp, Work};
+use tensorplay_collectives::{self as dist, ProcessGroup, Work};
 use tensorplay_core::nn::AttachedState;
-use tensorplay_core::{DType, Result, Tensor, TensorId, no_grad};
+use tensorplay_core::{DType, Result, Tensor, TensorId};
 
 use super::error::FsdpError;
 use super::group::FlatLayout;
 
-const GATHER: &str = "the all-gather before forward or backward";
-const REDUCE: &str = "the reduce-scatter of the gradients";
+pub(super) const GATHER: &str = "the all-gather before forward or backward";
+pub(super) const REDUCE: &str = "the reduce-scatter of the gradients";
 
 /// One parameter of a group.
 pub(crate) struct Managed {
@@ -52,41 +52,41 @@ pub enum FsdpEvent {
 }
 
 /// What changes from step to step.
-struct Runtime {
+pub(super) struct Runtime {
     /// The unsharded parameters hold the shards' values.
-    unsharded: bool,
+    pub(super) unsharded: bool,
     /// Gradients accumulated into unsharded parameters in the running backward.
-    ready: usize,
+    pub(super) ready: usize,
     /// The reduce-scatter in flight: its handle, output (this rank's block) and input.
-    reduce: Option<(Work, Tensor, Tensor)>,
+    pub(super) reduce: Option<(Work, Tensor, Tensor)>,
     /// An all-gather issued ahead of use (prefetched): its handle, its output and the
     /// shards' versions when it was issued (a shard written since makes it stale).
-    pending: Option<(Work, Tensor, Vec<u64>)>,
+    pub(super) pending: Option<(Work, Tensor, Vec<u64>)>,
     /// The root learnt the groups' forward order (its first forward ended).
-    order_learnt: bool,
+    pub(super) order_learnt: bool,
     /// The end-of-backward callback is queued for the running backward.
-    callback_queued: bool,
+    pub(super) callback_queued: bool,
     /// The shards' versions when the unsharded parameters were last filled (a shard written
     /// since, by an optimizer step, makes them stale).
-    gathered_versions: Vec<u64>,
+    pub(super) gathered_versions: Vec<u64>,
     /// The shards' versions at the last forward (backward refuses to pair other weights with
     /// that forward's activations).
-    forward_versions: Vec<u64>,
+    pub(super) forward_versions: Vec<u64>,
     /// Parameters that take gradients now, and which have their gradient hook.
-    trainable: usize,
-    hooked: Vec<bool>,
-    reshard_after_forward: bool,
-    reshard_after_backward: bool,
-    requires_gradient_sync: bool,
-    events: Vec<(u64, FsdpEvent)>,
+    pub(super) trainable: usize,
+    pub(super) hooked: Vec<bool>,
+    pub(super) reshard_after_forward: bool,
+    pub(super) reshard_after_backward: bool,
+    pub(super) requires_gradient_sync: bool,
+    pub(super) events: Vec<(u64, FsdpEvent)>,
 }
 
 /// The groups to prefetch, learnt from the first forward: the group whose forward comes
 /// after this one's, and the group whose backward comes after this one's.
 #[derive(Default)]
-struct Links {
-    next_forward: Option<Weak<FsdpState>>,
-    next_backward: Option<Weak<FsdpState>>,
+pub(super) struct Links {
+    pub(super) next_forward: Option<Weak<FsdpState>>,
+    pub(super) next_backward: Option<Weak<FsdpState>>,
 }
 
 /// The state of one `fully_shard` call, attached to its module.
@@ -102,7 +102,7 @@ pub(crate) struct FsdpState {
     /// A fully sharded module above this one was wrapped (this one is not a root).
     has_parent: AtomicBool,
     rt: Mutex<Runtime>,
-    links: Mutex<Links>,
+    pub(super) links: Mutex<Links>,
     /// The module's path under the root, set when the root is sharded.
     path: Mutex<Option<String>>,
     /// The groups of fully sharded modules below this one (set when this one is sharded):
@@ -115,15 +115,11 @@ pub(crate) struct FsdpState {
 static EVENT_SEQ: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
-    /// The group whose reduce-scatter was issued last on this thread (finished before the
-    /// next is issued: one in flight at a time, so that its buffers go before the next's are
-    /// made).
-    static IN_FLIGHT: RefCell<Option<Weak<FsdpState>>> = const { RefCell::new(None) };
     /// The groups in the order of the root's first forward, while it runs.
     static RECORDING: RefCell<Option<Vec<Weak<FsdpState>>>> = const { RefCell::new(None) };
 }
 
-fn record(rt: &mut Runtime, e: FsdpEvent) {
+pub(super) fn record(rt: &mut Runtime, e: FsdpEvent) {
     rt.events
         .push((EVENT_SEQ.fetch_add(1, Ordering::Relaxed), e));
 }
@@ -220,7 +216,7 @@ impl FsdpState {
     }
 
     /// The error of a failed collective of this group.
-    fn failed(
+    pub(super) fn failed(
         &self,
         phase: &'static str,
     ) -> impl FnOnce(dist::Error) -> tensorplay_core::Error + '_ {
@@ -234,143 +230,9 @@ impl FsdpState {
         }
     }
 
-    fn rt(&self) -> MutexGuard<'_, Runtime> {
+    pub(super) fn rt(&self) -> MutexGuard<'_, Runtime> {
         // the runtime is consistent between statements: a panic leaves nothing half-written
         self.rt.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Fills the unsharded parameters from every rank's shards (one all-gather); nothing
-    /// when they are filled already.
-    pub(crate) fn unshard(&self) -> Result<()> {
-        let mut rt = self.rt();
-        self.unshard_locked(&mut rt)
-    }
-
-    fn unshard_locked(&self, rt: &mut Runtime) -> Result<()> {
-        if rt.unsharded {
-            if rt.gathered_versions == self.shard_versions() {
-                return Ok(());
-            }
-            // kept gathered (the root, `reshard_after_forward = false`, `unshard()`) while an
-            // optimizer step wrote the shards: gather again
-            rt.unsharded = false;
-        }
-        if self.params.is_empty() {
-            // a module without parameters of its own: nothing to gather (on every rank alike)
-            rt.unsharded = true;
-            return Ok(());
-        }
-        let (work, all) = match rt.pending.take() {
-            Some((work, all, versions)) if versions == self.shard_versions() => (work, all),
-            stale => {
-                if let Some((work, ..)) = stale {
-                    work.wait(None).map_err(self.failed(GATHER))?;
-                }
-                self.issue_gather(rt)?
-            }
-        };
-        work.wait(None).map_err(self.failed(GATHER))?;
-        let _g = no_grad();
-        let l = &self.layout;
-        for (i, p) in self.params.iter().enumerate() {
-            let numel = p.full.numel();
-            p.full.resize_storage_(numel)?;
-            let flat = p.full.detach().reshape(&[numel])?;
-            p.full.preserve_version_counter(|| -> Result<()> {
-                for (src, dst) in l.pieces(i) {
-                    flat.narrow(0, dst.start, dst.len())?.copy_(&all.narrow(
-                        0,
-                        src.start,
-                        src.len(),
-                    )?)?;
-                }
-                Ok(())
-            })?;
-        }
-        rt.unsharded = true;
-        rt.gathered_versions = self.shard_versions();
-        Ok(())
-    }
-
-    /// Packs this rank's shards into its block and issues the all-gather of every rank's
-    /// block (asynchronously: the caller waits).
-    fn issue_gather(&self, rt: &mut Runtime) -> Result<(Work, Tensor)> {
-        let _g = no_grad();
-        let l = &self.layout;
-        let block = Tensor::zeros(&[l.block_numel()], self.dtype)?;
-        for (i, p) in self.params.iter().enumerate() {
-            let r = l.in_block(i, self.rank);
-            if !r.is_empty() {
-                block
-                    .narrow(0, r.start, r.len())?
-                    .copy_(&p.shard.detach().reshape(&[r.len()])?)?;
-            }
-        }
-        let all = Tensor::zeros(&[l.total_numel()], self.dtype)?;
-        record(rt, FsdpEvent::AllGather);
-        let work = dist::all_gather_into_tensor_async(&all, &block, Some(&self.group))
-            .map_err(self.failed(GATHER))?;
-        Ok((work, all))
-    }
-
-    /// Issues this group's all-gather ahead of its use, unless its parameters are gathered
-    /// or being gathered.
-    fn prefetch(&self) -> Result<()> {
-        let mut rt = self.rt();
-        if rt.unsharded || rt.pending.is_some() || self.params.is_empty() {
-            return Ok(());
-        }
-        let (work, all) = self.issue_gather(&mut rt)?;
-        rt.pending = Some((work, all, self.shard_versions()));
-        Ok(())
-    }
-
-    fn shard_versions(&self) -> Vec<u64> {
-        self.params.iter().map(|p| p.shard.version()).collect()
-    }
-
-    /// Waits for a prefetched all-gather nobody used and drops it.
-    fn drop_pending(&self, rt: &mut Runtime) -> Result<()> {
-        if let Some((work, ..)) = rt.pending.take() {
-            work.wait(None).map_err(self.failed(GATHER))?;
-        }
-        Ok(())
-    }
-
-    /// Prefetches the group after this one in forward (`backward == false`) or backward
-    /// order, as learnt from the first forward.
-    fn prefetch_next(self: &Arc<Self>, backward: bool) -> Result<()> {
-        let next = {
-            let l = self.links.lock().unwrap_or_else(PoisonError::into_inner);
-            let n = if backward {
-                &l.next_backward
-            } else {
-                &l.next_forward
-            };
-            n.as_ref().and_then(Weak::upgrade)
-        };
-        match next {
-            Some(n) if !Arc::ptr_eq(&n, self) => n.prefetch(),
-            _ => Ok(()),
-        }
-    }
-
-    /// Frees the unsharded parameters' storage.
-    pub(crate) fn reshard(&self) -> Result<()> {
-        let mut rt = self.rt();
-        self.reshard_locked(&mut rt)
-    }
-
-    fn reshard_locked(&self, rt: &mut Runtime) -> Result<()> {
-        if !rt.unsharded {
-            return Ok(());
-        }
-        for p in &self.params {
-            p.full.resize_storage_(0)?;
-        }
-        rt.unsharded = false;
-        record(rt, FsdpEvent::Reshard);
-        Ok(())
     }
 
     /// Whether no fully sharded module above this one was wrapped (the root keeps its
@@ -470,23 +332,6 @@ impl FsdpState {
         self.sync_trainable_locked(&mut rt)
     }
 
-    /// Links the groups of the root's first forward (`order`, the root first) for
-    /// prefetching: each to the next in forward order; in backward the root to the last
-    /// group, and each group to the one before it.
-    fn learn_order(order: Vec<Weak<FsdpState>>) {
-        let order: Vec<Arc<FsdpState>> = order.iter().filter_map(Weak::upgrade).collect();
-        for (i, g) in order.iter().enumerate() {
-            let next_backward = match i {
-                0 if order.len() > 1 => order.last(),
-                0 | 1 => None,
-                _ => order.get(i - 1),
-            };
-            let mut l = g.links.lock().unwrap_or_else(PoisonError::into_inner);
-            l.next_forward = order.get(i + 1).map(Arc::downgrade);
-            l.next_backward = next_backward.map(Arc::downgrade);
-        }
-    }
-
     /// The post-forward hook: registers the pre-backward hook on the output when a backward
     /// may follow, and frees the parameters unless they are kept for backward (the root, or
     /// `reshard_after_forward = false`).
@@ -568,47 +413,6 @@ impl FsdpState {
         Ok(())
     }
 
-    /// Packs the unsharded gradients (zeros for those missing) into the reduce-scatter's
-    /// input, frees them, issues the reduce-scatter and frees the unsharded parameters
-    /// (`reshard_after_backward`).
-    fn start_reduce_locked(self: &Arc<Self>, rt: &mut Runtime) -> Result<()> {
-        if let Some(prev) = IN_FLIGHT.take().and_then(|w| w.upgrade())
-            && !Arc::ptr_eq(&prev, self)
-        {
-            prev.finish_reduce()?;
-        }
-        let _g = no_grad();
-        let l = &self.layout;
-        let input = Tensor::zeros(&[l.total_numel()], self.dtype)?;
-        for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = p.full.grad() else { continue };
-            let g = g.detach().reshape(&[p.full.numel()])?;
-            for (dst, src) in l.pieces(i) {
-                input.narrow(0, dst.start, dst.len())?.copy_(&g.narrow(
-                    0,
-                    src.start,
-                    src.len(),
-                )?)?;
-            }
-            p.full.set_grad(None);
-        }
-        let output = Tensor::zeros(&[l.block_numel()], self.dtype)?;
-        record(rt, FsdpEvent::ReduceScatter);
-        let work =
-            dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))
-                .map_err(self.failed(REDUCE))?;
-        rt.reduce = Some((work, output, input));
-        IN_FLIGHT.set(Some(Arc::downgrade(self)));
-        rt.ready = 0;
-        // every use of the parameters in this backward is done (their gradients are
-        // accumulated): free them now, not at the end of backward, so that the groups are
-        // not all whole at once
-        if rt.reshard_after_backward {
-            self.reshard_locked(rt)?;
-        }
-        Ok(())
-    }
-
     /// The end of backward: a reduce-scatter whose gradients did not all arrive goes out now,
     /// the reduce-scatter is waited for, its averaged block lands in the shards' `.grad`
     /// (added to what is there), and the parameters are freed.
@@ -623,36 +427,6 @@ impl FsdpState {
         record(&mut rt, FsdpEvent::BackwardEnd);
         if rt.reshard_after_backward {
             self.reshard_locked(&mut rt)?;
-        }
-        Ok(())
-    }
-
-    fn finish_reduce(&self) -> Result<()> {
-        let mut rt = self.rt();
-        self.finish_reduce_locked(&mut rt)
-    }
-
-    /// Waits for the group's reduce-scatter, if one is in flight, and adds its averaged
-    /// block to the shards' `.grad`; its buffers go.
-    fn finish_reduce_locked(&self, rt: &mut Runtime) -> Result<()> {
-        if let Some((work, output, _input)) = rt.reduce.take() {
-            work.wait(None).map_err(self.failed(REDUCE))?;
-            let _g = no_grad();
-            output.mul_scalar_(1.0 / self.world as f64)?;
-            for (i, p) in self.params.iter().enumerate() {
-                if !p.shard.requires_grad() {
-                    continue;
-                }
-                let r = self.layout.in_block(i, self.rank);
-                let g = output
-                    .narrow(0, r.start, r.len())?
-                    .reshape(p.shard.shape())?
-                    .deep_clone()?;
-                match p.shard.grad() {
-                    Some(old) => old.add_(&g)?,
-                    None => p.shard.set_grad(Some(g)),
-                }
-            }
         }
         Ok(())
     }
