@@ -13,7 +13,7 @@ use tensorplay_core::nn::{self, Linear, Module, Sequential};
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
 use tensorplay_core::{self as tp, DType, Tensor};
 use tensorplay_distributed_nn::parallel::fsdp::{
-    FsdpEvent, FsdpModule, FsdpOptions, clip_grad_norm_ as sharded_clip, fully_shard,
+    FsdpEvent, FsdpModule, FsdpOptions, clip_grad_norm_ as sharded_clip, full_tensor, fully_shard,
 };
 use tensorplay_testkit::{Tol, check_close, cpu_world};
 
@@ -290,6 +290,20 @@ fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
             &r.to_vec_f64()?,
             tol(c.dtype),
         )?;
+        // full_tensor puts the same rows back together, in the full shape
+        let full = full_tensor(s)?;
+        if full.shape() != r.shape() {
+            return Err(format!("{what}: full_tensor of {n} has shape {:?}", full.shape()).into());
+        }
+        check_close(
+            &format!("{what}: full_tensor of {n}"),
+            &full.to_vec_f64()?,
+            &r.to_vec_f64()?,
+            tol(c.dtype),
+        )?;
+    }
+    if full_tensor(&reference.parameters()[0]).is_ok() {
+        return Err(format!("{what}: full_tensor accepted a tensor that is not a shard").into());
     }
     Ok(())
 }

@@ -29,6 +29,7 @@
 
 mod clip;
 mod error;
+mod full;
 mod gather;
 pub(crate) mod group;
 pub(crate) mod param;
@@ -44,6 +45,7 @@ use tensorplay_core::{Result, Tensor};
 
 pub use clip::clip_grad_norm_;
 pub use error::FsdpError;
+pub use full::full_tensor;
 pub use state::FsdpEvent;
 use state::FsdpState;
 

@@ -23,11 +23,17 @@ static CALLS: AtomicUsize = AtomicUsize::new(0);
 /// Tensor ids are never reused, so entries of dropped models are only stale, never wrong.
 static CLAIMED: Mutex<BTreeMap<TensorId, (usize, String)>> = Mutex::new(BTreeMap::new());
 
-/// The shards of every call, with their group's process group (for gradient clipping).
-static SHARDS: Mutex<BTreeMap<TensorId, ProcessGroup>> = Mutex::new(BTreeMap::new());
+/// The shards of every call, with their group's process group and the full parameter's shape
+/// (for gradient clipping and `full_tensor`).
+static SHARDS: Mutex<BTreeMap<TensorId, (ProcessGroup, Vec<usize>)>> = Mutex::new(BTreeMap::new());
 
 /// The process group `t` is a shard over, if it is a fully sharded parameter's shard.
 pub(super) fn group_of_shard(t: &Tensor) -> Option<ProcessGroup> {
+    shard_info(t).map(|(g, _)| g)
+}
+
+/// The process group `t` is a shard over and the full parameter's shape.
+pub(super) fn shard_info(t: &Tensor) -> Option<(ProcessGroup, Vec<usize>)> {
     let shards = SHARDS.lock().unwrap_or_else(PoisonError::into_inner);
     shards.get(&t.id()).cloned()
 }
@@ -92,7 +98,7 @@ pub(super) fn shard_module(
     {
         let mut shards = SHARDS.lock().unwrap_or_else(PoisonError::into_inner);
         for m in &managed {
-            shards.insert(m.shard.id(), group.clone());
+            shards.insert(m.shard.id(), (group.clone(), m.full.shape().to_vec()));
         }
     }
     let state = Arc::new_cyclic(|me| {
