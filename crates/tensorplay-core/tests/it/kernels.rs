@@ -729,14 +729,24 @@ fn caching_allocator_counts_and_reuses_without_sharing_live_memory() -> tp::Resu
     // other tests allocate concurrently: the counts are checked on this thread's own deltas
     // with a margin, and reuse by checksums of live tensors
     let n = 1 << 20; // 4 MiB of float32
-    let before = tp::memory::allocated_bytes();
-    let t = tp::zeros(&[n])?.add_scalar(1.0)?;
-    let grown = tp::memory::allocated_bytes().saturating_sub(before);
+    // other tests free memory meanwhile (optimizer state is counted too): a delta lowered by
+    // their frees is retried; an allocator that does not count fails every attempt
+    let mut grown = 0;
+    for _ in 0..20 {
+        let before = tp::memory::allocated_bytes();
+        let t = tp::zeros(&[n])?.add_scalar(1.0)?;
+        grown = tp::memory::allocated_bytes().saturating_sub(before);
+        drop(t);
+        if grown >= 4 * n {
+            break;
+        }
+    }
     assert!(
         grown >= 4 * n,
-        "allocated grew by {grown} bytes for a {} byte tensor",
+        "allocated grew by {grown} bytes for a {} byte tensor, in 20 attempts",
         4 * n
     );
+    let t = tp::zeros(&[n])?.add_scalar(1.0)?;
     assert!(tp::memory::reserved_bytes() >= tp::memory::allocated_bytes());
     assert!(tp::memory::peak_allocated_bytes() >= tp::memory::allocated_bytes());
     drop(t);

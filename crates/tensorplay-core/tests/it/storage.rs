@@ -13,13 +13,25 @@ use tensorplay_core::{self as tp, Error, Tensor};
 #[test]
 fn a_freed_storage_errors_and_refills() -> tp::Result<()> {
     let n = 1 << 18; // 1 MiB of float32
+    // other tests allocate concurrently: a freed count lowered by their allocations is
+    // retried; a resize that does not uncount fails every attempt
+    let mut freed = 0;
+    for _ in 0..20 {
+        let t = tp::ones(&[n])?;
+        let before = tp::memory::allocated_bytes();
+        t.resize_storage_(0)?;
+        freed = before.saturating_sub(tp::memory::allocated_bytes());
+        if freed >= n * 4 / 2 {
+            break;
+        }
+    }
+    assert!(
+        freed >= n * 4 / 2,
+        "freeing released {freed} bytes, in 20 attempts"
+    );
     let t = tp::ones(&[n])?;
     let view = t.narrow(0, 10, 20)?;
-    let before = tp::memory::allocated_bytes();
     t.resize_storage_(0)?;
-    let freed = before.saturating_sub(tp::memory::allocated_bytes());
-    // other tests allocate concurrently: a margin below the buffer's 1 MiB
-    assert!(freed >= n * 4 / 2, "freeing released {freed} bytes");
     assert_eq!(t.storage_numel(), 0);
     type Access = fn(&Tensor, &Tensor) -> tp::Result<()>;
     let cases: [(&str, Access); 5] = [
