@@ -75,14 +75,7 @@ pub fn clip_grad_norm_(
     error_if_nonfinite: bool,
 ) -> Result<f64> {
     const OP: &str = "clip_grad_norm_";
-    if max_norm.is_nan() || max_norm < 0.0 {
-        return Err(Error::invalid(
-            OP,
-            "max_norm",
-            "a non-negative number (or f64::INFINITY)",
-            max_norm,
-        ));
-    }
+    check_max_norm(OP, max_norm)?;
     if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(Error::invalid(
             OP,
@@ -119,6 +112,19 @@ pub fn clip_grad_norm_(
     }
     scale_grads(&grads, max_norm, total)?;
     Ok(total)
+}
+
+/// An error naming `op` unless `max_norm` is a non-negative number (infinity allowed).
+fn check_max_norm(op: &'static str, max_norm: f64) -> Result<()> {
+    if max_norm.is_nan() || max_norm < 0.0 {
+        return Err(Error::invalid(
+            op,
+            "max_norm",
+            "a non-negative number (or f64::INFINITY)",
+            max_norm,
+        ));
+    }
+    Ok(())
 }
 
 /// Multiplies every gradient by `max_norm / (total + 1e-6)` when that is below 1.
@@ -172,14 +178,7 @@ pub fn get_total_norm(tensors: &[Tensor], norm_type: f64) -> Result<f64> {
 /// float32 or float64.
 pub fn clip_grads_with_norm_(parameters: &[Tensor], max_norm: f64, total_norm: f64) -> Result<()> {
     const OP: &str = "clip_grads_with_norm_";
-    if max_norm.is_nan() || max_norm < 0.0 {
-        return Err(Error::invalid(
-            OP,
-            "max_norm",
-            "a non-negative number (or f64::INFINITY)",
-            max_norm,
-        ));
-    }
+    check_max_norm(OP, max_norm)?;
     let grads = float_grads(OP, parameters)?;
     scale_grads(&grads, max_norm, total_norm)
 }

@@ -25,8 +25,9 @@ fn model() -> tp::Result<Sequential> {
     Ok(m)
 }
 
-/// Every layer fully sharded, then the root (which holds no parameter of its own).
-fn shard(m: &mut Sequential) -> tp::Result<Vec<FsdpModule>> {
+/// Every layer fully sharded, then the root (which holds no parameter of its own); shared
+/// with the misuse tests.
+pub(crate) fn shard(m: &mut Sequential) -> tp::Result<Vec<FsdpModule>> {
     let mut out = Vec::new();
     for (_, child) in m.named_children_mut() {
         if !child.local_parameters().is_empty() {

@@ -9,8 +9,10 @@ use std::time::Duration;
 use tensorplay_core::nn::{Linear, Module, ModuleFields, Sequential, Tanh};
 use tensorplay_core::optim::{Optimizer, SGD, SgdOptions};
 use tensorplay_core::{self as tp, DType, Tensor};
-use tensorplay_distributed_nn::parallel::fsdp::{FsdpModule, FsdpOptions, fully_shard};
+use tensorplay_distributed_nn::parallel::fsdp::{FsdpOptions, fully_shard};
 use tensorplay_testkit::{Tol, check_close, cpu_world};
+
+use super::fsdp_memory::shard;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -33,18 +35,6 @@ fn model(seed: u64) -> tp::Result<Sequential> {
         }
     }
     Ok(m)
-}
-
-/// Each layer, then the root.
-fn shard(m: &mut Sequential) -> tp::Result<Vec<FsdpModule>> {
-    let mut out = Vec::new();
-    for (_, c) in m.named_children_mut() {
-        if !c.local_parameters().is_empty() {
-            out.push(fully_shard(c, FsdpOptions::default())?);
-        }
-    }
-    out.push(fully_shard(m, FsdpOptions::default())?);
-    Ok(out)
 }
 
 fn batch(k: usize, rows: usize) -> tp::Result<Tensor> {

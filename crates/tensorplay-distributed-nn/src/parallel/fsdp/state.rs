@@ -255,12 +255,10 @@ impl FsdpState {
                 self.recover_failed_backward(&mut rt)?;
             }
             self.sync_trainable_locked(&mut rt)?;
-            let root = self.is_root();
-            if root {
+            if self.is_root() && !rt.order_learnt {
+                // named once, at the root's first forward
                 self.set_path("");
-                if !rt.order_learnt {
-                    RECORDING.set(Some(Vec::new()));
-                }
+                RECORDING.set(Some(Vec::new()));
             }
             RECORDING.with_borrow_mut(|r| {
                 if let Some(order) = r
