@@ -13,19 +13,20 @@ use tensorplay_core::nn::{self, Linear, Module, Sequential};
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
 use tensorplay_core::{self as tp, DType, Tensor};
 use tensorplay_distributed_nn::parallel::fsdp::{
-    FsdpEvent, FsdpModule, FsdpOptions, clip_grad_norm_ as sharded_clip, full_tensor, fully_shard,
+    FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, clip_grad_norm_ as sharded_clip,
+    full_tensor, fully_shard,
 };
 use tensorplay_testkit::{Tol, check_close, cpu_world};
 
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+pub(super) type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
-const TIMEOUT: Duration = Duration::from_secs(60);
+pub(super) const TIMEOUT: Duration = Duration::from_secs(60);
 const STEPS: usize = 3;
 /// Rows of the whole batch (every world used here divides it).
-const BATCH: usize = 12;
+pub(super) const BATCH: usize = 12;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Model {
+pub(super) enum Model {
     /// Linear 5 -> 7 -> 6 -> 3 with Tanh: dimensions 0 of 7, 6 and 3 rows.
     Mlp,
     /// The GPT of `tensorplay::models` with 2 blocks of width 16 and a tied head.
@@ -33,7 +34,7 @@ enum Model {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Wrap {
+pub(super) enum Wrap {
     /// Every child with parameters (every block), then the root.
     Nested,
     /// The root alone.
@@ -41,17 +42,26 @@ enum Wrap {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Case {
+pub(super) struct Case {
+    pub(super) name: &'static str,
+    pub(super) model: Model,
+    pub(super) wrap: Wrap,
+    pub(super) reshard_after_forward: bool,
+    /// The dtype the model is built in (the shards' dtype).
+    pub(super) dtype: DType,
+    /// The first layer's bias (the MLP) or the first block's first LayerNorm (the GPT) frozen.
+    pub(super) frozen: bool,
+    /// The mixed-precision policy of every `fully_shard` call.
+    pub(super) mp: MixedPrecisionPolicy,
+}
+
+pub(super) const fn case(
     name: &'static str,
     model: Model,
     wrap: Wrap,
-    reshard_after_forward: bool,
+    raf: bool,
     dtype: DType,
-    /// The first layer's bias (the MLP) or the first block's first LayerNorm (the GPT) frozen.
-    frozen: bool,
-}
-
-const fn case(name: &'static str, model: Model, wrap: Wrap, raf: bool, dtype: DType) -> Case {
+) -> Case {
     Case {
         name,
         model,
@@ -59,6 +69,12 @@ const fn case(name: &'static str, model: Model, wrap: Wrap, raf: bool, dtype: DT
         reshard_after_forward: raf,
         dtype,
         frozen: false,
+        mp: MixedPrecisionPolicy {
+            param_dtype: None,
+            reduce_dtype: None,
+            output_dtype: None,
+            cast_forward_inputs: true,
+        },
     }
 }
 
@@ -95,7 +111,7 @@ fn mlp(dtype: DType) -> tp::Result<Sequential> {
 }
 
 /// The case's model, built from the seed (the same on every rank and in the reference).
-fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
+pub(super) fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
     tp::manual_seed(7);
     let mut m: Box<dyn Module> = match c.model {
         Model::Mlp => Box::new(mlp(c.dtype)?),
@@ -118,7 +134,7 @@ fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
 }
 
 /// Rows `from..from + n` of the case's data: `(input, target)`.
-fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
+pub(super) fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
     match c.model {
         Model::Mlp => {
             let x: Vec<f64> = (from..from + n)
@@ -147,9 +163,13 @@ fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
 }
 
 fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
-    let out = m.call(x)?;
+    loss_of(c, &m.call(x)?, y)
+}
+
+/// The case's loss of the model's output `out` against `y`.
+pub(super) fn loss_of(c: &Case, out: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
     match c.model {
-        Model::Mlp => nn::MSELoss::new().forward(&out, y),
+        Model::Mlp => nn::MSELoss::new().forward(out, y),
         Model::Gpt => {
             let n = y.numel();
             nn::functional::cross_entropy(&out.reshape(&[n, 11])?, &y.reshape(&[n])?)
@@ -158,10 +178,20 @@ fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> 
 }
 
 /// Wraps `m` as the case says; the handles, the root's last.
-fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
+pub(super) fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
     let opts = FsdpOptions {
         reshard_after_forward: c.reshard_after_forward,
+        mp_policy: c.mp,
         ..Default::default()
+    };
+    // the blocks' outputs stay in the compute dtype (the next block and the root's own layers
+    // take them as they are); the root's output is cast as the policy says
+    let inner = FsdpOptions {
+        mp_policy: MixedPrecisionPolicy {
+            output_dtype: None,
+            ..c.mp
+        },
+        ..opts.clone()
     };
     let mut out = Vec::new();
     if c.wrap == Wrap::Nested {
@@ -169,10 +199,10 @@ fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
             // the GPT's blocks are in `h`; the MLP's layers are its children
             if child.named_children().iter().any(|(n, _)| n == "0") {
                 for (_, block) in child.named_children_mut() {
-                    out.push(fully_shard(block, opts.clone())?);
+                    out.push(fully_shard(block, inner.clone())?);
                 }
             } else if !child.local_parameters().is_empty() && c.model == Model::Mlp {
-                out.push(fully_shard(child, opts.clone())?);
+                out.push(fully_shard(child, inner.clone())?);
             }
         }
     }
@@ -181,7 +211,7 @@ fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
 }
 
 /// The whole tensor of which every rank holds `shard` (rows in rank order), as `f64`s.
-fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
+pub(super) fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
     let all: Vec<Vec<f64>> = dist::all_gather_object(&shard.to_vec_f64()?, None)?;
     Ok(all.concat())
 }
@@ -189,7 +219,7 @@ fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
 /// AdamW in float64; SGD in float32, where AdamW's division by the root of the second moment
 /// turns gradients that are zero up to rounding (the key projection's bias: softmax ignores
 /// it) into steps of size `lr` whose signs are the rounding's, in either run.
-fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>> {
+pub(super) fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>> {
     Ok(if dtype == DType::F64 {
         Box::new(AdamW::new(
             params,
@@ -210,7 +240,7 @@ fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>
     })
 }
 
-fn tol(dtype: DType) -> Tol {
+pub(super) fn tol(dtype: DType) -> Tol {
     if dtype == DType::F64 {
         Tol::scaled(1e-12)
     } else {

@@ -5,9 +5,11 @@ use std::time::{Duration, Instant};
 
 use tensorplay_collectives::{self as dist, device_mesh::init_device_mesh};
 use tensorplay_core::nn::{Linear, Module, ModuleFields, Sequential};
-use tensorplay_core::{self as tp, Tensor};
+use tensorplay_core::{self as tp, DType, Tensor};
 use tensorplay_distributed_nn::parallel::DistributedDataParallel as Ddp;
-use tensorplay_distributed_nn::parallel::fsdp::{FsdpError, FsdpOptions, fully_shard};
+use tensorplay_distributed_nn::parallel::fsdp::{
+    FsdpError, FsdpOptions, MixedPrecisionPolicy, fully_shard,
+};
 use tensorplay_testkit::cpu_world;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -40,7 +42,7 @@ fn fails_with<T>(case: &str, res: tp::Result<T>, needles: &[&str]) -> Result<(),
 #[test]
 fn bad_setups_fail_on_every_rank() {
     type Setup = fn(usize) -> Result<(), String>;
-    let cases: [(&str, Setup); 5] = [
+    let cases: [(&str, Setup); 7] = [
         ("fully_shard twice", |_| {
             let mut m = mlp(&[4, 6, 2]).map_err(|e| e.to_string())?;
             fully_shard(&mut m, FsdpOptions::default()).map_err(|e| e.to_string())?;
@@ -88,6 +90,36 @@ fn bad_setups_fail_on_every_rank() {
             };
             fails_with("2-D", fully_shard(&mut m, opts), &["1-D mesh", "[1, 2]"])
         }),
+        ("a policy dtype that is not floating point", |_| {
+            let mut m = mlp(&[4, 2]).map_err(|e| e.to_string())?;
+            let opts = FsdpOptions {
+                mp_policy: MixedPrecisionPolicy {
+                    reduce_dtype: Some(DType::I64),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            fails_with(
+                "i64 policy",
+                fully_shard(&mut m, opts),
+                &["mp_policy.reduce_dtype", "floating", "int64"],
+            )
+        }),
+        ("ranks with different policies", |rank| {
+            let mut m = mlp(&[4, 2]).map_err(|e| e.to_string())?;
+            let opts = FsdpOptions {
+                mp_policy: MixedPrecisionPolicy {
+                    param_dtype: (rank == 1).then_some(DType::F64),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            fails_with(
+                "policies",
+                fully_shard(&mut m, opts),
+                &["options", "rank 1's", "param_dtype: Some(F64)"],
+            )
+        }),
         ("DDP and fully_shard on one module", |_| {
             let mut ddp =
                 Ddp::new(mlp(&[4, 2]).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
@@ -124,7 +156,7 @@ fn a_dead_rank_is_named_by_the_others() {
         )?;
         let mut m = mlp(&[4, 8, 2])?;
         fully_shard(&mut m, FsdpOptions::default())?;
-        let x = Tensor::ones(&[2, 4], tp::DType::F32)?;
+        let x = Tensor::ones(&[2, 4], DType::F32)?;
         m.call(&x)?.sum()?.backward()?;
         if rank == 2 {
             std::process::exit(0); // gone without a word
@@ -183,7 +215,7 @@ fn an_extra_forward_fails_instead_of_hanging() {
         )?;
         let mut m = mlp(&[4, 8, 2])?;
         fully_shard(&mut m, FsdpOptions::default())?;
-        let x = Tensor::ones(&[2, 4], tp::DType::F32)?;
+        let x = Tensor::ones(&[2, 4], DType::F32)?;
         let start = Instant::now();
         let res: tp::Result<()> = if rank == 0 {
             let _g = tp::no_grad();

@@ -7,6 +7,7 @@ mod fsdp;
 mod fsdp_faults;
 mod fsdp_memory;
 mod fsdp_misuse;
+mod fsdp_precision;
 mod gradcheck;
 mod hostile;
 mod semantics;

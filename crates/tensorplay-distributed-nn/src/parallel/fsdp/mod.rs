@@ -33,6 +33,7 @@ mod full;
 mod gather;
 pub(crate) mod group;
 pub(crate) mod param;
+mod policy;
 mod reduce;
 mod setup;
 mod state;
@@ -46,6 +47,7 @@ use tensorplay_core::{Result, Tensor};
 pub use clip::clip_grad_norm_;
 pub use error::FsdpError;
 pub use full::full_tensor;
+pub use policy::MixedPrecisionPolicy;
 pub use state::FsdpEvent;
 use state::FsdpState;
 
@@ -59,6 +61,9 @@ pub struct FsdpOptions {
     /// per step instead of two, at the memory of the whole group). The root module keeps its
     /// parameters after a forward that backward follows either way.
     pub reshard_after_forward: bool,
+    /// The dtypes the group computes, communicates and answers in (`mp_policy`); the default
+    /// keeps the parameters' own dtype throughout.
+    pub mp_policy: MixedPrecisionPolicy,
 }
 
 impl Default for FsdpOptions {
@@ -66,6 +71,7 @@ impl Default for FsdpOptions {
         FsdpOptions {
             mesh: None,
             reshard_after_forward: true,
+            mp_policy: MixedPrecisionPolicy::default(),
         }
     }
 }
@@ -190,8 +196,9 @@ impl FsdpModule {
 ///
 /// # Errors
 /// [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument), naming the rank: a
-/// module fully sharded already; a mesh that is not 1-D; parameters of more than one dtype,
-/// or not floating point, in the group; a parameter an earlier sibling call claimed;
+/// module fully sharded already; a mesh that is not 1-D; parameters not floating point, or
+/// of more than one dtype without a `mp_policy.param_dtype`; a policy dtype that is not
+/// floating point; a parameter an earlier sibling call claimed;
 /// ranks that disagree on the group's parameters. Collective errors.
 pub fn fully_shard<M: Module + ?Sized>(module: &mut M, options: FsdpOptions) -> Result<FsdpModule> {
     let state = setup::shard_module(module.as_module_mut(), &options)?;

@@ -29,7 +29,7 @@ impl FsdpState {
         }
         let _g = no_grad();
         let l = &self.layout;
-        let input = Tensor::zeros(&[l.total_numel()], self.dtype)?;
+        let input = Tensor::zeros(&[l.total_numel()], self.reduce_dtype)?;
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = p.full.grad() else { continue };
             let g = g.detach().reshape(&[p.full.numel()])?;
@@ -42,7 +42,7 @@ impl FsdpState {
             }
             p.full.set_grad(None);
         }
-        let output = Tensor::zeros(&[l.block_numel()], self.dtype)?;
+        let output = Tensor::zeros(&[l.block_numel()], self.reduce_dtype)?;
         record(rt, FsdpEvent::ReduceScatter);
         let work =
             dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))
@@ -65,7 +65,7 @@ impl FsdpState {
     }
 
     /// Waits for the group's reduce-scatter, if one is in flight, and adds its averaged
-    /// block to the shards' `.grad`; its buffers go.
+    /// block, cast to each shard's dtype, to the shards' `.grad`; its buffers go.
     pub(super) fn finish_reduce_locked(&self, rt: &mut Runtime) -> Result<()> {
         if let Some((work, output, _input)) = rt.reduce.take() {
             work.wait(None).map_err(self.failed(REDUCE))?;
@@ -78,8 +78,13 @@ impl FsdpState {
                 let r = self.layout.in_block(i, self.rank);
                 let g = output
                     .narrow(0, r.start, r.len())?
-                    .reshape(p.shard.shape())?
-                    .deep_clone()?;
+                    .reshape(p.shard.shape())?;
+                // the master's dtype (`reduce_dtype` may differ): a cast copies already
+                let g = if g.dtype() == p.shard.dtype() {
+                    g.deep_clone()?
+                } else {
+                    g.to_dtype(p.shard.dtype())?
+                };
                 match p.shard.grad() {
                     Some(old) => old.add_(&g)?,
                     None => p.shard.set_grad(Some(g)),

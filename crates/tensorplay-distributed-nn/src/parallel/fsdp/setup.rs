@@ -78,22 +78,41 @@ pub(super) fn shard_module(
             format!("a module {} was applied to already", a.kind()),
         ));
     }
+    let policy = options.mp_policy;
+    if let Some((field, d)) = policy.non_float() {
+        return Err(invalid(me, field, "a floating-point dtype", d));
+    }
     let (params, below) = collect(module, me)?;
-    agree(&params, &group, me)?;
-    let dtype = group_dtype(&params, me)?;
+    agree(&params, options, &group, me)?;
+    let param_dtype = group_dtype(&params, policy.param_dtype, me)?;
+    let reduce_dtype = policy.reduce_dtype.unwrap_or(param_dtype);
     let index = CALLS.fetch_add(1, Ordering::Relaxed);
+    let mut managed = Vec::with_capacity(params.len());
+    let mut recast = BTreeMap::new();
+    for (name, old) in params {
+        let shard = shard_of(&old, rank, world)?;
+        old.set_grad(None);
+        old.resize_storage_(0)?;
+        // the module computes with `param_dtype` tensors; the shard keeps the master's dtype
+        let full = if old.dtype() == param_dtype {
+            old
+        } else {
+            let full = Tensor::zeros(old.shape(), param_dtype)?;
+            full.resize_storage_(0)?;
+            full.set_requires_grad(old.requires_grad())?;
+            recast.insert(old.id(), full.clone());
+            full
+        };
+        managed.push(Managed { name, full, shard });
+    }
+    if !recast.is_empty() {
+        replace_slots(module, &recast);
+    }
     {
         let mut claimed = CLAIMED.lock().unwrap_or_else(PoisonError::into_inner);
-        for (name, p) in &params {
-            claimed.insert(p.id(), (index, name.clone()));
+        for m in &managed {
+            claimed.insert(m.full.id(), (index, m.name.clone()));
         }
-    }
-    let mut managed = Vec::with_capacity(params.len());
-    for (name, full) in params {
-        let shard = shard_of(&full, rank, world)?;
-        full.set_grad(None);
-        full.resize_storage_(0)?;
-        managed.push(Managed { name, full, shard });
     }
     {
         let mut shards = SHARDS.lock().unwrap_or_else(PoisonError::into_inner);
@@ -106,9 +125,9 @@ pub(super) fn shard_module(
             index,
             group,
             (rank, world),
-            dtype,
+            (param_dtype, reduce_dtype),
             managed,
-            options.reshard_after_forward,
+            options,
             me.clone(),
         )
     });
@@ -119,18 +138,20 @@ pub(super) fn shard_module(
     state.sync_trainable()?;
     let core = module.core_mut();
     let pre = Arc::downgrade(&state);
-    core.push_pre_hook(Box::new(move |_| {
-        if let Some(s) = pre.upgrade() {
+    core.push_pre_hook(Box::new(move |input| match pre.upgrade() {
+        Some(s) => {
             s.pre_forward()?;
+            s.policy.cast_input(input)
         }
-        Ok(None)
+        None => Ok(None),
     }));
     let post = Arc::downgrade(&state);
-    core.push_hook(Box::new(move |_, out| {
-        if let Some(s) = post.upgrade() {
+    core.push_hook(Box::new(move |_, out| match post.upgrade() {
+        Some(s) => {
             s.post_forward(out)?;
+            s.policy.cast_output(out)
         }
-        Ok(None)
+        None => Ok(None),
     }));
     core.attach(state.clone())?;
     Ok(state)
@@ -218,28 +239,57 @@ fn collect(module: &dyn Module, me: usize) -> Result<Collected> {
     Ok((out, below))
 }
 
-/// The one floating dtype of the group's parameters.
-fn group_dtype(params: &[(String, Tensor)], me: usize) -> Result<DType> {
+/// Replaces every slot of `module`'s tree holding a tensor of `by` (by id) with its
+/// replacement (a tied weight's slots all get the one replacement).
+fn replace_slots(module: &mut dyn Module, by: &BTreeMap<TensorId, Tensor>) {
+    for (_, slot) in module.local_parameters_mut() {
+        if let Some(t) = by.get(&slot.id()) {
+            *slot = t.clone();
+        }
+    }
+    for (_, child) in module.named_children_mut() {
+        replace_slots(child, by);
+    }
+}
+
+/// The dtype the group's parameters are gathered in: `param_dtype` when the policy sets it
+/// (the parameters must be floating point), else their one floating dtype.
+fn group_dtype(
+    params: &[(String, Tensor)],
+    param_dtype: Option<DType>,
+    me: usize,
+) -> Result<DType> {
     let Some((first, p0)) = params.first() else {
-        return Ok(DType::F32);
+        return Ok(param_dtype.unwrap_or(DType::F32));
     };
     let dtype = p0.dtype();
     for (name, p) in params {
-        if !p.dtype().is_float() || p.dtype() != dtype {
+        if !p.dtype().is_float() || (param_dtype.is_none() && p.dtype() != dtype) {
             return Err(invalid(
                 me,
                 "module",
-                format!("floating-point parameters of one dtype ({first:?} is {dtype})"),
+                match param_dtype {
+                    Some(_) => "floating-point parameters".to_string(),
+                    None => format!(
+                        "floating-point parameters of one dtype ({first:?} is {dtype}; set \
+                         mp_policy.param_dtype to gather parameters of several dtypes in one)"
+                    ),
+                },
                 format!("parameter {name:?} of dtype {}", p.dtype()),
             ));
         }
     }
-    Ok(dtype)
+    Ok(param_dtype.unwrap_or(dtype))
 }
 
 /// Every rank of `group` has the same parameters (names, shapes, dtypes, trainability) in
 /// this call; else an error on every rank naming the first rank and parameter that differ.
-fn agree(params: &[(String, Tensor)], group: &ProcessGroup, me: usize) -> Result<()> {
+fn agree(
+    params: &[(String, Tensor)],
+    options: &FsdpOptions,
+    group: &ProcessGroup,
+    me: usize,
+) -> Result<()> {
     type Entry = (String, Vec<usize>, String, bool);
     let mine: Vec<Entry> = params
         .iter()
@@ -262,8 +312,32 @@ fn agree(params: &[(String, Tensor)], group: &ProcessGroup, me: usize) -> Result
             Ok(v.to_bits())
         })
         .collect::<Result<_>>()?;
-    let all = dist::all_gather_object(&(mine, sums), Some(group))?;
-    let (all, all_sums): (Vec<Vec<Entry>>, Vec<Vec<u64>>) = all.into_iter().unzip();
+    // options that change the collectives' number or sizes must agree too
+    let settings = format!(
+        "reshard_after_forward: {}, mp_policy: {:?}",
+        options.reshard_after_forward, options.mp_policy
+    );
+    let all = dist::all_gather_object(&(mine, sums, settings), Some(group))?;
+    let mut all_settings = Vec::with_capacity(all.len());
+    let (all, all_sums): (Vec<Vec<Entry>>, Vec<Vec<u64>>) = all
+        .into_iter()
+        .map(|(m, s, o)| {
+            all_settings.push(o);
+            (m, s)
+        })
+        .unzip();
+    if let Some(r) = (1..all_settings.len()).find(|&r| all_settings[r] != all_settings[0]) {
+        return Err(invalid(
+            me,
+            "options",
+            format!(
+                "the same fully_shard options on every rank (rank {}'s: {})",
+                group.ranks()[0],
+                all_settings[0]
+            ),
+            format!("rank {}'s: {}", group.ranks()[r], all_settings[r]),
+        ));
+    }
     let show = |e: Option<&Entry>| match e {
         Some((n, s, d, g)) => format!("{n:?} {s:?} {d}{}", if *g { "" } else { " (frozen)" }),
         None => "no parameter".to_string(),

@@ -16,8 +16,10 @@ use tensorplay_collectives::{self as dist, ProcessGroup, Work};
 use tensorplay_core::nn::AttachedState;
 use tensorplay_core::{DType, Result, Tensor, TensorId};
 
+use super::FsdpOptions;
 use super::error::FsdpError;
 use super::group::FlatLayout;
+use super::policy::MixedPrecisionPolicy;
 
 pub(super) const GATHER: &str = "the all-gather before forward or backward";
 pub(super) const REDUCE: &str = "the reduce-scatter of the gradients";
@@ -96,7 +98,12 @@ pub(crate) struct FsdpState {
     pub(crate) group: ProcessGroup,
     pub(crate) rank: usize,
     pub(crate) world: usize,
-    pub(crate) dtype: DType,
+    /// The dtype the parameters are gathered and computed in (`param_dtype`, or theirs).
+    pub(crate) param_dtype: DType,
+    /// The dtype the gradients are reduce-scattered in.
+    pub(crate) reduce_dtype: DType,
+    /// The casts of the forward's input and output.
+    pub(crate) policy: MixedPrecisionPolicy,
     pub(crate) params: Vec<Managed>,
     pub(crate) layout: FlatLayout,
     /// A fully sharded module above this one was wrapped (this one is not a root).
@@ -129,9 +136,9 @@ impl FsdpState {
         index: usize,
         group: ProcessGroup,
         (rank, world): (usize, usize),
-        dtype: DType,
+        (param_dtype, reduce_dtype): (DType, DType),
         params: Vec<Managed>,
-        reshard_after_forward: bool,
+        options: &FsdpOptions,
         me: Weak<FsdpState>,
     ) -> FsdpState {
         let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.full.shape().to_vec()).collect();
@@ -141,7 +148,9 @@ impl FsdpState {
             group,
             rank,
             world,
-            dtype,
+            param_dtype,
+            reduce_dtype,
+            policy: options.mp_policy,
             layout: FlatLayout::new(&shapes, world),
             params,
             has_parent: AtomicBool::new(false),
@@ -156,7 +165,7 @@ impl FsdpState {
                 forward_versions: Vec::new(),
                 trainable: 0,
                 hooked: vec![false; n],
-                reshard_after_forward,
+                reshard_after_forward: options.reshard_after_forward,
                 reshard_after_backward: true,
                 requires_gradient_sync: true,
                 events: Vec::new(),
