@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use tensorplay::models::{Gpt, GptConfig};
-use tensorplay_collectives as dist;
+use tensorplay_collectives::{self as dist, device_mesh::DeviceMesh};
 use tensorplay_core::nn::utils::clip_grad_norm_;
 use tensorplay_core::nn::{self, Linear, Module, Sequential};
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
@@ -78,7 +78,7 @@ pub(super) const fn case(
     }
 }
 
-fn gpt_config(dtype: DType) -> GptConfig {
+pub(super) fn gpt_config(dtype: DType) -> GptConfig {
     GptConfig {
         vocab_size: 11,
         block_size: 8,
@@ -179,10 +179,19 @@ pub(super) fn loss_of(c: &Case, out: &Tensor, y: &Tensor) -> tp::Result<Tensor> 
 
 /// Wraps `m` as the case says; the handles, the root's last.
 pub(super) fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
+    wrap_on(c, m, None)
+}
+
+/// [`wrap`] over `mesh` (`None`: the default group).
+pub(super) fn wrap_on(
+    c: &Case,
+    m: &mut dyn Module,
+    mesh: Option<&DeviceMesh>,
+) -> tp::Result<Vec<FsdpModule>> {
     let opts = FsdpOptions {
+        mesh: mesh.cloned(),
         reshard_after_forward: c.reshard_after_forward,
         mp_policy: c.mp,
-        ..Default::default()
     };
     // the blocks' outputs stay in the compute dtype (the next block and the root's own layers
     // take them as they are); the root's output is cast as the policy says
@@ -212,7 +221,15 @@ pub(super) fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> 
 
 /// The whole tensor of which every rank holds `shard` (rows in rank order), as `f64`s.
 pub(super) fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
-    let all: Vec<Vec<f64>> = dist::all_gather_object(&shard.to_vec_f64()?, None)?;
+    gathered_in(shard, None)
+}
+
+/// [`gathered`] over `group` (`None`: the default group).
+pub(super) fn gathered_in(
+    shard: &Tensor,
+    group: Option<&dist::ProcessGroup>,
+) -> tp::Result<Vec<f64>> {
+    let all: Vec<Vec<f64>> = dist::all_gather_object(&shard.to_vec_f64()?, group)?;
     Ok(all.concat())
 }
 
@@ -252,7 +269,24 @@ pub(super) fn tol(dtype: DType) -> Tol {
 /// beside the single-process model on the whole batch; after every backward the gathered
 /// gradient of every parameter equals the reference's, after the last step the parameters.
 fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
+    run_case_on(c, rank, world, None)
+}
+
+/// [`run_case`] with the model sharded over `mesh` (1-D, or 2-D for HSDP; `None`: the default
+/// group); `rank` and `world` place the rank's rows in the whole batch.
+pub(super) fn run_case_on(
+    c: &Case,
+    rank: usize,
+    world: usize,
+    mesh: Option<&DeviceMesh>,
+) -> TestResult {
     let what = format!("{} (world {world})", c.name);
+    // the shards' group: the mesh's last dimension
+    let group = match mesh {
+        Some(m) => Some(m.get_group(m.ndim() - 1)?.clone()),
+        None => None,
+    };
+    let gathered = |t: &Tensor| gathered_in(t, group.as_ref());
     let mut model = build(c)?;
     let reference = build(c)?;
     let names: Vec<String> = reference
@@ -260,7 +294,7 @@ fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
         .into_iter()
         .map(|(n, _)| n)
         .collect();
-    let handles = wrap(c, model.as_mut())?;
+    let handles = wrap_on(c, model.as_mut(), mesh)?;
     let listed: Vec<String> = model
         .named_parameters()
         .into_iter()
@@ -338,7 +372,7 @@ fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
     Ok(())
 }
 
-const CASES: [Case; 6] = [
+pub(super) const CASES: [Case; 6] = [
     case(
         "mlp nested, reshard after forward",
         Model::Mlp,

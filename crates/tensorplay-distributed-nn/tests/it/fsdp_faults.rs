@@ -80,15 +80,19 @@ fn bad_setups_fail_on_every_rank() {
                 &["\"weight\"", "fully_shard call", "bottom-up"],
             )
         }),
-        ("a 2-D mesh", |_| {
-            let mesh =
-                init_device_mesh(&[1, 2], &["replicate", "shard"]).map_err(|e| e.to_string())?;
+        ("a 3-D mesh", |_| {
+            let mesh = init_device_mesh(&[1, 1, 2], &["pp", "replicate", "shard"])
+                .map_err(|e| e.to_string())?;
             let mut m = mlp(&[4, 2]).map_err(|e| e.to_string())?;
             let opts = FsdpOptions {
                 mesh: Some(mesh),
                 ..Default::default()
             };
-            fails_with("2-D", fully_shard(&mut m, opts), &["1-D mesh", "[1, 2]"])
+            fails_with(
+                "3-D",
+                fully_shard(&mut m, opts),
+                &["1-D mesh", "2-D", "[1, 1, 2]"],
+            )
         }),
         ("a policy dtype that is not floating point", |_| {
             let mut m = mlp(&[4, 2]).map_err(|e| e.to_string())?;

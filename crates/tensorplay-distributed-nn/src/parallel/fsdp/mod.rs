@@ -54,7 +54,12 @@ use state::FsdpState;
 /// Options of [`fully_shard`] (its keyword arguments).
 #[derive(Debug, Clone)]
 pub struct FsdpOptions {
-    /// The ranks that share the parameters: a 1-D mesh (`mesh`); `None`: the default group.
+    /// The ranks that share the parameters (`mesh`): a 1-D mesh; or a 2-D mesh for HSDP,
+    /// whose dimension 0 replicates and dimension 1 shards (each parameter is sharded across
+    /// dimension 1's ranks, and the reduced gradient rows are all-reduced across dimension
+    /// 0's, so gradients average over every rank of the mesh); `None`: the default group.
+    /// For fully sharded training beside tensor parallelism, pass the data-parallel
+    /// sub-mesh (`mesh.sub_mesh("dp")`).
     pub mesh: Option<DeviceMesh>,
     /// Free the gathered parameters after forward and gather them again in backward (true,
     /// the default: ZeRO-3), or keep them until backward ends (false: ZeRO-2, one all-gather
@@ -196,7 +201,7 @@ impl FsdpModule {
 ///
 /// # Errors
 /// [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument), naming the rank: a
-/// module fully sharded already; a mesh that is not 1-D; parameters not floating point, or
+/// module fully sharded already; a mesh that is neither 1-D nor 2-D; parameters not floating point, or
 /// of more than one dtype without a `mp_policy.param_dtype`; a policy dtype that is not
 /// floating point; a parameter an earlier sibling call claimed;
 /// ranks that disagree on the group's parameters. Collective errors.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use tensorplay_collectives::{self as dist, ReduceOp};
 use tensorplay_core::{Result, Tensor, no_grad};
 
-use super::state::{FsdpEvent, FsdpState, REDUCE, Runtime, record};
+use super::state::{FsdpEvent, FsdpState, REDUCE, REPLICATE, Runtime, record};
 
 thread_local! {
     /// The group whose reduce-scatter was issued last on this thread (finished before the
@@ -70,7 +70,14 @@ impl FsdpState {
         if let Some((work, output, _input)) = rt.reduce.take() {
             work.wait(None).map_err(self.failed(REDUCE))?;
             let _g = no_grad();
-            output.mul_scalar_(1.0 / self.world as f64)?;
+            let mut ranks = self.world;
+            if let Some(r) = &self.replicate {
+                // HSDP: the replicas' sums of the same rows are added up
+                dist::all_reduce(&output, ReduceOp::Sum, Some(r))
+                    .map_err(self.failed(REPLICATE))?;
+                ranks *= r.size();
+            }
+            output.mul_scalar_(1.0 / ranks as f64)?;
             for (i, p) in self.params.iter().enumerate() {
                 if !p.shard.requires_grad() {
                     continue;

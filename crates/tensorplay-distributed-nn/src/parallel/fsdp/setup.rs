@@ -47,15 +47,18 @@ fn invalid(
     DistError::invalid(OP, rank as i64, arg, expected, got).into()
 }
 
-/// The process group of `options.mesh` (1-D) or the default group.
-fn group_of(options: &FsdpOptions) -> Result<ProcessGroup> {
+/// The ranks that share the shards, and those that hold replicas of them (HSDP): the default
+/// group, a 1-D mesh's group, or a 2-D mesh's dimension 1 and dimension 0.
+fn groups_of(options: &FsdpOptions) -> Result<(ProcessGroup, Option<ProcessGroup>)> {
     match &options.mesh {
-        None => Ok(dist::default_group(OP)?),
-        Some(m) if m.ndim() == 1 => Ok(m.get_group(0)?.clone()),
+        None => Ok((dist::default_group(OP)?, None)),
+        Some(m) if m.ndim() == 1 => Ok((m.get_group(0)?.clone(), None)),
+        Some(m) if m.ndim() == 2 => Ok((m.get_group(1)?.clone(), Some(m.get_group(0)?.clone()))),
         Some(m) => Err(invalid(
             m.get_rank(),
             "mesh",
-            "a 1-D mesh (the ranks that share the shards)",
+            "a 1-D mesh (the ranks that share the shards) or a 2-D mesh (replicate, shard) for \
+             HSDP",
             format!("a mesh of shape {:?}", m.shape()),
         )),
     }
@@ -66,7 +69,7 @@ pub(super) fn shard_module(
     module: &mut dyn Module,
     options: &FsdpOptions,
 ) -> Result<Arc<FsdpState>> {
-    let group = group_of(options)?;
+    let (group, replicate) = groups_of(options)?;
     let rank = dist::get_rank(Some(&group))?;
     let world = dist::get_world_size(Some(&group))?;
     let me = group.my_global_rank();
@@ -84,6 +87,10 @@ pub(super) fn shard_module(
     }
     let (params, below) = collect(module, me)?;
     agree(&params, options, &group, me)?;
+    if let Some(r) = &replicate {
+        // the replicas of a shard hold the same weights too
+        agree(&params, options, r, me)?;
+    }
     let param_dtype = group_dtype(&params, policy.param_dtype, me)?;
     let reduce_dtype = policy.reduce_dtype.unwrap_or(param_dtype);
     let index = CALLS.fetch_add(1, Ordering::Relaxed);
@@ -123,7 +130,7 @@ pub(super) fn shard_module(
     let state = Arc::new_cyclic(|me| {
         FsdpState::new(
             index,
-            group,
+            (group, replicate),
             (rank, world),
             (param_dtype, reduce_dtype),
             managed,

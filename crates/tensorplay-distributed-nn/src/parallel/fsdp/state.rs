@@ -23,6 +23,7 @@ use super::policy::MixedPrecisionPolicy;
 
 pub(super) const GATHER: &str = "the all-gather before forward or backward";
 pub(super) const REDUCE: &str = "the reduce-scatter of the gradients";
+pub(super) const REPLICATE: &str = "the all-reduce of the gradient rows across the replicas (HSDP)";
 
 /// One parameter of a group.
 pub(crate) struct Managed {
@@ -95,7 +96,11 @@ pub(super) struct Links {
 pub(crate) struct FsdpState {
     /// The call's number on this rank (0 for the first `fully_shard`), for errors.
     pub(crate) index: usize,
+    /// The ranks that share the shards (`rank` and `world` are this process's place in it).
     pub(crate) group: ProcessGroup,
+    /// HSDP: the ranks that hold the same shards (a 2-D mesh's dimension 0); the reduced
+    /// gradient rows are all-reduced across them.
+    pub(crate) replicate: Option<ProcessGroup>,
     pub(crate) rank: usize,
     pub(crate) world: usize,
     /// The dtype the parameters are gathered and computed in (`param_dtype`, or theirs).
@@ -134,7 +139,7 @@ pub(super) fn record(rt: &mut Runtime, e: FsdpEvent) {
 impl FsdpState {
     pub(crate) fn new(
         index: usize,
-        group: ProcessGroup,
+        (group, replicate): (ProcessGroup, Option<ProcessGroup>),
         (rank, world): (usize, usize),
         (param_dtype, reduce_dtype): (DType, DType),
         params: Vec<Managed>,
@@ -146,6 +151,7 @@ impl FsdpState {
         FsdpState {
             index,
             group,
+            replicate,
             rank,
             world,
             param_dtype,
