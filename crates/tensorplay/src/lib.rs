@@ -215,8 +215,8 @@ pub mod distributed {
     pub mod fsdp {
         #[doc(inline)]
         pub use tensorplay_distributed_nn::parallel::fsdp::{
-            FsdpError, FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, clip_grad_norm_,
-            full_tensor, fully_shard,
+            FsdpError, FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, UnshardHandle,
+            clip_grad_norm_, full_tensor, fully_shard,
         };
     }
 

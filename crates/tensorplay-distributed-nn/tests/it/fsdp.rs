@@ -162,7 +162,7 @@ pub(super) fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tenso
     }
 }
 
-fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
+pub(super) fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
     loss_of(c, &m.call(x)?, y)
 }
 
@@ -192,6 +192,7 @@ pub(super) fn wrap_on(
         mesh: mesh.cloned(),
         reshard_after_forward: c.reshard_after_forward,
         mp_policy: c.mp,
+        ..Default::default()
     };
     // the blocks' outputs stay in the compute dtype (the next block and the root's own layers
     // take them as they are); the root's output is cast as the policy says

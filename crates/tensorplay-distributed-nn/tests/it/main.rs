@@ -5,6 +5,7 @@ mod bad_arguments;
 mod ddp;
 mod fsdp;
 mod fsdp_2d;
+mod fsdp_api;
 mod fsdp_faults;
 mod fsdp_memory;
 mod fsdp_misuse;

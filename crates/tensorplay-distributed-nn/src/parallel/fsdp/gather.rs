@@ -108,21 +108,40 @@ impl FsdpState {
         Ok(())
     }
 
-    /// Prefetches the group after this one in forward (`backward == false`) or backward
-    /// order, as learnt from the first forward.
+    /// Prefetches the groups set by `set_modules_to_forward_prefetch` (`backward == false`)
+    /// or `set_modules_to_backward_prefetch`, else the group after this one in forward or
+    /// backward order, as learnt from the first forward.
     pub(super) fn prefetch_next(self: &Arc<Self>, backward: bool) -> Result<()> {
-        let next = {
+        let next: Vec<Arc<FsdpState>> = {
             let l = self.links.lock().unwrap_or_else(PoisonError::into_inner);
-            let n = if backward {
-                &l.next_backward
+            let (explicit, implicit) = if backward {
+                (&l.explicit_backward, &l.next_backward)
             } else {
-                &l.next_forward
+                (&l.explicit_forward, &l.next_forward)
             };
-            n.as_ref().and_then(Weak::upgrade)
+            match explicit {
+                Some(list) => list.iter().filter_map(Weak::upgrade).collect(),
+                None => implicit.iter().filter_map(Weak::upgrade).collect(),
+            }
         };
-        match next {
-            Some(n) if !Arc::ptr_eq(&n, self) => n.prefetch(),
-            _ => Ok(()),
+        for n in next.iter().filter(|n| !Arc::ptr_eq(n, self)) {
+            n.prefetch()?;
+        }
+        Ok(())
+    }
+
+    /// Sets the groups to prefetch explicitly in forward (`backward == false`) or backward.
+    pub(crate) fn set_explicit_prefetch<'a>(
+        &self,
+        backward: bool,
+        groups: impl Iterator<Item = &'a Arc<FsdpState>>,
+    ) {
+        let list = Some(groups.map(Arc::downgrade).collect());
+        let mut l = self.links.lock().unwrap_or_else(PoisonError::into_inner);
+        if backward {
+            l.explicit_backward = list;
+        } else {
+            l.explicit_forward = list;
         }
     }
 

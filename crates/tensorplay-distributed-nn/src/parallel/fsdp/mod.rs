@@ -69,6 +69,11 @@ pub struct FsdpOptions {
     /// The dtypes the group computes, communicates and answers in (`mp_policy`); the default
     /// keeps the parameters' own dtype throughout.
     pub mp_policy: MixedPrecisionPolicy,
+    /// Parameters of the module this call leaves alone (`ignored_params`): not sharded, listed
+    /// by `parameters()` as they are, their gradients not synchronised (each rank keeps its
+    /// own: reduce them yourself, or train them rank-locally). Every rank must ignore the same
+    /// parameters.
+    pub ignored_params: Vec<Tensor>,
 }
 
 impl Default for FsdpOptions {
@@ -77,6 +82,7 @@ impl Default for FsdpOptions {
             mesh: None,
             reshard_after_forward: true,
             mp_policy: MixedPrecisionPolicy::default(),
+            ignored_params: Vec::new(),
         }
     }
 }
@@ -106,6 +112,19 @@ impl FsdpModule {
     /// Errors: collective errors (a rank that does not take part times out, naming it).
     pub fn unshard(&self) -> Result<()> {
         self.state.unshard()
+    }
+
+    /// Issues the group's all-gather and returns at once (`unshard(async_op=True)`): the
+    /// returned handle's [`wait`](UnshardHandle::wait) — or the module's next forward —
+    /// finishes it. A collective: every rank calls it. Nothing is issued when the parameters
+    /// are gathered or being gathered already.
+    ///
+    /// Errors: collective errors.
+    pub fn unshard_async(&self) -> Result<UnshardHandle> {
+        self.state.prefetch()?;
+        Ok(UnshardHandle {
+            state: self.state.clone(),
+        })
     }
 
     /// Frees the group's gathered parameters (`reshard()`); nothing when they are not
@@ -149,6 +168,55 @@ impl FsdpModule {
         self.state.set_requires_gradient_sync(sync)
     }
 
+    /// Whether the next backward is the last before the optimizer step
+    /// (`set_is_last_backward`, default true), for this group and those below it: call it on
+    /// the root. With `false`, the end of backward does not wait for the last reduce-scatter:
+    /// it stays in flight while the next micro-batch's forward runs, and the shards' `.grad`
+    /// is complete only after a backward with `true` (gradient accumulation with the gradients
+    /// synchronised every micro-batch, each rank keeping only its rows).
+    pub fn set_is_last_backward(&self, last: bool) {
+        self.state.set_is_last_backward(last)
+    }
+
+    /// The groups whose all-gathers this group's pre-forward hook issues, in order, instead of
+    /// the next group of the first forward's order (`set_modules_to_forward_prefetch`);
+    /// an empty list prefetches nothing. Every rank must set the same.
+    pub fn set_modules_to_forward_prefetch(&self, modules: &[&FsdpModule]) {
+        self.state
+            .set_explicit_prefetch(false, modules.iter().map(|m| &m.state));
+    }
+
+    /// The groups whose all-gathers this group's pre-backward hook issues, in order, instead
+    /// of the group backward reaches next (`set_modules_to_backward_prefetch`); an empty list
+    /// prefetches nothing. Every rank must set the same.
+    pub fn set_modules_to_backward_prefetch(&self, modules: &[&FsdpModule]) {
+        self.state
+            .set_explicit_prefetch(true, modules.iter().map(|m| &m.state));
+    }
+
+    /// Runs `method` — a method of the module other than `forward`, such as a generation loop
+    /// that calls the module's layers itself — as the module's forward: the group is gathered
+    /// before, and freed (or kept for backward, as after a forward) after, with `method`'s
+    /// output as the forward's (PyTorch's `register_fsdp_forward_method(module, name)`; Rust
+    /// has no method table to patch, so the call goes through here). Groups below this one
+    /// gather in their own forwards as usual.
+    ///
+    /// Errors: `method`'s error (the group is freed first); collective errors.
+    pub fn forward_method(&self, method: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+        self.state.pre_forward()?;
+        match method() {
+            Ok(out) => {
+                self.state.post_forward(&out)?;
+                Ok(out)
+            }
+            Err(e) => {
+                // best effort: the method's error is the one to report
+                let _ = self.state.reshard();
+                Err(e)
+            }
+        }
+    }
+
     /// The shards of the group's parameters with their names under the module `fully_shard`
     /// was called on (those of nested calls excluded).
     pub fn sharded_parameters(&self) -> Vec<(String, Tensor)> {
@@ -165,6 +233,29 @@ impl FsdpModule {
     /// prefetching and overlap read.
     pub fn take_events(&self) -> Vec<(u64, FsdpEvent)> {
         self.state.take_events()
+    }
+}
+
+/// What [`FsdpModule::unshard_async`] returns (PyTorch's `UnshardHandle`).
+#[must_use = "the all-gather is finished by wait() or by the module's next forward"]
+pub struct UnshardHandle {
+    state: Arc<FsdpState>,
+}
+
+impl UnshardHandle {
+    /// Waits for the all-gather and fills the module's parameters.
+    ///
+    /// Errors: collective errors (a rank that did not take part times out, naming it).
+    pub fn wait(self) -> Result<()> {
+        self.state.unshard()
+    }
+}
+
+impl std::fmt::Debug for UnshardHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnshardHandle")
+            .field("call", &self.state.index)
+            .finish_non_exhaustive()
     }
 }
 

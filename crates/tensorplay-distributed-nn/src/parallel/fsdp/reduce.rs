@@ -27,6 +27,8 @@ impl FsdpState {
         {
             prev.finish_reduce()?;
         }
+        // this group's own, left in flight by a backward that was not the last
+        self.finish_reduce_locked(rt)?;
         let _g = no_grad();
         let l = &self.layout;
         let input = Tensor::zeros(&[l.total_numel()], self.reduce_dtype)?;

@@ -85,7 +85,8 @@ pub(super) fn shard_module(
     if let Some((field, d)) = policy.non_float() {
         return Err(invalid(me, field, "a floating-point dtype", d));
     }
-    let (params, below) = collect(module, me)?;
+    let ignored: HashSet<TensorId> = options.ignored_params.iter().map(Tensor::id).collect();
+    let (params, below) = collect(module, &ignored, me)?;
     agree(&params, options, &group, me)?;
     if let Some(r) = &replicate {
         // the replicas of a shard hold the same weights too
@@ -165,11 +166,11 @@ pub(super) fn shard_module(
 }
 
 /// The group's parameters with their names: those of `module` and its descendants that no
-/// nested `fully_shard` call took, each once (tied weights under their first name); and the
+/// nested `fully_shard` call took and that are not ignored, each once (tied weights under their first name); and the
 /// nested calls' groups.
 type Collected = (Vec<(String, Tensor)>, Vec<Weak<FsdpState>>);
 
-fn collect(module: &dyn Module, me: usize) -> Result<Collected> {
+fn collect(module: &dyn Module, ignored: &HashSet<TensorId>, me: usize) -> Result<Collected> {
     // the unsharded parameters of nested calls below this module
     let mut nested: HashSet<TensorId> = HashSet::new();
     let mut below = Vec::new();
@@ -210,6 +211,9 @@ fn collect(module: &dyn Module, me: usize) -> Result<Collected> {
             } else {
                 format!("{path}.{n}")
             };
+            if ignored.contains(&p.id()) {
+                continue;
+            }
             if nested.contains(&p.id()) && !inside(&path) {
                 let (call, there) = claimed.get(&p.id()).cloned().unwrap_or_default();
                 return Err(invalid(

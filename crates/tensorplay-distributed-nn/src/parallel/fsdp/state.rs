@@ -81,6 +81,8 @@ pub(super) struct Runtime {
     pub(super) reshard_after_forward: bool,
     pub(super) reshard_after_backward: bool,
     pub(super) requires_gradient_sync: bool,
+    /// The end of backward waits for the reduce-scatter (false: it stays in flight).
+    pub(super) is_last_backward: bool,
     pub(super) events: Vec<(u64, FsdpEvent)>,
 }
 
@@ -90,6 +92,10 @@ pub(super) struct Runtime {
 pub(super) struct Links {
     pub(super) next_forward: Option<Weak<FsdpState>>,
     pub(super) next_backward: Option<Weak<FsdpState>>,
+    /// Set by `set_modules_to_forward_prefetch`: prefetched instead of `next_forward`.
+    pub(super) explicit_forward: Option<Vec<Weak<FsdpState>>>,
+    /// Set by `set_modules_to_backward_prefetch`: prefetched instead of `next_backward`.
+    pub(super) explicit_backward: Option<Vec<Weak<FsdpState>>>,
 }
 
 /// The state of one `fully_shard` call, attached to its module.
@@ -174,6 +180,7 @@ impl FsdpState {
                 reshard_after_forward: options.reshard_after_forward,
                 reshard_after_backward: true,
                 requires_gradient_sync: true,
+                is_last_backward: true,
                 events: Vec::new(),
             }),
             links: Mutex::new(Links::default()),
@@ -435,7 +442,9 @@ impl FsdpState {
         if rt.requires_gradient_sync && rt.ready > 0 {
             self.start_reduce_locked(&mut rt)?;
         }
-        self.finish_reduce_locked(&mut rt)?;
+        if rt.is_last_backward {
+            self.finish_reduce_locked(&mut rt)?;
+        }
         self.drop_pending(&mut rt)?;
         record(&mut rt, FsdpEvent::BackwardEnd);
         if rt.reshard_after_backward {
@@ -452,6 +461,9 @@ impl FsdpState {
     }
     pub(crate) fn set_requires_gradient_sync(&self, v: bool) {
         self.with_below(&|s| s.rt().requires_gradient_sync = v);
+    }
+    pub(crate) fn set_is_last_backward(&self, v: bool) {
+        self.with_below(&|s| s.rt().is_last_backward = v);
     }
     pub(crate) fn is_unsharded(&self) -> bool {
         self.rt().unsharded
