@@ -91,10 +91,16 @@ impl Agent {
         )?;
         // 5. rank 0 serves the store: it leaves last, once the others are done with it (its
         //    process may exit right after). The last one out tells it; the reply to that may
-        //    be lost when rank 0 is already gone, which is fine.
+        //    be lost when rank 0 is already gone, which is fine. So may the reply to an
+        //    earlier worker's count: its store thread may apply the add, then lose the race
+        //    with the last worker's, whose "done" lets rank 0 exit before the reply is
+        //    written. Every barrier above has passed, so a count whose reply never came is
+        //    not an error (a rank 0 that failed here would be the one to report it).
         let left = format!("shutdown{k}/left");
         if self.me.id != 0 {
-            if self.store.add(&left, 1)? >= n as i64 - 1 {
+            if let Ok(count) = self.store.add(&left, 1)
+                && count >= n as i64 - 1
+            {
                 let _ = self.store.set(&format!("{left}/done"), b"1");
             }
         } else if n > 1 {
