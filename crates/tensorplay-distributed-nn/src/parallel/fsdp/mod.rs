@@ -33,6 +33,7 @@ mod full;
 mod gather;
 pub(crate) mod group;
 pub(crate) mod param;
+mod placement;
 mod reduce;
 mod setup;
 mod state;
@@ -46,6 +47,7 @@ use tensorplay_core::{Result, Tensor};
 pub use clip::clip_grad_norm_;
 pub use error::FsdpError;
 pub use full::full_tensor;
+pub use placement::shard_placement;
 pub use state::FsdpEvent;
 use state::FsdpState;
 
