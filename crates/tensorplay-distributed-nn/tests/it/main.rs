@@ -10,5 +10,6 @@ mod fsdp_misuse;
 mod gradcheck;
 mod hostile;
 mod semantics;
+mod state_dict;
 mod tensor_parallel;
 mod worked_examples;
