@@ -321,7 +321,21 @@ fn optimizer_state_by_name_is_the_single_process_one() {
             let mut fresh = sharded(99)?;
             let mut fo = adamw(fresh.parameters())?;
             set_model_state_dict(&mut fresh, &model_sd, full())?;
-            set_optimizer_state_dict(&fresh, &mut fo, &got, full())?;
+            // rank 0 alone holds the optimizer's whole state: the others receive it
+            let bcast = StateDictOptions {
+                broadcast_from_rank0: true,
+                ..full()
+            };
+            let given = if rank == 0 {
+                got.clone()
+            } else {
+                OptimizerStateDict {
+                    kind: String::new(),
+                    state: BTreeMap::new(),
+                    param_groups: Vec::new(),
+                }
+            };
+            set_optimizer_state_dict(&fresh, &mut fo, &given, bcast)?;
             step(&m, &mut o, STEPS, rank, world)?;
             step(&fresh, &mut fo, STEPS, rank, world)?;
             same(&what, &fresh.state_dict()?, &m.state_dict()?)?;
