@@ -103,7 +103,11 @@ fn step(m: &dyn Module, o: &mut AdamW, k: usize, rank: usize, world: usize) -> t
 fn same(what: &str, got: &Dict, want: &Dict) -> Result<(), String> {
     let keys = |d: &Dict| d.keys().cloned().collect::<Vec<_>>();
     if keys(got) != keys(want) {
-        return Err(format!("{what}: keys {:?}, want {:?}", keys(got), keys(want)));
+        return Err(format!(
+            "{what}: keys {:?}, want {:?}",
+            keys(got),
+            keys(want)
+        ));
     }
     for (k, w) in want {
         let g = &got[k];
@@ -160,7 +164,11 @@ fn full_state_dict_is_the_single_process_one() {
             same(&what, &get_model_state_dict(&m, full())?, &want)?;
             // the module's own state_dict is the local dict: shards, with their placement
             let local = get_model_state_dict(&m, StateDictOptions::default())?;
-            same(&format!("{what}, module state_dict"), &m.state_dict()?, &local)?;
+            same(
+                &format!("{what}, module state_dict"),
+                &m.state_dict()?,
+                &local,
+            )?;
             rows_of_whole(&what, &m, &local, &want)?;
             let (_, w0) = &m.named_parameters()[0];
             let p = shard_placement(w0)?.ok_or("0.weight is no shard")?;
@@ -253,8 +261,12 @@ fn keys_are_the_same_for_every_layout() {
             let mut fsdp = pair()?;
             fully_shard(&mut fsdp, FsdpOptions::default())?;
             let plain = pair()?;
-            let layouts: [(&str, &dyn Module); 4] =
-                [("plain", &plain), ("DDP", &ddp), ("TP", &tpm), ("FSDP", &fsdp)];
+            let layouts: [(&str, &dyn Module); 4] = [
+                ("plain", &plain),
+                ("DDP", &ddp),
+                ("TP", &tpm),
+                ("FSDP", &fsdp),
+            ];
             for (name, m) in layouts {
                 let local = get_model_state_dict(m, StateDictOptions::default())?;
                 let got: Vec<String> = local.keys().cloned().collect();
@@ -262,7 +274,11 @@ fn keys_are_the_same_for_every_layout() {
                     return Err(format!("{what}: {name} keys {got:?}, want {keys:?}").into());
                 }
                 // the whole tensors too, gathered from the tensor-parallel pieces
-                same(&format!("{what}: {name}"), &get_model_state_dict(m, full())?, &want)?;
+                same(
+                    &format!("{what}: {name}"),
+                    &get_model_state_dict(m, full())?,
+                    &want,
+                )?;
             }
             // a whole dict sets the tensor-parallel pieces
             let mut fresh = pair()?;
@@ -310,7 +326,12 @@ fn optimizer_state_by_name_is_the_single_process_one() {
                         return Err(format!("{what}: {n}.{k} shape {:?}", g.shape()).into());
                     }
                     let tol = Tol::scaled(1e-12);
-                    check_close(&format!("{what}: {n}.{k}"), &g.to_vec_f64()?, &want.to_vec_f64()?, tol)?;
+                    check_close(
+                        &format!("{what}: {n}.{k}"),
+                        &g.to_vec_f64()?,
+                        &want.to_vec_f64()?,
+                        tol,
+                    )?;
                 }
             }
             if got.param_groups[0].params != names {
@@ -368,7 +389,14 @@ fn sharded_checkpoint_resumes_bit_identically() {
             }
             let local = StateDictOptions::default();
             let none = BTreeMap::new();
-            save_sharded(dir, "model", 2, &get_model_state_dict(&m, local)?, &none, None)?;
+            save_sharded(
+                dir,
+                "model",
+                2,
+                &get_model_state_dict(&m, local)?,
+                &none,
+                None,
+            )?;
             let (t, meta) = get_optimizer_state_dict(&m, &o, local)?.to_tensors();
             save_sharded(dir, "optim", 2, &t, &meta, None)?;
             for k in 2..4 {
@@ -431,7 +459,10 @@ const BAD: &[Bad] = &[
         broadcast: false,
         spoil: |d, r| {
             if r + 1 == dist::get_world_size(None).unwrap_or(1) {
-                d.insert("0.weight".into(), Tensor::zeros(&[7, 4], DType::F64).unwrap());
+                d.insert(
+                    "0.weight".into(),
+                    Tensor::zeros(&[7, 4], DType::F64).unwrap(),
+                );
             }
         },
         says: "0.weight",

@@ -117,8 +117,14 @@ fn fqn(name: &str, prefixes: &[(String, String)]) -> String {
 /// once) then buffers, under their fully qualified names.
 pub(crate) fn entries(module: &dyn Module) -> Vec<Entry> {
     let prefixes = wrapper_prefixes(module);
-    let params = module.named_parameters().into_iter().map(|(n, t)| (n, t, true));
-    let buffers = module.named_buffers().into_iter().map(|(n, t)| (n, t, false));
+    let params = module
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t, true));
+    let buffers = module
+        .named_buffers()
+        .into_iter()
+        .map(|(n, t)| (n, t, false));
     params
         .chain(buffers)
         .map(|(n, tensor, is_param)| Entry {

@@ -89,7 +89,9 @@ impl OptimizerStateDict {
         let names: Vec<Vec<String>> = metadata
             .get(NAMES_KEY)
             .ok_or_else(|| bad(format!("no `{NAMES_KEY}` in the header")))
-            .and_then(|s| serde_json::from_str(s).map_err(|e| bad(format!("`{NAMES_KEY}`: {e}"))))?;
+            .and_then(|s| {
+                serde_json::from_str(s).map_err(|e| bad(format!("`{NAMES_KEY}`: {e}")))
+            })?;
         if names.len() != groups.param_groups.len() {
             return Err(bad(format!(
                 "{} groups of names for {} groups",
@@ -339,7 +341,10 @@ fn by_index(
 /// by broadcast.
 fn receive(state: &OptimizerStateDict, rank: usize) -> Result<OptimizerStateDict> {
     let group = world_group();
-    type Layout = (Vec<(String, String, Vec<usize>, String)>, BTreeMap<String, String>);
+    type Layout = (
+        Vec<(String, String, Vec<usize>, String)>,
+        BTreeMap<String, String>,
+    );
     let (tensors, metadata) = state.to_tensors();
     let mine: Layout = (
         tensors
@@ -349,7 +354,12 @@ fn receive(state: &OptimizerStateDict, rank: usize) -> Result<OptimizerStateDict
                     .strip_prefix("state.")
                     .and_then(|r| r.rsplit_once('.'))
                     .unwrap_or((k.as_str(), ""));
-                (fqn.into(), name.into(), t.shape().to_vec(), t.dtype().to_string())
+                (
+                    fqn.into(),
+                    name.into(),
+                    t.shape().to_vec(),
+                    t.dtype().to_string(),
+                )
             })
             .collect(),
         metadata,

@@ -211,7 +211,11 @@ impl TensorPlacement {
             };
             let w = whole.narrow(d as isize, off, size)?;
             let l = local.narrow(d as isize, at, size)?;
-            if to_local { l.copy_(&w)? } else { w.copy_(&l)? };
+            if to_local {
+                l.copy_(&w)?
+            } else {
+                w.copy_(&l)?
+            };
             at += size;
         }
         Ok(())
@@ -240,7 +244,13 @@ impl TensorPlacement {
         let numel_of = |r: usize| -> usize {
             self.chunks_of(r)
                 .iter()
-                .map(|c| if self.global_shape.is_empty() { 1 } else { c.numel() })
+                .map(|c| {
+                    if self.global_shape.is_empty() {
+                        1
+                    } else {
+                        c.numel()
+                    }
+                })
                 .sum()
         };
         let padded = (0..world).map(numel_of).max().unwrap_or(0);
@@ -264,7 +274,13 @@ impl TensorPlacement {
             let mut shape = work.clone();
             shape[d] = chunks
                 .iter()
-                .map(|c| if self.global_shape.is_empty() { 1 } else { c.sizes[d] })
+                .map(|c| {
+                    if self.global_shape.is_empty() {
+                        1
+                    } else {
+                        c.sizes[d]
+                    }
+                })
                 .sum();
             let n = shape.iter().product();
             let piece = all.narrow(0, r * padded, n)?.reshape(&shape)?;
