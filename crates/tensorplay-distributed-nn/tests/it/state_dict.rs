@@ -224,6 +224,36 @@ fn set_gives_the_shards_of_the_saved_model() {
     }
 }
 
+#[test]
+fn one_process_without_a_group() -> TestResult {
+    // every option works without a process group: the whole model is local
+    let m = mlp(7)?;
+    let mut o = adamw(m.parameters())?;
+    step(&m, &mut o, 0, 0, 1)?;
+    let opts = [
+        StateDictOptions::default(),
+        StateDictOptions {
+            cpu_offload: true,
+            broadcast_from_rank0: true,
+            ..full()
+        },
+    ];
+    for opts in opts {
+        let what = format!("{opts:?}");
+        let sd = get_model_state_dict(&m, opts)?;
+        same(&what, &sd, &m.state_dict()?)?;
+        let osd = get_optimizer_state_dict(&m, &o, opts)?;
+        let mut fresh = mlp(99)?;
+        let mut fo = adamw(fresh.parameters())?;
+        set_model_state_dict(&mut fresh, &sd, opts)?;
+        set_optimizer_state_dict(&fresh, &mut fo, &osd, opts)?;
+        step(&m, &mut o, 1, 0, 1)?;
+        step(&fresh, &mut fo, 1, 0, 1)?;
+        same(&what, &fresh.state_dict()?, &m.state_dict()?)?;
+    }
+    Ok(())
+}
+
 /// Linear 4 -> 6 -> 4 with Tanh, float64: 6 divides by 2 and 3, for tensor parallelism.
 fn pair() -> tp::Result<Sequential> {
     tp::manual_seed(11);

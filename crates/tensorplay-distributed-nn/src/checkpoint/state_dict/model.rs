@@ -213,7 +213,9 @@ pub fn set_model_state_dict<M: Module + ?Sized>(
                 None => Tensor::zeros(&p.global_shape, (p.dtype, dev))?,
             };
             let t = t.deep_clone()?;
-            dist::broadcast(&t, 0, group.as_ref())?;
+            if group.is_some() {
+                dist::broadcast(&t, 0, group.as_ref())?;
+            }
             t
         } else {
             match state.get(&e.fqn) {

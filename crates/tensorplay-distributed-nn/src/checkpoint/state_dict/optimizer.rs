@@ -160,8 +160,8 @@ fn names_of(
 }
 
 /// Whether state tensor `t` is split as its parameter (of placement `p`) is.
-fn follows_param(t: &Tensor, p: &TensorPlacement) -> bool {
-    p.is_sharded() && t.shape() == p.local_shape.as_slice()
+fn follows_param(k: &str, t: &Tensor, p: &TensorPlacement) -> bool {
+    k != "step" && p.is_sharded() && t.shape() == p.local_shape.as_slice()
 }
 
 /// The optimizer's state keyed by parameter name
@@ -216,7 +216,7 @@ pub fn get_optimizer_state_dict<M: Module + ?Sized>(
         let (fqn, p) = &names[*i];
         let mut out = BTreeMap::new();
         for (k, t) in m {
-            let mut v = if options.full_state_dict && follows_param(t, p) {
+            let mut v = if options.full_state_dict && follows_param(k, t, p) {
                 p.gather(t)?
             } else {
                 t.clone()
@@ -293,11 +293,12 @@ fn by_index(
         let mut local = BTreeMap::new();
         for (k, t) in m {
             let sized_like_param = if options.full_state_dict {
-                t.shape() == p.global_shape.as_slice() && p.is_sharded()
+                t.shape() == p.global_shape.as_slice()
             } else {
                 t.shape() == param.shape()
             };
-            let v = if options.full_state_dict && sized_like_param {
+            // a step count is never split, even beside a 0-d parameter of the same shape
+            let v = if options.full_state_dict && sized_like_param && k != "step" {
                 p.slice(&t.to_dtype(param.dtype())?)?
             } else if k == "step" || sized_like_param {
                 t.clone()
@@ -410,7 +411,7 @@ pub fn set_optimizer_state_dict<M: Module + ?Sized>(
     let group = world_group();
     let rank = my_rank(group.as_ref());
     let received;
-    let state = if options.broadcast_from_rank0 && options.full_state_dict {
+    let state = if options.broadcast_from_rank0 && options.full_state_dict && group.is_some() {
         received = receive(state, rank)?;
         &received
     } else {
