@@ -310,6 +310,30 @@ fn keys_are_the_same_for_every_layout() {
                     &want,
                 )?;
             }
+            let in_order: Vec<String> = plain
+                .named_parameters()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
+            // the optimizer's state is keyed by the same names (the Partial bias of a
+            // row-parallel layer has state on rank 0 only, so the TP model is left out)
+            let layouts: [(&str, &dyn Module); 3] =
+                [("plain", &plain), ("DDP", &ddp), ("FSDP", &fsdp)];
+            for (name, m) in layouts {
+                let mut o = adamw(m.parameters())?;
+                let x = Tensor::from_vec((0..12).map(|i| f64::from(i) * 0.1).collect(), &[3, 4])?;
+                m.call(&x)?.pow_scalar(2.0)?.mean()?.backward()?;
+                o.step()?;
+                let s = get_optimizer_state_dict(m, &o, StateDictOptions::default())?;
+                let got: Vec<String> = s.state.keys().cloned().collect();
+                if got != keys || s.param_groups[0].params != in_order {
+                    return Err(format!(
+                        "{what}: {name} optimizer keys {got:?}, groups {:?}",
+                        s.param_groups[0].params
+                    )
+                    .into());
+                }
+            }
             // a whole dict sets the tensor-parallel pieces
             let mut fresh = pair()?;
             parallelize_module(&mut fresh, &mesh, &plan)?;
