@@ -20,6 +20,7 @@
 //! | `torch.multiprocessing.spawn` | [`distributed::spawn()`] |
 //! | `torchrun` | the `tensorplay-run` binary of this crate (see the README) |
 //! | `torch.distributed.fsdp.fully_shard` | [`distributed::fsdp::fully_shard`] |
+//! | `torch.distributed.checkpoint.state_dict` | [`distributed::checkpoint::state_dict`] |
 //! | (nanoGPT, Megatron-LM) | `models` (feature `models`): a GPT and its tensor-parallel form |
 //!
 //! ```
@@ -216,7 +217,7 @@ pub mod distributed {
         #[doc(inline)]
         pub use tensorplay_distributed_nn::parallel::fsdp::{
             FsdpError, FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, UnshardHandle,
-            clip_grad_norm_, full_tensor, fully_shard,
+            clip_grad_norm_, full_tensor, fully_shard, shard_placement,
         };
     }
 

@@ -13,5 +13,6 @@ mod fsdp_precision;
 mod gradcheck;
 mod hostile;
 mod semantics;
+mod state_dict;
 mod tensor_parallel;
 mod worked_examples;

@@ -5,7 +5,7 @@ use tensorplay_core::nn::Module;
 use tensorplay_core::{Result, Tensor};
 
 use super::shard::{chunk, invalid, unchunk};
-use super::style::{ParallelStyle, mesh_1d, replace_parameters};
+use super::style::{ParallelStyle, mesh_1d, record_placements, replace_parameters};
 use crate::functional::{all_gather, copy_to_group};
 use crate::tensor::Placement;
 
@@ -128,6 +128,7 @@ impl ParallelStyle for ColwiseParallel {
         replace_parameters(OP, path, module, |name, full| {
             chunk(OP, name, full, 0, self.stacked, m.rank, m.world)
         })?;
+        record_placements(module, &m, |_| (Placement::Shard(0), self.stacked));
         let input = self.input_layouts;
         let group = m.group.clone();
         module.register_forward_pre_hook(Box::new(move |x: &Tensor| {

@@ -26,3 +26,4 @@ pub use colwise::ColwiseParallel;
 pub use plan::parallelize_module;
 pub use rowwise::RowwiseParallel;
 pub use style::ParallelStyle;
+pub(crate) use style::tp_placement;

@@ -5,7 +5,7 @@ use tensorplay_core::nn::Module;
 use tensorplay_core::{Result, Tensor};
 
 use super::shard::{chunk, invalid};
-use super::style::{ParallelStyle, mesh_1d, replace_parameters};
+use super::style::{ParallelStyle, mesh_1d, record_placements, replace_parameters};
 use crate::functional::{copy_to_group, reduce_from_group};
 use crate::tensor::Placement;
 
@@ -122,6 +122,13 @@ impl ParallelStyle for RowwiseParallel {
                 }
             }
         }
+        record_placements(module, &m, |name| {
+            if name == "bias" {
+                (Placement::Partial, 1)
+            } else {
+                (Placement::Shard(1), 1)
+            }
+        });
         if self.input_layouts == Placement::Replicate {
             let (group, rank, world) = (m.group.clone(), m.rank, m.world);
             module.register_forward_pre_hook(Box::new(move |x: &Tensor| {

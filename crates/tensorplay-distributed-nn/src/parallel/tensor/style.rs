@@ -1,12 +1,18 @@
 //! [`ParallelStyle`]: what a plan entry does to the module it names, and the helpers the
 //! styles share (the mesh dimension they run on, replacing a parameter by its shard).
 
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
+
 use tensorplay_collectives::ProcessGroup;
 use tensorplay_collectives::device_mesh::DeviceMesh;
 use tensorplay_core::nn::Module;
-use tensorplay_core::{Result, Tensor};
+use tensorplay_core::{Result, Tensor, TensorId};
 
 use super::shard::invalid;
+use crate::checkpoint::state_dict::TensorPlacement;
+use crate::checkpoint::state_dict::placement::Split;
+use crate::tensor::Placement;
 
 /// A way to parallelise one module over a 1-D [`DeviceMesh`]
 /// (`torch.distributed.tensor.parallel.ParallelStyle`): [`ColwiseParallel`] and
@@ -94,4 +100,46 @@ pub(crate) fn replace_parameters(
         **p = if rg { s.requires_grad_(true) } else { s };
     }
     Ok(())
+}
+
+/// The placement of every parameter a style replaced, by the local tensor's id (ids are never
+/// reused, so entries of dropped models are only stale).
+static PLACEMENTS: Mutex<BTreeMap<TensorId, TensorPlacement>> = Mutex::new(BTreeMap::new());
+
+/// Records where each of `module`'s own parameters lies, as the style made it: `layout(name)`
+/// gives its placement (`Shard(d)` or `Partial`) and, for a `Shard`, the blocks stacked along
+/// `d`. Call it after the module holds its final local tensors.
+pub(crate) fn record_placements(
+    module: &dyn Module,
+    m: &MeshDim1,
+    layout: impl Fn(&str) -> (Placement, usize),
+) {
+    let mut all = PLACEMENTS.lock().unwrap_or_else(PoisonError::into_inner);
+    for (name, p) in module.local_parameters() {
+        let (placement, stacked) = layout(&name);
+        let mut global = p.shape().to_vec();
+        let split = match placement.shard_dim(global.len()) {
+            Some(dim) => {
+                global[dim] *= m.world;
+                Split::Blocks { dim, stacked }
+            }
+            None => Split::Whole,
+        };
+        let tp = TensorPlacement::split(
+            global,
+            p.dtype(),
+            placement,
+            split,
+            m.group.clone(),
+            (m.rank, m.world),
+            p.shape().to_vec(),
+        );
+        all.insert(p.id(), tp);
+    }
+}
+
+/// Where `t` lies, if it is a parameter a tensor-parallel style replaced by its local piece.
+pub(crate) fn tp_placement(t: &Tensor) -> Option<TensorPlacement> {
+    let all = PLACEMENTS.lock().unwrap_or_else(PoisonError::into_inner);
+    all.get(&t.id()).cloned()
 }

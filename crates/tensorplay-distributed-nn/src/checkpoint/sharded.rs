@@ -1,21 +1,5 @@
-//! Checkpoints of a process group's training (`torch.distributed.checkpoint`, simplified):
-//! replicated state written once by rank 0, and sharded state written by every rank with one
-//! metadata file that commits the set.
-//!
-//! - **Replicated** (DDP, or any parameters equal on every rank): [`save_replicated`] writes
-//!   the file on rank 0 only; every rank then loads it with [`tensorplay_core::load`].
-//! - **Sharded** (tensor parallelism: each rank holds a different part): [`save_sharded`]
-//!   writes `<name>.step<S>.rank<r>.safetensors` on every rank, then rank 0 writes
-//!   `<name>.json` naming the step, the world size and the shards. The `.json` is the commit
-//!   point: a job killed while saving still has the previous `.json` and the shards it names
-//!   (older shards are removed only after the new `.json` is on disk). [`load_sharded`]
-//!   restores every rank's shard at the same world size; loading at another world size
-//!   (resharding) is refused.
-//!
-//! Every call is collective over the group (every rank calls it, in the same order), and every
-//! rank returns the same outcome: when one rank cannot write or read its file, all of them
-//! fail, naming it. Ranks on several hosts need a folder all of them see (a shared file
-//! system) for [`load_sharded`] to find the `.json`, as with PyTorch's distributed checkpoints.
+//! Replicated and sharded checkpoint files: [`save_replicated`], [`save_sharded`],
+//! [`load_sharded`] (see the [module docs](super)).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,7 +9,7 @@ use tensorplay_core::serialize::{load_with_metadata, save_with_metadata, write_a
 use tensorplay_core::{Error, Result, Tensor};
 
 /// Every rank's flag (1 ok, 0 failed) of the group, known to every rank.
-fn flags(ok: bool, group: Option<&ProcessGroup>) -> Result<Vec<bool>> {
+pub(crate) fn flags(ok: bool, group: Option<&ProcessGroup>) -> Result<Vec<bool>> {
     let (rank, world) = (dist::get_rank(group)?, dist::get_world_size(group)?);
     let mut v = vec![0i64; world];
     v[rank] = i64::from(ok);
@@ -36,7 +20,7 @@ fn flags(ok: bool, group: Option<&ProcessGroup>) -> Result<Vec<bool>> {
 
 /// `Ok` when every rank succeeded, else the error: this rank's own, or one naming the ranks
 /// that failed.
-fn agree(mine: Result<()>, what: &str, group: Option<&ProcessGroup>) -> Result<()> {
+pub(crate) fn agree(mine: Result<()>, what: &str, group: Option<&ProcessGroup>) -> Result<()> {
     let all = flags(mine.is_ok(), group)?;
     mine?;
     let failed: Vec<usize> = (0..all.len()).filter(|&r| !all[r]).collect();

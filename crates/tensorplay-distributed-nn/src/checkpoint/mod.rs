@@ -1,0 +1,28 @@
+//! Checkpoints of a process group's training (`torch.distributed.checkpoint`, simplified):
+//! replicated state written once by rank 0, and sharded state written by every rank with one
+//! metadata file that commits the set.
+//!
+//! - **Replicated** (DDP, or any parameters equal on every rank): [`save_replicated`] writes
+//!   the file on rank 0 only; every rank then loads it with [`tensorplay_core::load`].
+//! - **Sharded** (tensor parallelism: each rank holds a different part): [`save_sharded`]
+//!   writes `<name>.step<S>.rank<r>.safetensors` on every rank, then rank 0 writes
+//!   `<name>.json` naming the step, the world size and the shards. The `.json` is the commit
+//!   point: a job killed while saving still has the previous `.json` and the shards it names
+//!   (older shards are removed only after the new `.json` is on disk). [`load_sharded`]
+//!   restores every rank's shard at the same world size; loading at another world size
+//!   (resharding) is refused.
+//!
+//! Every call is collective over the group (every rank calls it, in the same order), and every
+//! rank returns the same outcome: when one rank cannot write or read its file, all of them
+//! fail, naming it. Ranks on several hosts need a folder all of them see (a shared file
+//! system) for [`load_sharded`] to find the `.json`, as with PyTorch's distributed checkpoints.
+//!
+//! [`state_dict`] makes what these functions write: a model's and an optimizer's state keyed
+//! by fully qualified parameter names, the same for plain, DDP, tensor-parallel and fully
+//! sharded models (`torch.distributed.checkpoint.state_dict`), local shards with their
+//! [`TensorPlacement`](state_dict::TensorPlacement) or whole tensors.
+
+mod sharded;
+pub mod state_dict;
+
+pub use sharded::{Shard, load_sharded, save_replicated, save_sharded, sharded_exists};
