@@ -11,6 +11,7 @@ use tensorplay_collectives as dist;
 use tensorplay_core::nn::utils::clip_grad_norm_;
 use tensorplay_core::nn::{self, Linear, Module, Sequential};
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
+use tensorplay_core::utils::checkpoint::CheckpointWrapper;
 use tensorplay_core::{self as tp, DType, Tensor};
 use tensorplay_distributed_nn::parallel::fsdp::{
     FsdpEvent, FsdpModule, FsdpOptions, clip_grad_norm_ as sharded_clip, full_tensor, fully_shard,
@@ -25,7 +26,7 @@ const STEPS: usize = 3;
 const BATCH: usize = 12;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Model {
+pub(crate) enum Model {
     /// Linear 5 -> 7 -> 6 -> 3 with Tanh: dimensions 0 of 7, 6 and 3 rows.
     Mlp,
     /// The GPT of `tensorplay::models` with 2 blocks of width 16 and a tied head.
@@ -33,7 +34,7 @@ enum Model {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Wrap {
+pub(crate) enum Wrap {
     /// Every child with parameters (every block), then the root.
     Nested,
     /// The root alone.
@@ -41,17 +42,26 @@ enum Wrap {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Case {
+pub(crate) struct Case {
+    pub(crate) name: &'static str,
+    pub(crate) model: Model,
+    pub(crate) wrap: Wrap,
+    pub(crate) reshard_after_forward: bool,
+    pub(crate) dtype: DType,
+    /// The first layer's bias (the MLP) or the first block's first LayerNorm (the GPT) frozen.
+    pub(crate) frozen: bool,
+    /// Every layer (the MLP) or block (the GPT) of the sharded model in a
+    /// `CheckpointWrapper` before `fully_shard` (the reference is never checkpointed).
+    pub(crate) checkpointed: bool,
+}
+
+pub(crate) const fn case(
     name: &'static str,
     model: Model,
     wrap: Wrap,
-    reshard_after_forward: bool,
+    raf: bool,
     dtype: DType,
-    /// The first layer's bias (the MLP) or the first block's first LayerNorm (the GPT) frozen.
-    frozen: bool,
-}
-
-const fn case(name: &'static str, model: Model, wrap: Wrap, raf: bool, dtype: DType) -> Case {
+) -> Case {
     Case {
         name,
         model,
@@ -59,6 +69,7 @@ const fn case(name: &'static str, model: Model, wrap: Wrap, raf: bool, dtype: DT
         reshard_after_forward: raf,
         dtype,
         frozen: false,
+        checkpointed: false,
     }
 }
 
@@ -74,7 +85,7 @@ fn gpt_config(dtype: DType) -> GptConfig {
     }
 }
 
-fn mlp(dtype: DType) -> tp::Result<Sequential> {
+fn mlp(dtype: DType, checkpointed: bool) -> tp::Result<Sequential> {
     let dims = [5, 7, 6, 3];
     let mut m = Sequential::new();
     for (k, w) in dims.windows(2).enumerate() {
@@ -86,7 +97,12 @@ fn mlp(dtype: DType) -> tp::Result<Sequential> {
                 .requires_grad_(true))
         };
         let b = l.bias.as_ref().map(leaf).transpose()?;
-        m = m.add(Linear::from_weights(leaf(&l.weight)?, b)?);
+        let l = Linear::from_weights(leaf(&l.weight)?, b)?;
+        m = if checkpointed {
+            m.add(CheckpointWrapper::new(l))
+        } else {
+            m.add(l)
+        };
         if k + 2 < dims.len() {
             m = m.add(nn::Tanh::new());
         }
@@ -94,12 +110,17 @@ fn mlp(dtype: DType) -> tp::Result<Sequential> {
     Ok(m)
 }
 
-/// The case's model, built from the seed (the same on every rank and in the reference).
-fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
+/// The case's model, built from the seed (the same on every rank and in the reference),
+/// with activation checkpointing per layer or block when `checkpointed`.
+pub(crate) fn build(c: &Case, checkpointed: bool) -> tp::Result<Box<dyn Module>> {
     tp::manual_seed(7);
     let mut m: Box<dyn Module> = match c.model {
-        Model::Mlp => Box::new(mlp(c.dtype)?),
-        Model::Gpt => Box::new(Gpt::new(gpt_config(c.dtype))?),
+        Model::Mlp => Box::new(mlp(c.dtype, checkpointed)?),
+        Model::Gpt => {
+            let mut g = Gpt::new(gpt_config(c.dtype))?;
+            g.set_activation_checkpointing(checkpointed);
+            Box::new(g)
+        }
     };
     if c.frozen {
         let name = match c.model {
@@ -118,7 +139,7 @@ fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
 }
 
 /// Rows `from..from + n` of the case's data: `(input, target)`.
-fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
+pub(crate) fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
     match c.model {
         Model::Mlp => {
             let x: Vec<f64> = (from..from + n)
@@ -146,7 +167,7 @@ fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
     }
 }
 
-fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
+pub(crate) fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
     let out = m.call(x)?;
     match c.model {
         Model::Mlp => nn::MSELoss::new().forward(&out, y),
@@ -189,7 +210,7 @@ fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
 /// AdamW in float64; SGD in float32, where AdamW's division by the root of the second moment
 /// turns gradients that are zero up to rounding (the key projection's bias: softmax ignores
 /// it) into steps of size `lr` whose signs are the rounding's, in either run.
-fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>> {
+pub(crate) fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>> {
     Ok(if dtype == DType::F64 {
         Box::new(AdamW::new(
             params,
@@ -210,7 +231,7 @@ fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>
     })
 }
 
-fn tol(dtype: DType) -> Tol {
+pub(crate) fn tol(dtype: DType) -> Tol {
     if dtype == DType::F64 {
         Tol::scaled(1e-12)
     } else {
@@ -223,8 +244,8 @@ fn tol(dtype: DType) -> Tol {
 /// gradient of every parameter equals the reference's, after the last step the parameters.
 fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
     let what = format!("{} (world {world})", c.name);
-    let mut model = build(c)?;
-    let reference = build(c)?;
+    let mut model = build(c, c.checkpointed)?;
+    let reference = build(c, false)?;
     let names: Vec<String> = reference
         .named_parameters()
         .into_iter()
@@ -376,7 +397,7 @@ const FROZEN: [Case; 2] = [
     },
 ];
 
-fn check_world(world: usize, cases: &[Case]) {
+pub(crate) fn check_world(world: usize, cases: &[Case]) {
     cpu_world(world, TIMEOUT, |rank| -> TestResult {
         for c in cases {
             run_case(c, rank, world)?;

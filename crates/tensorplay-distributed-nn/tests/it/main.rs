@@ -4,6 +4,7 @@
 mod bad_arguments;
 mod ddp;
 mod fsdp;
+mod fsdp_checkpoint;
 mod fsdp_faults;
 mod fsdp_memory;
 mod fsdp_misuse;
