@@ -437,7 +437,7 @@ fn prefetching_and_reduce_scatter_overlap_compute() {
     let c = CASES[3];
     cpu_world(2, TIMEOUT, |rank| -> TestResult {
         use FsdpEvent::*;
-        let mut model = build(&c)?;
+        let mut model = build(&c, false)?;
         let handles = wrap(&c, model.as_mut())?;
         for step in 0..2 {
             let (x, y) = rows(&c, step * 12 + rank * 6, 6)?;
@@ -510,7 +510,7 @@ fn clip_grad_norm_matches_one_process() {
     cpu_world(2, TIMEOUT, |_rank| -> TestResult {
         for (norm_type, max_norm) in [(2.0, 0.05), (f64::INFINITY, 0.01), (1.0, 1e6)] {
             let what = format!("norm_type {norm_type}, max_norm {max_norm}");
-            let mut model = build(&c)?;
+            let mut model = build(&c, false)?;
             // only the first layer is sharded: the others stay whole on every rank
             let first = model
                 .named_children_mut()
@@ -519,7 +519,7 @@ fn clip_grad_norm_matches_one_process() {
                 .ok_or("no layer")?
                 .1;
             fully_shard(first, FsdpOptions::default())?;
-            let reference = build(&c)?;
+            let reference = build(&c, false)?;
             let (x, y) = rows(&c, 0, BATCH)?;
             loss(&c, model.as_ref(), &x, &y)?.backward()?;
             loss(&c, reference.as_ref(), &x, &y)?.backward()?;
