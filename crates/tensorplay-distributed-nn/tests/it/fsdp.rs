@@ -202,7 +202,7 @@ fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
 }
 
 /// The whole tensor of which every rank holds `shard` (rows in rank order), as `f64`s.
-fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
+pub(crate) fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
     let all: Vec<Vec<f64>> = dist::all_gather_object(&shard.to_vec_f64()?, None)?;
     Ok(all.concat())
 }
