@@ -9,6 +9,7 @@ use tensorplay_core::nn::functional::{
     cross_entropy, dropout, linear, scaled_dot_product_attention,
 };
 use tensorplay_core::nn::{Embedding, LayerNorm, Linear, Module, ModuleCore, ModuleList};
+use tensorplay_core::utils::checkpoint::CheckpointWrapper;
 use tensorplay_core::{DType, Error, Result, Tensor};
 use tensorplay_distributed_nn::parallel::tensor::{
     ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
@@ -396,6 +397,13 @@ impl Module for Block {
     }
 }
 
+/// A block in a checkpoint wrapper that is switched off.
+fn unchecked(block: Block) -> CheckpointWrapper<Block> {
+    let mut w = CheckpointWrapper::new(block);
+    w.set_enabled(false);
+    w
+}
+
 // ---------------------------------------------------------------------------------------------
 // the model
 
@@ -433,8 +441,10 @@ pub struct Gpt {
     pub wte: Embedding,
     /// The position embedding `[block_size, E]`.
     pub wpe: Embedding,
-    /// The blocks.
-    pub h: ModuleList<Block>,
+    /// The blocks, each in a [`CheckpointWrapper`] that is off unless
+    /// [`Gpt::set_activation_checkpointing`] turned it on (the wrapper is transparent: names
+    /// and fields are the block's).
+    pub h: ModuleList<CheckpointWrapper<Block>>,
     /// The final LayerNorm.
     pub ln_f: LayerNorm,
     #[module(skip)]
@@ -452,7 +462,7 @@ impl Gpt {
         let wpe = Embedding::from_weights(normal(&[config.block_size, e], 0.02, config.dtype)?)?;
         let mut h = ModuleList::new();
         for _ in 0..config.n_layer {
-            h.push(Block::new(&config)?);
+            h.push(unchecked(Block::new(&config)?));
         }
         Ok(Gpt {
             wte,
@@ -462,6 +472,17 @@ impl Gpt {
             config,
             core: ModuleCore::new(),
         })
+    }
+
+    /// Turns per-block activation checkpointing on or off (off after [`Gpt::new`]): with it,
+    /// each block's activations are recomputed in backward instead of kept, as torchtitan's
+    /// per-block AC does (see [`CheckpointWrapper`]); gradients are identical, at the cost of
+    /// a second forward of each block. With fully sharded data parallelism, turn it on before
+    /// or after `fully_shard` alike.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        for b in self.h.iter_mut() {
+            b.set_enabled(on);
+        }
     }
 
     /// The configuration.
@@ -488,7 +509,9 @@ impl Gpt {
             |t: &Tensor| -> Result<Tensor> { Ok(t.detach().deep_clone()?.requires_grad_(true)) };
         let mut h = ModuleList::new();
         for b in &self.h {
-            h.push(b.copy()?);
+            let mut c = unchecked(b.copy()?);
+            c.set_enabled(b.is_enabled());
+            h.push(c);
         }
         let mut gpt = Gpt {
             wte: Embedding::from_weights(copy(&self.wte.weight)?)?,

@@ -10,6 +10,7 @@
 //! | `torch.nn` | [`nn`] |
 //! | `torch.nn.parallel.DistributedDataParallel` | [`nn::parallel::DistributedDataParallel`] |
 //! | `torch.utils.data` (`DataLoader`, `DistributedSampler`) | [`utils::data`] |
+//! | `torch.utils.checkpoint`, `checkpoint_wrapper` | [`utils::checkpoint`] |
 //! | `torch.optim` | [`optim`] |
 //! | `torch.cuda` | [`cuda`] |
 //! | `torch.distributed` | [`distributed`] |
@@ -164,8 +165,17 @@ pub mod nn {
     }
 }
 
-/// `torch.utils`: `data` (datasets, samplers, batching, and `DistributedSampler`).
+/// `torch.utils`: `data` (datasets, samplers, batching, and `DistributedSampler`) and
+/// `checkpoint` (activation checkpointing).
 pub mod utils {
+    /// `torch.utils.checkpoint` (the non-reentrant form):
+    /// [`checkpoint`](checkpoint::checkpoint) recomputes a region's activations in backward
+    /// instead of keeping them; [`CheckpointWrapper`](checkpoint::CheckpointWrapper) does it
+    /// around a module's forward (PyTorch's `checkpoint_wrapper`).
+    pub mod checkpoint {
+        pub use tensorplay_core::utils::checkpoint::{CheckpointWrapper, checkpoint};
+    }
+
     /// `torch.utils.data`: [`TensorDataset`](data::TensorDataset),
     /// [`DataLoader`](data::DataLoader), samplers, and
     /// [`DistributedSampler`](data::DistributedSampler) (`torch.utils.data.distributed`).

@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use super::grad_mode::{is_grad_enabled, set_grad_enabled};
 use super::graph::{Context, Edge, Node, NodeKind, SavedTensor, TensorMeta};
+use super::saved_hooks;
 use crate::{Result, Tensor};
 
 /// A differentiable operation, like a subclass of `torch.autograd.Function`.
@@ -79,20 +80,28 @@ pub fn apply<F: Function>(f: F, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let input_meta = inputs.iter().map(|t| TensorMeta::of(t)).collect();
     let output_meta = raw.iter().map(TensorMeta::of).collect();
     let pending = std::mem::take(&mut ctx.pending);
-    ctx.saved = pending
-        .into_iter()
-        .map(|t| {
-            let version = t.version();
-            match raw.iter().position(|o| Arc::ptr_eq(&o.0, &t.0)) {
-                Some(output_nr) => SavedTensor::Output {
-                    data: t,
-                    output_nr,
-                    version,
-                },
-                None => SavedTensor::Plain { tensor: t, version },
-            }
-        })
-        .collect();
+    let hooks = saved_hooks::current();
+    let mut saved = Vec::with_capacity(pending.len());
+    for t in pending {
+        let version = t.version();
+        let output_nr = raw.iter().position(|o| Arc::ptr_eq(&o.0, &t.0));
+        saved.push(match (&hooks, output_nr) {
+            (Some(h), output_nr) => SavedTensor::Packed {
+                packed: h.pack(&t)?,
+                hooks: h.clone(),
+                output_nr,
+                storage: Arc::downgrade(&t.0.storage),
+                version,
+            },
+            (None, Some(output_nr)) => SavedTensor::Output {
+                data: t,
+                output_nr,
+                version,
+            },
+            (None, None) => SavedTensor::Plain { tensor: t, version },
+        });
+    }
+    ctx.saved = saved;
     let non_diff = std::mem::take(&mut ctx.non_differentiable);
     let node = Arc::new_cyclic(|weak| {
         ctx.node = weak.clone();

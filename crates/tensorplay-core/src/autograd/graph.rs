@@ -5,6 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use super::function::Function;
+use super::saved_hooks::{PackedTensor, SavedTensorHooks};
+use crate::storage::StorageCell;
 use crate::{DType, Device, Error, Result, Tensor};
 
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -165,6 +167,16 @@ pub(crate) enum SavedTensor {
         output_nr: usize,
         version: u64,
     },
+    /// Packed by saved-tensor hooks: the graph keeps what the pack hook returned and the
+    /// hooks themselves (captured when saving, so unpacking works on any thread). The
+    /// storage is watched weakly: while it lives, its version is checked on unpack.
+    Packed {
+        packed: PackedTensor,
+        hooks: Arc<dyn SavedTensorHooks>,
+        output_nr: Option<usize>,
+        storage: Weak<StorageCell>,
+        version: u64,
+    },
 }
 
 /// What a [`Function`] keeps between forward and backward: saved tensors (checked against
@@ -224,31 +236,59 @@ impl Context {
                     data,
                     output_nr,
                     version,
+                } => (self.as_output(data, *output_nr), *version),
+                SavedTensor::Packed {
+                    packed,
+                    hooks,
+                    output_nr,
+                    storage,
+                    version,
                 } => {
-                    let t = data.view_with_layout(data.layout().clone());
-                    if let Some(node) = self.node.upgrade() {
-                        t.meta().grad_fn = Some(Edge {
-                            node,
-                            input_nr: *output_nr,
-                        });
+                    if let Some(cell) = storage.upgrade()
+                        && cell.version() != *version
+                    {
+                        return Err(self.modified_error(i, None, cell.version(), *version));
                     }
-                    (t, *version)
+                    let t = hooks.unpack(packed)?;
+                    let t = match output_nr {
+                        Some(nr) => self.as_output(&t, *nr),
+                        None => t,
+                    };
+                    out.push(t);
+                    continue;
                 }
             };
             if t.version() != v {
-                let name = self.node.upgrade().map(|n| n.name().to_string());
-                return Err(Error::Autograd(format!(
-                    "one of the variables needed for gradient computation has been modified \
-                     by an in-place operation: saved tensor {i} of {} with shape {:?} is at \
-                     version {}; expected version {v}",
-                    name.as_deref().unwrap_or("a function"),
-                    t.shape(),
-                    t.version()
-                )));
+                return Err(self.modified_error(i, Some(t.shape()), t.version(), v));
             }
             out.push(t);
         }
         Ok(out)
+    }
+
+    /// A saved output of this node: a new handle whose `grad_fn` is this node again.
+    fn as_output(&self, data: &Tensor, output_nr: usize) -> Tensor {
+        let t = data.view_with_layout(data.layout().clone());
+        if let Some(node) = self.node.upgrade() {
+            t.meta().grad_fn = Some(Edge {
+                node,
+                input_nr: output_nr,
+            });
+        }
+        t
+    }
+
+    fn modified_error(&self, i: usize, shape: Option<&[usize]>, now: u64, saved: u64) -> Error {
+        let name = self.node.upgrade().map(|n| n.name().to_string());
+        let shape = shape
+            .map(|s| format!(" with shape {s:?}"))
+            .unwrap_or_default();
+        Error::Autograd(format!(
+            "one of the variables needed for gradient computation has been modified by an \
+             in-place operation: saved tensor {i} of {}{shape} is at version {now}; expected \
+             version {saved}",
+            name.as_deref().unwrap_or("a function"),
+        ))
     }
 
     /// Stores a value for backward. Values are retrieved by type with [`Context::get`]; to keep

@@ -11,6 +11,8 @@
 //! - [`run_backward`]: the lower-level entry (roots as graph edges with given gradients, leaf
 //!   gradients collected into a map instead of `.grad`), used by distributed autograd.
 //! - [`gradcheck`]: finite-difference check in float64.
+//! - [`saved_tensors_hooks`]: pack and unpack the tensors saved for backward (activation
+//!   checkpointing, `crate::utils::checkpoint`, is built on them).
 //!
 //! Nodes run as soon as they are ready, leaf accumulations first (as in PyTorch), so a leaf's
 //! `.grad` and its post-accumulate hooks come as early in the pass as its gradient is known.
@@ -23,6 +25,7 @@ mod function;
 mod grad_mode;
 mod gradcheck;
 pub(crate) mod graph;
+mod saved_hooks;
 
 use std::sync::{Arc, Weak};
 
@@ -34,6 +37,8 @@ pub use function::{Function, apply};
 pub use grad_mode::{GradModeGuard, is_grad_enabled, no_grad, set_grad_enabled};
 pub use gradcheck::{GradcheckOptions, gradcheck, gradgradcheck};
 pub use graph::{Context, GradientEdge, Hook, Node, TensorMeta};
+pub use saved_hooks::{PackedTensor, SavedTensorsHooksGuard, saved_tensors_hooks};
+pub(crate) use saved_hooks::{SavedTensorHooks, push as push_saved_tensors_hooks};
 
 use crate::{Error, Result, Tensor};
 use graph::Edge;

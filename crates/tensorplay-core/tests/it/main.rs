@@ -1,6 +1,7 @@
 //! The integration tests of `tensorplay-core`: the core: tensors, autograd, nn, optim, checkpoints, devices. One binary, one module per
 //! concern (`cargo test -p tensorplay-core --test it MODULE::`).
 
+mod activation_checkpoint;
 mod autograd_engine;
 mod bad_input;
 mod checkpoint;

@@ -11,6 +11,7 @@ use tensorplay_collectives::{self as dist, device_mesh::DeviceMesh};
 use tensorplay_core::nn::utils::clip_grad_norm_;
 use tensorplay_core::nn::{self, Linear, Module, Sequential};
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer, SGD, SgdOptions};
+use tensorplay_core::utils::checkpoint::CheckpointWrapper;
 use tensorplay_core::{self as tp, DType, Tensor};
 use tensorplay_distributed_nn::parallel::fsdp::{
     FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, clip_grad_norm_ as sharded_clip,
@@ -18,15 +19,15 @@ use tensorplay_distributed_nn::parallel::fsdp::{
 };
 use tensorplay_testkit::{Tol, check_close, cpu_world};
 
-pub(super) type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+pub(crate) type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
-pub(super) const TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(60);
 const STEPS: usize = 3;
 /// Rows of the whole batch (every world used here divides it).
-pub(super) const BATCH: usize = 12;
+pub(crate) const BATCH: usize = 12;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum Model {
+pub(crate) enum Model {
     /// Linear 5 -> 7 -> 6 -> 3 with Tanh: dimensions 0 of 7, 6 and 3 rows.
     Mlp,
     /// The GPT of `tensorplay::models` with 2 blocks of width 16 and a tied head.
@@ -34,7 +35,7 @@ pub(super) enum Model {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum Wrap {
+pub(crate) enum Wrap {
     /// Every child with parameters (every block), then the root.
     Nested,
     /// The root alone.
@@ -42,20 +43,23 @@ pub(super) enum Wrap {
 }
 
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Case {
-    pub(super) name: &'static str,
-    pub(super) model: Model,
-    pub(super) wrap: Wrap,
-    pub(super) reshard_after_forward: bool,
+pub(crate) struct Case {
+    pub(crate) name: &'static str,
+    pub(crate) model: Model,
+    pub(crate) wrap: Wrap,
+    pub(crate) reshard_after_forward: bool,
     /// The dtype the model is built in (the shards' dtype).
-    pub(super) dtype: DType,
+    pub(crate) dtype: DType,
     /// The first layer's bias (the MLP) or the first block's first LayerNorm (the GPT) frozen.
-    pub(super) frozen: bool,
+    pub(crate) frozen: bool,
     /// The mixed-precision policy of every `fully_shard` call.
-    pub(super) mp: MixedPrecisionPolicy,
+    pub(crate) mp: MixedPrecisionPolicy,
+    /// Every layer (the MLP) or block (the GPT) of the sharded model in a
+    /// `CheckpointWrapper` before `fully_shard` (the reference is never checkpointed).
+    pub(crate) checkpointed: bool,
 }
 
-pub(super) const fn case(
+pub(crate) const fn case(
     name: &'static str,
     model: Model,
     wrap: Wrap,
@@ -75,10 +79,11 @@ pub(super) const fn case(
             output_dtype: None,
             cast_forward_inputs: true,
         },
+        checkpointed: false,
     }
 }
 
-pub(super) fn gpt_config(dtype: DType) -> GptConfig {
+pub(crate) fn gpt_config(dtype: DType) -> GptConfig {
     GptConfig {
         vocab_size: 11,
         block_size: 8,
@@ -90,7 +95,7 @@ pub(super) fn gpt_config(dtype: DType) -> GptConfig {
     }
 }
 
-fn mlp(dtype: DType) -> tp::Result<Sequential> {
+fn mlp(dtype: DType, checkpointed: bool) -> tp::Result<Sequential> {
     let dims = [5, 7, 6, 3];
     let mut m = Sequential::new();
     for (k, w) in dims.windows(2).enumerate() {
@@ -102,7 +107,12 @@ fn mlp(dtype: DType) -> tp::Result<Sequential> {
                 .requires_grad_(true))
         };
         let b = l.bias.as_ref().map(leaf).transpose()?;
-        m = m.add(Linear::from_weights(leaf(&l.weight)?, b)?);
+        let l = Linear::from_weights(leaf(&l.weight)?, b)?;
+        m = if checkpointed {
+            m.add(CheckpointWrapper::new(l))
+        } else {
+            m.add(l)
+        };
         if k + 2 < dims.len() {
             m = m.add(nn::Tanh::new());
         }
@@ -110,12 +120,17 @@ fn mlp(dtype: DType) -> tp::Result<Sequential> {
     Ok(m)
 }
 
-/// The case's model, built from the seed (the same on every rank and in the reference).
-pub(super) fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
+/// The case's model, built from the seed (the same on every rank and in the reference),
+/// with activation checkpointing per layer or block when `checkpointed`.
+pub(crate) fn build(c: &Case, checkpointed: bool) -> tp::Result<Box<dyn Module>> {
     tp::manual_seed(7);
     let mut m: Box<dyn Module> = match c.model {
-        Model::Mlp => Box::new(mlp(c.dtype)?),
-        Model::Gpt => Box::new(Gpt::new(gpt_config(c.dtype))?),
+        Model::Mlp => Box::new(mlp(c.dtype, checkpointed)?),
+        Model::Gpt => {
+            let mut g = Gpt::new(gpt_config(c.dtype))?;
+            g.set_activation_checkpointing(checkpointed);
+            Box::new(g)
+        }
     };
     if c.frozen {
         let name = match c.model {
@@ -134,7 +149,7 @@ pub(super) fn build(c: &Case) -> tp::Result<Box<dyn Module>> {
 }
 
 /// Rows `from..from + n` of the case's data: `(input, target)`.
-pub(super) fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
+pub(crate) fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
     match c.model {
         Model::Mlp => {
             let x: Vec<f64> = (from..from + n)
@@ -162,12 +177,12 @@ pub(super) fn rows(c: &Case, from: usize, n: usize) -> tp::Result<(Tensor, Tenso
     }
 }
 
-pub(super) fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
+pub(crate) fn loss(c: &Case, m: &dyn Module, x: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
     loss_of(c, &m.call(x)?, y)
 }
 
 /// The case's loss of the model's output `out` against `y`.
-pub(super) fn loss_of(c: &Case, out: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
+pub(crate) fn loss_of(c: &Case, out: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
     match c.model {
         Model::Mlp => nn::MSELoss::new().forward(out, y),
         Model::Gpt => {
@@ -178,12 +193,12 @@ pub(super) fn loss_of(c: &Case, out: &Tensor, y: &Tensor) -> tp::Result<Tensor> 
 }
 
 /// Wraps `m` as the case says; the handles, the root's last.
-pub(super) fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
+pub(crate) fn wrap(c: &Case, m: &mut dyn Module) -> tp::Result<Vec<FsdpModule>> {
     wrap_on(c, m, None)
 }
 
 /// [`wrap`] over `mesh` (`None`: the default group).
-pub(super) fn wrap_on(
+pub(crate) fn wrap_on(
     c: &Case,
     m: &mut dyn Module,
     mesh: Option<&DeviceMesh>,
@@ -221,12 +236,12 @@ pub(super) fn wrap_on(
 }
 
 /// The whole tensor of which every rank holds `shard` (rows in rank order), as `f64`s.
-pub(super) fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
+pub(crate) fn gathered(shard: &Tensor) -> tp::Result<Vec<f64>> {
     gathered_in(shard, None)
 }
 
 /// [`gathered`] over `group` (`None`: the default group).
-pub(super) fn gathered_in(
+pub(crate) fn gathered_in(
     shard: &Tensor,
     group: Option<&dist::ProcessGroup>,
 ) -> tp::Result<Vec<f64>> {
@@ -237,7 +252,7 @@ pub(super) fn gathered_in(
 /// AdamW in float64; SGD in float32, where AdamW's division by the root of the second moment
 /// turns gradients that are zero up to rounding (the key projection's bias: softmax ignores
 /// it) into steps of size `lr` whose signs are the rounding's, in either run.
-pub(super) fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>> {
+pub(crate) fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn Optimizer>> {
     Ok(if dtype == DType::F64 {
         Box::new(AdamW::new(
             params,
@@ -258,7 +273,7 @@ pub(super) fn optimizer(params: Vec<Tensor>, dtype: DType) -> tp::Result<Box<dyn
     })
 }
 
-pub(super) fn tol(dtype: DType) -> Tol {
+pub(crate) fn tol(dtype: DType) -> Tol {
     if dtype == DType::F64 {
         Tol::scaled(1e-12)
     } else {
@@ -275,7 +290,7 @@ fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
 
 /// [`run_case`] with the model sharded over `mesh` (1-D, or 2-D for HSDP; `None`: the default
 /// group); `rank` and `world` place the rank's rows in the whole batch.
-pub(super) fn run_case_on(
+pub(crate) fn run_case_on(
     c: &Case,
     rank: usize,
     world: usize,
@@ -288,8 +303,8 @@ pub(super) fn run_case_on(
         None => None,
     };
     let gathered = |t: &Tensor| gathered_in(t, group.as_ref());
-    let mut model = build(c)?;
-    let reference = build(c)?;
+    let mut model = build(c, c.checkpointed)?;
+    let reference = build(c, false)?;
     let names: Vec<String> = reference
         .named_parameters()
         .into_iter()
@@ -373,7 +388,7 @@ pub(super) fn run_case_on(
     Ok(())
 }
 
-pub(super) const CASES: [Case; 6] = [
+pub(crate) const CASES: [Case; 6] = [
     case(
         "mlp nested, reshard after forward",
         Model::Mlp,
@@ -441,7 +456,7 @@ const FROZEN: [Case; 2] = [
     },
 ];
 
-fn check_world(world: usize, cases: &[Case]) {
+pub(crate) fn check_world(world: usize, cases: &[Case]) {
     cpu_world(world, TIMEOUT, |rank| -> TestResult {
         for c in cases {
             run_case(c, rank, world)?;
@@ -481,7 +496,7 @@ fn prefetching_and_reduce_scatter_overlap_compute() {
     let c = CASES[3];
     cpu_world(2, TIMEOUT, |rank| -> TestResult {
         use FsdpEvent::*;
-        let mut model = build(&c)?;
+        let mut model = build(&c, false)?;
         let handles = wrap(&c, model.as_mut())?;
         for step in 0..2 {
             let (x, y) = rows(&c, step * 12 + rank * 6, 6)?;
@@ -554,7 +569,7 @@ fn clip_grad_norm_matches_one_process() {
     cpu_world(2, TIMEOUT, |_rank| -> TestResult {
         for (norm_type, max_norm) in [(2.0, 0.05), (f64::INFINITY, 0.01), (1.0, 1e6)] {
             let what = format!("norm_type {norm_type}, max_norm {max_norm}");
-            let mut model = build(&c)?;
+            let mut model = build(&c, false)?;
             // only the first layer is sharded: the others stay whole on every rank
             let first = model
                 .named_children_mut()
@@ -563,7 +578,7 @@ fn clip_grad_norm_matches_one_process() {
                 .ok_or("no layer")?
                 .1;
             fully_shard(first, FsdpOptions::default())?;
-            let reference = build(&c)?;
+            let reference = build(&c, false)?;
             let (x, y) = rows(&c, 0, BATCH)?;
             loss(&c, model.as_ref(), &x, &y)?.backward()?;
             loss(&c, reference.as_ref(), &x, &y)?.backward()?;

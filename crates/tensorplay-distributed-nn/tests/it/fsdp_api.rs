@@ -43,9 +43,9 @@ fn micro(rank: usize, k: usize) -> tp::Result<((Tensor, Tensor), (Tensor, Tensor
 /// `unshard_async`: the handle's wait fills the parameters; a forward right after an
 /// unwaited one uses the gather in flight; values equal one process.
 fn unshard_async(rank: usize) -> TestResult {
-    let mut m = build(&C)?;
+    let mut m = build(&C, false)?;
     let handles = wrap(&C, m.as_mut())?;
-    let reference = build(&C)?;
+    let reference = build(&C, false)?;
     let first = &handles[0];
     first.unshard_async()?.wait()?;
     if !first.is_unsharded() {
@@ -65,9 +65,9 @@ fn unshard_async(rank: usize) -> TestResult {
 fn explicit_prefetch(rank: usize) -> TestResult {
     for explicit in [true, false] {
         let what = if explicit { "two groups" } else { "none" };
-        let mut m = build(&C)?;
+        let mut m = build(&C, false)?;
         let h = wrap(&C, m.as_mut())?;
-        let reference = build(&C)?;
+        let reference = build(&C, false)?;
         let list = if explicit { vec![&h[1], &h[2]] } else { vec![] };
         h[0].set_modules_to_forward_prefetch(&list);
         h[0].set_modules_to_backward_prefetch(&[]);
@@ -118,10 +118,10 @@ fn explicit_prefetch(rank: usize) -> TestResult {
 /// every time: the shards' `.grad` after the last equals the single-process sum.
 fn last_backward(rank: usize) -> TestResult {
     const MICRO: usize = 3;
-    let mut m = build(&C)?;
+    let mut m = build(&C, false)?;
     let handles = wrap(&C, m.as_mut())?;
     let root = handles.last().ok_or("no root")?;
-    let reference = build(&C)?;
+    let reference = build(&C, false)?;
     for k in 0..MICRO {
         root.set_is_last_backward(k + 1 == MICRO);
         let ((x, y), (xa, ya)) = micro(rank, k)?;
@@ -134,7 +134,7 @@ fn last_backward(rank: usize) -> TestResult {
 /// `ignored_params`: the last layer's bias stays whole and local (its gradient is this rank's
 /// rows' alone, unsynchronised); every other parameter is sharded and averaged.
 fn ignored(rank: usize) -> TestResult {
-    let mut m = build(&C)?;
+    let mut m = build(&C, false)?;
     let bias = m
         .named_parameters()
         .into_iter()
@@ -157,8 +157,8 @@ fn ignored(rank: usize) -> TestResult {
     if listed.id() != bias.id() {
         return Err("the ignored bias is not listed as itself".into());
     }
-    let reference = build(&C)?;
-    let local = build(&C)?;
+    let reference = build(&C, false)?;
+    let local = build(&C, false)?;
     let ((x, y), (xa, ya)) = micro(rank, 0)?;
     loss(&C, m.as_ref(), &x, &y)?.backward()?;
     loss(&C, reference.as_ref(), &xa, &ya)?.backward()?;
@@ -190,9 +190,9 @@ fn ignored(rank: usize) -> TestResult {
 /// fails clearly outside it (the weights are freed) and equals one process inside it,
 /// backward included.
 fn forward_method(rank: usize) -> TestResult {
-    let mut m = build(&C)?;
+    let mut m = build(&C, false)?;
     let root = fully_shard(m.as_mut(), FsdpOptions::default())?;
-    let reference = build(&C)?;
+    let reference = build(&C, false)?;
     let first_layer = |m: &dyn Module, x: &Tensor| -> tp::Result<Tensor> {
         let children = m.named_children();
         children[0].1.call(x)?.pow_scalar(2.0)?.mean()

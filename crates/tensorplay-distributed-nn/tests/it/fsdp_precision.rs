@@ -131,12 +131,15 @@ fn reference_backward(
 
 fn run_case(c: &Case, rank: usize, world: usize) -> TestResult {
     let what = format!("{} (world {world})", c.name);
-    let mut model = build(c)?;
-    let masters = build(c)?;
-    let compute = build(&Case {
-        dtype: compute_dtype(c),
-        ..*c
-    })?;
+    let mut model = build(c, false)?;
+    let masters = build(c, false)?;
+    let compute = build(
+        &Case {
+            dtype: compute_dtype(c),
+            ..*c
+        },
+        false,
+    )?;
     let _handles = wrap(c, model.as_mut())?;
     if let Some(p) = model.parameters().iter().find(|p| p.dtype() != c.dtype) {
         return Err(format!(

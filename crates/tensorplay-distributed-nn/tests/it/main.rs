@@ -6,6 +6,8 @@ mod ddp;
 mod fsdp;
 mod fsdp_2d;
 mod fsdp_api;
+mod fsdp_checkpoint;
+
 mod fsdp_faults;
 mod fsdp_memory;
 mod fsdp_misuse;

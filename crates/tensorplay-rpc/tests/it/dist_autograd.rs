@@ -1,7 +1,8 @@
 //! Distributed autograd across real processes: gradients through rpc_sync / rpc_async /
 //! remote + to_here / proxies / nested chains equal the same computation done locally
 //! (float64, integer-valued data so that every sum is exact), contexts, retain_graph,
-//! failures, the unused-output case, cleanup on every worker, and `RRef::backward`.
+//! failures, the unused-output case, cleanup on every worker, `RRef::backward`, and activation
+//! checkpointing on both sides of an RPC.
 
 use crate::common;
 
@@ -12,6 +13,7 @@ use common::{TestResult, barrier, eventually, init, register_common};
 use tensorplay_collectives::spawn::spawn;
 use tensorplay_core::Tensor;
 use tensorplay_core::autograd::{Context, Function, apply};
+use tensorplay_core::utils::checkpoint::checkpoint;
 use tensorplay_rpc::{self as rpc, RRef, autograd as dist_autograd};
 
 fn t(v: &[f64], shape: &[usize]) -> Tensor {
@@ -52,6 +54,10 @@ fn register_all() {
     rpc::register("mul", |(a, b): (Tensor, Tensor)| a.mul(&b));
     // uses its input twice
     rpc::register("square_plus", |x: Tensor| x.mul(&x)?.add(&x));
+    // the same under activation checkpointing: the callee recomputes it in backward
+    rpc::register("checkpointed_square_plus", |x: Tensor| {
+        Ok(checkpoint(|xs| Ok(vec![xs[0].mul(&xs[0])?.add(&xs[0])?]), &[&x])?.remove(0))
+    });
     // A -> B -> C: multiplies by the result of the next hop
     rpc::register("nested", |(next, a, b): (usize, Tensor, Tensor)| {
         let s: Tensor = rpc::rpc_sync(next, "add", (a.clone(), b), None)?;
@@ -187,6 +193,25 @@ fn chains(rank: usize, world: usize) -> TestResult {
             Ok(y.sum()?)
         },
         |a, b| a.add(b)?.mul(a)?.sum(),
+    )?;
+    // activation checkpointing around RPC results here, and inside the callee (recomputed
+    // there by the distributed backward)
+    check_against_local(
+        "checkpoint",
+        rank,
+        6,
+        |a, b| {
+            let s: Tensor = rpc::rpc_sync(n1, "checkpointed_square_plus", a.clone(), None)?;
+            let y = checkpoint(
+                |xs| Ok(vec![xs[0].mul(&xs[1])?.tanh()?.mul(&xs[1])?]),
+                &[&s, b],
+            )?;
+            Ok(y[0].sum()?)
+        },
+        |a, b| {
+            let s = a.mul(a)?.add(a)?;
+            s.mul(b)?.tanh()?.mul(b)?.sum()
+        },
     )?;
     // calls to this worker itself
     check_against_local(
