@@ -15,7 +15,11 @@
 //!   per byte reduced with two ranks.
 //! * broadcast: the root copies in; the others copy out. reduce: everyone copies in; the root
 //!   reduces all slots in rank order. all_gather, gather: everyone copies its piece in; every
-//!   rank (the root) copies all pieces out. scatter, reduce_scatter, all_to_all: a slot is cut
+//!   rank (the root) copies its own piece from its input (still in cache) and the peers'
+//!   pieces from their slots straight into the output. reduce_scatter: a slot is cut into
+//!   `w - 1` sub-slots, one per peer; every rank reduces its own block's piece straight into
+//!   the output from its own input and the peers' sub-slots, in local rank order (each input
+//!   byte is read once). scatter, all_to_all: a slot is cut
 //!   into `w` sub-slots, sub-slot `j` holding the piece for local rank `j`; all_to_all first
 //!   exchanges every rank's send counts (one round), so that all agree on the number of rounds
 //!   and a count that disagrees with a peer's is a [`crate::Error::Mismatch`].
@@ -303,6 +307,12 @@ fn blocks_of(counts: &[usize]) -> Vec<Range<usize>> {
 
 /// All-gather (`root` `None`) or gather to local rank `root` of per-rank blocks of `counts`
 /// elements; `output` is `None` exactly on the ranks that receive nothing.
+///
+/// Per round every rank copies its next piece into its slot and publishes at once; a
+/// receiving rank then copies the same piece of its own input into its output while the
+/// input is still in cache (one read of the input for both copies), and copies the peers'
+/// pieces straight from their slots into its output: each byte crosses memory once into
+/// shared memory and once out, with no staging buffer and no separate pass for its own block.
 pub(in crate::backend::cpu) fn gather(
     cx: &mut ShmCtx<'_>,
     input: BufRef<'_>,
@@ -315,16 +325,12 @@ pub(in crate::backend::cpu) fn gather(
     let per = cx.slot() / es;
     let (w, me) = (cx.w(), cx.li());
     let blocks = blocks_of(counts);
-    if let Some(out) = output.as_mut() {
-        out.slice_mut(blocks[me].clone())
-            .as_bytes_mut()
-            .copy_from_slice(input.as_bytes());
-    }
     let n_rounds = counts.iter().map(|&c| rounds(c, per)).max().unwrap_or(1);
     let receives = root.is_none_or(|r| r == me);
     for k in 0..n_rounds {
         let s = cx.open_slot(true)?;
-        put(cx, s, 0, input.slice(piece(k, per, input.len())));
+        let mine = piece(k, per, input.len());
+        put(cx, s, 0, input.slice(mine.clone()));
         cx.write_sig(s, k as u64);
         let x = cx.publish(Some(s));
         if !receives {
@@ -333,10 +339,16 @@ pub(in crate::backend::cpu) fn gather(
             }
             continue;
         }
-        cx.wait_all(x)?;
         let Some(out) = output.as_mut() else {
             continue;
         };
+        let b = blocks[me].start;
+        copy_local(
+            cx,
+            input.slice(mine.clone()),
+            &mut out.slice_mut(b + mine.start..b + mine.end),
+        );
+        cx.wait_all(x)?;
         for j in 1..w {
             let p = (me + j) % w;
             cx.check_sig(p, s, k as u64)?;
@@ -346,6 +358,21 @@ pub(in crate::backend::cpu) fn gather(
         }
     }
     Ok(())
+}
+
+/// Copies caller memory `src` into caller memory `dst` (as many elements), streaming when the
+/// call does.
+fn copy_local(cx: &ShmCtx<'_>, src: BufRef<'_>, dst: &mut BufMut<'_>) {
+    let (s, d) = (src.as_bytes(), dst.as_bytes_mut());
+    debug_assert_eq!(s.len(), d.len());
+    let n = s.len().min(d.len());
+    if cx.streaming() {
+        // SAFETY: two distinct caller buffers (a shared and a mutable borrow cannot overlap),
+        // `n` bytes valid in each.
+        unsafe { copy_streaming(s.as_ptr(), d.as_mut_ptr(), n) }
+    } else {
+        d[..n].copy_from_slice(&s[..n]);
+    }
 }
 
 /// Scatter from local rank `root` (`input` is `Some` exactly there) of blocks of `counts`.
@@ -392,6 +419,12 @@ pub(in crate::backend::cpu) fn scatter(
 
 /// Reduce-scatter: block `me` (of `output.len()` elements) of the reduction of every rank's
 /// `input` (`w` blocks), reduced in local rank order.
+///
+/// A slot is cut into `w - 1` sub-slots, one per peer (see [`peer_sub`]): per round every rank
+/// copies the next piece of each peer's block into that peer's sub-slot and publishes; then
+/// it reduces its own block's piece straight into `output`, reading its own input directly
+/// and each peer's piece from the peer's slot, each once, in local rank order (identical bits
+/// on every rank whatever the order of arrival).
 pub(in crate::backend::cpu) fn reduce_scatter(
     cx: &mut ShmCtx<'_>,
     input: BufRef<'_>,
@@ -399,26 +432,50 @@ pub(in crate::backend::cpu) fn reduce_scatter(
     op: ReduceOp,
 ) -> Result<()> {
     let (es, m) = (input.elem_size(), output.len());
-    let (sub, per) = sub_elems(cx, es);
     let (w, me) = (cx.w(), cx.li());
+    let (sub, per) = peer_sub_elems(cx, es);
     for k in 0..rounds(m, per) {
         let r = piece(k, per, m);
         let s = cx.open_slot(true)?;
-        for p in 0..w {
-            put(cx, s, p * sub, input.slice(p * m + r.start..p * m + r.end));
+        for p in (0..w).filter(|&p| p != me) {
+            let at = peer_sub(me, p, w) * sub;
+            put(cx, s, at, input.slice(p * m + r.start..p * m + r.end));
         }
         cx.write_sig(s, k as u64);
         let x = cx.publish(Some(s));
         cx.wait_all(x)?;
-        let mut d = output.slice_mut(r);
-        get(cx, 0, s, me * sub, &mut d);
-        for p in 1..w {
+        for p in (0..w).filter(|&p| p != me) {
             cx.check_sig(p, s, k as u64)?;
-            reduce_from(cx, p, s, me * sub, &mut d, op)?;
         }
-        cx.check_sig(0, s, k as u64)?;
+        let own = input.slice(me * m + r.start..me * m + r.end);
+        let mut d = output.slice_mut(r);
+        if me == 0 {
+            d.as_bytes_mut().copy_from_slice(own.as_bytes());
+        } else {
+            get(cx, 0, s, peer_sub(0, me, w) * sub, &mut d);
+        }
+        for p in 1..w {
+            if p == me {
+                reduce_into(op, &mut d, own)?;
+            } else {
+                reduce_from(cx, p, s, peer_sub(p, me, w) * sub, &mut d, op)?;
+            }
+        }
     }
     Ok(())
+}
+
+/// The sub-slot of its slot where local rank `from` puts the piece for local rank `to`
+/// (`to != from`): the peers after `from` in ring order, `0..w - 1`.
+fn peer_sub(from: usize, to: usize, w: usize) -> usize {
+    (to + w - from - 1) % w
+}
+
+/// Bytes and elements per sub-slot when a slot is cut in `w - 1` (64-byte aligned, at least
+/// one element).
+fn peer_sub_elems(cx: &ShmCtx<'_>, es: usize) -> (usize, usize) {
+    let sub = ((cx.slot() / (cx.w() - 1).max(1)) & !63).max(es);
+    (sub, sub / es)
 }
 
 /// All-to-all with per-rank counts (see [`crate::backend::Backend::all_to_all`]).
@@ -555,6 +612,22 @@ mod tests {
             b.as_bytes().len()
         });
         assert_eq!(got, c.bytes, "{}: bytes viewed", c.dtype);
+    }
+
+    #[test]
+    fn reduce_scatter_sub_slots_give_each_peer_its_own() {
+        // for every sender, the receivers' sub-slots are 0..w-1, each once; one world per case
+        for w in [2usize, 3, 4, 7] {
+            for from in 0..w {
+                let mut subs: Vec<usize> = (0..w)
+                    .filter(|&to| to != from)
+                    .map(|to| peer_sub(from, to, w))
+                    .collect();
+                subs.sort_unstable();
+                let want: Vec<usize> = (0..w - 1).collect();
+                assert_eq!(subs, want, "world {w}, sender {from}");
+            }
+        }
     }
 
     #[test]
