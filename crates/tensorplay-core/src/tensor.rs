@@ -67,6 +67,8 @@ pub(crate) struct AutogradMeta {
     pub(crate) post_accumulate_hooks: Vec<(u64, crate::autograd::PostAccumulateGradHook)>,
     /// Set by [`Tensor::mark_sharded`]: the API whose shard this tensor is.
     pub(crate) sharded_by: Option<&'static str>,
+    /// Set by [`Tensor::mark_grad_pending`]: why `.grad` is not complete yet.
+    pub(crate) grad_pending: Option<&'static str>,
 }
 
 impl Tensor {
@@ -224,6 +226,19 @@ impl Tensor {
     /// The API whose shard this tensor is ([`Tensor::mark_sharded`]), if any.
     pub fn sharded_by(&self) -> Option<&'static str> {
         self.meta().sharded_by
+    }
+
+    /// Marks this tensor's `.grad` as not complete yet (`Some(why)`: a reduction still in
+    /// flight, such as fully_shard's after `set_is_last_backward(false)`), or complete again
+    /// (`None`). [`crate::optim::Optimizer::step`] refuses parameters so marked, naming `why`,
+    /// instead of stepping without their gradient.
+    pub fn mark_grad_pending(&self, why: Option<&'static str>) {
+        self.meta().grad_pending = why;
+    }
+
+    /// Why this tensor's `.grad` is not complete yet ([`Tensor::mark_grad_pending`]), if so.
+    pub fn grad_pending(&self) -> Option<&'static str> {
+        self.meta().grad_pending
     }
 
     /// Elements of the storage this tensor views (all of it, not only this view's).

@@ -96,8 +96,9 @@
 //! [pytorch-names.md]: https://example.invalid/tensorplay/blob/main/docs/pytorch-names.md
 //! [decisions.md]: https://example.invalid/tensorplay/blob/main/docs/decisions.md
 //!
-//! Features: `cuda` (CUDA tensors; default) and `nccl` (the `"nccl"` process-group backend;
-//! default, implies `cuda`). Both load their libraries at run time, so default builds run on
+//! Features: `cuda` (CUDA tensors; default), `nccl` (the `"nccl"` process-group backend;
+//! default, implies `cuda`), `rpc` (RPC, `RemoteModule` and distributed autograd; default) and
+//! `models` (`tp::models`, the GPT; off by default). Both load their libraries at run time, so default builds run on
 //! machines without GPUs; `default-features = false` builds without cudarc. The
 //! `tensorplay-gpu-check` binary (feature `nccl`) checks a GPU machine's NCCL and CUDA paths.
 

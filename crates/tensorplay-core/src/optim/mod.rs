@@ -35,7 +35,24 @@ use crate::{Error, FloatElement, Result, Tensor};
 pub trait Optimizer: Send {
     /// Updates every parameter that has a `.grad` (`step()`); parameters without one are
     /// skipped, as in PyTorch.
+    ///
+    /// Errors: as [`Optimizer::step_with_grads`], and [`Error::InvalidArgument`] when a
+    /// parameter's gradient is still being reduced ([`Tensor::grad_pending`]; nothing is
+    /// updated).
     fn step(&mut self) -> Result<()> {
+        if let Some((i, why)) = self
+            .params()
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| p.grad_pending().map(|w| (i, w)))
+        {
+            return Err(Error::invalid(
+                "Optimizer::step",
+                "params",
+                "parameters whose gradients are complete",
+                format!("parameter {i}'s gradient is still being reduced ({why})"),
+            ));
+        }
         let grads: Vec<Option<Tensor>> = self.params().iter().map(Tensor::grad).collect();
         self.step_with_grads(&grads)
     }

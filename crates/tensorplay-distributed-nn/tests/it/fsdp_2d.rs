@@ -126,3 +126,25 @@ fn fully_shard_with_tensor_parallel_matches_one_process() {
         Ok(())
     });
 }
+
+/// HSDP with one rank's weights different: every rank of the mesh fails, naming it, though
+/// only its shard group and one replica group compare with it.
+#[test]
+fn hsdp_disagreement_fails_on_every_rank() {
+    cpu_world(4, TIMEOUT, |rank| -> TestResult {
+        let mesh = init_device_mesh(&[2, 2], &["replicate", "shard"])?;
+        tp::manual_seed(if rank == 3 { 9 } else { 7 });
+        let mut m = tensorplay_core::nn::Linear::new(4, 6, true)?;
+        let res = fully_shard(
+            &mut m,
+            FsdpOptions {
+                mesh: Some(mesh),
+                ..Default::default()
+            },
+        );
+        match res {
+            Err(e) if format!("{e}").contains("rank 3") => Ok(()),
+            other => Err(format!("rank {rank}: {other:?}").into()),
+        }
+    });
+}

@@ -5,6 +5,7 @@
 //! (`register_fsdp_forward_method`).
 
 use tensorplay_core::nn::Module;
+use tensorplay_core::optim::Optimizer;
 use tensorplay_core::{self as tp, Tensor};
 use tensorplay_distributed_nn::parallel::fsdp::{FsdpEvent, FsdpOptions, fully_shard};
 use tensorplay_testkit::{check_close, cpu_world};
@@ -69,8 +70,8 @@ fn explicit_prefetch(rank: usize) -> TestResult {
         let h = wrap(&C, m.as_mut())?;
         let reference = build(&C, false)?;
         let list = if explicit { vec![&h[1], &h[2]] } else { vec![] };
-        h[0].set_modules_to_forward_prefetch(&list);
-        h[0].set_modules_to_backward_prefetch(&[]);
+        h[0].set_modules_to_forward_prefetch(&list)?;
+        h[0].set_modules_to_backward_prefetch(&[])?;
         for step in 0..2 {
             for g in &h {
                 g.take_events();
@@ -129,6 +130,71 @@ fn last_backward(rank: usize) -> TestResult {
         loss(&C, reference.as_ref(), &xa, &ya)?.backward()?;
     }
     same_grads("after 3 micro-batches", m.as_ref(), reference.as_ref())
+}
+
+/// `set_is_last_backward(false)` on the last micro-batch, then a step: the step is refused
+/// on every rank, naming the cause, before anything changes (it would skip the shards whose
+/// gradients are still in flight); after a backward marked last it goes through.
+fn step_before_last_backward(rank: usize) -> TestResult {
+    let mut m = build(&C, false)?;
+    let handles = wrap(&C, m.as_mut())?;
+    let root = handles.last().ok_or("no root")?;
+    let mut opt = tp::optim::SGD::new(m.parameters(), Default::default())?;
+    root.set_is_last_backward(false);
+    let ((x, y), _) = micro(rank, 0)?;
+    loss(&C, m.as_ref(), &x, &y)?.backward()?;
+    let before: Vec<Vec<f64>> = m
+        .parameters()
+        .iter()
+        .map(|p| p.to_vec_f64())
+        .collect::<tp::Result<_>>()?;
+    match opt.step() {
+        Err(e) if format!("{e}").contains("set_is_last_backward(true)") => {}
+        other => return Err(format!("a step with a reduce-scatter in flight: {other:?}").into()),
+    }
+    for (p, b) in m.parameters().iter().zip(before) {
+        if p.to_vec_f64()? != b {
+            return Err("the refused step changed a parameter".into());
+        }
+    }
+    // the next backward, marked last, completes the gradients and a step goes through
+    root.set_is_last_backward(true);
+    loss(&C, m.as_ref(), &x, &y)?.backward()?;
+    opt.step()?;
+    Ok(())
+}
+
+/// Prefetch lists that differ between ranks are refused on every rank (all-gathers issued
+/// in different orders would pair different groups' shards).
+fn prefetch_lists_differ(rank: usize) -> TestResult {
+    let mut m = build(&C, false)?;
+    let h = wrap(&C, m.as_mut())?;
+    let list = if rank == 0 { vec![&h[2]] } else { vec![&h[1]] };
+    match h[0].set_modules_to_forward_prefetch(&list) {
+        Err(e)
+            if format!("{e}").contains("prefetch list") && format!("{e}").contains("rank 1's") =>
+        {
+            Ok(())
+        }
+        other => Err(format!("different lists: {other:?}").into()),
+    }
+}
+
+/// `ignored_params` naming a tensor that is not the module's is refused.
+fn ignored_not_in_module(_rank: usize) -> TestResult {
+    let mut m = build(&C, false)?;
+    let stranger = Tensor::zeros(&[3], C.dtype)?;
+    let res = fully_shard(
+        m.as_mut(),
+        FsdpOptions {
+            ignored_params: vec![stranger],
+            ..Default::default()
+        },
+    );
+    match res {
+        Err(e) if format!("{e}").contains("ignored_params[0]") => Ok(()),
+        other => Err(format!("a stranger ignored: {other:?}").into()),
+    }
 }
 
 /// `ignored_params`: the last layer's bias stays whole and local (its gradient is this rank's
@@ -231,12 +297,15 @@ fn forward_method(rank: usize) -> TestResult {
 #[test]
 fn fsdp_module_methods_match_one_process() {
     type Case = (&'static str, fn(usize) -> TestResult);
-    let cases: [Case; 5] = [
+    let cases: [Case; 8] = [
         ("unshard_async", unshard_async),
         ("set_modules_to_forward_prefetch", explicit_prefetch),
         ("set_is_last_backward", last_backward),
         ("ignored_params", ignored),
         ("forward_method", forward_method),
+        ("a step before the last backward", step_before_last_backward),
+        ("prefetch lists that differ", prefetch_lists_differ),
+        ("ignored_params not in the module", ignored_not_in_module),
     ];
     cpu_world(2, TIMEOUT, |rank| -> TestResult {
         let check = |(name, f): Case| f(rank).map_err(|e| format!("{name}: {e}"));

@@ -130,19 +130,42 @@ impl FsdpState {
         Ok(())
     }
 
-    /// Sets the groups to prefetch explicitly in forward (`backward == false`) or backward.
+    /// Sets the groups to prefetch explicitly in forward (`backward == false`) or backward,
+    /// once every rank of the group was found to set the same (by their calls' numbers).
     pub(crate) fn set_explicit_prefetch<'a>(
         &self,
         backward: bool,
         groups: impl Iterator<Item = &'a Arc<FsdpState>>,
-    ) {
-        let list = Some(groups.map(Arc::downgrade).collect());
+    ) -> Result<()> {
+        let groups: Vec<&Arc<FsdpState>> = groups.collect();
+        let mine: Vec<usize> = groups.iter().map(|g| g.index).collect();
+        let all: Vec<Vec<usize>> = dist::all_gather_object(&mine, Some(&self.group))
+            .map_err(tensorplay_core::Error::from)?;
+        if let Some(r) = all.iter().position(|l| *l != all[0]) {
+            let which = if backward { "backward" } else { "forward" };
+            return Err(dist::Error::invalid(
+                "set_modules_to_prefetch",
+                self.group.my_global_rank() as i64,
+                "modules",
+                format!(
+                    "the same {which} prefetch list on every rank of group {} (rank {}'s: \
+                     fully_shard calls {:?})",
+                    self.label(),
+                    self.group.ranks()[0],
+                    all[0]
+                ),
+                format!("rank {}'s: calls {:?}", self.group.ranks()[r], all[r]),
+            )
+            .into());
+        }
+        let list = Some(groups.into_iter().map(Arc::downgrade).collect());
         let mut l = self.links.lock().unwrap_or_else(PoisonError::into_inner);
         if backward {
             l.explicit_backward = list;
         } else {
             l.explicit_forward = list;
         }
+        Ok(())
     }
 
     /// Frees the unsharded parameters' storage.

@@ -182,18 +182,27 @@ impl FsdpModule {
 
     /// The groups whose all-gathers this group's pre-forward hook issues, in order, instead of
     /// the next group of the first forward's order (`set_modules_to_forward_prefetch`);
-    /// an empty list prefetches nothing. Every rank must set the same.
-    pub fn set_modules_to_forward_prefetch(&self, modules: &[&FsdpModule]) {
+    /// an empty list prefetches nothing.
+    ///
+    /// A collective over the group's ranks (unlike PyTorch's): the ranks' lists are compared,
+    /// since all-gathers issued in different orders would pair different groups' shards.
+    ///
+    /// Errors: [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument) on every
+    /// rank when the ranks' lists differ (naming a rank and both lists); collective errors.
+    pub fn set_modules_to_forward_prefetch(&self, modules: &[&FsdpModule]) -> Result<()> {
         self.state
-            .set_explicit_prefetch(false, modules.iter().map(|m| &m.state));
+            .set_explicit_prefetch(false, modules.iter().map(|m| &m.state))
     }
 
     /// The groups whose all-gathers this group's pre-backward hook issues, in order, instead
     /// of the group backward reaches next (`set_modules_to_backward_prefetch`); an empty list
-    /// prefetches nothing. Every rank must set the same.
-    pub fn set_modules_to_backward_prefetch(&self, modules: &[&FsdpModule]) {
+    /// prefetches nothing. A collective, checked as
+    /// [`set_modules_to_forward_prefetch`](Self::set_modules_to_forward_prefetch).
+    ///
+    /// Errors: as `set_modules_to_forward_prefetch`.
+    pub fn set_modules_to_backward_prefetch(&self, modules: &[&FsdpModule]) -> Result<()> {
         self.state
-            .set_explicit_prefetch(true, modules.iter().map(|m| &m.state));
+            .set_explicit_prefetch(true, modules.iter().map(|m| &m.state))
     }
 
     /// Runs `method` — a method of the module other than `forward`, such as a generation loop

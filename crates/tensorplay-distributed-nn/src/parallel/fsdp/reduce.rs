@@ -49,7 +49,7 @@ impl FsdpState {
         let work =
             dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))
                 .map_err(self.failed(REDUCE))?;
-        rt.reduce = Some((work, output, input));
+        rt.reduce = Some((work, output, input, self.shard_versions()));
         IN_FLIGHT.set(Some(Arc::downgrade(self)));
         rt.ready = 0;
         // every use of the parameters in this backward is done (their gradients are
@@ -69,8 +69,25 @@ impl FsdpState {
     /// Waits for the group's reduce-scatter, if one is in flight, and adds its averaged
     /// block, cast to each shard's dtype, to the shards' `.grad`; its buffers go.
     pub(super) fn finish_reduce_locked(&self, rt: &mut Runtime) -> Result<()> {
-        if let Some((work, output, _input)) = rt.reduce.take() {
+        if let Some((work, output, _input, versions)) = rt.reduce.take() {
+            for p in &self.params {
+                p.shard.mark_grad_pending(None);
+            }
             work.wait(None).map_err(self.failed(REDUCE))?;
+            if versions != self.shard_versions() {
+                // a step while this reduce-scatter was in flight (after a backward marked not
+                // the last) went without these rows: adding them now would be silently wrong
+                let name = self.params.first().map_or("", |p| p.name.as_str());
+                return Err(tensorplay_core::Error::Autograd(format!(
+                    "fully_shard on rank {}: group {}: the shards (such as {name:?}) were \
+                     written while their gradients were still being reduce-scattered: an \
+                     optimizer step after a backward marked set_is_last_backward(false) ran \
+                     without this group's gradients; call set_is_last_backward(true) before \
+                     the backward of the last micro-batch",
+                    self.group.my_global_rank(),
+                    self.label()
+                )));
+            }
             let _g = no_grad();
             let mut ranks = self.world;
             if let Some(r) = &self.replicate {

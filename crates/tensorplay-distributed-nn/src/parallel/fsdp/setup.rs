@@ -87,10 +87,30 @@ pub(super) fn shard_module(
     }
     let ignored: HashSet<TensorId> = options.ignored_params.iter().map(Tensor::id).collect();
     let (params, below) = collect(module, &ignored, me)?;
-    agree(&params, options, &group, me)?;
-    if let Some(r) = &replicate {
-        // the replicas of a shard hold the same weights too
-        agree(&params, options, r, me)?;
+    check_ignored(module, &options.ignored_params, me)?;
+    match &replicate {
+        None => agree(&params, options, &group, me)?,
+        Some(r) => {
+            // HSDP: the replicas of a shard hold the same weights too. Each check fails alike
+            // across its own group only, so the verdicts then go round both groups: a failure
+            // anywhere on the mesh reaches every rank, without the others waiting in vain
+            let shard_check = agree(&params, options, &group, me);
+            let replica_check = agree(&params, options, r, me);
+            let mine = shard_check.and(replica_check);
+            let mut heard = mine.as_ref().err().map(|e| (me, e.to_string()));
+            for g in [&group, r, &group] {
+                heard = spread(heard, g)?;
+            }
+            mine?;
+            if let Some((rank, why)) = heard {
+                return Err(invalid(
+                    me,
+                    "module",
+                    "every rank of the mesh passing fully_shard's checks",
+                    format!("rank {rank} failed them: {why}"),
+                ));
+            }
+        }
     }
     let param_dtype = group_dtype(&params, policy.param_dtype, me)?;
     let reduce_dtype = policy.reduce_dtype.unwrap_or(param_dtype);
@@ -361,7 +381,8 @@ fn agree(
                 "module",
                 format!(
                     "the same parameters on every rank, in the same fully_shard order (rank \
-                     0's parameter {i}: {})",
+                     {}'s parameter {i}: {})",
+                    group.ranks()[0],
                     show(all[0].get(i))
                 ),
                 format!("rank {}'s: {}", group.ranks()[r], show(list.get(i))),
@@ -373,7 +394,8 @@ fn agree(
                 "module",
                 format!(
                     "the same weights on every rank (build the model from the same seed: \
-                     fully_shard broadcasts nothing); rank 0's {:?} sums to {}",
+                     fully_shard broadcasts nothing); rank {}'s {:?} sums to {}",
+                    group.ranks()[0],
                     all[0][i].0,
                     f64::from_bits(all_sums[0][i])
                 ),
@@ -386,6 +408,36 @@ fn agree(
         }
     }
     Ok(())
+}
+
+/// A failed check, as one rank knows of it: the rank that failed, and why.
+type Failure = Option<(usize, String)>;
+
+/// Tells every rank of `group` of a failure this rank knows of, and returns the first one
+/// any of them knew of.
+fn spread(known: Failure, group: &ProcessGroup) -> Result<Failure> {
+    let all: Vec<Failure> = dist::all_gather_object(&known, Some(group))?;
+    Ok(all.into_iter().flatten().next())
+}
+
+/// Every tensor of `ignored_params` is a parameter of `module`.
+fn check_ignored(module: &dyn Module, ignored: &[Tensor], me: usize) -> Result<()> {
+    let mut ids = HashSet::new();
+    for (_, m) in module.named_modules() {
+        ids.extend(m.local_parameters().into_iter().map(|(_, p)| p.id()));
+    }
+    match ignored.iter().position(|t| !ids.contains(&t.id())) {
+        Some(i) => Err(invalid(
+            me,
+            "ignored_params",
+            "parameters of the module fully_shard is called on",
+            format!(
+                "ignored_params[{i}] (shape {:?}) is not one of them",
+                ignored[i].shape()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// This rank's rows of `full` as a new leaf with `full`'s `requires_grad`.

@@ -23,6 +23,10 @@ use super::policy::MixedPrecisionPolicy;
 
 pub(super) const GATHER: &str = "the all-gather before forward or backward";
 pub(super) const REDUCE: &str = "the reduce-scatter of the gradients";
+/// Why a shard's `.grad` is incomplete while a reduce-scatter is left in flight.
+pub(super) const PENDING: &str = "fully_shard's reduce-scatter left in flight by \
+    set_is_last_backward(false): call set_is_last_backward(true) before the last \
+    micro-batch's backward";
 pub(super) const REPLICATE: &str = "the all-reduce of the gradient rows across the replicas (HSDP)";
 
 /// One parameter of a group.
@@ -60,8 +64,9 @@ pub(super) struct Runtime {
     pub(super) unsharded: bool,
     /// Gradients accumulated into unsharded parameters in the running backward.
     pub(super) ready: usize,
-    /// The reduce-scatter in flight: its handle, output (this rank's block) and input.
-    pub(super) reduce: Option<(Work, Tensor, Tensor)>,
+    /// The reduce-scatter in flight: its handle, output (this rank's block), input, and the
+    /// shards' versions when it was issued.
+    pub(super) reduce: Option<(Work, Tensor, Tensor, Vec<u64>)>,
     /// An all-gather issued ahead of use (prefetched): its handle, its output and the
     /// shards' versions when it was issued (a shard written since makes it stale).
     pub(super) pending: Option<(Work, Tensor, Vec<u64>)>,
@@ -307,6 +312,9 @@ impl FsdpState {
         rt.callback_queued = false;
         rt.ready = 0;
         if let Some((work, ..)) = rt.reduce.take() {
+            for p in &self.params {
+                p.shard.mark_grad_pending(None);
+            }
             work.wait(None).map_err(self.failed(REDUCE))?;
         }
         if rt.requires_gradient_sync {
@@ -444,6 +452,11 @@ impl FsdpState {
         }
         if rt.is_last_backward {
             self.finish_reduce_locked(&mut rt)?;
+        } else if rt.reduce.is_some() {
+            // left in flight: an optimizer step before it lands must not skip these shards
+            for p in self.params.iter().filter(|p| p.shard.requires_grad()) {
+                p.shard.mark_grad_pending(Some(PENDING));
+            }
         }
         self.drop_pending(&mut rt)?;
         record(&mut rt, FsdpEvent::BackwardEnd);
