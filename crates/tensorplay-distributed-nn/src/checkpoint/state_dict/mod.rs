@@ -72,6 +72,23 @@ impl Default for StateDictOptions {
     }
 }
 
+impl StateDictOptions {
+    /// `broadcast_from_rank0` needs `full_state_dict` (rank 0 broadcasts whole tensors): an
+    /// `InvalidArgument` of `op` naming this rank otherwise.
+    pub(crate) fn check_broadcast(&self, op: &str, rank: usize) -> Result<()> {
+        if self.broadcast_from_rank0 && !self.full_state_dict {
+            return Err(invalid(
+                op,
+                rank,
+                "options",
+                "full_state_dict with broadcast_from_rank0 (rank 0 broadcasts whole tensors)",
+                "broadcast_from_rank0 without full_state_dict",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// One parameter or buffer of a model under its fully qualified name.
 pub(crate) struct Entry {
     pub(crate) fqn: String,

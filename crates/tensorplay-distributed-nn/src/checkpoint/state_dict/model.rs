@@ -182,14 +182,8 @@ pub fn set_model_state_dict<M: Module + ?Sized>(
         .map(|(p, e)| (e, p))
         .collect();
     let holds = !options.broadcast_from_rank0 || rank == 0;
-    let mine = if options.broadcast_from_rank0 && !options.full_state_dict {
-        Err(invalid(
-            SET,
-            rank,
-            "options",
-            "full_state_dict with broadcast_from_rank0 (rank 0 broadcasts whole tensors)",
-            "broadcast_from_rank0 without full_state_dict",
-        ))
+    let mine = if let Err(e) = options.check_broadcast(SET, rank) {
+        Err(e)
     } else if holds {
         check(state, &own, options, rank)
     } else {

@@ -417,14 +417,8 @@ pub fn set_optimizer_state_dict<M: Module + ?Sized>(
     } else {
         state
     };
-    let prepared = if options.broadcast_from_rank0 && !options.full_state_dict {
-        Err(invalid(
-            SET,
-            rank,
-            "options",
-            "full_state_dict with broadcast_from_rank0 (rank 0 broadcasts whole tensors)",
-            "broadcast_from_rank0 without full_state_dict",
-        ))
+    let prepared = if let Err(e) = options.check_broadcast(SET, rank) {
+        Err(e)
     } else {
         names_of(SET, module, optim, rank)
             .and_then(|names| by_index(state, &names, optim, options, rank))
