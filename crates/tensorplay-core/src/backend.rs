@@ -197,7 +197,8 @@ pub(crate) fn on_device<R>(
 ) -> Option<Result<R>> {
     let g = t.0.storage.read();
     match &*g {
-        Storage::Cpu(_) => None,
+        // a meta tensor takes the host path, whose element access names the operation
+        Storage::Cpu(_) | Storage::Meta(_) => None,
         Storage::Cuda(c) => Some(f(c, t.layout())),
     }
 }
@@ -231,7 +232,7 @@ pub(crate) fn on_device_mut<R>(
     }
     let mut g = t.0.storage.write();
     match &mut *g {
-        Storage::Cpu(_) => None,
+        Storage::Cpu(_) | Storage::Meta(_) => None,
         Storage::Cuda(c) => Some(f(c, t.layout())),
     }
 }

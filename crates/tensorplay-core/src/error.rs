@@ -85,7 +85,7 @@ pub enum Error {
         size: usize,
     },
     /// A device string could not be parsed.
-    #[error("invalid device string {input:?}: expected \"cpu\", \"cuda\" or \"cuda:N\"")]
+    #[error("invalid device string {input:?}: expected \"cpu\", \"cuda\", \"cuda:N\" or \"meta\"")]
     InvalidDevice {
         /// The string given.
         input: String,
@@ -113,6 +113,17 @@ pub enum Error {
         /// Where it is not supported (for example "on CUDA tensors yet"), or "here: " and
         /// what to do instead.
         detail: String,
+    },
+    /// An operation needed the elements of a tensor on the meta device, which has none (a
+    /// shape and a dtype only): allocate it first with [`crate::nn::Module::to_empty`] (a
+    /// module) or [`crate::Tensor::empty_like_on`] (a tensor), then initialise it.
+    #[error(
+        "{op}: the tensor is on the meta device (a shape and a dtype, no elements): allocate \
+         it with Module::to_empty or Tensor::empty_like_on and initialise it first"
+    )]
+    MetaTensor {
+        /// Operation name.
+        op: &'static str,
     },
     /// A checkpoint file could not be written or read: an I/O error, a file that is not
     /// safetensors, a truncated or corrupt one, or one that does not hold what was asked for.
@@ -165,6 +176,7 @@ impl Error {
             Error::CudaUnavailable { .. } => "CudaUnavailable",
             Error::Cuda { .. } => "Cuda",
             Error::NotSupported { .. } => "NotSupported",
+            Error::MetaTensor { .. } => "MetaTensor",
             Error::Checkpoint { .. } => "Checkpoint",
             Error::Autograd(_) => "Autograd",
             Error::External(_) => "External",

@@ -72,7 +72,7 @@ mod tensor;
 pub mod utils;
 
 pub use autograd::{no_grad, set_grad_enabled};
-pub use device::{Device, IntoDevice};
+pub use device::{Device, IntoDevice, get_default_device, set_default_device, with_default_device};
 pub use dtype::{DType, Element, FloatElement};
 pub use error::{Error, Result, fmt_error_chain};
 pub use kernels::{

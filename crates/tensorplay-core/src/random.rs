@@ -45,6 +45,10 @@ impl Generator {
         self.spare_normal = Some(r * t.sin());
         r * t.cos()
     }
+    /// A uniform 64-bit word: the seed [`crate::nn::init`] draws for each tensor it fills.
+    pub fn next_u64(&mut self) -> u64 {
+        self.rng.random::<u64>()
+    }
     /// A uniform integer in `[low, high)`; `high > low` is the caller's duty.
     pub fn int_range(&mut self, low: i64, high: i64) -> i64 {
         self.rng.random_range(low..high)
@@ -64,4 +68,83 @@ pub fn default_generator() -> MutexGuard<'static, Generator> {
 /// Seeds the process-wide default generator (`torch.manual_seed`).
 pub fn manual_seed(seed: u64) {
     default_generator().manual_seed(seed);
+}
+
+/// Counter-based samples: sample `i` of the stream of `seed` is a function of `(seed, i)`
+/// alone, so any range of a tensor's elements can be drawn without drawing those before it
+/// (how a rank fills its shard with the values of the whole tensor's rows). Uniform sample `i`
+/// takes the stream's 64-bit word `i`; normal samples `2k` and `2k + 1` are the Box-Muller pair
+/// of uniforms `2k` and `2k + 1`, as [`Generator::normal`] makes them.
+pub(crate) struct Stream {
+    rng: ChaCha8Rng,
+}
+
+impl Stream {
+    pub(crate) fn new(seed: u64) -> Stream {
+        Stream {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
+    }
+    /// Uniform samples in `[0, 1)` number `start..start + out.len()`.
+    pub(crate) fn uniform(&mut self, start: usize, out: &mut [f64]) {
+        // one 64-bit sample is two of ChaCha's 32-bit words
+        self.rng.set_word_pos(2 * start as u128);
+        for x in out {
+            *x = self.rng.random::<f64>();
+        }
+    }
+    /// Standard normal samples number `start..start + out.len()`.
+    pub(crate) fn normal(&mut self, start: usize, out: &mut [f64]) {
+        let pair = start / 2;
+        self.rng.set_word_pos(4 * pair as u128);
+        let mut skip = start % 2;
+        let mut i = 0;
+        while i < out.len() {
+            let u1 = 1.0 - self.rng.random::<f64>();
+            let u2 = self.rng.random::<f64>();
+            let r = (-2.0 * u1.ln()).sqrt();
+            let t = 2.0 * std::f64::consts::PI * u2;
+            for z in [r * t.cos(), r * t.sin()] {
+                if skip > 0 {
+                    skip -= 1;
+                } else if i < out.len() {
+                    out[i] = z;
+                    i += 1;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Any range of a stream equals the same range of the whole stream.
+    #[test]
+    fn stream_ranges_equal_the_whole_streams_elements() {
+        let cases: [(&str, usize, usize); 4] = [
+            ("from the start", 0, 5),
+            ("odd start (second of a Box-Muller pair)", 3, 4),
+            ("even start", 6, 7),
+            ("one element", 9, 1),
+        ];
+        let mut whole_u = vec![0.0; 20];
+        let mut whole_n = vec![0.0; 20];
+        Stream::new(7).uniform(0, &mut whole_u);
+        Stream::new(7).normal(0, &mut whole_n);
+        for (name, start, n) in cases {
+            let mut u = vec![0.0; n];
+            let mut z = vec![0.0; n];
+            Stream::new(7).uniform(start, &mut u);
+            Stream::new(7).normal(start, &mut z);
+            assert_eq!(u, whole_u[start..start + n], "{name}: uniform");
+            assert_eq!(z, whole_n[start..start + n], "{name}: normal");
+        }
+        // the uniforms are in range, and another seed gives other samples
+        assert!(whole_u.iter().all(|x| (0.0..1.0).contains(x)));
+        let mut other = vec![0.0; 20];
+        Stream::new(8).uniform(0, &mut other);
+        assert_ne!(other, whole_u);
+    }
 }

@@ -118,6 +118,16 @@ impl_storage_element!(f64, F64, F32, I64, Bool);
 impl_storage_element!(i64, I64, F32, F64, Bool);
 impl_storage_element!(bool, Bool, F32, F64, I64);
 
+/// The storage of a tensor on the meta device: how many elements of which dtype it would
+/// hold, and no memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaStorage {
+    /// The dtype of the elements it stands for.
+    pub dtype: DType,
+    /// How many elements it stands for.
+    pub len: usize,
+}
+
 /// Memory on some device.
 #[derive(Debug)]
 pub enum Storage {
@@ -125,6 +135,8 @@ pub enum Storage {
     Cpu(CpuStorage),
     /// CUDA device memory.
     Cuda(CudaStorage),
+    /// No memory: the meta device ([`Device::Meta`]).
+    Meta(MetaStorage),
 }
 
 impl Storage {
@@ -133,7 +145,46 @@ impl Storage {
         match self {
             Storage::Cpu(_) => Device::Cpu,
             Storage::Cuda(c) => c.device(),
+            Storage::Meta(_) => Device::Meta,
         }
+    }
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(c) => c.dtype(),
+            Storage::Cuda(c) => c.dtype(),
+            Storage::Meta(m) => m.dtype,
+        }
+    }
+    /// Number of elements (those a meta storage stands for).
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(c) => c.len(),
+            Storage::Cuda(c) => c.len(),
+            Storage::Meta(m) => m.len,
+        }
+    }
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A [`Device`] as one word, so that a storage can change device in place
+/// ([`StorageCell::materialize`]) while every tensor viewing it reads the new one.
+fn device_code(d: Device) -> u64 {
+    match d {
+        Device::Cpu => 0,
+        Device::Meta => 1,
+        Device::Cuda(i) => 2 + i as u64,
+    }
+}
+
+fn device_of_code(c: u64) -> Device {
+    match c {
+        0 => Device::Cpu,
+        1 => Device::Meta,
+        i => Device::Cuda((i - 2) as usize),
     }
 }
 
@@ -146,6 +197,8 @@ pub(crate) struct StorageCell {
     /// `with_storage_mut` put in the cell meanwhile); [`StorageCell::resize`] recounts.
     counted: AtomicUsize,
     version: AtomicU64,
+    /// [`device_code`] of the storage's device.
+    device: AtomicU64,
 }
 
 impl Drop for StorageCell {
@@ -157,7 +210,7 @@ impl Drop for StorageCell {
         pool::on_free(
             match s {
                 Storage::Cpu(c) => Some(c),
-                Storage::Cuda(_) => None,
+                Storage::Cuda(_) | Storage::Meta(_) => None,
             },
             *self.counted.get_mut(),
         );
@@ -168,10 +221,11 @@ impl StorageCell {
     pub(crate) fn new(s: Storage) -> Self {
         let counted = match &s {
             Storage::Cpu(c) => pool::capacity_bytes(c),
-            Storage::Cuda(_) => 0,
+            Storage::Cuda(_) | Storage::Meta(_) => 0,
         };
         pool::on_alloc(counted);
         StorageCell {
+            device: AtomicU64::new(device_code(s.device())),
             counted: AtomicUsize::new(counted),
             data: RwLock::new(s),
             version: AtomicU64::new(0),
@@ -185,10 +239,40 @@ impl StorageCell {
         self.data.write().unwrap_or_else(|e| e.into_inner())
     }
     pub(crate) fn read_len(&self) -> usize {
-        match &*self.read() {
-            Storage::Cpu(c) => c.len(),
-            Storage::Cuda(c) => c.len(),
-        }
+        self.read().len()
+    }
+    /// The device of the storage (without locking it).
+    pub(crate) fn device(&self) -> Device {
+        device_of_code(self.device.load(Ordering::Relaxed))
+    }
+    /// Gives a meta storage memory on `device`: zeros of its dtype and length (a no-op for
+    /// storage that has memory already). Every tensor viewing the cell moves with it; the
+    /// version is not bumped (there were no values to invalidate).
+    pub(crate) fn materialize(&self, device: Device) -> Result<()> {
+        let mut g = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let Storage::Meta(m) = &*g else {
+            return Ok(());
+        };
+        let m = *m;
+        let cpu = || -> Result<CpuStorage> {
+            Ok(crate::with_dtype!(m.dtype, T => T::into_storage(
+                try_vec(m.len, T::default(), "Module::to_empty", "module")?
+            )))
+        };
+        let fresh = match device {
+            Device::Meta => return Ok(()),
+            Device::Cpu => Storage::Cpu(cpu()?),
+            Device::Cuda(i) => Storage::Cuda(CudaStorage::from_cpu(&cpu()?, i)?),
+        };
+        let counted = match &fresh {
+            Storage::Cpu(c) => pool::capacity_bytes(c),
+            Storage::Cuda(_) | Storage::Meta(_) => 0,
+        };
+        pool::on_alloc(counted);
+        self.counted.store(counted, Ordering::Relaxed);
+        *g = fresh;
+        self.device.store(device_code(device), Ordering::Relaxed);
+        Ok(())
     }
     pub(crate) fn version(&self) -> u64 {
         self.version.load(Ordering::Relaxed)
@@ -203,6 +287,10 @@ impl StorageCell {
     /// memory while the tensors over it live on. The allocator's statistics follow.
     pub(crate) fn resize(&self, n: usize) -> Result<()> {
         let mut g = self.data.write().unwrap_or_else(|e| e.into_inner());
+        if let Storage::Meta(m) = &mut *g {
+            m.len = n;
+            return Ok(());
+        }
         let Storage::Cpu(c) = &mut *g else {
             return Err(Error::NotSupported {
                 op: "resize_storage_",

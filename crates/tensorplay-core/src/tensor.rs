@@ -46,7 +46,6 @@ pub(crate) struct TensorImpl {
     pub(crate) storage: Arc<StorageCell>,
     pub(crate) layout: Layout,
     pub(crate) dtype: DType,
-    pub(crate) device: Device,
     pub(crate) meta: Mutex<AutogradMeta>,
 }
 
@@ -69,36 +68,30 @@ pub(crate) struct AutogradMeta {
     pub(crate) sharded_by: Option<&'static str>,
     /// Set by [`Tensor::mark_grad_pending`]: why `.grad` is not complete yet.
     pub(crate) grad_pending: Option<&'static str>,
+    /// Set by [`Tensor::mark_rows_of`]: the whole tensor's shape and this one's first row.
+    pub(crate) rows_of: Option<(Vec<usize>, usize)>,
+    /// Set by [`Tensor::set_local_shard`]: the tensor holding this one's values on this rank.
+    pub(crate) local_shard: Option<Tensor>,
 }
 
 impl Tensor {
-    pub(crate) fn from_cell(
-        storage: Arc<StorageCell>,
-        layout: Layout,
-        dtype: DType,
-        device: Device,
-    ) -> Tensor {
+    pub(crate) fn from_cell(storage: Arc<StorageCell>, layout: Layout, dtype: DType) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             id: TensorId::next(),
             storage,
             layout,
             dtype,
-            device,
             meta: Mutex::new(AutogradMeta::default()),
         }))
     }
 
     /// A contiguous tensor over new storage.
     pub(crate) fn from_storage(storage: Storage, shape: &[usize]) -> Tensor {
-        let (dtype, device) = match &storage {
-            Storage::Cpu(c) => (c.dtype(), Device::Cpu),
-            Storage::Cuda(c) => (c.dtype(), c.device()),
-        };
+        let dtype = storage.dtype();
         Tensor::from_cell(
             Arc::new(StorageCell::new(storage)),
             Layout::contiguous(shape),
             dtype,
-            device,
         )
     }
 
@@ -132,7 +125,7 @@ impl Tensor {
 
     /// A new handle viewing the same storage with another layout; carries no autograd history.
     pub(crate) fn view_with_layout(&self, layout: Layout) -> Tensor {
-        Tensor::from_cell(self.0.storage.clone(), layout, self.0.dtype, self.0.device)
+        Tensor::from_cell(self.0.storage.clone(), layout, self.0.dtype)
     }
 
     /// The process-unique id of this handle.
@@ -174,7 +167,7 @@ impl Tensor {
     }
     /// The device the storage lives on.
     pub fn device(&self) -> Device {
-        self.0.device
+        self.0.storage.device()
     }
     /// Whether the elements are row-major without gaps.
     pub fn is_contiguous(&self) -> bool {
@@ -228,6 +221,42 @@ impl Tensor {
         self.meta().sharded_by
     }
 
+    /// Records that this tensor holds rows `first_row..first_row + self.shape()[0]` of a
+    /// tensor of shape `whole` (a dimension-0 shard, as `fully_shard` cuts them), so that
+    /// [`crate::nn::init`] fills it with exactly the values those rows of the whole tensor
+    /// would get. A 0-d whole tensor is seen as one row of one element.
+    pub fn mark_rows_of(&self, whole: &[usize], first_row: usize) {
+        self.meta().rows_of = Some((whole.to_vec(), first_row));
+    }
+
+    /// What [`Tensor::mark_rows_of`] recorded: the whole tensor's shape and the first row.
+    pub fn rows_of(&self) -> Option<(Vec<usize>, usize)> {
+        self.meta().rows_of.clone()
+    }
+
+    /// Records that this tensor's values live in `shard` on this rank (a fully sharded
+    /// module's parameter, whose own storage is freed between uses, and its shard marked with
+    /// [`Tensor::mark_rows_of`]): [`crate::nn::init`] and [`crate::nn::Module::to_empty`]
+    /// reach the shard through it. `None` removes the link.
+    pub fn set_local_shard(&self, shard: Option<Tensor>) {
+        self.meta().local_shard = shard;
+    }
+
+    /// The tensor [`Tensor::set_local_shard`] recorded, if any.
+    pub fn local_shard(&self) -> Option<Tensor> {
+        self.meta().local_shard.clone()
+    }
+
+    /// Gives this tensor's storage memory on `device` if it is on the meta device: zeros,
+    /// in place, so every handle and view of it (and a fully sharded module's bookkeeping)
+    /// sees the same tensor, now with elements. A no-op for a tensor that has memory.
+    /// [`crate::nn::Module::to_empty`] calls it on every parameter and buffer.
+    ///
+    /// Errors when the memory cannot be allocated or a CUDA device cannot be used.
+    pub(crate) fn materialize(&self, device: Device) -> Result<()> {
+        self.0.storage.materialize(device)
+    }
+
     /// Marks this tensor's `.grad` as not complete yet (`Some(why)`: a reduction still in
     /// flight, such as fully_shard's after `set_is_last_backward(false)`), or complete again
     /// (`None`). [`crate::optim::Optimizer::step`] refuses parameters so marked, naming `why`,
@@ -267,10 +296,7 @@ impl Tensor {
                 })?;
                 Ok(f(s, &self.0.layout))
             }
-            Storage::Cuda(_) => Err(Error::NotSupported {
-                op,
-                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
-            }),
+            other => Err(not_on_host(op, other)),
         }
     }
 
@@ -292,10 +318,7 @@ impl Tensor {
                 })?;
                 Ok(f(s, &self.0.layout))
             }
-            Storage::Cuda(_) => Err(Error::NotSupported {
-                op,
-                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
-            }),
+            other => Err(not_on_host(op, other)),
         }
     }
 
@@ -337,10 +360,7 @@ impl Tensor {
     /// A contiguous tensor over the given storage (all of it, row-major with `shape`); errors
     /// when the storage's length is not the product of `shape`.
     pub fn from_storage_checked(storage: Storage, shape: &[usize]) -> Result<Tensor> {
-        let len = match &storage {
-            Storage::Cpu(c) => c.len(),
-            Storage::Cuda(c) => c.len(),
-        };
+        let len = storage.len();
         let n: usize = shape.iter().product();
         if n != len {
             return Err(Error::invalid(
@@ -438,6 +458,17 @@ impl fmt::Debug for Tensor {
 
 /// An error when a view's elements reach past its storage's `len` elements (the storage was
 /// shrunk by [`Tensor::resize_storage_`]): kernels index the storage by the layout's offsets.
+/// The error of an operation that needs host elements and got `s`, which is not host memory.
+pub(crate) fn not_on_host(op: &'static str, s: &Storage) -> Error {
+    match s {
+        Storage::Meta(_) => Error::MetaTensor { op },
+        Storage::Cpu(_) | Storage::Cuda(_) => Error::NotSupported {
+            op,
+            detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
+        },
+    }
+}
+
 pub(crate) fn check_extent(len: usize, layout: &Layout, op: &'static str) -> Result<()> {
     let need = layout.storage_extent();
     if need > len {

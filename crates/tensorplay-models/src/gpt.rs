@@ -8,7 +8,7 @@ use tensorplay_collectives::{self as dist, ProcessGroup};
 use tensorplay_core::nn::functional::{
     cross_entropy, dropout, linear, scaled_dot_product_attention,
 };
-use tensorplay_core::nn::{Embedding, LayerNorm, Linear, Module, ModuleCore, ModuleList};
+use tensorplay_core::nn::{Embedding, LayerNorm, Linear, Module, ModuleCore, ModuleList, init};
 use tensorplay_core::utils::checkpoint::CheckpointWrapper;
 use tensorplay_core::{DType, Error, Result, Tensor};
 use tensorplay_distributed_nn::parallel::tensor::{
@@ -182,12 +182,29 @@ fn mesh_of(group: &ProcessGroup) -> Result<DeviceMesh> {
 // ---------------------------------------------------------------------------------------------
 // layers
 
-/// `N(0, std)` of `shape`, drawn from the default generator.
+/// `N(0, std)` of `shape`, drawn from the default generator, on the default device (on the
+/// meta device nothing is drawn).
 fn normal(shape: &[usize], std: f64, dtype: DType) -> Result<Tensor> {
-    Ok(Tensor::randn(shape, dtype)?
-        .mul_scalar(std)?
-        .detach()
-        .requires_grad_(true))
+    let t = Tensor::randn(shape, dtype)?;
+    if t.device().is_meta() {
+        return Ok(t.requires_grad_(true));
+    }
+    Ok(t.mul_scalar(std)?.detach().requires_grad_(true))
+}
+
+/// `N(0, std)` for a Linear layer's weight and zeros for its bias, through `nn::init`.
+fn reset_linear(l: &Linear, std: f64) -> Result<()> {
+    init::normal_(&l.weight, 0.0, std)?;
+    match &l.bias {
+        Some(b) => init::zeros_(b),
+        None => Ok(()),
+    }
+}
+
+/// The standard deviation of the projections into the residual stream (GPT-2's scaled
+/// initialisation).
+fn proj_std(c: &GptConfig) -> f64 {
+    0.02 / (2.0 * c.n_layer as f64).sqrt()
 }
 
 fn linear_init(i: usize, o: usize, std: f64, dtype: DType) -> Result<Linear> {
@@ -231,6 +248,7 @@ pub struct CausalSelfAttention {
     /// The output projection (`[E, E]`, or `[E, E/W]` on a rank; its bias is whole on the
     /// group's rank 0 and zero elsewhere).
     pub c_proj: Linear,
+    proj_std: f64,
     heads: usize,
     head_dim: usize,
     dropout: f64,
@@ -242,7 +260,8 @@ impl CausalSelfAttention {
         let e = c.n_embd;
         Ok(CausalSelfAttention {
             c_attn: linear_init(e, 3 * e, 0.02, c.dtype)?,
-            c_proj: linear_init(e, e, 0.02 / (2.0 * c.n_layer as f64).sqrt(), c.dtype)?,
+            c_proj: linear_init(e, e, proj_std(c), c.dtype)?,
+            proj_std: proj_std(c),
             heads: c.n_head,
             head_dim: e / c.n_head,
             dropout: c.dropout,
@@ -254,6 +273,7 @@ impl CausalSelfAttention {
         Ok(CausalSelfAttention {
             c_attn: copy_linear(&self.c_attn)?,
             c_proj: copy_linear(&self.c_proj)?,
+            proj_std: self.proj_std,
             heads: self.heads,
             head_dim: self.head_dim,
             dropout: self.dropout,
@@ -284,6 +304,11 @@ impl Module for CausalSelfAttention {
         let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, local])?;
         maybe_dropout(self.c_proj.call(&y)?, self.dropout, self.is_training())
     }
+    /// As the constructor draws them ([`Gpt`]'s recipe), through `nn::init`.
+    fn reset_parameters(&mut self) -> Result<()> {
+        reset_linear(&self.c_attn, 0.02)?;
+        reset_linear(&self.c_proj, self.proj_std)
+    }
 }
 
 /// The MLP of a block: `c_fc` (`E -> 4E`), tanh-GELU, `c_proj` (`4E -> E`). Split over a
@@ -295,6 +320,7 @@ pub struct Mlp {
     /// `[E, 4E]`, or `[E, 4E/W]` on a rank (its bias whole on the group's rank 0, zero
     /// elsewhere).
     pub c_proj: Linear,
+    proj_std: f64,
     dropout: f64,
     core: ModuleCore,
 }
@@ -304,7 +330,8 @@ impl Mlp {
         let e = c.n_embd;
         Ok(Mlp {
             c_fc: linear_init(e, 4 * e, 0.02, c.dtype)?,
-            c_proj: linear_init(4 * e, e, 0.02 / (2.0 * c.n_layer as f64).sqrt(), c.dtype)?,
+            c_proj: linear_init(4 * e, e, proj_std(c), c.dtype)?,
+            proj_std: proj_std(c),
             dropout: c.dropout,
             core: ModuleCore::new(),
         })
@@ -314,6 +341,7 @@ impl Mlp {
         Ok(Mlp {
             c_fc: copy_linear(&self.c_fc)?,
             c_proj: copy_linear(&self.c_proj)?,
+            proj_std: self.proj_std,
             dropout: self.dropout,
             core: ModuleCore::new(),
         })
@@ -325,6 +353,11 @@ impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.c_fc.call(x)?.gelu_tanh()?;
         maybe_dropout(self.c_proj.call(&h)?, self.dropout, self.is_training())
+    }
+    /// As the constructor draws them ([`Gpt`]'s recipe), through `nn::init`.
+    fn reset_parameters(&mut self) -> Result<()> {
+        reset_linear(&self.c_fc, 0.02)?;
+        reset_linear(&self.c_proj, self.proj_std)
     }
 }
 
@@ -584,5 +617,18 @@ impl Module for Gpt {
         let x = self.ln_f.call(&x)?;
         // the head, tied to the token embedding
         linear(&x, &self.wte.weight, None)
+    }
+    /// Initialises every parameter again with [`Gpt`]'s recipe, through
+    /// [`tensorplay_core::nn::init`] (one seed per parameter from the default generator): the
+    /// step of deferred initialisation after `to_empty`, also on a fully sharded model, whose
+    /// ranks then hold the rows of the same values an unsharded model gets from the same seed.
+    /// The values differ from [`Gpt::new`]'s draws (same distributions).
+    fn reset_parameters(&mut self) -> Result<()> {
+        init::normal_(&self.wte.weight, 0.0, 0.02)?;
+        init::normal_(&self.wpe.weight, 0.0, 0.02)?;
+        for b in self.h.iter_mut() {
+            b.reset_parameters()?;
+        }
+        self.ln_f.reset_parameters()
     }
 }

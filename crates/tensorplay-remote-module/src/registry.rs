@@ -37,6 +37,12 @@ pub(crate) type InterfaceCheck = Option<(String, Vec<(String, String)>)>;
 pub(crate) fn check_device(device: Device) -> Result<()> {
     match device {
         Device::Cpu => Ok(()),
+        Device::Meta => Err(Error::InvalidArgument {
+            op: "RemoteModule::new",
+            arg: "remote_device",
+            expected: "a device with memory (cpu or cuda:N) to host the module on".into(),
+            got: "meta".into(),
+        }),
         Device::Cuda(i) => {
             let n = tensorplay_core::cuda::device_count();
             if i < n {

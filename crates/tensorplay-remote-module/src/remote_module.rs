@@ -387,6 +387,18 @@ impl<M: RemoteConstructible> Module for RemoteModule<M> {
             "choose the device when creating it (\"worker/cuda:0\")",
         ))
     }
+    fn to_empty(&mut self, _: Device) -> Result<()> {
+        Err(unsupported(
+            "to_empty",
+            "the module is built on its owner, with memory",
+        ))
+    }
+    fn reset_parameters(&mut self) -> Result<()> {
+        Err(unsupported(
+            "reset_parameters",
+            "change it on the owner, through a method of an #[interface]",
+        ))
+    }
     fn cpu(&mut self) -> Result<()> {
         Err(unsupported(
             "cpu",

@@ -12,12 +12,14 @@
 //!   oversized length prefixes), built from a valid message.
 
 pub mod close;
+pub mod generator;
 pub mod hostile;
 pub mod names;
 pub mod tmp;
 pub mod world;
 
 pub use close::{Tol, assert_close, check_close};
+pub use generator::generator_lock;
 pub use names::test_name;
 pub use tmp::TempDir;
 pub use world::cpu_world;

@@ -106,9 +106,10 @@ pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
     CpuCapability, CpuStorage, DType, Device, Element, FloatElement, IntoDevice, Layout, ShapeArg,
     Storage, StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, broadcast_shapes,
-    cat, cpu_capability, cuda, full, get_num_threads, load, manual_seed, memory, no_grad, ones,
-    optim, rand, randint, randn, random, save, serialize, set_cpu_capability, set_grad_enabled,
-    set_num_threads, stack, zeros,
+    cat, cpu_capability, cuda, full, get_default_device, get_num_threads, load, manual_seed,
+    memory, no_grad, ones, optim, rand, randint, randn, random, save, serialize,
+    set_cpu_capability, set_default_device, set_grad_enabled, set_num_threads, stack,
+    with_default_device, zeros,
 };
 
 /// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`
@@ -117,7 +118,8 @@ pub mod nn {
     pub use tensorplay_core::nn::{
         AsModule, CrossEntropyLoss, Dropout, Embedding, ForwardHook, ForwardPreHook, GELU,
         LayerNorm, Linear, MSELoss, Module, ModuleCore, ModuleFields, ModuleList,
-        MultiheadAttention, ReLU, RemovableHandle, Sequential, Sigmoid, Tanh, functional, utils,
+        MultiheadAttention, ReLU, RemovableHandle, Sequential, Sigmoid, Tanh, functional, init,
+        utils,
     };
 
     /// `torch.nn.parallel`: data-parallel training

@@ -50,7 +50,8 @@ impl Out {
             Ok(())
         }
         match self.view.device() {
-            Device::Cpu => {
+            // the meta device has no elements: the host path's access says so
+            Device::Cpu | Device::Meta => {
                 tensorplay_core::with_dtype!(self.view.dtype(), T => back::<T>(&self.view, &w))
             }
             Device::Cuda(_) => {

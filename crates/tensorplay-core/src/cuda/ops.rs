@@ -56,6 +56,7 @@ impl CudaStorage {
         v.with_storage(|s, _| match s {
             crate::Storage::Cpu(c) => CudaStorage::from_cpu(c, self.ordinal()),
             crate::Storage::Cuda(c) => c.copy_as(&Layout::contiguous(&[c.len()]), to),
+            crate::Storage::Meta(_) => Err(Error::MetaTensor { op: "copy_as" }),
         })
     }
 

@@ -9,7 +9,6 @@ use super::layers::Linear;
 use super::{Module, ModuleCore};
 use crate::ops::attention::fused_sdpa;
 use crate::ops::mask::causal_bias;
-use crate::random::default_generator;
 use crate::{DType, Error, Result, Tensor};
 
 /// Attention of `query` over `key`/`value` (`torch.nn.functional.scaled_dot_product_attention`):
@@ -224,6 +223,16 @@ pub struct MultiheadAttention {
     core: ModuleCore,
 }
 
+/// `xavier_uniform_`'s bound for `in_proj_weight` `[3E, E]`: `sqrt(6 / (fan_in + fan_out))`
+/// `= sqrt(6 / 4E)` (0 when `E` is 0).
+fn xavier_bound(embed_dim: usize) -> f64 {
+    if embed_dim == 0 {
+        0.0
+    } else {
+        (6.0 / (4 * embed_dim) as f64).sqrt()
+    }
+}
+
 impl MultiheadAttention {
     /// A float32 module with PyTorch's initialisation (drawn from the default generator):
     /// `in_proj_weight` Xavier-uniform, biases zero, `out_proj.weight` as [`Linear::new`].
@@ -254,20 +263,8 @@ impl MultiheadAttention {
             ));
         }
         // xavier_uniform_: U(-a, a), a = sqrt(6 / (fan_in + fan_out)) = sqrt(6 / (E + 3E))
-        let n = crate::layout::checked_numel(&[3 * embed_dim, embed_dim], OP)?;
-        let a = if embed_dim == 0 {
-            0.0
-        } else {
-            (6.0 / (4 * embed_dim) as f64).sqrt()
-        };
-        let mut w = crate::storage::try_vec(n, 0.0f32, OP, "embed_dim")?;
-        {
-            let mut g = default_generator();
-            for v in &mut w {
-                *v = (-a + 2.0 * a * g.uniform()) as f32;
-            }
-        }
-        let in_proj_weight = Tensor::from_vec(w, &[3 * embed_dim, embed_dim])?.requires_grad_(true);
+        let in_proj_weight =
+            super::layers::uniform_param(OP, &[3 * embed_dim, embed_dim], xavier_bound(embed_dim))?;
         let in_proj_bias = if bias {
             Some(Tensor::zeros(&[3 * embed_dim], DType::F32)?.requires_grad_(true))
         } else {
@@ -392,5 +389,19 @@ impl Module for MultiheadAttention {
     /// [`MultiheadAttention::causal`].
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         self.attend(input, input, input, None, self.is_causal)
+    }
+    /// As the constructor: `in_proj_weight` Xavier-uniform, `out_proj.weight` as
+    /// [`Linear`]'s, biases zero, through [`crate::nn::init`].
+    fn reset_parameters(&mut self) -> Result<()> {
+        let e = self.in_proj_weight.shape().get(1).copied().unwrap_or(0);
+        super::init::uniform_(&self.in_proj_weight, -xavier_bound(e), xavier_bound(e))?;
+        if let Some(b) = &self.in_proj_bias {
+            super::init::zeros_(b)?;
+        }
+        self.out_proj.reset_parameters()?;
+        if let Some(b) = &self.out_proj.bias {
+            super::init::zeros_(b)?;
+        }
+        Ok(())
     }
 }

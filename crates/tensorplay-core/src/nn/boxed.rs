@@ -51,6 +51,12 @@ impl<M: Module + ?Sized> Module for Box<M> {
     fn to_device(&mut self, device: Device) -> Result<()> {
         (**self).to_device(device)
     }
+    fn to_empty(&mut self, device: Device) -> Result<()> {
+        (**self).to_empty(device)
+    }
+    fn reset_parameters(&mut self) -> Result<()> {
+        (**self).reset_parameters()
+    }
     fn cpu(&mut self) -> Result<()> {
         (**self).cpu()
     }

@@ -28,31 +28,48 @@ pub struct Linear {
     core: ModuleCore,
 }
 
+/// `1/sqrt(in_features)`, PyTorch's bound for a Linear layer's weight and bias (0 without
+/// inputs).
+fn linear_bound(in_features: usize) -> f64 {
+    if in_features == 0 {
+        0.0
+    } else {
+        1.0 / (in_features as f64).sqrt()
+    }
+}
+
+/// A float32 parameter of `shape` from `U(-bound, bound)`, drawn element by element from the
+/// default generator, on the default device: on the meta device nothing is drawn or
+/// allocated. Errors when it has more elements than fit in memory.
+pub(super) fn uniform_param(op: &'static str, shape: &[usize], bound: f64) -> Result<Tensor> {
+    let device = crate::get_default_device();
+    if device.is_meta() {
+        return Ok(crate::ops::creation::meta(op, shape, DType::F32)?.requires_grad_(true));
+    }
+    let n = checked_numel(shape, op)?;
+    let mut v = try_vec(n, 0.0f32, op, "shape")?;
+    let mut g = default_generator();
+    for x in &mut v {
+        *x = (-bound + 2.0 * bound * g.uniform()) as f32;
+    }
+    drop(g);
+    Ok(Tensor::from_vec(v, shape)?
+        .to_device(device)?
+        .requires_grad_(true))
+}
+
 impl Linear {
     /// A float32 layer with PyTorch's default initialisation (`reset_parameters`:
     /// `kaiming_uniform_(a=sqrt(5))`, which is `U(-1/sqrt(in), 1/sqrt(in))` for the weight, and
     /// the same bound for the bias), drawn from the default generator, weight first.
-    /// With `in_features == 0` the bound is 0. Errors when the weight has more elements than
-    /// fit in memory.
+    /// With `in_features == 0` the bound is 0. On the default device
+    /// ([`crate::with_default_device`]; on the meta device nothing is drawn). Errors when the
+    /// weight has more elements than fit in memory.
     pub fn new(in_features: usize, out_features: usize, bias: bool) -> Result<Linear> {
-        let bound = if in_features == 0 {
-            0.0
-        } else {
-            1.0 / (in_features as f64).sqrt()
-        };
-        let uniform = |n: usize| -> Result<Vec<f32>> {
-            let mut v = try_vec(n, 0.0f32, "Linear::new", "shape")?;
-            let mut g = default_generator();
-            for x in &mut v {
-                *x = (-bound + 2.0 * bound * g.uniform()) as f32;
-            }
-            Ok(v)
-        };
-        let n = checked_numel(&[out_features, in_features], "Linear::new")?;
-        let weight =
-            Tensor::from_vec(uniform(n)?, &[out_features, in_features])?.requires_grad_(true);
+        let bound = linear_bound(in_features);
+        let weight = uniform_param("Linear::new", &[out_features, in_features], bound)?;
         let bias = if bias {
-            Some(Tensor::from_vec(uniform(out_features)?, &[out_features])?.requires_grad_(true))
+            Some(uniform_param("Linear::new", &[out_features], bound)?)
         } else {
             None
         };
@@ -125,6 +142,17 @@ impl Module for Linear {
     /// `in_features` or the dtypes differ.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         functional::linear(input, &self.weight, self.bias.as_ref())
+    }
+    /// `U(-1/sqrt(in_features), 1/sqrt(in_features))` for the weight and the bias, through
+    /// [`crate::nn::init::uniform_`].
+    fn reset_parameters(&mut self) -> Result<()> {
+        let in_features = self.weight.shape().get(1).copied().unwrap_or(0);
+        let bound = linear_bound(in_features);
+        super::init::uniform_(&self.weight, -bound, bound)?;
+        if let Some(b) = &self.bias {
+            super::init::uniform_(b, -bound, bound)?;
+        }
+        Ok(())
     }
 }
 
@@ -384,6 +412,10 @@ impl Module for Embedding {
     /// `0..num_embeddings`.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         functional::embedding(input, &self.weight)
+    }
+    /// `N(0, 1)` through [`crate::nn::init::normal_`].
+    fn reset_parameters(&mut self) -> Result<()> {
+        super::init::normal_(&self.weight, 0.0, 1.0)
     }
 }
 

@@ -24,6 +24,7 @@ mod container;
 mod fields;
 pub mod functional;
 mod hooks;
+pub mod init;
 mod layers;
 mod loss;
 mod module;

@@ -271,6 +271,70 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
         Ok(())
     }
 
+    /// Gives every parameter and buffer on the meta device memory on `device`, in place and
+    /// uninitialised (zeros here) — PyTorch's `module.to_empty(device=...)`, the second step of
+    /// deferred initialisation: build the model under
+    /// [`with_default_device(Device::Meta, ..)`](crate::with_default_device) (no memory),
+    /// apply `fully_shard` (each rank then holds meta shards), call this (each rank allocates
+    /// its shards only), then [`Module::reset_parameters`] or load a checkpoint. Tensors with
+    /// memory are left as they are. Every handle of a parameter (an optimizer's, a fully
+    /// sharded module's) sees the change.
+    ///
+    /// ```
+    /// use tensorplay::{self as tp, nn::{self, Module}, Device};
+    ///
+    /// let mut layer = tp::with_default_device(Device::Meta, || nn::Linear::new(3, 2, true))?;
+    /// layer.to_empty(Device::Cpu)?;
+    /// layer.reset_parameters()?;
+    /// assert_eq!(layer.weight.device(), Device::Cpu);
+    /// assert!(layer.weight.abs()?.max()?.item::<f32>()? <= 1.0 / 3f32.sqrt());
+    /// # Ok::<(), tp::Error>(())
+    /// ```
+    ///
+    /// Errors: `device` is the meta device ([`Error::InvalidArgument`]); memory that cannot be
+    /// allocated; a CUDA device that cannot be used.
+    fn to_empty(&mut self, device: Device) -> Result<()> {
+        if device.is_meta() {
+            return Err(Error::invalid(
+                "Module::to_empty",
+                "device",
+                "a device with memory (\"cpu\" or \"cuda:N\")",
+                device,
+            ));
+        }
+        let mut tensors: Vec<Tensor> = Vec::new();
+        for (_, m) in self.named_modules() {
+            tensors.extend(m.local_parameters().into_iter().map(|(_, t)| t));
+            tensors.extend(m.local_buffers().into_iter().map(|(_, t)| t));
+        }
+        // a fully sharded module's parameters stand for their local shards
+        tensors.extend(self.parameters());
+        let shards: Vec<Tensor> = tensors.iter().filter_map(Tensor::local_shard).collect();
+        tensors.extend(shards);
+        for t in &tensors {
+            t.materialize(device)?;
+        }
+        Ok(())
+    }
+
+    /// Initialises this module's parameters again as its constructor does, and its
+    /// descendants' (`reset_parameters`; the default calls it on every child, and the layers
+    /// override it: [`crate::nn::Linear`], [`crate::nn::Embedding`],
+    /// [`crate::nn::LayerNorm`], [`crate::nn::MultiheadAttention`]). The random draws go
+    /// through [`crate::nn::init`]: one seed per parameter from the default generator, so a
+    /// fully sharded rank fills its shards with the values the whole model's rows get, and the
+    /// result does not depend on the sharding. The values differ from the constructor's own
+    /// draws (which take the elements one by one from the generator), not their distribution.
+    /// On the meta device it does nothing.
+    ///
+    /// Errors: as the [`crate::nn::init`] functions.
+    fn reset_parameters(&mut self) -> Result<()> {
+        for (_, child) in self.named_children_mut() {
+            child.reset_parameters()?;
+        }
+        Ok(())
+    }
+
     /// Moves every parameter and buffer to `device` (`model.to("cuda")`), like
     /// [`Tensor::to`]: a [`Device`] or a string such as `"cpu"`, `"cuda"`, `"cuda:1"`; see
     /// [`Module::to_device`] for what moves. It works on a `Box<dyn Module>` too (a box of a

@@ -343,4 +343,9 @@ impl Module for LayerNorm {
             self.eps,
         )
     }
+    /// Weight ones, bias zeros.
+    fn reset_parameters(&mut self) -> Result<()> {
+        super::init::ones_(&self.weight)?;
+        super::init::zeros_(&self.bias)
+    }
 }

@@ -2,13 +2,14 @@
 
 use crate::layout::checked_numel;
 use crate::random::default_generator;
-use crate::storage::{CpuStorage, try_vec};
+use crate::storage::{CpuStorage, MetaStorage, Storage, try_vec};
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// Dtype and device of a new tensor (`dtype=`, `device=` keyword arguments).
 ///
 /// Converts from a [`DType`], a [`Device`], or a `(DType, Device)` pair; the default is
-/// float32 on the CPU.
+/// float32 on this thread's default device ([`crate::get_default_device`], the CPU unless
+/// changed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorOptions {
     /// Element type.
@@ -21,7 +22,7 @@ impl Default for TensorOptions {
     fn default() -> Self {
         TensorOptions {
             dtype: DType::F32,
-            device: Device::Cpu,
+            device: crate::get_default_device(),
         }
     }
 }
@@ -45,6 +46,15 @@ impl From<(DType, Device)> for TensorOptions {
     fn from((dtype, device): (DType, Device)) -> Self {
         TensorOptions { dtype, device }
     }
+}
+
+/// A tensor of `shape` on the meta device: no memory, no values.
+pub(crate) fn meta(op: &'static str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let len = checked_numel(shape, op)?;
+    Ok(Tensor::from_storage(
+        Storage::Meta(MetaStorage { dtype, len }),
+        shape,
+    ))
 }
 
 fn place(t: Tensor, device: Device) -> Result<Tensor> {
@@ -75,6 +85,9 @@ pub(crate) fn check_fill_value(op: &'static str, value: f64, dtype: DType) -> Re
 /// allocation failure are errors naming `op`.
 fn filled(op: &'static str, shape: &[usize], value: f64, o: TensorOptions) -> Result<Tensor> {
     check_fill_value(op, value, o.dtype)?;
+    if o.device.is_meta() {
+        return meta(op, shape, o.dtype);
+    }
     let n = checked_numel(shape, op)?;
     let s = match o.dtype {
         DType::F32 => CpuStorage::F32(try_vec(n, value as f32, op, "shape")?),
@@ -95,6 +108,28 @@ impl Tensor {
     /// Zeros of `shape`; errors when the shape has more elements than fit in memory.
     pub fn zeros(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
         filled("zeros", shape, 0.0, options.into())
+    }
+    /// A tensor of `shape` whose values the caller will overwrite (`torch.empty`): zeros on
+    /// the host (PyTorch leaves them unspecified; zeroing costs little next to the page faults
+    /// of fresh memory), no memory at all on the meta device. Errors as [`Tensor::zeros`].
+    pub fn empty(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
+        filled("empty", shape, 0.0, options.into())
+    }
+    /// [`Tensor::empty`] with this tensor's shape and dtype on `device`
+    /// (`torch.empty_like(t, device=device)`): how a tensor built on the meta device gets
+    /// memory.
+    ///
+    /// ```
+    /// use tensorplay::{self as tp, DType, Device, Tensor};
+    ///
+    /// let m = Tensor::zeros(&[2, 3], (DType::F64, Device::Meta))?;
+    /// assert!(matches!(m.sum(), Err(tp::Error::MetaTensor { .. })));
+    /// let t = m.empty_like_on(Device::Cpu)?;
+    /// assert_eq!((t.shape(), t.dtype()), ([2, 3].as_slice(), DType::F64));
+    /// # Ok::<(), tp::Error>(())
+    /// ```
+    pub fn empty_like_on(&self, device: Device) -> Result<Tensor> {
+        Tensor::empty(self.shape(), (self.dtype(), device))
     }
     /// Ones of `shape`.
     pub fn ones(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
@@ -147,6 +182,9 @@ impl Tensor {
             ));
         }
         let n = count as usize;
+        if o.device.is_meta() {
+            return meta("arange", &[n], o.dtype);
+        }
         let mut v = try_vec(n, 0.0f64, "arange", "end")?;
         for (i, x) in v.iter_mut().enumerate() {
             *x = start + i as f64 * step;
@@ -156,9 +194,14 @@ impl Tensor {
             .to_device(o.device)
     }
 
-    /// Uniform samples in `[0, 1)` from the default generator (`torch.rand`).
+    /// Uniform samples in `[0, 1)` from the default generator (`torch.rand`); on the meta
+    /// device, no samples (the generator does not move).
     pub fn rand(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
         let o = options.into();
+        if o.device.is_meta() {
+            float_only("rand", o.dtype)?;
+            return meta("rand", shape, o.dtype);
+        }
         let n = checked_numel(shape, "rand")?;
         let mut v = try_vec(n, 0.0f64, "rand", "shape")?;
         {
@@ -167,9 +210,14 @@ impl Tensor {
         }
         float_from_f64("rand", v, shape, o)
     }
-    /// Standard normal samples from the default generator (`torch.randn`).
+    /// Standard normal samples from the default generator (`torch.randn`); on the meta
+    /// device, no samples (the generator does not move).
     pub fn randn(shape: &[usize], options: impl Into<TensorOptions>) -> Result<Tensor> {
         let o = options.into();
+        if o.device.is_meta() {
+            float_only("randn", o.dtype)?;
+            return meta("randn", shape, o.dtype);
+        }
         let n = checked_numel(shape, "randn")?;
         let mut v = try_vec(n, 0.0f64, "randn", "shape")?;
         {
@@ -188,6 +236,9 @@ impl Tensor {
                 high,
             ));
         }
+        if device.is_meta() {
+            return meta("randint", shape, DType::I64);
+        }
         let n = checked_numel(shape, "randint")?;
         let mut v = try_vec(n, 0i64, "randint", "shape")?;
         {
@@ -198,51 +249,57 @@ impl Tensor {
     }
 }
 
+fn float_only(op: &'static str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::F64 => Ok(()),
+        d @ (DType::I64 | DType::Bool) => Err(Error::UnsupportedDType {
+            op,
+            dtype: d,
+            expected: "float32 or float64",
+        }),
+    }
+}
+
 fn float_from_f64(
     op: &'static str,
     v: Vec<f64>,
     shape: &[usize],
     o: TensorOptions,
 ) -> Result<Tensor> {
-    let t = match o.dtype {
-        DType::F64 => Tensor::from_vec(v, shape)?,
-        DType::F32 => Tensor::from_vec(v.into_iter().map(|x| x as f32).collect(), shape)?,
-        d @ (DType::I64 | DType::Bool) => {
-            return Err(Error::UnsupportedDType {
-                op,
-                dtype: d,
-                expected: "float32 or float64",
-            });
-        }
+    float_only(op, o.dtype)?;
+    let t = if o.dtype == DType::F64 {
+        Tensor::from_vec(v, shape)?
+    } else {
+        Tensor::from_vec(v.into_iter().map(|x| x as f32).collect(), shape)?
     };
     place(t, o.device)
 }
 
-/// Float32 zeros of `shape` on the CPU (`torch.zeros`).
+/// Float32 zeros of `shape` on the default device (`torch.zeros`).
 pub fn zeros(shape: &[usize]) -> Result<Tensor> {
     Tensor::zeros(shape, DType::F32)
 }
-/// Float32 ones of `shape` on the CPU (`torch.ones`).
+/// Float32 ones of `shape` on the default device (`torch.ones`).
 pub fn ones(shape: &[usize]) -> Result<Tensor> {
     Tensor::ones(shape, DType::F32)
 }
-/// Float32 `value` of `shape` on the CPU (`torch.full`).
+/// Float32 `value` of `shape` on the default device (`torch.full`).
 pub fn full(shape: &[usize], value: f64) -> Result<Tensor> {
     Tensor::full(shape, value, DType::F32)
 }
-/// Float32 `[start, end)` with `step` on the CPU (`torch.arange`).
+/// Float32 `[start, end)` with `step` on the default device (`torch.arange`).
 pub fn arange(start: f64, end: f64, step: f64) -> Result<Tensor> {
     Tensor::arange(start, end, step, DType::F32)
 }
-/// Float32 uniform samples in `[0, 1)` on the CPU (`torch.rand`).
+/// Float32 uniform samples in `[0, 1)` on the default device (`torch.rand`).
 pub fn rand(shape: &[usize]) -> Result<Tensor> {
     Tensor::rand(shape, DType::F32)
 }
-/// Float32 standard normal samples on the CPU (`torch.randn`).
+/// Float32 standard normal samples on the default device (`torch.randn`).
 pub fn randn(shape: &[usize]) -> Result<Tensor> {
     Tensor::randn(shape, DType::F32)
 }
-/// Int64 uniform integers in `[low, high)` on the CPU (`torch.randint`).
+/// Int64 uniform integers in `[low, high)` on the default device (`torch.randint`).
 pub fn randint(low: i64, high: i64, shape: &[usize]) -> Result<Tensor> {
     Tensor::randint(low, high, shape, Device::Cpu)
 }

@@ -38,6 +38,10 @@ impl Function for ToDevice {
             match self.to {
                 Device::Cpu => Storage::Cpu(cpu),
                 Device::Cuda(i) => Storage::Cuda(CudaStorage::from_cpu(&cpu, i)?),
+                Device::Meta => Storage::Meta(crate::storage::MetaStorage {
+                    dtype: cpu.dtype(),
+                    len: cpu.len(),
+                }),
             }
         };
         Ok(vec![Tensor::from_storage(storage, x.shape())])
@@ -75,9 +79,13 @@ impl Tensor {
     /// handle otherwise. Differentiable: the gradient moves back. Accepts a [`Device`] or a
     /// string such as `"cpu"`, `"cuda"`, `"cuda:1"`.
     ///
+    /// To `"meta"`, the result is a tensor of the same shape and dtype without elements and
+    /// without history.
+    ///
     /// Errors: [`crate::Error::InvalidDevice`] for a bad string,
     /// [`crate::Error::CudaUnavailable`] when CUDA is asked for but there is no driver or no
-    /// such device.
+    /// such device, [`crate::Error::MetaTensor`] from the meta device (there are no values
+    /// to move: see [`Tensor::empty_like_on`]).
     pub fn to(&self, device: impl IntoDevice) -> Result<Tensor> {
         self.to_device(device.into_device()?)
     }
@@ -86,6 +94,14 @@ impl Tensor {
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         if device == self.device() {
             return Ok(self.clone());
+        }
+        if self.device().is_meta() {
+            return Err(crate::Error::MetaTensor { op: "to" });
+        }
+        if device.is_meta() {
+            // no values to copy, so no history either (PyTorch's `.to("meta")` keeps none
+            // that could ever run)
+            return Tensor::empty(self.shape(), (self.dtype(), Device::Meta));
         }
         Ok(apply(
             ToDevice {

@@ -105,10 +105,7 @@ pub(crate) fn with_two<A: StorageElement, B: StorageElement, R>(
     if Arc::ptr_eq(&a.0.storage, &b.0.storage) {
         let guard = a.0.storage.read();
         let crate::storage::Storage::Cpu(c) = &*guard else {
-            return Err(Error::NotSupported {
-                op,
-                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
-            });
+            return Err(crate::tensor::not_on_host(op, &guard));
         };
         crate::tensor::check_extent(c.len(), a.layout(), op)?;
         crate::tensor::check_extent(c.len(), b.layout(), op)?;
@@ -151,10 +148,7 @@ pub(crate) fn with_all<T: StorageElement, R>(
     let mut slices: Vec<&[T]> = Vec::with_capacity(guards.len());
     for g in &guards {
         let crate::storage::Storage::Cpu(c) = &**g else {
-            return Err(Error::NotSupported {
-                op,
-                detail: "on CUDA tensors yet (move the tensor to the CPU with .to(\"cpu\"))".into(),
-            });
+            return Err(crate::tensor::not_on_host(op, g));
         };
         slices.push(T::slice(c).ok_or_else(|| Error::DTypeMismatch {
             op,

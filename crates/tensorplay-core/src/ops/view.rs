@@ -239,11 +239,18 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
+        if self.device().is_meta() {
+            return crate::ops::creation::meta("contiguous", self.shape(), self.dtype());
+        }
         Ok(apply(Contiguous, &[self])?.remove(0))
     }
 
-    /// A copy with its own storage (`clone()` in PyTorch; `Clone` on `Tensor` shares).
+    /// A copy with its own storage (`clone()` in PyTorch; `Clone` on `Tensor` shares). On the
+    /// meta device, a new meta tensor of the same shape without history.
     pub fn deep_clone(&self) -> Result<Tensor> {
+        if self.device().is_meta() {
+            return crate::ops::creation::meta("deep_clone", self.shape(), self.dtype());
+        }
         Ok(apply(Contiguous, &[self])?.remove(0))
     }
 

@@ -7,6 +7,7 @@ mod fsdp;
 mod fsdp_2d;
 mod fsdp_api;
 mod fsdp_checkpoint;
+mod fsdp_deferred;
 
 mod fsdp_faults;
 mod fsdp_memory;

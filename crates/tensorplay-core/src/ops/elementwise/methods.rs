@@ -39,10 +39,14 @@ macro_rules! cmp_methods {
 
 impl Tensor {
     /// Converts to `dtype` (a copy; differentiable between float types). Returns the same
-    /// handle when the dtype already matches.
+    /// handle when the dtype already matches. On the meta device, a new meta tensor of
+    /// `dtype` without history (there is nothing to convert).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if self.dtype() == dtype {
             return Ok(self.clone());
+        }
+        if self.device().is_meta() {
+            return crate::ops::creation::meta("to_dtype", self.shape(), dtype);
         }
         Ok(apply(
             Cast {

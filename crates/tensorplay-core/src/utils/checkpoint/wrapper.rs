@@ -195,4 +195,9 @@ impl<M: Module + 'static> Module for CheckpointWrapper<M> {
         )?;
         Ok(out.remove(0))
     }
+
+    /// The wrapped module's own [`Module::reset_parameters`].
+    fn reset_parameters(&mut self) -> Result<()> {
+        self.inner_mut().reset_parameters()
+    }
 }

@@ -125,12 +125,14 @@ pub(super) fn shard_module(
         let full = if old.dtype() == param_dtype {
             old
         } else {
-            let full = Tensor::zeros(old.shape(), param_dtype)?;
+            let full = Tensor::zeros(old.shape(), (param_dtype, old.device()))?;
             full.resize_storage_(0)?;
             full.set_requires_grad(old.requires_grad())?;
             recast.insert(old.id(), full.clone());
             full
         };
+        // initialisation and `to_empty` reach the shard through the module's tensor
+        full.set_local_shard(Some(shard.clone()));
         managed.push(Managed { name, full, shard });
     }
     if !recast.is_empty() {
@@ -328,17 +330,21 @@ fn agree(
             (
                 n.clone(),
                 p.shape().to_vec(),
-                p.dtype().to_string(),
+                format!("{} on {}", p.dtype(), p.device()),
                 p.requires_grad(),
             )
         })
         .collect();
     // the sum of each parameter's values, as bits: ranks must hold the same weights (nothing
-    // is broadcast), and the same module
+    // is broadcast), and the same module (on the meta device, the same shapes only)
     let _g = tensorplay_core::no_grad();
     let sums: Vec<u64> = params
         .iter()
         .map(|(_, p)| {
+            if p.device().is_meta() {
+                // no weights yet: each rank initialises its shards after `to_empty`
+                return Ok(0);
+            }
             let v = p.detach().to_dtype(DType::F64)?.sum()?.item::<f64>()?;
             Ok(v.to_bits())
         })
@@ -445,13 +451,18 @@ fn shard_of(full: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
     let spec = ShardSpec::new(full.shape(), world);
     let rows = spec.rows_of(rank);
     let local = spec.local_shape(full.shape(), rank);
-    let s = full
-        .detach()
-        .reshape(&[spec.rows, spec.row_numel])?
-        .narrow(0, rows.start, rows.len())?
-        .reshape(&local)?
-        .deep_clone()?;
+    let s = if full.device().is_meta() {
+        // deferred initialisation: a shape, memory comes with `to_empty`
+        Tensor::empty(&local, (full.dtype(), full.device()))?
+    } else {
+        full.detach()
+            .reshape(&[spec.rows, spec.row_numel])?
+            .narrow(0, rows.start, rows.len())?
+            .reshape(&local)?
+            .deep_clone()?
+    };
     s.mark_sharded("fully_shard");
+    s.mark_rows_of(full.shape(), rows.start);
     Ok(if full.requires_grad() {
         s.requires_grad_(true)
     } else {

@@ -107,7 +107,8 @@ fn dtype_key(t: &Tensor) -> u64 {
     let d = 1 + u64::from(t.dtype().code());
     let dev = match t.device() {
         tensorplay_core::Device::Cpu => 0,
-        tensorplay_core::Device::Cuda(i) => 1 + i as u64,
+        tensorplay_core::Device::Meta => 1,
+        tensorplay_core::Device::Cuda(i) => 2 + i as u64,
     };
     d | (dev << 8)
 }
