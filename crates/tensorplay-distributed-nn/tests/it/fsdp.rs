@@ -15,7 +15,7 @@ use tensorplay_core::utils::checkpoint::CheckpointWrapper;
 use tensorplay_core::{self as tp, DType, Tensor};
 use tensorplay_distributed_nn::parallel::fsdp::{
     FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, clip_grad_norm_ as sharded_clip,
-    full_tensor, fully_shard,
+    full_tensor, fully_shard, to_local,
 };
 use tensorplay_testkit::{Tol, check_close, cpu_world};
 
@@ -381,9 +381,18 @@ pub(crate) fn run_case_on(
             &r.to_vec_f64()?,
             tol(c.dtype),
         )?;
+        // to_local is the shard itself
+        if to_local(s)?.id() != s.id() {
+            return Err(format!("{what}: to_local of {n} is another tensor").into());
+        }
     }
-    if full_tensor(&reference.parameters()[0]).is_ok() {
-        return Err(format!("{what}: full_tensor accepted a tensor that is not a shard").into());
+    if full_tensor(&reference.parameters()[0]).is_ok()
+        || to_local(&reference.parameters()[0]).is_ok()
+    {
+        return Err(format!(
+            "{what}: full_tensor or to_local accepted a tensor that is not a shard"
+        )
+        .into());
     }
     Ok(())
 }

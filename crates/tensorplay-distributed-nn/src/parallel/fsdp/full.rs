@@ -7,6 +7,30 @@ use tensorplay_core::{Result, Tensor, no_grad};
 use super::param::ShardSpec;
 use super::setup;
 
+fn not_a_shard(op: &'static str, t: &Tensor) -> tensorplay_core::Error {
+    DistError::invalid(
+        op,
+        dist::get_rank(None).map_or(-1, |r| r as i64),
+        "shard",
+        "a shard that fully_shard made (one of a fully sharded module's parameters())",
+        format!("a tensor of shape {:?}", t.shape()),
+    )
+    .into()
+}
+
+/// This rank's rows of a fully sharded parameter as a plain tensor (PyTorch's `to_local()` on
+/// an FSDP2 parameter). Our shards are plain tensors already, so this is the same handle
+/// (shared storage, autograd identity and `.grad`): shape `[rows this rank holds, ..]`, the
+/// shard's dtype; no collective.
+///
+/// Errors: `shard` is not a shard `fully_shard` made (`InvalidArgument`).
+pub fn to_local(shard: &Tensor) -> Result<Tensor> {
+    match setup::shard_info(shard) {
+        Some(_) => Ok(shard.clone()),
+        None => Err(not_a_shard("to_local", shard)),
+    }
+}
+
 /// The whole tensor of which `shard` is this rank's rows (PyTorch's `full_tensor()` on an
 /// FSDP2 parameter): one all-gather of every rank's padded rows over the shard's group, the
 /// padding dropped. A new tensor of the full parameter's shape and the shard's dtype, with no
@@ -16,14 +40,7 @@ use super::setup;
 /// Errors: `shard` is not a shard `fully_shard` made (`InvalidArgument`); collective errors.
 pub fn full_tensor(shard: &Tensor) -> Result<Tensor> {
     let Some((group, shape)) = setup::shard_info(shard) else {
-        return Err(DistError::invalid(
-            "full_tensor",
-            dist::get_rank(None).map_or(-1, |r| r as i64),
-            "shard",
-            "a shard that fully_shard made (one of a fully sharded module's parameters())",
-            format!("a tensor of shape {:?}", shard.shape()),
-        )
-        .into());
+        return Err(not_a_shard("full_tensor", shard));
     };
     let world = dist::get_world_size(Some(&group))?;
     let spec = ShardSpec::new(&shape, world);

@@ -47,7 +47,7 @@ use tensorplay_core::{Result, Tensor};
 
 pub use clip::clip_grad_norm_;
 pub use error::FsdpError;
-pub use full::full_tensor;
+pub use full::{full_tensor, to_local};
 pub use placement::shard_placement;
 pub use policy::MixedPrecisionPolicy;
 pub use state::FsdpEvent;
