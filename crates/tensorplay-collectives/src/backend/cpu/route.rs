@@ -4,6 +4,8 @@
 //! `shm`), so it is the same on every rank:
 //!
 //! * every rank on one host: the shared-memory algorithms (`shm::algo`), for every collective;
+//!   large all_gather, gather and reduce_scatter read peers' memory directly (`shm::cma`)
+//!   where every rank of the host can;
 //! * every rank alone on its host (or the transport off): the TCP algorithms (`algo`);
 //! * mixed: all_reduce, broadcast, reduce and barrier are hierarchical (shared memory inside
 //!   each host, TCP between one representative per host: its lowest rank, or the root where
@@ -65,6 +67,11 @@ impl Route {
 
 fn scx<'a>(s: &'a Shm, cx: &Ctx<'a>, part: u8) -> ShmCtx<'a> {
     ShmCtx::new(s, cx.peers, &cx.sig, part, cx.rank, cx.timeout, cx.sent)
+}
+
+/// Whether a call moving `bytes` (the same on every rank) reads peers' memory directly.
+fn use_cma(c: &ShmCtx<'_>, bytes: usize) -> bool {
+    c.cma() && bytes >= shm::cma::CMA_MIN
 }
 
 /// The representative of each host for a call rooted at `root` (or the lowest rank), by host.
@@ -257,7 +264,14 @@ pub(super) fn all_gather(
     counts: &[usize],
 ) -> Result<()> {
     match route {
-        Route::Shm(s) => shm::gather(&mut scx(s, cx, 0), input, Some(output), counts, None),
+        Route::Shm(s) => {
+            let mut c = scx(s, cx, 0);
+            if use_cma(&c, counts.iter().sum::<usize>() * input.elem_size()) {
+                shm::cma::gather(&mut c, input, Some(output), counts, None)
+            } else {
+                shm::gather(&mut c, input, Some(output), counts, None)
+            }
+        }
         _ => algo::all_gather(cx, input, output, counts),
     }
 }
@@ -272,7 +286,14 @@ pub(super) fn reduce_scatter(
     op: ReduceOp,
 ) -> Result<()> {
     match route {
-        Route::Shm(s) => shm::reduce_scatter(&mut scx(s, cx, 0), input, output, op),
+        Route::Shm(s) => {
+            let mut c = scx(s, cx, 0);
+            if use_cma(&c, input.len() * input.elem_size()) {
+                shm::cma::reduce_scatter(&mut c, sc, input, output, op)
+            } else {
+                shm::reduce_scatter(&mut c, input, output, op)
+            }
+        }
         _ => algo::reduce_scatter(cx, sc, input, output, op),
     }
 }
@@ -287,13 +308,15 @@ pub(super) fn gather(
     root: usize,
 ) -> Result<()> {
     match route {
-        Route::Shm(s) => shm::gather(
-            &mut scx(s, cx, 0),
-            input,
-            output,
-            counts,
-            Some(root_local(s, root)),
-        ),
+        Route::Shm(s) => {
+            let mut c = scx(s, cx, 0);
+            let root = Some(root_local(s, root));
+            if use_cma(&c, counts.iter().sum::<usize>() * input.elem_size()) {
+                shm::cma::gather(&mut c, input, output, counts, root)
+            } else {
+                shm::gather(&mut c, input, output, counts, root)
+            }
+        }
         _ => algo::gather(cx, input, output, counts, root),
     }
 }
