@@ -22,9 +22,13 @@ fn size_of(dt: DType) -> usize {
 }
 
 /// Rounds a value to what `dt` holds (float32 results of float32 operands are the float64
-/// results rounded once: exact for +, *, min and max).
+/// results rounded once: exact for +, *, min and max; int64 has no negative zero).
 fn round(dt: DType, v: f64) -> f64 {
-    if dt == DType::F32 { v as f32 as f64 } else { v }
+    match dt {
+        DType::F32 => v as f32 as f64,
+        DType::I64 => v as i64 as f64,
+        _ => v,
+    }
 }
 
 /// Rank `r`'s `n` values: fractions for floats (so the order of additions shows in the bits),
