@@ -1,7 +1,9 @@
 //! Cross-memory attach on the shared-memory transport (`TENSORPLAY_SHM_CMA`): large
-//! all_gather, gather and reduce_scatter read peers' tensors in place. Each world runs with it
-//! required (`require`: group creation fails where it cannot be used, so a silent fallback
-//! fails the test) and turned off (`0`, the slot path), at sizes around the crate's threshold
+//! reduce_scatter (by default) and all_gather and gather (`all`) read peers' tensors in place.
+//! Each world runs with it required for every one of them (`require`: group creation fails
+//! where it cannot be used, so a silent fallback fails the test), by default, with ranks asking
+//! for different things (they must agree on one path), and turned off (`0`, the slot path), at
+//! sizes around the crate's threshold
 //! (256 KiB moved) and its reduce_scatter piece (256 KiB), for every dtype the backend moves,
 //! with uneven blocks and an input that is a view of the output. Results are compared bit for
 //! bit with one process reducing in rank order in the dtype's own arithmetic.
@@ -153,12 +155,20 @@ fn cases(rank: usize, k: usize) -> TestResult {
     Ok(())
 }
 
-/// One world of `k` ranks with `TENSORPLAY_SHM_CMA=<cma>`.
+/// One world of `k` ranks with `TENSORPLAY_SHM_CMA=<cma>`, or on rank 0 only `all` when
+/// `cma` is `mixed` (the others keep the default).
 fn world(k: usize, cma: &'static str) -> TestResult {
     let mut o = SpawnOptions::new(k);
     o.timeout = Some(Duration::from_secs(300));
-    o.env = vec![("TENSORPLAY_SHM_CMA".into(), cma.into())];
+    if cma != "mixed" {
+        o.env = vec![("TENSORPLAY_SHM_CMA".into(), cma.into())];
+    }
     dist::spawn_with(o, move |rank| -> TestResult {
+        if cma == "mixed" && rank == 0 {
+            // SAFETY: no other thread of this child reads the environment now (libtest's main
+            // thread waits for this test; the group and its threads are created below).
+            unsafe { std::env::set_var("TENSORPLAY_SHM_CMA", "all") };
+        }
         init(60)?;
         assert_eq!(dist::default_group("test")?.transport(), "shm");
         cases(rank, k)?;
@@ -182,6 +192,8 @@ macro_rules! worlds {
 worlds! {
     cma_world_2: 2, "require";
     cma_world_3: 3, "require";
+    cma_default_world_2: 2, "1";
+    cma_mixed_world_3: 3, "mixed";
     cma_off_world_2: 2, "0";
     cma_off_world_3: 3, "0";
 }

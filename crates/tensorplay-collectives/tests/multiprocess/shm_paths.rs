@@ -341,7 +341,11 @@ fn killed_inside(what: &'static str) -> TestResult {
         init(8)?;
         assert_eq!(dist::default_group("test")?.transport(), "shm");
         // reduce_scatter's input is three blocks
-        let n = if what == "reduce_scatter" { 3 << 20 } else { 4 << 20 };
+        let n = if what == "reduce_scatter" {
+            3 << 20
+        } else {
+            4 << 20
+        };
         let t = Tensor::ones(&[n], DType::F32)?;
         op(&t)?;
         if victim {

@@ -1,18 +1,27 @@
-//! Cross-memory attach: large all_gather, gather and reduce_scatter between the ranks of one
-//! host read each peer's tensor straight out of the peer's process with `process_vm_readv`
-//! (one copy per byte) instead of through the slots (a copy in, a copy out).
+//! Cross-memory attach: large reduce_scatter (and, where asked for, all_gather and gather)
+//! between the ranks of one host read each peer's tensor straight out of the peer's process
+//! with `process_vm_readv` (one copy per byte) instead of through the slots (a copy in, a copy
+//! out).
 //!
 //! # Setup (see `Shm::setup`)
 //! Unless `TENSORPLAY_SHM_CMA=0`, every rank lets peers read its memory where Yama restricts
 //! ptrace to ancestors (`PR_SET_PTRACER_ANY`; without Yama the call fails and changes
 //! nothing), and adds its pid and the address of its segment's token to its advert. Every rank
 //! then reads the token of every peer whose segment it mapped ([`probe_advert`]) and reports
-//! the outcome in its row of the reachability matrix. A host uses cross-memory attach only if
-//! every rank of it read every other's token: every rank sees the same rows, so all agree, and
-//! one rank that cannot (seccomp, another pid namespace, `TENSORPLAY_SHM_CMA=0` on that rank)
-//! sends the whole host back to the slots.
+//! the outcome in its row of the reachability matrix (`1`; `2` where it also asks for the
+//! gathers). A host uses cross-memory attach only if every rank of it read every other's
+//! token, and for the gathers only if every rank asked: every rank sees the same rows, so all
+//! agree, and one rank that cannot (seccomp, another pid namespace, `TENSORPLAY_SHM_CMA=0` on
+//! that rank) sends the whole host back to the slots.
 //!
-//! # A call (at least [`CMA_MIN`] bytes; smaller calls keep the slot path's latency)
+//! # Which calls
+//! reduce_scatter of at least [`CMA_MIN`] input bytes by default; all_gather and gather of at
+//! least [`CMA_MIN`] output bytes with `TENSORPLAY_SHM_CMA=all` (or `require`). On the 2-core
+//! VM of benchmarks.md the gathers were faster this way at 16 MiB but slower at 64 MiB, where
+//! the kernel's copy out of a peer's memory (about 4.5 GB/s against memcpy's 7) costs more than
+//! the slot path's second copy through the cache. Smaller calls keep the slot path's latency.
+//!
+//! # A call
 //! One step: every rank writes the address and length of its input into its slot, signs and
 //! publishes; after every peer's step it checks their signatures and reads what it needs
 //! (all_gather: each peer's input into its block of the output, its own block by a local
@@ -29,9 +38,10 @@ use crate::backend::cpu::buf::Scratch;
 use crate::backend::{BufMut, BufRef, reduce_into};
 use crate::{Error, Part, ReduceOp, Result, detail};
 
-/// The environment variable: `0` (or `false`, `off`, `no`) turns cross-memory attach off,
-/// `require` makes group creation fail where it cannot be used; anything else (or unset): use
-/// it where every rank of the host can.
+/// The environment variable: `0` (or `false`, `off`, `no`) turns cross-memory attach off;
+/// `all` uses it for all_gather and gather too; `require` is `all` and makes group creation
+/// fail where it cannot be used; anything else (or unset): reduce_scatter only, where every
+/// rank of the host can.
 pub(super) const ENV: &str = "TENSORPLAY_SHM_CMA";
 
 /// all_gather and gather calls of at least this many output bytes (all ranks' blocks), and
@@ -42,18 +52,28 @@ pub(in crate::backend::cpu) const CMA_MIN: usize = 256 << 10;
 /// stays in cache while it is reduced into the output).
 const PIECE: usize = 256 << 10;
 
-/// One `process_vm_readv` call reads at most this many bytes.
-const MAX_READ: usize = 16 << 20;
+/// One `process_vm_readv` call reads at most this many bytes (on the 2-core VM of
+/// benchmarks.md, reads of 256 KiB to 1 MiB ran at 4.5 GB/s, one read of 64 MiB at 3.7).
+const MAX_READ: usize = 1 << 20;
 
 /// What `TENSORPLAY_SHM_CMA` asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Mode {
     /// Never (the slot path only).
     Off,
-    /// Where every rank of the host can.
+    /// For reduce_scatter, where every rank of the host can.
     Auto,
-    /// Always: group creation fails where some rank of the host cannot.
+    /// For reduce_scatter, all_gather and gather, where every rank of the host can.
+    All,
+    /// As `All`, and group creation fails where some rank of the host cannot.
     Require,
+}
+
+impl Mode {
+    /// Whether all_gather and gather read peers' memory too.
+    pub(super) fn gathers(self) -> bool {
+        matches!(self, Mode::All | Mode::Require)
+    }
 }
 
 /// The mode `TENSORPLAY_SHM_CMA` asks for (default [`Mode::Auto`]).
@@ -61,6 +81,7 @@ pub(super) fn mode() -> Mode {
     match std::env::var(ENV) {
         Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
             "0" | "false" | "off" | "no" => Mode::Off,
+            "all" => Mode::All,
             "require" => Mode::Require,
             _ => Mode::Auto,
         },
@@ -72,15 +93,16 @@ pub(super) fn mode() -> Mode {
 /// ancestors (sibling ranks are not each other's ancestors). Without Yama the call fails with
 /// `EINVAL` and nothing changes; either way the probe decides.
 pub(super) fn allow_peers() {
+    let unused: libc::c_ulong = 0;
     // SAFETY: prctl with integer arguments; PR_SET_PTRACER only changes this process's Yama
     // ptracer exception and touches no memory of ours.
     unsafe {
         libc::prctl(
             libc::PR_SET_PTRACER,
             libc::PR_SET_PTRACER_ANY,
-            0 as libc::c_ulong,
-            0 as libc::c_ulong,
-            0 as libc::c_ulong,
+            unused,
+            unused,
+            unused,
         );
     }
 }
@@ -230,16 +252,47 @@ pub(in crate::backend::cpu) fn gather(
     let receives = root.is_none_or(|r| r == me);
     if let (true, Some(out)) = (receives, output.as_mut()) {
         let blocks = super::super::algo::blocks_of(counts);
-        out.slice_mut(blocks[me].clone())
-            .as_bytes_mut()
-            .copy_from_slice(input.as_bytes());
+        let streaming = out.len() * es >= super::algo::STREAM_MIN;
+        let mut stage = if streaming {
+            vec![0u8; PIECE]
+        } else {
+            Vec::new()
+        };
+        copy(
+            input.as_bytes(),
+            out.slice_mut(blocks[me].clone()).as_bytes_mut(),
+            streaming,
+        );
         for j in 1..w {
             let p = (me + j) % w;
             let at = input_of(cx, p, s, counts[p] * es)?;
-            read_peer(cx, p, at, out.slice_mut(blocks[p].clone()).as_bytes_mut())?;
+            let mut o = out.slice_mut(blocks[p].clone());
+            let dst = o.as_bytes_mut();
+            if !streaming {
+                read_peer(cx, p, at, dst)?;
+                continue;
+            }
+            // through a cache-sized buffer, then around the cache into the output: the
+            // kernel's copy would read every output line before overwriting it
+            for (k, d) in dst.chunks_mut(PIECE).enumerate() {
+                let t = &mut stage[..d.len()];
+                read_peer(cx, p, at + k * PIECE, t)?;
+                copy(t, d, true);
+            }
         }
     }
     finish(cx)
+}
+
+/// Copies `src` into `dst` (as many bytes), with non-temporal stores when `streaming`.
+fn copy(src: &[u8], dst: &mut [u8], streaming: bool) {
+    let n = src.len().min(dst.len());
+    if streaming {
+        // SAFETY: a shared and a mutable borrow cannot overlap; `n` bytes valid in each.
+        unsafe { super::algo::copy_streaming(src.as_ptr(), dst.as_mut_ptr(), n) }
+    } else {
+        dst[..n].copy_from_slice(&src[..n]);
+    }
 }
 
 /// Reduce-scatter: block `me` (of `output.len()` elements) of the reduction of every rank's
@@ -346,7 +399,11 @@ mod tests {
             assert_eq!(ok, Some(std::process::id()), "the right token is found");
         }
         let wrong = ad.replacen(&token, "fedcba9876543210fedcba9876543210", 1);
-        assert_eq!(probe_advert(wrong.as_bytes()), None, "another token is refused");
+        assert_eq!(
+            probe_advert(wrong.as_bytes()),
+            None,
+            "another token is refused"
+        );
         assert_eq!(probe_advert(b"/dev/shm/x\nab\n1024\n"), None, "no pid");
     }
 }

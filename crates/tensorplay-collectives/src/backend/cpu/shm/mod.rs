@@ -148,8 +148,11 @@ pub(super) struct Shm {
     segs: Vec<Segment>,
     /// Slot bytes.
     slot: usize,
-    /// Whether every rank of this host reads the others' memory directly (see `cma`).
+    /// Whether every rank of this host reads the others' memory directly in reduce_scatter
+    /// (see `cma`).
     cma: bool,
+    /// Whether they do in all_gather and gather too (every rank asked for it).
+    cma_gather: bool,
     /// The pid of each host member's process, by local index (0 where unknown).
     pids: Vec<u32>,
     progress: Mutex<Progress>,
@@ -225,10 +228,16 @@ impl Shm {
             }
         }
         let bit = |b: bool| if b { '1' } else { '0' };
+        // whose memory we read: '1', or '2' where we also want all_gather to (see `cma`)
+        let read = |p: usize| match (pids[p].is_some(), cma_mode.gathers()) {
+            (false, _) => '0',
+            (true, false) => '1',
+            (true, true) => '2',
+        };
         // the row: which segments we mapped, then whose memory we read
         let row: String = (0..size)
             .map(|p| bit(p == rank || mapped[p].is_some()))
-            .chain((0..size).map(|p| bit(pids[p].is_some())))
+            .chain((0..size).map(read))
             .collect();
         let row = if own.is_some() {
             row
@@ -255,7 +264,7 @@ impl Shm {
             }
             let r = v.split_off(size);
             matrix.push(v.into_iter().map(|b| b == b'1').collect::<Vec<bool>>());
-            reads.push(r.into_iter().map(|b| b == b'1').collect::<Vec<bool>>());
+            reads.push(r);
         }
         let Some(hosts) = hosts_of(&matrix) else {
             tracing::warn!(
@@ -277,9 +286,15 @@ impl Shm {
             _ => return Ok((hosts, None)),
         };
         let li = local.iter().position(|&p| p == rank).unwrap_or(0);
-        let cma = local.iter().all(|&a| local.iter().all(|&b| reads[a][b]));
+        let all_of = |ok: &[u8]| {
+            local
+                .iter()
+                .all(|&a| local.iter().all(|&b| ok.contains(&reads[a][b])))
+        };
+        let cma = all_of(b"12");
+        let cma_gather = all_of(b"2");
         let local_pids = local.iter().map(|&p| pids[p].unwrap_or(0)).collect();
-        if cma_mode == cma::Mode::Require && !cma {
+        if cma_mode == cma::Mode::Require && !cma_gather {
             return Err(Error::Backend {
                 backend: "cpu".into(),
                 detail: detail!(
@@ -312,6 +327,7 @@ impl Shm {
                 segs,
                 slot,
                 cma,
+                cma_gather,
                 pids: local_pids,
                 progress: Mutex::new(Progress::default()),
             }),
@@ -335,6 +351,12 @@ impl Shm {
             std::sync::atomic::Ordering::AcqRel,
             std::sync::atomic::Ordering::Acquire,
         );
+    }
+
+    /// Whether this host's ranks read each other's memory directly (see `cma`) in
+    /// reduce_scatter (`gathers` false) or in all_gather and gather (`gathers` true).
+    pub(super) fn cma(&self, gathers: bool) -> bool {
+        if gathers { self.cma_gather } else { self.cma }
     }
 
     /// The local index of group rank `r`, if it is on this host.

@@ -237,11 +237,6 @@ impl<'a> ShmCtx<'a> {
         self.streaming.set(on);
     }
 
-    /// Whether this host's ranks read each other's memory directly (see `cma`).
-    pub(in crate::backend::cpu) fn cma(&self) -> bool {
-        self.shm.cma
-    }
-
     /// The pid of local rank `li`'s process (cross-memory attach only).
     pub(super) fn pid_of(&self, li: usize) -> u32 {
         self.shm.pids[li]
