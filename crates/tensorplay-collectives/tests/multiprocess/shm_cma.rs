@@ -197,3 +197,30 @@ worlds! {
     cma_off_world_2: 2, "0";
     cma_off_world_3: 3, "0";
 }
+
+/// `require` on one rank while another turns cross-memory attach off: that rank's group
+/// creation fails and says why (the other rank is free to fail or not, but must not hang).
+#[test]
+fn cma_required_where_a_rank_refuses_fails_group_creation() -> TestResult {
+    let mut o = SpawnOptions::new(2);
+    o.timeout = Some(Duration::from_secs(120));
+    dist::spawn_with(o, |rank| -> TestResult {
+        let mode = if rank == 0 { "require" } else { "0" };
+        // SAFETY: no other thread of this child reads the environment now (libtest's main
+        // thread waits for this test; the group and its threads are created below).
+        unsafe { std::env::set_var("TENSORPLAY_SHM_CMA", mode) };
+        let r = init(10).and_then(|()| dist::barrier(None));
+        if rank == 0 {
+            let e = match r {
+                Ok(()) => return Err("rank 0 created the group despite `require`".into()),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                e.contains("TENSORPLAY_SHM_CMA=require"),
+                "rank 0 error names the setting: {e}"
+            );
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
