@@ -2,11 +2,12 @@
 //!
 //! # Co-location
 //! At group creation every rank creates one segment under `/dev/shm` (see `segment`) and
-//! publishes `<path> <token> <slot> <label>` under `shm/<rank>` in the group's store. Every
-//! rank tries to map every peer's segment and checks its header; it publishes the ranks it
-//! mapped under `shm_ok/<rank>`. Two ranks share a host when each mapped the other's segment:
-//! capability, never names (ranks in different network namespaces sharing `/dev/shm` do share
-//! memory). Every rank reads every row, so all agree on the hosts; a host is the set of ranks
+//! publishes `<path> <token> <slot> <label>` (and, for `cma`, `<pid> <address>`) under
+//! `shm/<rank>` in the group's store. Every rank tries to map every peer's segment and checks
+//! its header; it publishes the ranks it mapped under `shm_ok/<rank>`, followed by the ranks
+//! whose memory it read with `process_vm_readv` (`1`, or `2` where it asks for the gathers
+//! too; see `cma`). Two ranks share a host when each mapped the other's segment: capability,
+//! never names (ranks in different network namespaces sharing `/dev/shm` do share memory). Every rank reads every row, so all agree on the hosts; a host is the set of ranks
 //! that mutually mapped the lowest of them, and if the relation is not an equivalence (never
 //! seen in practice) the group uses TCP only. Then each rank unlinks its segment's file: from
 //! here on nothing of the group is visible in `/dev/shm`, whatever happens to the processes.
@@ -302,8 +303,9 @@ impl Shm {
                     Part::Rank(rank),
                     format!(
                         ": {}=require, but not every rank of this host can read the others' \
-                         memory with process_vm_readv (seccomp, another pid namespace, Yama, \
-                         or {0}=0 on some rank)",
+                         memory with process_vm_readv, or not every one asks to (seccomp, \
+                         another pid namespace, Yama, or {0} other than all or require on \
+                         some rank)",
                         cma::ENV
                     )
                 ),
