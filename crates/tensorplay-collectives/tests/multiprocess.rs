@@ -16,6 +16,8 @@ mod device_mesh;
 mod double;
 #[path = "multiprocess/one_bad_rank.rs"]
 mod one_bad_rank;
+#[path = "multiprocess/shm_cma.rs"]
+mod shm_cma;
 #[path = "multiprocess/shm_paths.rs"]
 mod shm_paths;
 

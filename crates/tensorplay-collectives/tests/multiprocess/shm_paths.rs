@@ -296,8 +296,9 @@ fn read(dir: &Path, name: &str) -> String {
     std::fs::read_to_string(dir.join(name)).unwrap_or_default()
 }
 
-/// Rank 2 is SIGKILLed while a large shared-memory collective streams (`what`: all_reduce, or
-/// broadcast from rank 0, where the root sees the death first and must not be blamed for it):
+/// Rank 2 is SIGKILLed while a large shared-memory collective streams (`what`: all_reduce,
+/// all_gather, reduce_scatter, or broadcast from rank 0, where the root sees the death first
+/// and must not be blamed for it):
 /// ranks 0 and 1 get an error naming rank 2 within their timeout, and nothing of the job is
 /// left in /dev/shm.
 fn killed_inside(what: &'static str) -> TestResult {
@@ -311,6 +312,14 @@ fn killed_inside(what: &'static str) -> TestResult {
     let r = dist::spawn_with(opts, move |rank| -> TestResult {
         let op = |t: &Tensor| match what {
             "broadcast" => dist::broadcast(t, 0, None),
+            "all_gather" => {
+                let out = Tensor::zeros(&[3 * t.numel()], DType::F32)?;
+                dist::all_gather_into_tensor(&out, t, None)
+            }
+            "reduce_scatter" => {
+                let out = Tensor::zeros(&[t.numel() / 3], DType::F32)?;
+                dist::reduce_scatter_tensor(&out, t, ReduceOp::Sum, None)
+            }
             _ => dist::all_reduce(t, ReduceOp::Sum, None),
         };
         let dir = PathBuf::from(std::env::var("TP_TEST_DIR")?);
@@ -331,11 +340,23 @@ fn killed_inside(what: &'static str) -> TestResult {
         )?;
         init(8)?;
         assert_eq!(dist::default_group("test")?.transport(), "shm");
-        let t = Tensor::ones(&[4 << 20], DType::F32)?;
+        // reduce_scatter's input is three blocks
+        let n = if what == "reduce_scatter" {
+            3 << 20
+        } else {
+            4 << 20
+        };
+        let t = Tensor::ones(&[n], DType::F32)?;
         op(&t)?;
         if victim {
+            let out = Tensor::zeros(&[3 * t.numel()], DType::F32)?;
+            let part = Tensor::zeros(&[t.numel() / 3], DType::F32)?;
             let w = match what {
                 "broadcast" => dist::broadcast_async(&t, 0, None)?,
+                "all_gather" => dist::all_gather_into_tensor_async(&out, &t, None)?,
+                "reduce_scatter" => {
+                    dist::reduce_scatter_tensor_async(&part, &t, ReduceOp::Sum, None)?
+                }
                 _ => dist::all_reduce_async(&t, ReduceOp::Sum, None)?,
             };
             std::thread::sleep(Duration::from_millis(3));
@@ -404,6 +425,18 @@ fn a_rank_killed_inside_a_shared_memory_all_reduce() -> TestResult {
 #[test]
 fn a_rank_killed_inside_a_shared_memory_broadcast_is_named_not_the_root() -> TestResult {
     killed_inside("broadcast")
+}
+
+/// The same inside collectives that read peers' memory directly (cross-memory attach, on by
+/// default where it works; on the slot path otherwise): a dead peer is named, never a hang.
+#[test]
+fn a_rank_killed_inside_a_shared_memory_all_gather() -> TestResult {
+    killed_inside("all_gather")
+}
+
+#[test]
+fn a_rank_killed_inside_a_shared_memory_reduce_scatter() -> TestResult {
+    killed_inside("reduce_scatter")
 }
 
 /// With the cross-rank argument check off, the shared-memory path itself catches ranks in

@@ -4,6 +4,8 @@
 //! `shm`), so it is the same on every rank:
 //!
 //! * every rank on one host: the shared-memory algorithms (`shm::algo`), for every collective;
+//!   large reduce_scatter (and all_gather and gather where asked for) read peers' memory
+//!   directly (`shm::cma`) where every rank of the host can;
 //! * every rank alone on its host (or the transport off): the TCP algorithms (`algo`);
 //! * mixed: all_reduce, broadcast, reduce and barrier are hierarchical (shared memory inside
 //!   each host, TCP between one representative per host: its lowest rank, or the root where
@@ -66,6 +68,16 @@ impl Route {
 fn scx<'a>(s: &'a Shm, cx: &Ctx<'a>, part: u8) -> ShmCtx<'a> {
     ShmCtx::new(s, cx.peers, &cx.sig, part, cx.rank, cx.timeout, cx.sent)
 }
+
+/// Whether a call moving `bytes` (the same on every rank) reads peers' memory directly
+/// (`gathers`: an all_gather or gather). Such calls sign their rounds as a part of their
+/// own, so that ranks that disagreed on the path would fail with a mismatch.
+fn use_cma(s: &Shm, bytes: usize, gathers: bool) -> bool {
+    s.cma(gathers) && bytes >= shm::cma::CMA_MIN
+}
+
+/// The part that calls reading peers' memory directly sign (see [`use_cma`]).
+const CMA_PART: u8 = 0x40;
 
 /// The representative of each host for a call rooted at `root` (or the lowest rank), by host.
 fn rep(hosts: &[usize], h: usize, root: Option<usize>) -> usize {
@@ -257,7 +269,13 @@ pub(super) fn all_gather(
     counts: &[usize],
 ) -> Result<()> {
     match route {
-        Route::Shm(s) => shm::gather(&mut scx(s, cx, 0), input, Some(output), counts, None),
+        Route::Shm(s) => {
+            if use_cma(s, counts.iter().sum::<usize>() * input.elem_size(), true) {
+                shm::cma::gather(&mut scx(s, cx, CMA_PART), input, Some(output), counts, None)
+            } else {
+                shm::gather(&mut scx(s, cx, 0), input, Some(output), counts, None)
+            }
+        }
         _ => algo::all_gather(cx, input, output, counts),
     }
 }
@@ -272,7 +290,13 @@ pub(super) fn reduce_scatter(
     op: ReduceOp,
 ) -> Result<()> {
     match route {
-        Route::Shm(s) => shm::reduce_scatter(&mut scx(s, cx, 0), input, output, op),
+        Route::Shm(s) => {
+            if use_cma(s, input.len() * input.elem_size(), false) {
+                shm::cma::reduce_scatter(&mut scx(s, cx, CMA_PART), sc, input, output, op)
+            } else {
+                shm::reduce_scatter(&mut scx(s, cx, 0), input, output, op)
+            }
+        }
         _ => algo::reduce_scatter(cx, sc, input, output, op),
     }
 }
@@ -287,13 +311,14 @@ pub(super) fn gather(
     root: usize,
 ) -> Result<()> {
     match route {
-        Route::Shm(s) => shm::gather(
-            &mut scx(s, cx, 0),
-            input,
-            output,
-            counts,
-            Some(root_local(s, root)),
-        ),
+        Route::Shm(s) => {
+            let root = Some(root_local(s, root));
+            if use_cma(s, counts.iter().sum::<usize>() * input.elem_size(), true) {
+                shm::cma::gather(&mut scx(s, cx, CMA_PART), input, output, counts, root)
+            } else {
+                shm::gather(&mut scx(s, cx, 0), input, output, counts, root)
+            }
+        }
         _ => algo::gather(cx, input, output, counts, root),
     }
 }

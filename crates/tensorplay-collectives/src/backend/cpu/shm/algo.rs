@@ -97,7 +97,7 @@ pub(in crate::backend::cpu) const STREAM_MIN: usize = 8 << 20;
 ///
 /// # Safety
 /// As `copy_nonoverlapping`: `src` valid for `n` reads, `dst` for `n` writes, no overlap.
-unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
+pub(super) unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: SSE2 is part of x86-64; every access is inside [src, src+n) or [dst, dst+n):
     // the head up to 16-byte alignment of `dst` and the tail are plain copies, the middle is

@@ -2,11 +2,12 @@
 //!
 //! # Co-location
 //! At group creation every rank creates one segment under `/dev/shm` (see `segment`) and
-//! publishes `<path> <token> <slot> <label>` under `shm/<rank>` in the group's store. Every
-//! rank tries to map every peer's segment and checks its header; it publishes the ranks it
-//! mapped under `shm_ok/<rank>`. Two ranks share a host when each mapped the other's segment:
-//! capability, never names (ranks in different network namespaces sharing `/dev/shm` do share
-//! memory). Every rank reads every row, so all agree on the hosts; a host is the set of ranks
+//! publishes `<path> <token> <slot> <label>` (and, for `cma`, `<pid> <address>`) under
+//! `shm/<rank>` in the group's store. Every rank tries to map every peer's segment and checks
+//! its header; it publishes the ranks it mapped under `shm_ok/<rank>`, followed by the ranks
+//! whose memory it read with `process_vm_readv` (`1`, or `2` where it asks for the gathers
+//! too; see `cma`). Two ranks share a host when each mapped the other's segment: capability,
+//! never names (ranks in different network namespaces sharing `/dev/shm` do share memory). Every rank reads every row, so all agree on the hosts; a host is the set of ranks
 //! that mutually mapped the lowest of them, and if the relation is not an equivalence (never
 //! seen in practice) the group uses TCP only. Then each rank unlinks its segment's file: from
 //! here on nothing of the group is visible in `/dev/shm`, whatever happens to the processes.
@@ -31,6 +32,7 @@
 //! The step protocol is in `step`, the algorithms in `algo`.
 
 mod algo;
+pub(super) mod cma;
 mod segment;
 mod step;
 
@@ -147,6 +149,13 @@ pub(super) struct Shm {
     segs: Vec<Segment>,
     /// Slot bytes.
     slot: usize,
+    /// Whether every rank of this host reads the others' memory directly in reduce_scatter
+    /// (see `cma`).
+    cma: bool,
+    /// Whether they do in all_gather and gather too (every rank asked for it).
+    cma_gather: bool,
+    /// The pid of each host member's process, by local index (0 where unknown).
+    pids: Vec<u32>,
     progress: Mutex<Progress>,
 }
 
@@ -168,6 +177,10 @@ impl Shm {
         // every sub-slot of a slot cut in `size` keeps at least 64 bytes
         let slot = slot_bytes().max((64 * size).next_multiple_of(256));
         let label = host_label();
+        let cma_mode = if enabled { cma::mode() } else { cma::Mode::Off };
+        if cma_mode != cma::Mode::Off {
+            cma::allow_peers();
+        }
         let created = if enabled {
             OwnSegment::create(root, slot)
         } else {
@@ -187,9 +200,13 @@ impl Shm {
         };
         let advert = match &own {
             Some(o) => format!(
-                "{}\n{}\n{slot}\n{label}",
+                "{}\n{}\n{slot}\n{label}{}",
                 o.path.as_deref().unwrap_or_else(|| Path::new("")).display(),
-                o.token
+                o.token,
+                match cma_mode {
+                    cma::Mode::Off => String::new(),
+                    _ => cma::advert_fields(&o.token),
+                }
             ),
             None => "none".into(),
         };
@@ -197,24 +214,37 @@ impl Shm {
         let keys: Vec<String> = (0..size).map(|p| format!("shm/{p}")).collect();
         wait_keys(store, &keys, timeout, peers, rank)?;
         let mut mapped: Vec<Option<Segment>> = (0..size).map(|_| None).collect();
+        // the pid of each peer whose memory we read at its advertised address
+        let mut pids: Vec<Option<u32>> = vec![None; size];
+        pids[rank] = Some(std::process::id());
         if own.is_some() {
             for (p, key) in keys.iter().enumerate() {
                 if p != rank {
                     let ad = store.get(key)?;
                     mapped[p] = parse_and_map(root, &ad, slot, &label);
+                    if mapped[p].is_some() && cma_mode != cma::Mode::Off {
+                        pids[p] = cma::probe_advert(&ad);
+                    }
                 }
             }
         }
+        let bit = |b: bool| if b { '1' } else { '0' };
+        // whose memory we read: '1', or '2' where we also want all_gather to (see `cma`)
+        let read = |p: usize| match (pids[p].is_some(), cma_mode.gathers()) {
+            (false, _) => '0',
+            (true, false) => '1',
+            (true, true) => '2',
+        };
+        // the row: which segments we mapped, then whose memory we read
         let row: String = (0..size)
-            .map(|p| {
-                if p == rank || mapped[p].is_some() {
-                    '1'
-                } else {
-                    '0'
-                }
-            })
+            .map(|p| bit(p == rank || mapped[p].is_some()))
+            .chain((0..size).map(read))
             .collect();
-        let row = if own.is_some() { row } else { "0".repeat(size) };
+        let row = if own.is_some() {
+            row
+        } else {
+            "0".repeat(2 * size)
+        };
         store.set(&format!("shm_ok/{rank}"), row.as_bytes())?;
         let ok_keys: Vec<String> = (0..size).map(|p| format!("shm_ok/{p}")).collect();
         let waited = wait_keys(store, &ok_keys, timeout, peers, rank);
@@ -224,15 +254,18 @@ impl Shm {
         }
         waited?;
         let mut matrix = Vec::with_capacity(size);
+        let mut reads = Vec::with_capacity(size);
         for k in &ok_keys {
-            let v = store.get(k)?;
-            if v.len() != size {
+            let mut v = store.get(k)?;
+            if v.len() != 2 * size {
                 return Err(Error::Store(format!(
                     "shared-memory setup: bad row {:?} under {k}",
                     String::from_utf8_lossy(&v)
                 )));
             }
+            let r = v.split_off(size);
             matrix.push(v.into_iter().map(|b| b == b'1').collect::<Vec<bool>>());
+            reads.push(r);
         }
         let Some(hosts) = hosts_of(&matrix) else {
             tracing::warn!(
@@ -254,6 +287,30 @@ impl Shm {
             _ => return Ok((hosts, None)),
         };
         let li = local.iter().position(|&p| p == rank).unwrap_or(0);
+        let all_of = |ok: &[u8]| {
+            local
+                .iter()
+                .all(|&a| local.iter().all(|&b| ok.contains(&reads[a][b])))
+        };
+        let cma = all_of(b"12");
+        let cma_gather = all_of(b"2");
+        let local_pids = local.iter().map(|&p| pids[p].unwrap_or(0)).collect();
+        if cma_mode == cma::Mode::Require && !cma_gather {
+            return Err(Error::Backend {
+                backend: "cpu".into(),
+                detail: detail!(
+                    "rank ",
+                    Part::Rank(rank),
+                    format!(
+                        ": {}=require, but not every rank of this host can read the others' \
+                         memory with process_vm_readv, or not every one asks to (seccomp, \
+                         another pid namespace, Yama, or {0} other than all or require on \
+                         some rank)",
+                        cma::ENV
+                    )
+                ),
+            });
+        }
         let mut segs = Vec::with_capacity(local.len());
         let mut own = own.into_segment();
         for &p in &local {
@@ -271,6 +328,9 @@ impl Shm {
                 li,
                 segs,
                 slot,
+                cma,
+                cma_gather,
+                pids: local_pids,
                 progress: Mutex::new(Progress::default()),
             }),
         ))
@@ -293,6 +353,12 @@ impl Shm {
             std::sync::atomic::Ordering::AcqRel,
             std::sync::atomic::Ordering::Acquire,
         );
+    }
+
+    /// Whether this host's ranks read each other's memory directly (see `cma`) in
+    /// reduce_scatter (`gathers` false) or in all_gather and gather (`gathers` true).
+    pub(super) fn cma(&self, gathers: bool) -> bool {
+        if gathers { self.cma_gather } else { self.cma }
     }
 
     /// The local index of group rank `r`, if it is on this host.

@@ -237,6 +237,29 @@ impl<'a> ShmCtx<'a> {
         self.streaming.set(on);
     }
 
+    /// The pid of local rank `li`'s process (cross-memory attach only).
+    pub(super) fn pid_of(&self, li: usize) -> u32 {
+        self.shm.pids[li]
+    }
+
+    /// The collective's name, for errors.
+    pub(super) fn op(&self) -> &'static str {
+        self.op
+    }
+
+    /// Whether local rank `li`'s connection has closed.
+    pub(super) fn is_gone(&self, li: usize) -> bool {
+        self.peers
+            .get(self.shm.local[li])
+            .and_then(Option::as_ref)
+            .is_some_and(Peer::is_gone)
+    }
+
+    /// The error for local rank `li`, found gone (see `peer_gone`).
+    pub(super) fn lost(&self, li: usize) -> Error {
+        self.peer_gone(li, self.shm.local[li])
+    }
+
     /// A peer made progress: the timeout counts from now.
     fn progressed(&self) {
         self.deadline.set(Instant::now() + self.timeout);
