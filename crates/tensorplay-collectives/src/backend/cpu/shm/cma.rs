@@ -4,9 +4,9 @@
 //! out).
 //!
 //! # Setup (see `Shm::setup`)
-//! Unless `TENSORPLAY_SHM_CMA=0`, every rank lets peers read its memory where Yama restricts
-//! ptrace to ancestors (`PR_SET_PTRACER_ANY`; without Yama the call fails and changes
-//! nothing), and adds its pid and the address of its segment's token to its advert. Every rank
+//! Unless `TENSORPLAY_SHM_CMA=0`, every rank lets its siblings read its memory where Yama
+//! restricts ptrace to ancestors (`PR_SET_PTRACER` naming its parent, the launcher, whose
+//! descendants the ranks are; without Yama the call fails and changes nothing), and adds its pid and the address of its segment's token to its advert. Every rank
 //! then reads the token of every peer whose segment it mapped ([`probe_advert`]) and reports
 //! the outcome in its row of the reachability matrix (`1`; `2` where it also asks for the
 //! gathers). A host uses cross-memory attach only if every rank of it read every other's
@@ -89,21 +89,21 @@ pub(super) fn mode() -> Mode {
     }
 }
 
-/// Lets every process of this user read this process's memory where Yama restricts ptrace to
-/// ancestors (sibling ranks are not each other's ancestors). Without Yama the call fails with
-/// `EINVAL` and nothing changes; either way the probe decides.
+/// Lets this process's parent and its descendants read this process's memory where Yama
+/// restricts ptrace to ancestors: sibling ranks (children of one launcher, or of one test
+/// process) are not each other's ancestors, and Yama's exception covers the named tracer's
+/// descendants, so naming the parent admits exactly the launcher's processes, not every process
+/// of the user. Ranks with different parents on one host fail the probe and keep the slots.
+/// Without Yama the call fails with `EINVAL` and nothing changes; either way the probe
+/// decides.
 pub(super) fn allow_peers() {
     let unused: libc::c_ulong = 0;
+    // SAFETY: getppid has no preconditions and cannot fail.
+    let parent = unsafe { libc::getppid() } as libc::c_ulong;
     // SAFETY: prctl with integer arguments; PR_SET_PTRACER only changes this process's Yama
     // ptracer exception and touches no memory of ours.
     unsafe {
-        libc::prctl(
-            libc::PR_SET_PTRACER,
-            libc::PR_SET_PTRACER_ANY,
-            unused,
-            unused,
-            unused,
-        );
+        libc::prctl(libc::PR_SET_PTRACER, parent, unused, unused, unused);
     }
 }
 
