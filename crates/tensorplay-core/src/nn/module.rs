@@ -159,6 +159,15 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
             }
         }
         for (name, t) in &own {
+            // a tensor on the meta device has no elements to copy to or from: refuse before
+            // copying anything, so that nothing is half loaded
+            if let Some(v) = state_dict.get(name)
+                && (t.device().is_meta() || v.device().is_meta())
+            {
+                return Err(Error::MetaTensor {
+                    op: "load_state_dict",
+                });
+            }
             if let Some(v) = state_dict.get(name)
                 && v.shape() != t.shape()
             {
