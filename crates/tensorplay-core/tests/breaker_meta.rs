@@ -652,3 +652,44 @@ fn cpu_work_under_a_meta_default_device() {
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// A CUDA default device on a machine where CUDA cannot be used, and layers wrapped for
+/// activation checkpointing built on meta: errors, not panics; the wrapper resets what it wraps.
+#[test]
+fn other_defaults_and_wrappers() {
+    let _rng = generator_lock();
+    if !tp::cuda::is_available() {
+        let r = catch_unwind(|| {
+            tp::with_default_device(Device::Cuda(0), || nn::Linear::new(3, 2, true))
+        });
+        assert!(
+            matches!(r, Ok(Err(_))),
+            "Linear under a CUDA default without CUDA: {r:?}"
+        );
+        let mut l = linear_on_meta(3, 2);
+        let r = catch_unwind(AssertUnwindSafe(|| l.to_empty(Device::Cuda(0))));
+        assert!(
+            matches!(r, Ok(Err(_))),
+            "to_empty(cuda:0) without CUDA: {r:?}"
+        );
+        assert!(
+            l.weight.device().is_meta(),
+            "a failed to_empty moved the weight"
+        );
+    }
+    let mut w = tp::with_default_device(Device::Meta, || -> tp::Result<_> {
+        Ok(tp::utils::checkpoint::CheckpointWrapper::new(
+            nn::Linear::new(3, 2, true)?,
+        ))
+    })
+    .unwrap();
+    w.to_empty(Device::Cpu).unwrap();
+    tp::manual_seed(8);
+    w.reset_parameters().unwrap();
+    let mut e = nn::Linear::new(3, 2, true).unwrap();
+    tp::manual_seed(8);
+    e.reset_parameters().unwrap();
+    let got: Vec<Vec<f32>> = w.parameters().iter().map(|p| p.to_vec().unwrap()).collect();
+    let want: Vec<Vec<f32>> = e.parameters().iter().map(|p| p.to_vec().unwrap()).collect();
+    assert_eq!(got, want);
+}

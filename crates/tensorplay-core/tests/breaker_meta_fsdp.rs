@@ -28,8 +28,9 @@ fn mlp() -> tp::Result<Sequential> {
     let mut m = Sequential::new();
     for w in [[5, 7], [7, 3]] {
         let l = Linear::new(w[0], w[1], true)?;
-        let f =
-            |t: &Tensor| -> tp::Result<Tensor> { Ok(t.detach().to_dtype(DType::F64)?.requires_grad_(true)) };
+        let f = |t: &Tensor| -> tp::Result<Tensor> {
+            Ok(t.detach().to_dtype(DType::F64)?.requires_grad_(true))
+        };
         let b = l.bias.as_ref().map(f).transpose()?;
         m = m.add(Linear::from_weights(f(&l.weight)?, b)?);
     }
@@ -313,7 +314,13 @@ fn full_state_dict_of_a_model_still_on_meta_fails_on_every_rank() {
     cpu_world(2, TIMEOUT, |rank| -> TestResult {
         let mut m = on_meta()?;
         let _h = fully_shard(&mut m, FsdpOptions::default())?;
-        let r = get_model_state_dict(&m, StateDictOptions { full_state_dict: true, ..Default::default() });
+        let r = get_model_state_dict(
+            &m,
+            StateDictOptions {
+                full_state_dict: true,
+                ..Default::default()
+            },
+        );
         expect_err(rank, "get_model_state_dict(full) on meta", r)
     });
 }
@@ -337,7 +344,9 @@ fn training_steps_under_a_meta_default_device() {
         let mut bad = Vec::new();
         match tp::with_default_device(Device::Meta, || step(&m)) {
             Ok((got, _)) if got == want => {}
-            Ok((got, _)) => bad.push(format!("FSDP step under a meta default: loss {got:?}, want {want:?}")),
+            Ok((got, _)) => bad.push(format!(
+                "FSDP step under a meta default: loss {got:?}, want {want:?}"
+            )),
             Err(e) => bad.push(format!("FSDP step under a meta default: {e}")),
         }
         tp::manual_seed(5);
@@ -354,4 +363,59 @@ fn training_steps_under_a_meta_default_device() {
         }
         Ok(())
     });
+}
+
+/// A float64 model whose second layer shares the first one's weight (a tied, square weight).
+fn tied() -> tp::Result<Sequential> {
+    let a = Linear::new(5, 5, true)?;
+    let w = a.weight.detach().to_dtype(DType::F64)?.requires_grad_(true);
+    let b0 = a
+        .bias
+        .as_ref()
+        .map(|b| -> tp::Result<Tensor> {
+            Ok(b.detach().to_dtype(DType::F64)?.requires_grad_(true))
+        })
+        .transpose()?;
+    Ok(Sequential::new()
+        .add(Linear::from_weights(w.clone(), b0)?)
+        .add(Linear::from_weights(w, None)?))
+}
+
+/// More ranks than rows (empty shards), and tied weights: built on meta, sharded, allocated and
+/// reset, the gathered shards are the whole model's values reset from the same seed.
+#[test]
+fn deferred_init_with_empty_shards_and_tied_weights() {
+    type Build = fn() -> tp::Result<Sequential>;
+    let cases: [(&str, usize, Build); 2] = [
+        ("mlp over 4 ranks (3-row layer)", 4, mlp),
+        ("tied square weight", 2, tied),
+    ];
+    for (name, world, build) in cases {
+        cpu_world(world, TIMEOUT, move |rank| -> TestResult {
+            let mut whole = build()?;
+            tp::manual_seed(23);
+            whole.reset_parameters()?;
+            let mut m = tp::with_default_device(Device::Meta, build)?;
+            let _h = fully_shard(&mut m, FsdpOptions::default())
+                .map_err(|e| format!("{name}, rank {rank}: fully_shard: {e}"))?;
+            m.to_empty(Device::Cpu)?;
+            tp::manual_seed(23);
+            m.reset_parameters()?;
+            for ((n, p), (_, w)) in m
+                .named_parameters()
+                .into_iter()
+                .zip(whole.named_parameters())
+            {
+                check_close(
+                    &format!("{name}, rank {rank}: {n}"),
+                    &gathered(&p)?,
+                    &w.to_vec_f64()?,
+                    Tol::EXACT,
+                )?;
+            }
+            let (x, _) = batch()?;
+            m.call(&x)?;
+            Ok(())
+        });
+    }
 }
