@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use crate::{
     Error, Part, ProcessGroup, Result, all_gather, broadcast, detail, get_rank, get_world_size,
 };
-use tensorplay_core::{DType, Tensor};
+use tensorplay_core::{DType, Device, Tensor};
 
 /// Bytes as little-endian int64 words (the last one zero-padded): the tensor the collectives
 /// carry.
@@ -139,7 +139,7 @@ pub fn all_gather_object<T: Serialize + DeserializeOwned>(
     let world = get_world_size(group)?;
     let encoded = encode(OP, rank, object);
     let lens: Vec<Tensor> = (0..world)
-        .map(|_| Tensor::zeros(&[1], DType::I64))
+        .map(|_| Tensor::zeros(&[1], (DType::I64, Device::Cpu)))
         .collect::<tensorplay_core::Result<_>>()?;
     all_gather(
         &lens,
@@ -155,7 +155,7 @@ pub fn all_gather_object<T: Serialize + DeserializeOwned>(
         .collect::<Result<_>>()?;
     let words = lens.iter().max().copied().unwrap_or(0).div_ceil(8);
     let outs: Vec<Tensor> = (0..world)
-        .map(|_| Tensor::zeros(&[words], DType::I64))
+        .map(|_| Tensor::zeros(&[words], (DType::I64, Device::Cpu)))
         .collect::<tensorplay_core::Result<_>>()?;
     all_gather(&outs, &pack(&bytes, words)?, group)?;
     outs.iter()
@@ -211,7 +211,7 @@ pub fn broadcast_object_list<T: Serialize + DeserializeOwned>(
     let data = if is_src {
         pack(&bytes, words)?
     } else {
-        Tensor::zeros(&[words], DType::I64)?
+        Tensor::zeros(&[words], (DType::I64, Device::Cpu))?
     };
     broadcast(&data, src, group)?;
     if !is_src {

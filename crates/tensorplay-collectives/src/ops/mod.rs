@@ -118,7 +118,13 @@ impl Call<'_> {
         let b = self.backend()?;
         let dev = b.device();
         if t.device() != dev {
-            let expected = if dev.is_cuda() {
+            let expected = if t.device().is_meta() {
+                format!(
+                    "a tensor with elements on {dev} for the {} backend (a meta tensor has none: \
+                     allocate the module with Module::to_empty and initialise it first)",
+                    b.name()
+                )
+            } else if dev.is_cuda() {
                 format!(
                     "a tensor on {dev}, this rank's GPU, for the {} backend (use the \"cpu\" backend for host tensors)",
                     b.name()

@@ -126,7 +126,9 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
     ///
     /// Errors ([`Error::InvalidArgument`], naming the keys): with `strict`, when a key of the
     /// module is missing from `state_dict` or `state_dict` has a key the module lacks; always,
-    /// when a value's shape differs from the parameter's. Nothing is copied when it errors.
+    /// when a value's shape differs from the parameter's; [`Error::MetaTensor`] when a parameter
+    /// or a value to load is on the meta device (allocate the module with
+    /// [`Module::to_empty`] first). Nothing is copied when it errors.
     fn load_state_dict(
         &mut self,
         state_dict: &BTreeMap<String, Tensor>,
@@ -159,6 +161,15 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
             }
         }
         for (name, t) in &own {
+            // a tensor on the meta device has no elements to copy to or from: refuse before
+            // copying anything, so that nothing is half loaded
+            if let Some(v) = state_dict.get(name)
+                && (t.device().is_meta() || v.device().is_meta())
+            {
+                return Err(Error::MetaTensor {
+                    op: "load_state_dict",
+                });
+            }
             if let Some(v) = state_dict.get(name)
                 && v.shape() != t.shape()
             {
