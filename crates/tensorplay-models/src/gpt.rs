@@ -608,7 +608,7 @@ impl Module for Gpt {
                 t,
             ));
         }
-        let pos = Tensor::arange(0.0, t as f64, 1.0, DType::I64)?.to_device(idx.device())?;
+        let pos = Tensor::arange(0.0, t as f64, 1.0, (DType::I64, idx.device()))?;
         let x = self.wte.call(idx)?.add(&self.wpe.call(&pos)?)?;
         let mut x = maybe_dropout(x, self.config.dropout, self.is_training())?;
         for block in &self.h {

@@ -380,7 +380,8 @@ pub(crate) fn incoming(
         tensors: Mutex::new(Some(picked.iter().map(|&i| tensors[i].clone()).collect())),
     };
     // the node needs an input that requires grad to be recorded; no gradient flows to it
-    let anchor = Tensor::zeros(&[1], DType::F32)?.requires_grad_(true);
+    let anchor =
+        Tensor::zeros(&[1], (DType::F32, tensorplay_core::Device::Cpu))?.requires_grad_(true);
     let outs = {
         let _g = tensorplay_core::set_grad_enabled(true);
         tensorplay_core::autograd::apply(recv, &[&anchor])?
@@ -578,7 +579,7 @@ pub fn backward(context_id: ContextId, roots: &[Tensor], retain_graph: bool) -> 
     }
     let seeds = roots
         .iter()
-        .map(|r| Ok((r.clone(), Tensor::ones(r.shape(), r.dtype())?)))
+        .map(|r| Ok((r.clone(), Tensor::ones(r.shape(), (r.dtype(), r.device()))?)))
         .collect::<Result<Vec<_>>>()?;
     let r = run_pass(context_id, &c, seeds);
     if r.is_ok() && !retain_graph {

@@ -11,7 +11,9 @@
 //! The functions write without recording history (as PyTorch's run under `no_grad`). Given a
 //! fully sharded module's parameter, whose values live in its local shard
 //! ([`Tensor::set_local_shard`]), they fill the shard. On the meta device they do nothing and
-//! draw nothing. Random fills need a float tensor ([`Error::UnsupportedDType`] otherwise).
+//! draw nothing. Random fills need a float tensor ([`Error::UnsupportedDType`] otherwise, on
+//! the meta device too); a tensor marked with rows that do not fit in the whole tensor is an
+//! [`Error::InvalidArgument`].
 //!
 //! ```
 //! use tensorplay::{self as tp, nn::init, DType, Tensor};
@@ -35,14 +37,20 @@ struct Target {
     tensor: Tensor,
     /// Index in the whole tensor of the target's first element.
     first: usize,
-    /// Elements of the target that are rows of the whole tensor (the rest is padding).
-    count: usize,
 }
 
 /// The tensor holding `t`'s values here and its place in the whole tensor; `None` on the
-/// meta device (nothing to fill).
-fn target(op: &'static str, t: &Tensor) -> Result<Option<Target>> {
+/// meta device (nothing to fill). `random`: the fill draws, so the dtype must be float (checked
+/// on the meta device too).
+fn target(op: &'static str, t: &Tensor, random: bool) -> Result<Option<Target>> {
     let tensor = t.local_shard().unwrap_or_else(|| t.clone());
+    if random && !tensor.dtype().is_float() {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: tensor.dtype(),
+            expected: "float32 or float64",
+        });
+    }
     if tensor.device().is_meta() {
         return Ok(None);
     }
@@ -54,54 +62,60 @@ fn target(op: &'static str, t: &Tensor) -> Result<Option<Target>> {
             format!("a view with strides {:?}", tensor.layout().strides()),
         ));
     }
-    let n = tensor.numel();
     let Some((whole, first_row)) = tensor.rows_of() else {
-        return Ok(Some(Target {
-            tensor,
-            first: 0,
-            count: n,
-        }));
+        return Ok(Some(Target { tensor, first: 0 }));
     };
+    // the rows this tensor holds must be rows of the whole tensor, of the same width
     let (rows, row_numel) = match whole.split_first() {
         Some((&d0, rest)) => (d0, rest.iter().product::<usize>()),
         None => (1, 1),
     };
-    let count = n.min(rows.saturating_sub(first_row) * row_numel);
+    let (held, held_row) = match (tensor.shape().split_first(), whole.is_empty()) {
+        (Some((&d0, rest)), false) => (d0, rest.iter().product::<usize>()),
+        _ => (tensor.numel(), 1),
+    };
+    let fits = held_row == row_numel && first_row.checked_add(held).is_some_and(|end| end <= rows);
+    if !fits {
+        return Err(Error::invalid(
+            op,
+            "tensor",
+            format!(
+                "rows of the whole tensor of shape {whole:?} it was marked with \
+                 (Tensor::mark_rows_of): rows of {row_numel} elements ending by row {rows}"
+            ),
+            format!(
+                "shape {:?} marked as starting at row {first_row}",
+                tensor.shape()
+            ),
+        ));
+    }
     Ok(Some(Target {
         tensor,
         first: first_row * row_numel,
-        count,
     }))
 }
 
-/// Writes `values` (the target's leading elements; zeros after them) into the target.
-fn write(op: &'static str, t: &Target, values: Vec<f64>) -> Result<()> {
-    let mut all = values;
-    all.resize(t.tensor.numel(), 0.0);
-    let host = match t.tensor.dtype() {
-        DType::F64 => Tensor::from_vec(all, t.tensor.shape())?,
-        DType::F32 => Tensor::from_vec(
-            all.into_iter().map(|x| x as f32).collect(),
+/// Writes `values` (all of the target's elements, in order) into the target.
+fn write(t: &Target, values: Vec<f64>) -> Result<()> {
+    let host = if t.tensor.dtype() == DType::F64 {
+        Tensor::from_vec(values, t.tensor.shape())?
+    } else {
+        Tensor::from_vec(
+            values.into_iter().map(|x| x as f32).collect(),
             t.tensor.shape(),
-        )?,
-        d @ (DType::I64 | DType::Bool) => {
-            return Err(Error::UnsupportedDType {
-                op,
-                dtype: d,
-                expected: "float32 or float64",
-            });
-        }
+        )?
     };
     let _g = crate::no_grad();
     t.tensor.copy_(&host)
 }
 
 /// Fills `t` from `U(low, high)` (`torch.nn.init.uniform_`), from one seed drawn from the
-/// default generator. Errors: `low > high` or not finite, a non-float tensor, a
-/// non-contiguous view.
+/// default generator. Errors: `low > high`, or bounds (or their difference) not finite; a
+/// non-float tensor; a non-contiguous view; rows marked with [`Tensor::mark_rows_of`] that
+/// are not rows of the whole tensor.
 pub fn uniform_(t: &Tensor, low: f64, high: f64) -> Result<()> {
     const OP: &str = "init::uniform_";
-    if !(low.is_finite() && high.is_finite() && low <= high) {
+    if !(low <= high && (high - low).is_finite()) {
         return Err(Error::invalid(
             OP,
             "high",
@@ -109,19 +123,20 @@ pub fn uniform_(t: &Tensor, low: f64, high: f64) -> Result<()> {
             format!("low={low}, high={high}"),
         ));
     }
-    let Some(tg) = target(OP, t)? else {
+    let Some(tg) = target(OP, t, true)? else {
         return Ok(());
     };
     let seed = default_generator().next_u64();
-    let mut v = vec![0.0; tg.count];
+    let mut v = vec![0.0; tg.tensor.numel()];
     Stream::new(seed).uniform(tg.first, &mut v);
     v.iter_mut().for_each(|x| *x = low + (high - low) * *x);
-    write(OP, &tg, v)
+    write(&tg, v)
 }
 
 /// Fills `t` from `N(mean, std^2)` (`torch.nn.init.normal_`), from one seed drawn from the
-/// default generator. Errors: `std` negative or not finite, `mean` not finite, a non-float
-/// tensor, a non-contiguous view.
+/// default generator. Errors: `std` negative or not finite, `mean` not finite; a non-float
+/// tensor; a non-contiguous view; rows marked with [`Tensor::mark_rows_of`] that are not rows
+/// of the whole tensor.
 pub fn normal_(t: &Tensor, mean: f64, std: f64) -> Result<()> {
     const OP: &str = "init::normal_";
     if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
@@ -132,25 +147,27 @@ pub fn normal_(t: &Tensor, mean: f64, std: f64) -> Result<()> {
             format!("mean={mean}, std={std}"),
         ));
     }
-    let Some(tg) = target(OP, t)? else {
+    let Some(tg) = target(OP, t, true)? else {
         return Ok(());
     };
     let seed = default_generator().next_u64();
-    let mut v = vec![0.0; tg.count];
+    let mut v = vec![0.0; tg.tensor.numel()];
     Stream::new(seed).normal(tg.first, &mut v);
     v.iter_mut().for_each(|x| *x = mean + std * *x);
-    write(OP, &tg, v)
+    write(&tg, v)
 }
 
-/// Fills `t` with `value` (`torch.nn.init.constant_`); draws nothing. Errors: a non-float
-/// tensor, a non-contiguous view.
+/// Fills `t` with `value` converted to its dtype (`torch.nn.init.constant_`); draws nothing.
+/// Errors: a value an int64 tensor cannot hold (NaN, infinite, out of range); a
+/// non-contiguous view; rows marked with [`Tensor::mark_rows_of`] that are not rows of the
+/// whole tensor.
 pub fn constant_(t: &Tensor, value: f64) -> Result<()> {
     const OP: &str = "init::constant_";
-    let Some(tg) = target(OP, t)? else {
+    let Some(tg) = target(OP, t, false)? else {
         return Ok(());
     };
-    let v = vec![value; tg.count];
-    write(OP, &tg, v)
+    let _g = crate::no_grad();
+    tg.tensor.fill_(value)
 }
 
 /// Fills `t` with zeros (`torch.nn.init.zeros_`).

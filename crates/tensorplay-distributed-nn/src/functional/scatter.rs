@@ -145,7 +145,7 @@ pub fn scatter(
     if src_rg && is_grad_enabled() {
         // record a node even without placeholders that require grad: this rank must run the
         // backward gather with src
-        let anchor = Tensor::zeros(&[0], dtype)?.requires_grad_(true);
+        let anchor = Tensor::zeros(&[0], (dtype, Device::Cpu))?.requires_grad_(true);
         refs.push(&anchor);
         f.placeholders = refs
             .iter()

@@ -30,7 +30,7 @@ pub(super) fn check_tensor(gp: &Grp, op: &str, arg: &str, t: &Tensor) -> coll::R
 pub(super) fn joined<T>(r: Result<T>, run: impl FnOnce(&Tensor) -> coll::Result<()>) -> Result<T> {
     if r.is_err() {
         let _ng = tensorplay_core::no_grad();
-        if let Ok(refused) = Tensor::zeros(&[0], DType::Bool) {
+        if let Ok(refused) = Tensor::zeros(&[0], (DType::Bool, Device::Cpu)) {
             let _ = run(&refused);
         }
     }

@@ -378,7 +378,7 @@ fn receive(state: &OptimizerStateDict, rank: usize) -> Result<OptimizerStateDict
                     .into_iter()
                     .find(|d| d.to_string() == dtype)
                     .unwrap_or(DType::F32);
-                Tensor::zeros(&shape, dtype)?
+                Tensor::zeros(&shape, (dtype, tensorplay_core::Device::Cpu))?
             }
         };
         dist::broadcast(&t, 0, group.as_ref())?;

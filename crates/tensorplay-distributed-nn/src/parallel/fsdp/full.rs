@@ -46,16 +46,19 @@ pub fn full_tensor(shard: &Tensor) -> Result<Tensor> {
     let spec = ShardSpec::new(&shape, world);
     let _g = no_grad();
     let padded = spec.padded_numel();
-    let block = Tensor::zeros(&[padded], shard.dtype())?;
+    let block = Tensor::zeros(&[padded], (shard.dtype(), shard.device()))?;
     let mine = shard.numel();
     if mine > 0 {
         block
             .narrow(0, 0, mine)?
             .copy_(&shard.detach().reshape(&[mine])?)?;
     }
-    let all = Tensor::zeros(&[padded * world], shard.dtype())?;
+    let all = Tensor::zeros(&[padded * world], (shard.dtype(), shard.device()))?;
     dist::all_gather_into_tensor(&all, &block, Some(&group))?;
-    let full = Tensor::zeros(&[spec.rows * spec.row_numel], shard.dtype())?;
+    let full = Tensor::zeros(
+        &[spec.rows * spec.row_numel],
+        (shard.dtype(), shard.device()),
+    )?;
     for r in 0..world {
         let rows = spec.rows_of(r);
         let n = rows.len() * spec.row_numel;

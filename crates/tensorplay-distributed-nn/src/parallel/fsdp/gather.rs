@@ -68,7 +68,7 @@ impl FsdpState {
     pub(super) fn issue_gather(&self, rt: &mut Runtime) -> Result<(Work, Tensor)> {
         let _g = no_grad();
         let l = &self.layout;
-        let block = Tensor::zeros(&[l.block_numel()], self.param_dtype)?;
+        let block = Tensor::zeros(&[l.block_numel()], (self.param_dtype, self.device()))?;
         for (i, p) in self.params.iter().enumerate() {
             let r = l.in_block(i, self.rank);
             if !r.is_empty() {
@@ -77,7 +77,7 @@ impl FsdpState {
                     .copy_(&p.shard.detach().reshape(&[r.len()])?)?;
             }
         }
-        let all = Tensor::zeros(&[l.total_numel()], self.param_dtype)?;
+        let all = Tensor::zeros(&[l.total_numel()], (self.param_dtype, self.device()))?;
         record(rt, FsdpEvent::AllGather);
         let work = dist::all_gather_into_tensor_async(&all, &block, Some(&self.group))
             .map_err(self.failed(GATHER))?;

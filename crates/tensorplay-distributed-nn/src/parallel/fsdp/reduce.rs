@@ -31,7 +31,7 @@ impl FsdpState {
         self.finish_reduce_locked(rt)?;
         let _g = no_grad();
         let l = &self.layout;
-        let input = Tensor::zeros(&[l.total_numel()], self.reduce_dtype)?;
+        let input = Tensor::zeros(&[l.total_numel()], (self.reduce_dtype, self.device()))?;
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = p.full.grad() else { continue };
             let g = g.detach().reshape(&[p.full.numel()])?;
@@ -44,7 +44,7 @@ impl FsdpState {
             }
             p.full.set_grad(None);
         }
-        let output = Tensor::zeros(&[l.block_numel()], self.reduce_dtype)?;
+        let output = Tensor::zeros(&[l.block_numel()], (self.reduce_dtype, self.device()))?;
         record(rt, FsdpEvent::ReduceScatter);
         let work =
             dist::reduce_scatter_tensor_async(&output, &input, ReduceOp::Sum, Some(&self.group))

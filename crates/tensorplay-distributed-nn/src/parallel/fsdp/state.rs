@@ -264,6 +264,14 @@ impl FsdpState {
 
     /// Whether no fully sharded module above this one was wrapped (the root keeps its
     /// parameters from forward to backward and learns the groups' order).
+    /// The device of the group's shards (the CPU for a group without parameters): where its
+    /// collectives' buffers go, whatever the thread's default device.
+    pub(super) fn device(&self) -> tensorplay_core::Device {
+        self.params
+            .first()
+            .map_or(tensorplay_core::Device::Cpu, |p| p.shard.device())
+    }
+
     pub(crate) fn is_root(&self) -> bool {
         !self.has_parent.load(Ordering::Relaxed)
     }
@@ -276,6 +284,21 @@ impl FsdpState {
     /// The pre-forward hook: recovers from a backward that failed half-way, follows changes
     /// of `requires_grad`, then gathers the parameters and prefetches the next group.
     pub(crate) fn pre_forward(self: &Arc<Self>) -> Result<()> {
+        if self.device().is_meta() {
+            return Err(tensorplay_core::Error::InvalidArgument {
+                op: "fully_shard (forward)",
+                arg: "module",
+                expected: "parameters with memory: after building on the meta device, call \
+                           Module::to_empty(device) and then reset_parameters() (or load a \
+                           checkpoint)"
+                    .into(),
+                got: format!(
+                    "rank {}: group {}: its shards are on the meta device",
+                    self.group.my_global_rank(),
+                    self.label()
+                ),
+            });
+        }
         {
             let mut rt = self.rt();
             if rt.callback_queued {
