@@ -170,6 +170,15 @@ impl Storage {
     }
 }
 
+/// The bytes the allocator's statistics count for `s`: a host buffer's capacity; nothing for
+/// device memory or the meta device.
+fn counted_bytes(s: &Storage) -> usize {
+    match s {
+        Storage::Cpu(c) => pool::capacity_bytes(c),
+        Storage::Cuda(_) | Storage::Meta(_) => 0,
+    }
+}
+
 /// A [`Device`] as one word, so that a storage can change device in place
 /// ([`StorageCell::materialize`]) while every tensor viewing it reads the new one.
 fn device_code(d: Device) -> u64 {
@@ -219,10 +228,7 @@ impl Drop for StorageCell {
 
 impl StorageCell {
     pub(crate) fn new(s: Storage) -> Self {
-        let counted = match &s {
-            Storage::Cpu(c) => pool::capacity_bytes(c),
-            Storage::Cuda(_) | Storage::Meta(_) => 0,
-        };
+        let counted = counted_bytes(&s);
         pool::on_alloc(counted);
         StorageCell {
             device: AtomicU64::new(device_code(s.device())),
@@ -264,10 +270,7 @@ impl StorageCell {
             Device::Cpu => Storage::Cpu(cpu()?),
             Device::Cuda(i) => Storage::Cuda(CudaStorage::from_cpu(&cpu()?, i)?),
         };
-        let counted = match &fresh {
-            Storage::Cpu(c) => pool::capacity_bytes(c),
-            Storage::Cuda(_) | Storage::Meta(_) => 0,
-        };
+        let counted = counted_bytes(&fresh);
         pool::on_alloc(counted);
         self.counted.store(counted, Ordering::Relaxed);
         *g = fresh;

@@ -318,8 +318,7 @@ pub trait Module: ModuleFields + AsModule + Send + Sync {
             tensors.extend(m.local_parameters().into_iter().map(|(_, t)| t));
             tensors.extend(m.local_buffers().into_iter().map(|(_, t)| t));
         }
-        // a fully sharded module's parameters stand for their local shards
-        tensors.extend(self.parameters());
+        // a fully sharded module's tensors lead to their local shards
         let shards: Vec<Tensor> = tensors.iter().filter_map(Tensor::local_shard).collect();
         tensors.extend(shards);
         for t in &tensors {
