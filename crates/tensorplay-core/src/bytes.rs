@@ -18,26 +18,34 @@ mod sealed {
     impl Sealed for f64 {}
     impl Sealed for i64 {}
     impl Sealed for bool {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
 }
 
 /// An element type whose memory is exactly its `size_of` bytes, with no padding and no
-/// pointers: `f32`, `f64`, `i64` and `bool`. Sealed: implemented only here.
+/// pointers: `f32`, `f64`, `i64`, `bool`, `bf16` and `f16` (the last two are transparent
+/// wrappers of a `u16`). Sealed: implemented only here.
 pub trait ByteElement: Element + sealed::Sealed {}
 impl ByteElement for f32 {}
 impl ByteElement for f64 {}
 impl ByteElement for i64 {}
 impl ByteElement for bool {}
+impl ByteElement for half::bf16 {}
+impl ByteElement for half::f16 {}
 
 /// A [`ByteElement`] for which every byte pattern of its size is a value (`f32`, `f64`,
-/// `i64`), so that its memory may be written as bytes and bytes may be read as it.
+/// `i64`, `bf16`, `f16`), so that its memory may be written as bytes and bytes may be read as
+/// it.
 pub trait PlainElement: ByteElement {}
 impl PlainElement for f32 {}
 impl PlainElement for f64 {}
 impl PlainElement for i64 {}
+impl PlainElement for half::bf16 {}
+impl PlainElement for half::f16 {}
 
 /// The memory of `s` as bytes: `size_of_val(s)` of them, in native endianness.
 pub fn as_bytes<T: ByteElement>(s: &[T]) -> &[u8] {
-    // SAFETY: `T` is one of f32, f64, i64, bool (sealed): its values are fully initialised
+    // SAFETY: `T` is one of f32, f64, i64, bool, bf16, f16 (sealed): its values are fully initialised
     // bytes without padding, so every byte of the slice may be read as a `u8`; the pointer
     // and length describe exactly the slice's memory, borrowed for the same lifetime, and `u8`
     // has alignment 1.
@@ -46,7 +54,7 @@ pub fn as_bytes<T: ByteElement>(s: &[T]) -> &[u8] {
 
 /// The memory of `s` as writable bytes (native endianness).
 pub fn as_bytes_mut<T: PlainElement>(s: &mut [T]) -> &mut [u8] {
-    // SAFETY: as in `as_bytes`, and every byte pattern is a valid `T` (f32, f64, i64), so any
+    // SAFETY: as in `as_bytes`, and every byte pattern is a valid `T` (f32, f64, i64, bf16, f16: the last two wrap a `u16`), so any
     // bytes written through the view leave valid values; the borrow is exclusive for the
     // view's lifetime.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), size_of_val(s)) }

@@ -15,6 +15,12 @@ pub enum DType {
     I64,
     /// Boolean (`torch.bool`).
     Bool,
+    /// 16-bit brain float (`torch.bfloat16`): float32's 8 exponent bits and 7 mantissa bits
+    /// ([`half::bf16`]). Operations compute in float32 and round once to nearest even.
+    BF16,
+    /// 16-bit IEEE half float (`torch.float16`): 5 exponent bits and 10 mantissa bits
+    /// ([`half::f16`]). Operations compute in float32 and round once to nearest even.
+    F16,
 }
 
 impl DType {
@@ -25,13 +31,27 @@ impl DType {
 
     /// Whether this is a floating type (the only types that can require grad).
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64)
+        matches!(self, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    }
+
+    /// Whether this is one of the 16-bit floating types (`bfloat16`, `float16`), which compute
+    /// in float32 and round once.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::BF16 | DType::F16)
     }
 
     /// Every dtype, in the order of their [`code`](DType::code)s.
-    pub const ALL: [DType; 4] = [DType::F32, DType::F64, DType::I64, DType::Bool];
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F64,
+        DType::I64,
+        DType::Bool,
+        DType::BF16,
+        DType::F16,
+    ];
 
-    /// The dtype's wire code (0 float32, 1 float64, 2 int64, 3 bool): the one numbering every
+    /// The dtype's wire code (0 float32, 1 float64, 2 int64, 3 bool, 4 bfloat16, 5 float16):
+    /// the one numbering every
     /// layer that sends a dtype between processes uses (collective descriptors, the cpu
     /// backend's frames, the differentiable collectives' metadata, RPC messages). Stable:
     /// new dtypes get new codes.
@@ -41,6 +61,8 @@ impl DType {
             DType::F64 => 1,
             DType::I64 => 2,
             DType::Bool => 3,
+            DType::BF16 => 4,
+            DType::F16 => 5,
         }
     }
 
@@ -85,11 +107,20 @@ macro_rules! with_dtype {
                 type $T = bool;
                 $body
             }
+            $crate::DType::BF16 => {
+                type $T = $crate::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::f16;
+                $body
+            }
         }
     };
 }
 
-/// [`with_dtype!`] for the floating dtypes: `$body` with `$T` bound to `f32` or `f64`, and
+/// [`with_dtype!`] for the floating dtypes: `$body` with `$T` bound to `f32`, `f64`,
+/// [`bf16`](crate::bf16) or [`f16`](crate::f16), and
 /// `$else` with `$d` bound to any other dtype (listed by name in the expansion, so a new
 /// dtype is a compile error here too).
 ///
@@ -112,21 +143,31 @@ macro_rules! with_float_dtype {
                 type $T = f64;
                 $body
             }
+            $crate::DType::BF16 => {
+                type $T = $crate::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::f16;
+                $body
+            }
             $d @ ($crate::DType::I64 | $crate::DType::Bool) => $else,
         }
     };
 }
 
-/// [`with_dtype!`] for the numeric dtypes (`float32`, `float64`, `int64`: the element types
-/// whose every byte pattern is a value, [`bytes::PlainElement`](crate::bytes::PlainElement)):
-/// `$body` with `$T` bound to `f32`, `f64` or `i64`, and `$else` with `$d` bound to any other
+/// [`with_dtype!`] for the numeric dtypes (`float32`, `float64`, `int64`, `bfloat16`,
+/// `float16`: the element types whose every byte pattern is a value,
+/// [`bytes::PlainElement`](crate::bytes::PlainElement)): `$body` with `$T` bound to `f32`,
+/// `f64`, `i64`, [`bf16`](crate::bf16) or [`f16`](crate::f16), and `$else` with `$d` bound to any other
 /// dtype (listed by name in the expansion).
 ///
 /// ```
-/// use tensorplay_core::{DType, with_numeric_dtype};
+/// use tensorplay_core::{DType, Element, with_numeric_dtype};
 ///
-/// let max = |d: DType| with_numeric_dtype!(d, T => Some(T::MAX as f64), _d => None);
+/// let max = |d: DType| with_numeric_dtype!(d, T => Some(T::MAX.to_f64()), _d => None);
 /// assert_eq!(max(DType::I64), Some(i64::MAX as f64));
+/// assert_eq!(max(DType::BF16), Some(3.3895313892515355e38));
 /// assert_eq!(max(DType::Bool), None);
 /// ```
 #[macro_export]
@@ -145,6 +186,14 @@ macro_rules! with_numeric_dtype {
                 type $T = i64;
                 $body
             }
+            $crate::DType::BF16 => {
+                type $T = $crate::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::f16;
+                $body
+            }
             $d @ $crate::DType::Bool => $else,
         }
     };
@@ -157,6 +206,8 @@ impl fmt::Display for DType {
             DType::F64 => "float64",
             DType::I64 => "int64",
             DType::Bool => "bool",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
         })
     }
 }
@@ -200,7 +251,34 @@ impl Element for bool {
     }
 }
 
-/// A floating element type (`f32` or `f64`).
+/// The 16-bit float types: converted to and from `f64` with one rounding to nearest even
+/// (NaN and infinities kept).
+macro_rules! impl_half_element {
+    ($t:ty, $d:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            #[inline]
+            fn to_f64(self) -> f64 {
+                <$t>::to_f64(self)
+            }
+            #[inline]
+            fn from_f64(v: f64) -> Self {
+                <$t>::from_f64(v)
+            }
+        }
+        impl FloatElement for $t {
+            fn erf(self) -> Self {
+                <$t>::from_f32(libm::erff(self.to_f32()))
+            }
+        }
+    };
+}
+impl_half_element!(half::bf16, BF16);
+impl_half_element!(half::f16, F16);
+
+/// A floating element type (`f32`, `f64`, [`bf16`](crate::bf16) or [`f16`](crate::f16)).
+/// Arithmetic through [`num_traits::Float`] on the 16-bit types computes each operation in
+/// float32 and rounds once.
 pub trait FloatElement: Element + num_traits::Float + std::iter::Sum {
     /// Error function, used by the exact GELU.
     fn erf(self) -> Self;
@@ -277,6 +355,18 @@ mod tests {
                 size: 1,
                 float: false,
                 numeric: false,
+            },
+            Case {
+                dtype: DType::BF16,
+                size: 2,
+                float: true,
+                numeric: true,
+            },
+            Case {
+                dtype: DType::F16,
+                size: 2,
+                float: true,
+                numeric: true,
             },
         ];
         assert_eq!(cases.len(), DType::ALL.len(), "a case per dtype");

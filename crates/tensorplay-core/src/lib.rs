@@ -29,6 +29,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+mod finfo;
 mod kernels;
 mod layout;
 /// Host memory statistics and the caching allocator's controls (PyTorch's
@@ -75,6 +76,9 @@ pub use autograd::{no_grad, set_grad_enabled};
 pub use device::{Device, IntoDevice, get_default_device, set_default_device, with_default_device};
 pub use dtype::{DType, Element, FloatElement};
 pub use error::{Error, Result, fmt_error_chain};
+pub use finfo::{FInfo, finfo};
+/// The 16-bit float element types of [`DType::BF16`] and [`DType::F16`] (the `half` crate's).
+pub use half::{bf16, f16};
 pub use kernels::{
     CpuCapability, cpu_capability, get_num_threads, set_cpu_capability, set_num_threads,
 };

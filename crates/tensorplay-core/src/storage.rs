@@ -22,6 +22,10 @@ pub enum CpuStorage {
     I64(Vec<i64>),
     /// `bool` elements.
     Bool(Vec<bool>),
+    /// `bfloat16` elements.
+    BF16(Vec<half::bf16>),
+    /// `float16` elements.
+    F16(Vec<half::f16>),
 }
 
 impl CpuStorage {
@@ -32,6 +36,8 @@ impl CpuStorage {
             CpuStorage::F64(_) => DType::F64,
             CpuStorage::I64(_) => DType::I64,
             CpuStorage::Bool(_) => DType::Bool,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F16(_) => DType::F16,
         }
     }
     /// Number of elements.
@@ -41,6 +47,8 @@ impl CpuStorage {
             CpuStorage::F64(v) => v.len(),
             CpuStorage::I64(v) => v.len(),
             CpuStorage::Bool(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F16(v) => v.len(),
         }
     }
     /// Whether there are no elements.
@@ -113,10 +121,12 @@ macro_rules! impl_storage_element {
         }
     };
 }
-impl_storage_element!(f32, F32, F64, I64, Bool);
-impl_storage_element!(f64, F64, F32, I64, Bool);
-impl_storage_element!(i64, I64, F32, F64, Bool);
-impl_storage_element!(bool, Bool, F32, F64, I64);
+impl_storage_element!(f32, F32, F64, I64, Bool, BF16, F16);
+impl_storage_element!(f64, F64, F32, I64, Bool, BF16, F16);
+impl_storage_element!(i64, I64, F32, F64, Bool, BF16, F16);
+impl_storage_element!(bool, Bool, F32, F64, I64, BF16, F16);
+impl_storage_element!(half::bf16, BF16, F32, F64, I64, Bool, F16);
+impl_storage_element!(half::f16, F16, F32, F64, I64, Bool, BF16);
 
 /// The storage of a tensor on the meta device: how many elements of which dtype it would
 /// hold, and no memory.

@@ -24,7 +24,7 @@ pub(crate) fn nccl_world_one() -> Res {
     for dt in [DType::F32, DType::F64, DType::I64, DType::Bool] {
         let x = input(dt, 1000)?;
         let ops: &[ReduceOp] = match dt {
-            DType::F32 | DType::F64 => &[
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16 => &[
                 ReduceOp::Sum,
                 ReduceOp::Product,
                 ReduceOp::Min,

@@ -416,6 +416,8 @@ async fn read_inline<R: AsyncRead + Unpin>(
         DType::F32 => Tensor::from_vec(read_vec::<f32, R>(r, n).await?, shape)?,
         DType::F64 => Tensor::from_vec(read_vec::<f64, R>(r, n).await?, shape)?,
         DType::I64 => Tensor::from_vec(read_vec::<i64, R>(r, n).await?, shape)?,
+        DType::BF16 => Tensor::from_vec(read_vec::<tensorplay_core::bf16, R>(r, n).await?, shape)?,
+        DType::F16 => Tensor::from_vec(read_vec::<tensorplay_core::f16, R>(r, n).await?, shape)?,
         DType::Bool => {
             let v = read_vec::<u8, R>(r, n).await?;
             if v.iter().any(|&b| b > 1) {
@@ -428,7 +430,7 @@ async fn read_inline<R: AsyncRead + Unpin>(
     })
 }
 
-/// Reads `n` elements of `T` (f32, f64, i64 or u8: every bit pattern valid) into a new
+/// Reads `n` elements of `T` (f32, f64, i64, bf16, f16 or u8: every bit pattern valid) into a new
 /// vector, without zeroing it first. The vector is allocated only as the bytes arrive in
 /// pieces of at most 64 MiB, so a header that lies about a size cannot make us allocate much
 /// more than the peer actually sends.

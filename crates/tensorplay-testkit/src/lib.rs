@@ -11,6 +11,7 @@
 //! - [`hostile`]: bytes a hostile peer or a corrupt file would hold (truncations, bit flips,
 //!   oversized length prefixes), built from a valid message.
 
+pub mod bits;
 pub mod close;
 pub mod generator;
 pub mod hostile;
@@ -18,6 +19,7 @@ pub mod names;
 pub mod tmp;
 pub mod world;
 
+pub use bits::{element_bits, le_bytes};
 pub use close::{Tol, assert_close, check_close};
 pub use generator::generator_lock;
 pub use names::test_name;

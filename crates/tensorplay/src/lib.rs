@@ -104,12 +104,12 @@
 
 pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
-    CpuCapability, CpuStorage, DType, Device, Element, FloatElement, IntoDevice, Layout, ShapeArg,
-    Storage, StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, broadcast_shapes,
-    cat, cpu_capability, cuda, full, get_default_device, get_num_threads, load, manual_seed,
-    memory, no_grad, ones, optim, rand, randint, randn, random, save, serialize,
-    set_cpu_capability, set_default_device, set_grad_enabled, set_num_threads, stack,
-    with_default_device, zeros,
+    CpuCapability, CpuStorage, DType, Device, Element, FInfo, FloatElement, IntoDevice, Layout,
+    ShapeArg, Storage, StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, bf16,
+    broadcast_shapes, cat, cpu_capability, cuda, f16, finfo, full, get_default_device,
+    get_num_threads, load, manual_seed, memory, no_grad, ones, optim, rand, randint, randn, random,
+    save, serialize, set_cpu_capability, set_default_device, set_grad_enabled, set_num_threads,
+    stack, with_default_device, zeros,
 };
 
 /// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`

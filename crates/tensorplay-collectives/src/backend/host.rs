@@ -10,7 +10,8 @@ use crate::{ReduceOp, Result};
 use tensorplay_core::BufElement;
 /// A read-only contiguous host buffer (core's [`HostBuf`](tensorplay_core::HostBuf)).
 pub use tensorplay_core::HostBuf as BufRef;
-/// A mutable contiguous host buffer of a dtype collectives move: float32, float64 or int64,
+/// A mutable contiguous host buffer of a dtype collectives move: float32, float64, int64,
+/// bfloat16 or float16,
 /// with a byte view (core's [`HostBufMut`](tensorplay_core::HostBufMut)).
 pub use tensorplay_core::HostBufMut as BufMut;
 
@@ -67,6 +68,17 @@ pub fn reduce_into(op: ReduceOp, dst: &mut BufMut<'_>, src: BufRef<'_>) -> Resul
     match dst.reborrow() {
         BufMut::F32(d) => float(op, d, f32::of_buf(src).ok_or_else(mismatch)?),
         BufMut::F64(d) => float(op, d, f64::of_buf(src).ok_or_else(mismatch)?),
+        // 16-bit: each pair added in float32 and rounded once
+        BufMut::BF16(d) => float(
+            op,
+            d,
+            tensorplay_core::bf16::of_buf(src).ok_or_else(mismatch)?,
+        ),
+        BufMut::F16(d) => float(
+            op,
+            d,
+            tensorplay_core::f16::of_buf(src).ok_or_else(mismatch)?,
+        ),
         BufMut::I64(d) => {
             int(op, d, i64::of_buf(src).ok_or_else(mismatch)?);
             Ok(())

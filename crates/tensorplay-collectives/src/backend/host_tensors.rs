@@ -27,6 +27,18 @@ impl CommElem for f64 {
 impl CommElem for i64 {
     fn div(_s: &mut [Self], _n: usize) {}
 }
+impl CommElem for tensorplay_core::bf16 {
+    fn div(s: &mut [Self], n: usize) {
+        s.iter_mut()
+            .for_each(|x| *x = Self::from_f32(x.to_f32() / n as f32))
+    }
+}
+impl CommElem for tensorplay_core::f16 {
+    fn div(s: &mut [Self], n: usize) {
+        s.iter_mut()
+            .for_each(|x| *x = Self::from_f32(x.to_f32() / n as f32))
+    }
+}
 
 /// `$body` with `$T` bound to the element type of `$dt`; an error naming backend `$b` for a
 /// dtype host buffers do not hold.
@@ -34,7 +46,7 @@ macro_rules! dispatch {
     ($b:expr, $dt:expr, $T:ident => $body:expr) => {
         tensorplay_core::with_numeric_dtype!($dt, $T => $body, d => Err(Error::Backend {
             backend: $b.name.to_string(),
-            detail: format!("{d} tensors are not supported; use float32, float64 or int64")
+            detail: format!("{d} tensors are not supported; use a numeric dtype")
                 .into(),
         }))
     };

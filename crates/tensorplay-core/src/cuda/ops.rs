@@ -63,11 +63,13 @@ impl CudaStorage {
     fn need_float(&self, op: &'static str) -> Result<()> {
         match self.dtype() {
             DType::F32 | DType::F64 => Ok(()),
-            d @ (DType::I64 | DType::Bool) => Err(Error::UnsupportedDType {
-                op,
-                dtype: d,
-                expected: "float32 or float64",
-            }),
+            d @ (DType::I64 | DType::Bool | DType::BF16 | DType::F16) => {
+                Err(Error::UnsupportedDType {
+                    op,
+                    dtype: d,
+                    expected: "float32 or float64",
+                })
+            }
         }
     }
 }

@@ -281,6 +281,8 @@ pub(crate) fn suffix(dt: DType) -> &'static str {
         DType::F64 => "f64",
         DType::I64 => "i64",
         DType::Bool => "bool",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
     }
 }
 

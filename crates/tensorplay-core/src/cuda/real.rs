@@ -94,6 +94,16 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     Ok(c)
 }
 
+/// The error for a 16-bit tensor on a CUDA device, which has no kernels for it yet.
+fn no_half(dtype: DType) -> Error {
+    Error::UnsupportedDType {
+        op: "cuda",
+        dtype,
+        expected: "float32, float64, int64 or bool on a CUDA device (the 16-bit dtypes run on \
+                   the CPU for now)",
+    }
+}
+
 impl CudaStorage {
     /// Copies host memory to device `ordinal`.
     pub fn from_cpu(src: &CpuStorage, ordinal: usize) -> Result<CudaStorage> {
@@ -108,6 +118,7 @@ impl CudaStorage {
             CpuStorage::F64(v) => CudaData::F64(stream.clone_htod(v).map_err(e)?),
             CpuStorage::I64(v) => CudaData::I64(stream.clone_htod(v).map_err(e)?),
             CpuStorage::Bool(v) => CudaData::Bool(stream.clone_htod(v).map_err(e)?),
+            CpuStorage::BF16(_) | CpuStorage::F16(_) => return Err(no_half(src.dtype())),
         };
         Ok(CudaStorage {
             ordinal,
@@ -130,6 +141,7 @@ impl CudaStorage {
                 DType::F64 => CudaData::F64(stream.alloc(n).map_err(e)?),
                 DType::I64 => CudaData::I64(stream.alloc(n).map_err(e)?),
                 DType::Bool => CudaData::Bool(stream.alloc(n).map_err(e)?),
+                d @ (DType::BF16 | DType::F16) => return Err(no_half(d)),
             }
         };
         Ok(CudaStorage {
@@ -156,6 +168,7 @@ impl CudaStorage {
             DType::F64 => CudaData::F64(stream.alloc_zeros(n).map_err(e)?),
             DType::I64 => CudaData::I64(stream.alloc_zeros(n).map_err(e)?),
             DType::Bool => CudaData::Bool(stream.alloc_zeros(n).map_err(e)?),
+            d @ (DType::BF16 | DType::F16) => return Err(no_half(d)),
         };
         Ok(CudaStorage {
             ordinal,

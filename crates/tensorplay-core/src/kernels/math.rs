@@ -286,3 +286,26 @@ impl Elem for f64 {
         Some(x)
     }
 }
+
+/// The 16-bit float types: loaded into float32 (exact), stored rounded to nearest even.
+macro_rules! impl_half_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            type Acc = f32;
+            #[inline(always)]
+            fn load(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn store(v: f32) -> $t {
+                <$t>::from_f32(v)
+            }
+            #[inline(always)]
+            fn as_acc(_: &[$t]) -> Option<&[f32]> {
+                None
+            }
+        }
+    };
+}
+impl_half_elem!(half::bf16);
+impl_half_elem!(half::f16);

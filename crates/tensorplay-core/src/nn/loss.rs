@@ -151,8 +151,9 @@ impl Function for CrossEntropyFn {
                 kernels::cross_entropy::<T>(&s[l.offset..l.offset + n * c], &target, c)
             })?;
             let mean = <T as crate::Element>::from_f64(total / n as f64);
+            // the log-sum-exps stay in the computing type (float32 for the 16-bit types)
             (
-                Tensor::from_cpu(T::into_storage(lse), &[n, 1]),
+                Tensor::from_vec(lse, &[n, 1])?,
                 Tensor::from_cpu(T::into_storage(vec![mean]), &[]),
             )
         });
@@ -187,8 +188,8 @@ impl Function for CrossEntropyFn {
             if *fused {
                 let x = x.contiguous()?;
                 let gx = float_dispatch!(x.dtype(), "cross_entropy_backward", T => {
-                    let lse = shift.to_vec::<T>()?;
-                    let sc = <T as crate::Element>::from_f64(scale);
+                    let lse = shift.to_vec::<<T as kernels::math::Elem>::Acc>()?;
+                    let sc = <<T as kernels::math::Elem>::Acc as crate::Element>::from_f64(scale);
                     let v = x.with_slice("cross_entropy_backward", |s: &[T], l| {
                         let s = &s[l.offset..l.offset + n * c];
                         kernels::cross_entropy_backward::<T>(s, target, &lse, c, sc)

@@ -80,10 +80,12 @@ impl Function for LayerNormFn {
                     self.eps,
                 ))
             })??;
+            // the statistics stay in the computing type (float32 for the 16-bit types, as
+            // PyTorch saves them)
             (
                 Tensor::from_vec(y, x.shape())?,
-                Tensor::from_vec(m.into_iter().map(T::store).collect::<Vec<T>>(), &[rows])?,
-                Tensor::from_vec(r.into_iter().map(T::store).collect::<Vec<T>>(), &[rows])?,
+                Tensor::from_vec(m, &[rows])?,
+                Tensor::from_vec(r, &[rows])?,
             )
         });
         match &w {
@@ -103,7 +105,7 @@ impl Function for LayerNormFn {
         let x = x.contiguous()?;
         let (dx, dw, db) = float_dispatch!(x.dtype(), "layer_norm", T => {
             let ws = w.map(|w| w.to_vec::<T>()).transpose()?;
-            let stat = |t: &Tensor| -> Result<Vec<T>> { t.to_vec::<T>() };
+            let stat = |t: &Tensor| -> Result<Vec<<T as Elem>::Acc>> { t.to_vec() };
             let (dx, dw, db) = kernels::layer_norm_backward(
                 &x.to_vec::<T>()?,
                 &g.to_vec::<T>()?,

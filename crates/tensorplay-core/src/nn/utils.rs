@@ -22,7 +22,7 @@
 //! # Ok::<(), tp::Error>(())
 //! ```
 
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{Device, Error, Result, Tensor};
 
 /// Added to the total norm in the clip coefficient `max_norm / (total_norm + EPS)`, as in
 /// PyTorch.
@@ -238,7 +238,7 @@ fn float_grads<'a>(
             return Err(Error::invalid(
                 op,
                 "parameters",
-                "parameters whose gradients are float32 or float64",
+                "parameters whose gradients are of a floating dtype",
                 format!("a gradient of dtype {} (parameter {i})", g.dtype()),
             ));
         }
@@ -249,44 +249,23 @@ fn float_grads<'a>(
 
 /// Calls `f` on every element of the float tensor `g`, as `f64`, in row-major order.
 fn for_each_value(g: &Tensor, mut f: impl FnMut(f64)) -> Result<()> {
-    match g.dtype() {
-        DType::F32 => g.to_vec::<f32>()?.into_iter().for_each(|x| f(f64::from(x))),
-        DType::F64 => g.to_vec::<f64>()?.into_iter().for_each(f),
-        other @ (DType::I64 | DType::Bool) => {
-            return Err(Error::UnsupportedDType {
-                op: "nn::utils",
-                dtype: other,
-                expected: "float32 or float64",
-            });
-        }
-    }
+    crate::ops::float_dispatch!(g.dtype(), "nn::utils", T => {
+        g.to_vec::<T>()?.into_iter().for_each(|x| f(crate::Element::to_f64(x)))
+    });
     Ok(())
 }
 
 /// A new tensor of `g`'s shape, dtype and device holding `f` of each element (computed in
 /// `f64`, rounded once to `g`'s dtype). Records no autograd history.
 fn map_values(g: &Tensor, f: impl Fn(f64) -> f64) -> Result<Tensor> {
-    let t = match g.dtype() {
-        DType::F32 => {
-            let v: Vec<f32> = g
-                .to_vec::<f32>()?
-                .into_iter()
-                .map(|x| f(f64::from(x)) as f32)
-                .collect();
-            Tensor::from_vec(v, g.shape())?
-        }
-        DType::F64 => {
-            let v: Vec<f64> = g.to_vec::<f64>()?.into_iter().map(f).collect();
-            Tensor::from_vec(v, g.shape())?
-        }
-        other @ (DType::I64 | DType::Bool) => {
-            return Err(Error::UnsupportedDType {
-                op: "nn::utils",
-                dtype: other,
-                expected: "float32 or float64",
-            });
-        }
-    };
+    let t = crate::ops::float_dispatch!(g.dtype(), "nn::utils", T => {
+        let v: Vec<T> = g
+            .to_vec::<T>()?
+            .into_iter()
+            .map(|x| <T as crate::Element>::from_f64(f(crate::Element::to_f64(x))))
+            .collect();
+        Tensor::from_vec(v, g.shape())?
+    });
     if g.device() == Device::Cpu {
         Ok(t)
     } else {

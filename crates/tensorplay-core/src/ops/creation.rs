@@ -94,6 +94,8 @@ fn filled(op: &'static str, shape: &[usize], value: f64, o: TensorOptions) -> Re
         DType::F64 => CpuStorage::F64(try_vec(n, value, op, "shape")?),
         DType::I64 => CpuStorage::I64(try_vec(n, value as i64, op, "shape")?),
         DType::Bool => CpuStorage::Bool(try_vec(n, value != 0.0, op, "shape")?),
+        DType::BF16 => CpuStorage::BF16(try_vec(n, half::bf16::from_f64(value), op, "shape")?),
+        DType::F16 => CpuStorage::F16(try_vec(n, half::f16::from_f64(value), op, "shape")?),
     };
     place(Tensor::from_cpu(s, shape), o.device)
 }
@@ -251,11 +253,11 @@ impl Tensor {
 
 fn float_only(op: &'static str, dtype: DType) -> Result<()> {
     match dtype {
-        DType::F32 | DType::F64 => Ok(()),
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16 => Ok(()),
         d @ (DType::I64 | DType::Bool) => Err(Error::UnsupportedDType {
             op,
             dtype: d,
-            expected: "float32 or float64",
+            expected: "a floating dtype (float32, float64, bfloat16 or float16)",
         }),
     }
 }

@@ -58,6 +58,8 @@ fn slice_cpu(c: &crate::CpuStorage, r: std::ops::Range<usize>) -> crate::CpuStor
         C::F64(v) => C::F64(v[r].to_vec()),
         C::I64(v) => C::I64(v[r].to_vec()),
         C::Bool(v) => C::Bool(v[r].to_vec()),
+        C::BF16(v) => C::BF16(v[r].to_vec()),
+        C::F16(v) => C::F16(v[r].to_vec()),
     }
 }
 

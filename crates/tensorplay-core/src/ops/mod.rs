@@ -25,7 +25,7 @@ use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
 
-/// Dispatches on a floating dtype, binding `$T` to `f32` or `f64`; returns
+/// Dispatches on a floating dtype, binding `$T` to `f32`, `f64`, `bf16` or `f16`; returns
 /// [`Error::UnsupportedDType`] naming `$op` for the others.
 macro_rules! float_dispatch {
     ($dt:expr, $op:expr, $T:ident => $body:expr) => {
@@ -33,12 +33,12 @@ macro_rules! float_dispatch {
             return Err($crate::Error::UnsupportedDType {
                 op: $op,
                 dtype: d,
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             })
         })
     };
 }
-/// Dispatches on a numeric dtype (f32, f64, i64); returns [`Error::UnsupportedDType`] naming
+/// Dispatches on a numeric dtype (f32, f64, i64, bf16, f16); returns [`Error::UnsupportedDType`] naming
 /// `$op` for the others.
 macro_rules! numeric_dispatch {
     ($dt:expr, $op:expr, $T:ident => $body:expr) => {
@@ -46,7 +46,7 @@ macro_rules! numeric_dispatch {
             return Err($crate::Error::UnsupportedDType {
                 op: $op,
                 dtype: d,
-                expected: "float32, float64 or int64",
+                expected: "a numeric dtype (float32, float64, int64, bfloat16 or float16)",
             })
         })
     };
@@ -78,7 +78,7 @@ macro_rules! impl_wrapping_float {
         }
     )*};
 }
-impl_wrapping_float!(f32, f64);
+impl_wrapping_float!(f32, f64, half::bf16, half::f16);
 impl WrappingArith for i64 {
     #[inline]
     fn wadd(self, o: Self) -> Self {

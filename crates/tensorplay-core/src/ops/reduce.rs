@@ -120,9 +120,7 @@ fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
     if let Some(r) = backend::on_device(&x, |c, l| c.reduce(l, dims, ReduceCode::Sum, false)) {
         return Ok(backend::device_tensor(r?.0, &shape));
     }
-    if x.is_contiguous()
-        && crate::kernels::reduce::trailing(dims, x.ndim())
-        && matches!(x.dtype(), crate::DType::F32 | crate::DType::F64)
+    if x.is_contiguous() && crate::kernels::reduce::trailing(dims, x.ndim()) && x.dtype().is_float()
     {
         // float sums over trailing dims: the vectorised row kernel, in fixed pieces
         let n: usize = dims.iter().map(|&d| x.shape()[d]).product();
@@ -136,6 +134,10 @@ fn sum_kernel(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
             })?;
             Ok(Tensor::from_cpu(T::into_storage(v), &shape))
         });
+    }
+    if x.dtype().is_half() {
+        // other dims of a 16-bit tensor: summed in float32, rounded once
+        return sum_kernel(&x.to_dtype(crate::DType::F32)?, dims, keepdim)?.to_dtype(x.dtype());
     }
     let leading = !dims.is_empty()
         && dims.len() < x.ndim()

@@ -1,13 +1,13 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`).
 
 use super::group::{ParamGroup, check_groups, ranges, set_all_lr};
+use super::opt_dispatch;
 use super::state::{GroupState, OptimizerState, buf_tensor, check_layout, check_names, saved_buf};
 use super::{
     Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, device_state,
     device_step, state, update_param,
 };
 use crate::backend::{AdamStep, DeviceStorage as _};
-use crate::ops::float_dispatch;
 use crate::{Error, Result, Tensor};
 use std::collections::BTreeMap;
 
@@ -198,7 +198,7 @@ impl AdamCore {
             let Some(g) = g else { continue };
             let p = self.params[i].clone();
             let h = hypers[self.group_of[i]];
-            float_dispatch!(p.dtype(), op, T => self.update::<T>(op, i, &p, g, &h)?);
+            opt_dispatch!(p.dtype(), op, T => self.update::<T>(op, i, &p, g, &h)?);
         }
         Ok(())
     }

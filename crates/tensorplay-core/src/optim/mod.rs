@@ -330,6 +330,38 @@ pub(crate) fn device_step(
     })())
 }
 
+/// Dispatches on the dtypes the optimizers update in place (`float32`, `float64`), binding
+/// `$T`; a 16-bit parameter is an [`Error::UnsupportedDType`](crate::Error::UnsupportedDType)
+/// naming `$op`: low-precision training keeps float32 master weights and optimizer state
+/// (autocast, or the fully-sharded `MixedPrecisionPolicy`), and 16-bit optimizer state is out
+/// of scope.
+macro_rules! opt_dispatch {
+    ($dt:expr, $op:expr, $T:ident => $body:expr) => {
+        match $dt {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            d @ ($crate::DType::BF16
+            | $crate::DType::F16
+            | $crate::DType::I64
+            | $crate::DType::Bool) => {
+                return Err($crate::Error::UnsupportedDType {
+                    op: $op,
+                    dtype: d,
+                    expected: "float32 or float64 parameters (16-bit training keeps float32 \
+                               master weights: autocast or MixedPrecisionPolicy)",
+                })
+            }
+        }
+    };
+}
+pub(crate) use opt_dispatch;
+
 /// A float element the optimizers update.
 pub(crate) trait OptElem: FloatElement + StorageElement {
     fn buf(b: &mut Buf) -> Option<&mut [Self]>;

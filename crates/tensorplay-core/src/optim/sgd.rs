@@ -1,13 +1,13 @@
 //! Stochastic gradient descent (`torch.optim.SGD`).
 
 use super::group::{ParamGroup, check_groups, in_group, ranges, set_all_lr};
+use super::opt_dispatch;
 use super::state::{GroupState, OptimizerState, buf_tensor, check_layout, check_names, saved_buf};
 use super::{
     Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, device_state,
     device_step, state, update_param,
 };
 use crate::backend::{DeviceStorage as _, SgdStep};
-use crate::ops::float_dispatch;
 use crate::{Error, Result, Tensor};
 use std::collections::BTreeMap;
 
@@ -228,7 +228,7 @@ impl Optimizer for SGD {
             let p = &self.params[i];
             let o = &options[self.group_of[i]];
             let slot = &mut self.momentum_buffers[i];
-            float_dispatch!(p.dtype(), OP, T => sgd_update::<T>(p, g, o, slot)?);
+            opt_dispatch!(p.dtype(), OP, T => sgd_update::<T>(p, g, o, slot)?);
         }
         Ok(())
     }

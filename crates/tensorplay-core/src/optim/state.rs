@@ -269,7 +269,7 @@ pub(crate) fn tensor_buf(
     }
     Ok(match t.dtype() {
         DType::F32 => Buf::F32(Counted::new(t.to_vec()?)),
-        DType::F64 | DType::I64 | DType::Bool => {
+        DType::F64 | DType::I64 | DType::Bool | DType::BF16 | DType::F16 => {
             Buf::F64(Counted::new(t.to_dtype(DType::F64)?.to_vec()?))
         }
     })

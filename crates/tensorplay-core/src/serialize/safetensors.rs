@@ -20,6 +20,8 @@ fn to_safetensors(d: DType) -> Dtype {
         DType::F64 => Dtype::F64,
         DType::I64 => Dtype::I64,
         DType::Bool => Dtype::BOOL,
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
     }
 }
 
@@ -29,6 +31,8 @@ fn from_safetensors(d: Dtype) -> Option<DType> {
         Dtype::F64 => Some(DType::F64),
         Dtype::I64 => Some(DType::I64),
         Dtype::BOOL => Some(DType::Bool),
+        Dtype::BF16 => Some(DType::BF16),
+        Dtype::F16 => Some(DType::F16),
         _ => None,
     }
 }
@@ -52,6 +56,16 @@ fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
             .flat_map(|v| v.to_le_bytes())
             .collect(),
         DType::Bool => t.to_vec::<bool>()?.iter().map(|&v| u8::from(v)).collect(),
+        DType::BF16 => t
+            .to_vec::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => t
+            .to_vec::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
     })
 }
 
@@ -71,6 +85,8 @@ fn tensor_of(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Option<Tenso
         DType::F32 => Tensor::from_vec(le(bytes, f32::from_le_bytes), shape)?,
         DType::F64 => Tensor::from_vec(le(bytes, f64::from_le_bytes), shape)?,
         DType::I64 => Tensor::from_vec(le(bytes, i64::from_le_bytes), shape)?,
+        DType::BF16 => Tensor::from_vec(le(bytes, half::bf16::from_le_bytes), shape)?,
+        DType::F16 => Tensor::from_vec(le(bytes, half::f16::from_le_bytes), shape)?,
         DType::Bool => {
             if bytes.iter().any(|&b| b > 1) {
                 return Ok(None);

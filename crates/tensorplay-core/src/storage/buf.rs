@@ -1,5 +1,6 @@
 //! [`HostBuf`] and [`HostBufMut`]: borrowed contiguous host elements of a dtype whose bytes
-//! may be written directly (`float32`, `float64`, `int64`), with byte views. What byte movers
+//! may be written directly (`float32`, `float64`, `int64`, `bfloat16`, `float16`), with byte
+//! views. What byte movers
 //! (the collectives' host backends) take and give.
 
 use std::ops::Range;
@@ -8,7 +9,8 @@ use super::{CpuStorage, StorageElement};
 use crate::DType;
 use crate::bytes::{self, PlainElement};
 
-/// A read-only contiguous host buffer of `float32`, `float64` or `int64` elements.
+/// A read-only contiguous host buffer of `float32`, `float64`, `int64`, `bfloat16` or
+/// `float16` elements.
 #[derive(Debug, Clone, Copy)]
 pub enum HostBuf<'a> {
     /// float32 elements.
@@ -17,9 +19,14 @@ pub enum HostBuf<'a> {
     F64(&'a [f64]),
     /// int64 elements.
     I64(&'a [i64]),
+    /// bfloat16 elements.
+    BF16(&'a [half::bf16]),
+    /// float16 elements.
+    F16(&'a [half::f16]),
 }
 
-/// A writable contiguous host buffer of `float32`, `float64` or `int64` elements.
+/// A writable contiguous host buffer of `float32`, `float64`, `int64`, `bfloat16` or
+/// `float16` elements.
 #[derive(Debug)]
 pub enum HostBufMut<'a> {
     /// float32 elements.
@@ -28,6 +35,10 @@ pub enum HostBufMut<'a> {
     F64(&'a mut [f64]),
     /// int64 elements.
     I64(&'a mut [i64]),
+    /// bfloat16 elements.
+    BF16(&'a mut [half::bf16]),
+    /// float16 elements.
+    F16(&'a mut [half::f16]),
 }
 
 /// `$e` with `$s` bound to the slice of whichever variant `$b` is, rewrapped by `$wrap` where
@@ -38,6 +49,8 @@ macro_rules! each {
             $t::F32($s) => $wrap::F32($e),
             $t::F64($s) => $wrap::F64($e),
             $t::I64($s) => $wrap::I64($e),
+            $t::BF16($s) => $wrap::BF16($e),
+            $t::F16($s) => $wrap::F16($e),
         }
     };
     ($b:expr, $t:ident, $s:ident => $e:expr) => {
@@ -45,6 +58,8 @@ macro_rules! each {
             $t::F32($s) => $e,
             $t::F64($s) => $e,
             $t::I64($s) => $e,
+            $t::BF16($s) => $e,
+            $t::F16($s) => $e,
         }
     };
 }
@@ -85,9 +100,11 @@ macro_rules! buf_element {
         }
     };
 }
-buf_element!(f32, F32, F64, I64);
-buf_element!(f64, F64, F32, I64);
-buf_element!(i64, I64, F32, F64);
+buf_element!(f32, F32, F64, I64, BF16, F16);
+buf_element!(f64, F64, F32, I64, BF16, F16);
+buf_element!(i64, I64, F32, F64, BF16, F16);
+buf_element!(half::bf16, BF16, F32, F64, I64, F16);
+buf_element!(half::f16, F16, F32, F64, I64, BF16);
 
 macro_rules! buf_common {
     ($t:ident) => {
@@ -106,6 +123,8 @@ macro_rules! buf_common {
                     $t::F32(_) => DType::F32,
                     $t::F64(_) => DType::F64,
                     $t::I64(_) => DType::I64,
+                    $t::BF16(_) => DType::BF16,
+                    $t::F16(_) => DType::F16,
                 }
             }
             /// Size of one element in bytes (the dtype's [`DType::size_in_bytes`]).
@@ -135,6 +154,8 @@ impl<'a> HostBuf<'a> {
             DType::F32 => bytes::from_bytes(b).map(HostBuf::F32),
             DType::F64 => bytes::from_bytes(b).map(HostBuf::F64),
             DType::I64 => bytes::from_bytes(b).map(HostBuf::I64),
+            DType::BF16 => bytes::from_bytes(b).map(HostBuf::BF16),
+            DType::F16 => bytes::from_bytes(b).map(HostBuf::F16),
             DType::Bool => None,
         }
     }
@@ -185,6 +206,14 @@ impl<'a> HostBufMut<'a> {
                 let (x, y) = s.split_at_mut(mid);
                 (HostBufMut::I64(x), HostBufMut::I64(y))
             }
+            HostBufMut::BF16(s) => {
+                let (x, y) = s.split_at_mut(mid);
+                (HostBufMut::BF16(x), HostBufMut::BF16(y))
+            }
+            HostBufMut::F16(s) => {
+                let (x, y) = s.split_at_mut(mid);
+                (HostBufMut::F16(x), HostBufMut::F16(y))
+            }
         }
     }
 }
@@ -198,6 +227,8 @@ impl CpuStorage {
             CpuStorage::F64(v) => bytes::as_bytes(v),
             CpuStorage::I64(v) => bytes::as_bytes(v),
             CpuStorage::Bool(v) => bytes::as_bytes(v),
+            CpuStorage::BF16(v) => bytes::as_bytes(v),
+            CpuStorage::F16(v) => bytes::as_bytes(v),
         }
     }
     /// The elements as a buffer; `None` for `bool` storage.
@@ -206,6 +237,8 @@ impl CpuStorage {
             CpuStorage::F32(v) => Some(HostBuf::F32(v)),
             CpuStorage::F64(v) => Some(HostBuf::F64(v)),
             CpuStorage::I64(v) => Some(HostBuf::I64(v)),
+            CpuStorage::BF16(v) => Some(HostBuf::BF16(v)),
+            CpuStorage::F16(v) => Some(HostBuf::F16(v)),
             CpuStorage::Bool(_) => None,
         }
     }
@@ -216,6 +249,8 @@ impl CpuStorage {
             CpuStorage::F32(v) => Some(HostBufMut::F32(v)),
             CpuStorage::F64(v) => Some(HostBufMut::F64(v)),
             CpuStorage::I64(v) => Some(HostBufMut::I64(v)),
+            CpuStorage::BF16(v) => Some(HostBufMut::BF16(v)),
+            CpuStorage::F16(v) => Some(HostBufMut::F16(v)),
             CpuStorage::Bool(_) => None,
         }
     }

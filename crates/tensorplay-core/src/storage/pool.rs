@@ -150,6 +150,8 @@ pub(crate) fn capacity_bytes(s: &CpuStorage) -> usize {
         CpuStorage::F64(v) => v.capacity() * 8,
         CpuStorage::I64(v) => v.capacity() * 8,
         CpuStorage::Bool(v) => v.capacity(),
+        CpuStorage::BF16(v) => v.capacity() * 2,
+        CpuStorage::F16(v) => v.capacity() * 2,
     }
 }
 

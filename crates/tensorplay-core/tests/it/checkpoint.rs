@@ -15,32 +15,7 @@ use tensorplay_testkit::TempDir;
 /// A temporary folder of this test, removed when dropped.
 /// The tensor's elements as bit patterns (NaN payloads and -0.0 compared exactly).
 fn bits(t: &Tensor) -> (DType, Vec<usize>, Vec<u64>) {
-    let v: Vec<u64> = match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| u64::from(x.to_bits()))
-            .collect(),
-        DType::F64 => t
-            .to_vec::<f64>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect(),
-        DType::I64 => t
-            .to_vec::<i64>()
-            .unwrap()
-            .iter()
-            .map(|&x| x as u64)
-            .collect(),
-        DType::Bool => t
-            .to_vec::<bool>()
-            .unwrap()
-            .iter()
-            .map(|&x| u64::from(x))
-            .collect(),
-    };
+    let v = tensorplay_testkit::element_bits(t).unwrap();
     (t.dtype(), t.shape().to_vec(), v)
 }
 
@@ -613,33 +588,7 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint() {
 
 /// The CRC-32 of the tensor's elements as little-endian bytes, row-major.
 fn crc_of(t: &Tensor) -> u32 {
-    let b: Vec<u8> = match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::F64 => t
-            .to_vec::<f64>()
-            .unwrap()
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::I64 => t
-            .to_vec::<i64>()
-            .unwrap()
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::Bool => t
-            .to_vec::<bool>()
-            .unwrap()
-            .iter()
-            .map(|&x| u8::from(x))
-            .collect(),
-    };
-    crc32fast::hash(&b)
+    crc32fast::hash(&tensorplay_testkit::le_bytes(t).unwrap())
 }
 
 /// PyTorch reads what tensorplay writes, with the same names and values. Needs a Python with
@@ -682,6 +631,8 @@ for name, t in sorted(load_file(sys.argv[1]).items()):
             DType::F64 => "float64",
             DType::I64 => "int64",
             DType::Bool => "bool",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
         };
         let want = format!("{name} {torch_dtype} {:?} {:08x}", t.shape(), crc_of(t));
         assert_eq!(*line, want, "PyTorch's view of {name}");

@@ -142,18 +142,9 @@ fn contains_all(what: &str, msg: &str, parts: &[&str]) -> TestResult {
     Ok(())
 }
 
-/// Bit patterns of a float64 or float32 tensor's elements.
+/// Bit patterns of a tensor's elements.
 fn bits(t: &Tensor) -> R<Vec<u64>> {
-    Ok(match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()?
-            .iter()
-            .map(|v| u64::from(v.to_bits()))
-            .collect(),
-        DType::F64 | DType::I64 | DType::Bool => {
-            t.to_vec::<f64>()?.iter().map(|v| v.to_bits()).collect()
-        }
-    })
+    Ok(tensorplay_testkit::element_bits(t)?)
 }
 
 /// One section of a worked example, run on every rank of its world.

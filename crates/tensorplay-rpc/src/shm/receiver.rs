@@ -166,6 +166,8 @@ fn tensor_of(
         DType::F32 => Tensor::from_vec(new_vec_with::<f32>(n, fill)?, shape)?,
         DType::F64 => Tensor::from_vec(new_vec_with::<f64>(n, fill)?, shape)?,
         DType::I64 => Tensor::from_vec(new_vec_with::<i64>(n, fill)?, shape)?,
+        DType::BF16 => Tensor::from_vec(new_vec_with::<tensorplay_core::bf16>(n, fill)?, shape)?,
+        DType::F16 => Tensor::from_vec(new_vec_with::<tensorplay_core::f16>(n, fill)?, shape)?,
         DType::Bool => {
             let v = new_vec_with::<u8>(n, fill)?;
             if v.iter().any(|&b| b > 1) {

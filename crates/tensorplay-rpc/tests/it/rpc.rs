@@ -279,6 +279,20 @@ fn assert_same(a: &Tensor, b: &Tensor) -> TestResult {
         }
         DType::I64 => assert_eq!(a.to_vec::<i64>()?, b.to_vec::<i64>()?),
         DType::Bool => assert_eq!(a.to_vec::<bool>()?, b.to_vec::<bool>()?),
+        DType::BF16 => {
+            let bits = |t: &Tensor| {
+                t.to_vec::<tensorplay_core::bf16>()
+                    .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            };
+            assert_eq!(bits(a)?, bits(b)?);
+        }
+        DType::F16 => {
+            let bits = |t: &Tensor| {
+                t.to_vec::<tensorplay_core::f16>()
+                    .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            };
+            assert_eq!(bits(a)?, bits(b)?);
+        }
     }
     Ok(())
 }

@@ -119,6 +119,8 @@ fn check_op(op: ReduceOp, dtype: DType) -> Result<()> {
     let (d, s) = match dtype {
         DType::F32 => (BufMut::F32(&mut []), BufRef::F32(&[])),
         DType::F64 => (BufMut::F64(&mut []), BufRef::F64(&[])),
+        DType::BF16 => (BufMut::BF16(&mut []), BufRef::BF16(&[])),
+        DType::F16 => (BufMut::F16(&mut []), BufRef::F16(&[])),
         // no host buffer holds bool (the layer above refuses bool tensors): as int64
         DType::I64 | DType::Bool => (BufMut::I64(&mut []), BufRef::I64(&[])),
     };

@@ -21,6 +21,8 @@ fn host(t: &Tensor) -> (u64, Layout) {
             CpuStorage::F64(v) => v.as_ptr() as u64,
             CpuStorage::I64(v) => v.as_ptr() as u64,
             CpuStorage::Bool(v) => v.as_ptr() as u64,
+            CpuStorage::BF16(v) => v.as_ptr() as u64,
+            CpuStorage::F16(v) => v.as_ptr() as u64,
         };
         (p, l.clone())
     })

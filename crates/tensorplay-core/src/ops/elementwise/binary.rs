@@ -6,6 +6,7 @@ use crate::autograd::{Context, Function, apply};
 use crate::backend::{BinaryCode, DeviceStorage as _};
 use crate::ops::{WrappingArith, device_map2, float_dispatch, numeric_dispatch};
 use crate::{DType, Error, Result, Tensor};
+use num_traits::Float as _;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum BinaryKind {
@@ -40,12 +41,13 @@ fn binary_kernel(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     };
     if let Some(r) = device_map2(a, b, op, |ca, la, cb, lb| {
         match (kind, a.dtype()) {
-            (_, DType::F32 | DType::F64) | (Add | Sub | Mul | Maximum | Minimum, DType::I64) => {}
+            (_, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+            | (Add | Sub | Mul | Maximum | Minimum, DType::I64) => {}
             (Div | Pow, d @ DType::I64) | (_, d @ DType::Bool) => {
                 return Err(Error::UnsupportedDType {
                     op,
                     dtype: d,
-                    expected: "float32, float64 or int64 (float for div and pow)",
+                    expected: "a numeric dtype (a floating one for div and pow)",
                 });
             }
         }

@@ -58,6 +58,25 @@ impl Tensor {
         .remove(0))
     }
 
+    /// `self` as `bfloat16` (`torch.Tensor.bfloat16`): [`to_dtype`](Tensor::to_dtype)`(DType::BF16)`,
+    /// rounding to nearest even.
+    pub fn bfloat16(&self) -> Result<Tensor> {
+        self.to_dtype(DType::BF16)
+    }
+    /// `self` as `float16` (`torch.Tensor.half`): [`to_dtype`](Tensor::to_dtype)`(DType::F16)`,
+    /// rounding to nearest even (beyond 65504 to infinity).
+    pub fn half(&self) -> Result<Tensor> {
+        self.to_dtype(DType::F16)
+    }
+    /// `self` as `float32` (`torch.Tensor.float`).
+    pub fn float(&self) -> Result<Tensor> {
+        self.to_dtype(DType::F32)
+    }
+    /// `self` as `float64` (`torch.Tensor.double`).
+    pub fn double(&self) -> Result<Tensor> {
+        self.to_dtype(DType::F64)
+    }
+
     /// `self + other` with broadcasting and type promotion (`torch.add`).
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
         binary(BinaryKind::Add, self, other)

@@ -148,6 +148,8 @@ pub(crate) fn kernel_zip(
             f64_kernel(&sa[range(la)], &sb[range(lb)])
         })
         .map(f64::into_storage)?,
+        DType::BF16 => half_zip::<half::bf16>(&a, &b, op, f32_kernel)?,
+        DType::F16 => half_zip::<half::f16>(&a, &b, op, f32_kernel)?,
         d @ (DType::I64 | DType::Bool) => {
             return Err(crate::Error::UnsupportedDType {
                 op,
@@ -159,16 +161,36 @@ pub(crate) fn kernel_zip(
     Ok(Tensor::from_cpu(storage, a.shape()))
 }
 
-/// The dtype two operands promote to (bool < int64 < float32 < float64), as PyTorch's
-/// type promotion for tensors.
-fn promote(a: DType, b: DType) -> DType {
+/// [`kernel_zip`] of two 16-bit tensors: their elements loaded into float32 for the float32
+/// kernel, its results rounded once.
+fn half_zip<H: StorageElement + kernels::math::Elem<Acc = f32>>(
+    a: &Tensor,
+    b: &Tensor,
+    op: &'static str,
+    f32_kernel: impl FnOnce(&[f32], &[f32]) -> Vec<f32>,
+) -> Result<crate::CpuStorage> {
+    let range = |l: &Layout| l.contiguous_range().unwrap_or(0..0);
+    let load = |s: &[H]| s.iter().map(|v| v.load()).collect::<Vec<f32>>();
+    let v = with_two(a, b, op, |sa: &[H], la, sb: &[H], lb| {
+        f32_kernel(&load(&sa[range(la)]), &load(&sb[range(lb)]))
+    })?;
+    Ok(H::into_storage(v.into_iter().map(H::store).collect()))
+}
+
+/// The dtype two operands promote to (bool < int64 < bfloat16, float16 < float32 < float64;
+/// bfloat16 with float16 gives float32), as PyTorch's type promotion for tensors.
+pub(crate) fn promote(a: DType, b: DType) -> DType {
     fn rank(d: DType) -> u8 {
         match d {
             DType::Bool => 0,
             DType::I64 => 1,
-            DType::F32 => 2,
-            DType::F64 => 3,
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 3,
+            DType::F64 => 4,
         }
+    }
+    if a.is_half() && b.is_half() && a != b {
+        return DType::F32;
     }
     if rank(a) >= rank(b) { a } else { b }
 }

@@ -14,7 +14,7 @@ pub(crate) fn copy_in(dst: &Tensor, offset: usize, src: &Tensor, scale: f64) -> 
     match dst.dtype() {
         DType::F32 => copy_in_t::<f32>(dst, offset, src, scale as f32),
         DType::F64 => copy_in_t::<f64>(dst, offset, src, scale),
-        other @ (DType::I64 | DType::Bool) => Err(unsupported(other)),
+        other @ (DType::I64 | DType::Bool | DType::BF16 | DType::F16) => Err(unsupported(other)),
     }
 }
 
@@ -29,7 +29,7 @@ pub(crate) fn zero(dst: &Tensor, offset: usize, numel: usize) -> Result<()> {
             let b = l.offset() + offset;
             d[b..b + numel].fill(0.0);
         }),
-        other @ (DType::I64 | DType::Bool) => Err(unsupported(other)),
+        other @ (DType::I64 | DType::Bool | DType::BF16 | DType::F16) => Err(unsupported(other)),
     }
 }
 
@@ -44,7 +44,7 @@ pub(crate) fn copy_out(dst: &Tensor, src: &Tensor, offset: usize, scale: f64) ->
     match dst.dtype() {
         DType::F32 => copy_out_t::<f32>(dst, src, offset, scale as f32),
         DType::F64 => copy_out_t::<f64>(dst, src, offset, scale),
-        other @ (DType::I64 | DType::Bool) => Err(unsupported(other)),
+        other @ (DType::I64 | DType::Bool | DType::BF16 | DType::F16) => Err(unsupported(other)),
     }
 }
 
@@ -59,7 +59,7 @@ pub(crate) fn scale(t: &Tensor, offset: usize, numel: usize, scale: f64) -> Resu
             let b = l.offset() + offset;
             d[b..b + numel].iter_mut().for_each(|x| *x *= scale);
         }),
-        other @ (DType::I64 | DType::Bool) => Err(unsupported(other)),
+        other @ (DType::I64 | DType::Bool | DType::BF16 | DType::F16) => Err(unsupported(other)),
     }
 }
 
