@@ -1,5 +1,5 @@
 //! The CPU kernels: vectorised math ([`math`]), fused row kernels ([`rows`]), fused
-//! cross-entropy ([`loss`]), fused attention ([`attention`]), with the instruction set chosen at run time ([`isa`]) and the intra-op
+//! cross-entropy ([`loss`]), fused attention ([`attention`]), 16-bit matrix products ([`gemm16`]), with the instruction set chosen at run time ([`isa`]) and the intra-op
 //! thread pool ([`parallel`]). The operations in `ops/` and `nn/` call the entry points below
 //! on contiguous slices; each entry point cuts the work into fixed pieces, runs them on the
 //! pool, and compiles each piece for the processor's [`CpuCapability`].
@@ -9,6 +9,7 @@
 
 pub(crate) mod attention;
 mod attention_backward;
+pub(crate) mod gemm16;
 mod isa;
 pub(crate) mod loss;
 pub(crate) mod math;

@@ -1,0 +1,478 @@
+//! Matrix products of bfloat16 and float16 matrices on the CPU: every output element is a
+//! float32 sum of the exact products, rounded once to the 16-bit type (round to nearest even).
+//!
+//! Three paths, chosen at run time:
+//! - [`Path::Fma`], where the kernels' capability level is AVX-512 (the default there, for
+//!   both types): A and B are widened to float32 while they are packed (A into panels of
+//!   [`MR`] rows, B into panels of [`NR`] columns), and a [`MR`] x [`NR`] tile is summed with
+//!   float32 FMAs in 24 vector registers over blocks of the inner dimension, the sums kept in
+//!   float32 between blocks;
+//! - [`Path::Dpbf16`] (bfloat16, where the processor has AVX512_BF16): the same blocking on
+//!   `VDPBF16PS`, which multiplies two pairs of bfloat16 and adds both products to a float32
+//!   lane, A and B packed as pairs of the inner dimension. Not the default: on the processor
+//!   measured (a Xeon with AVX512_BF16, issue 39 in `docs/decisions.md`) one `VDPBF16PS` (64
+//!   flops) issues about every two cycles where two float32 FMAs (32 flops each) issue every
+//!   cycle, so it reaches 78-80 GFLOP/s on one thread where the FMA path reaches 120-130;
+//! - [`Path::Convert`], below AVX-512: both operands converted to float32 and the float32
+//!   `gemm`.
+//!
+//! The `gemm` crate's own float16 product was measured too: it computes in float32 but adds
+//! each block of the inner dimension into the float16 output, rounding once per block of ~256,
+//! and it was slower than the FMA path (94-104 GFLOP/s against 117-126). `VDPBF16PS` treats subnormal inputs as zero and flushes
+//! subnormal results; the other paths keep them.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::{CpuCapability, cpu_capability, with_pool};
+
+/// Rows of the micro-kernels' tile.
+const MR: usize = 12;
+/// Columns of the tile: two vectors of 16 float32 lanes.
+const NR: usize = 32;
+
+/// How the work is cut into blocks (the bits of the result depend on `kb` only).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Blocking {
+    /// Steps of the inner dimension summed per block: a B panel's block (`kb * NR` packed
+    /// elements) stays in the first-level cache while the A panels pass.
+    kb: usize,
+    /// The most rows of output a thread's band works on at once (a multiple of [`MR`]).
+    mc: usize,
+    /// Columns of output per block (a multiple of [`NR`]).
+    nc: usize,
+}
+
+/// The blocking every product uses: a 32 KiB block of a B panel (float32), a 192 KiB A block,
+/// 384 KiB of sums (the best of those tried in `measure_1024_one_thread`).
+const BLOCKING: Blocking = Blocking {
+    kb: 256,
+    mc: 16 * MR,
+    nc: 16 * NR,
+};
+
+/// B's panels packed by one call.
+const PANELS: usize = 8;
+
+/// The most packed elements per operand kept between calls (16 MiB): above it the buffers are
+/// freed (their page faults are small beside the product's work).
+const KEEP_PACKED: usize = 1 << 22;
+
+/// Which kernel a product runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Path {
+    /// [`Path::Fma`] where the capability level is AVX-512, else [`Path::Convert`].
+    Auto,
+    /// Operands widened while packed, float32 FMA micro-kernel (needs AVX-512 F).
+    Fma,
+    /// bfloat16 pairs, `VDPBF16PS` micro-kernel (needs AVX-512 F and BF16).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Dpbf16,
+    /// Convert to float32 and use the float32 `gemm`.
+    Convert,
+}
+
+/// An operand: its elements, row stride and column stride (in elements, non-negative).
+type Operand<'a, T> = (&'a [T], isize, isize);
+
+/// `dst = lhs @ rhs` (or `dst += lhs @ rhs` with `read_dst`) for bfloat16, as
+/// `ops::matmul::gemm_into`: `dst` is `m x n` row-major, `lhs` is `m x k` and `rhs` is
+/// `k x n`, each walked by its row and column strides (transposed views need no copy). Each
+/// element is summed in float32 (with `read_dst`, the old value added in float32 too) and
+/// rounded once. With `k = 0` and no `read_dst`, `dst` becomes zeros. Uses the intra-op
+/// threads above a size threshold; the bits do not depend on the thread count.
+///
+/// Panics if `dst` holds fewer than `m * n` elements or an operand's extent passes its slice
+/// (the callers check shapes).
+#[cfg_attr(not(test), allow(dead_code))] // until ops/matmul.rs calls it (issue 39's dtypes)
+pub(crate) fn gemm_bf16(
+    dst: &mut [bf16],
+    dims: (usize, usize, usize),
+    lhs: Operand<'_, bf16>,
+    rhs: Operand<'_, bf16>,
+    read_dst: bool,
+) {
+    on_pool(dims, |par| {
+        gemm_on(Path::Auto, par, dst, dims, lhs, rhs, read_dst)
+    });
+}
+
+/// [`gemm_bf16`] for float16.
+#[cfg_attr(not(test), allow(dead_code))] // until ops/matmul.rs calls it (issue 39's dtypes)
+pub(crate) fn gemm_f16(
+    dst: &mut [f16],
+    dims: (usize, usize, usize),
+    lhs: Operand<'_, f16>,
+    rhs: Operand<'_, f16>,
+    read_dst: bool,
+) {
+    on_pool(dims, |par| {
+        gemm_on(Path::Auto, par, dst, dims, lhs, rhs, read_dst)
+    });
+}
+
+/// Runs `f(parallel)` inside the intra-op pool when the product is worth several threads.
+fn on_pool(dims: (usize, usize, usize), f: impl FnOnce(bool) + Send) {
+    let (m, n, k) = dims;
+    if super::get_num_threads() > 1 && m.saturating_mul(n).saturating_mul(k) >= 1 << 18 {
+        with_pool(usize::MAX, f);
+    } else {
+        f(false);
+    }
+}
+
+/// The path `path` resolves to on this processor and capability level: `Fma` and `Dpbf16`
+/// fall back to `Convert` where their instructions are missing.
+pub(super) fn resolve<T: Half16>(path: Path) -> Path {
+    let avx512 = cpu_capability() >= CpuCapability::Avx512;
+    #[cfg(target_arch = "x86_64")]
+    let bf16_dot = std::arch::is_x86_feature_detected!("avx512bf16") && T::IS_BF16;
+    #[cfg(not(target_arch = "x86_64"))]
+    let bf16_dot = false;
+    match path {
+        Path::Auto | Path::Fma if avx512 => Path::Fma,
+        Path::Dpbf16 if avx512 && bf16_dot => Path::Dpbf16,
+        _ => Path::Convert,
+    }
+}
+
+/// The product on `path` (resolved by [`resolve`]); `par`: inside a thread pool, split the
+/// work over it.
+pub(super) fn gemm_on<T: Half16>(
+    path: Path,
+    par: bool,
+    dst: &mut [T],
+    dims: (usize, usize, usize),
+    lhs: Operand<'_, T>,
+    rhs: Operand<'_, T>,
+    read_dst: bool,
+) {
+    if !prologue(dst, dims, &lhs, &rhs, read_dst) {
+        return;
+    }
+    match resolve::<T>(path) {
+        Path::Fma => run(&Wide { lhs, rhs }, BLOCKING, dst, dims, read_dst, par),
+        Path::Dpbf16 => run(&Pairs::of(lhs, rhs), BLOCKING, dst, dims, read_dst, par),
+        _ => via_f32(dst, dims, lhs, rhs, read_dst),
+    }
+}
+
+/// Checks the extents and handles the empty products; false when nothing is left to do.
+fn prologue<T: Copy + Default>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    lhs: &Operand<'_, T>,
+    rhs: &Operand<'_, T>,
+    read_dst: bool,
+) -> bool {
+    if m == 0 || n == 0 {
+        return false;
+    }
+    assert!(
+        dst.len() >= m * n,
+        "gemm16: dst holds {} of {m} x {n}",
+        dst.len()
+    );
+    if k == 0 {
+        if !read_dst {
+            dst[..m * n].fill(T::default());
+        }
+        return false;
+    }
+    let fits = |(s, rs, cs): &Operand<'_, T>, r: usize, c: usize| {
+        *rs >= 0 && *cs >= 0 && (r - 1) * rs.unsigned_abs() + (c - 1) * cs.unsigned_abs() < s.len()
+    };
+    assert!(
+        fits(lhs, m, k) && fits(rhs, k, n),
+        "gemm16: an operand's extent passes its slice (or a stride is negative)"
+    );
+    true
+}
+
+/// The 16-bit float types' conversions to and from float32.
+pub(super) trait Half16: Copy + Default + Send + Sync {
+    /// Whether this is bfloat16 (the pair kernel reads its bits).
+    const IS_BF16: bool;
+    /// `dst[i] = src[i]` exactly.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// `dst[i] = round(src[i] + dst[i])` with `add`, else `round(src[i])`, each rounded once
+    /// to nearest even.
+    fn narrow(src: &[f32], dst: &mut [Self], add: bool);
+    /// The bits of bfloat16 elements (empty for float16).
+    fn bf16_bits(s: &[Self]) -> &[u16];
+}
+
+impl Half16 for bf16 {
+    const IS_BF16: bool = true;
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        super::dispatch(
+            #[inline(always)]
+            || {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = bf16_to_f32(s.to_bits());
+                }
+            },
+        )
+    }
+    fn narrow(src: &[f32], dst: &mut [bf16], add: bool) {
+        let dst: &mut [u16] = dst.reinterpret_cast_mut();
+        super::dispatch(
+            #[inline(always)]
+            || {
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    let v = if add { s + bf16_to_f32(*d) } else { s };
+                    *d = f32_to_bf16(v);
+                }
+            },
+        )
+    }
+    fn bf16_bits(s: &[bf16]) -> &[u16] {
+        s.reinterpret_cast()
+    }
+}
+
+impl Half16 for f16 {
+    const IS_BF16: bool = false;
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [f16], add: bool) {
+        if !add {
+            return dst.convert_from_f32_slice(src);
+        }
+        let mut sum = [0.0f32; 64];
+        for (d, s) in dst.chunks_mut(64).zip(src.chunks(64)) {
+            let sum = &mut sum[..d.len()];
+            d.convert_to_f32_slice(sum);
+            for (a, b) in sum.iter_mut().zip(s) {
+                *a += b;
+            }
+            d.convert_from_f32_slice(sum);
+        }
+    }
+    fn bf16_bits(_: &[f16]) -> &[u16] {
+        &[]
+    }
+}
+
+/// bfloat16 bits as float32 (exact).
+#[inline(always)]
+fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// float32 to bfloat16 bits, rounded to nearest even; a NaN stays a (quiet) NaN. The same bits
+/// as `half::bf16::from_f32`, written without branches so that row loops vectorise.
+#[inline(always)]
+fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    // below the NaNs, adding at most 0x8000 cannot carry out of 32 bits
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    if nan {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        rounded
+    }
+}
+
+/// `len` elements of row `r` of `(s, rs, cs)` from column `c0`, widened into `out`
+/// (`tmp`: room to gather a strided row).
+fn widen_row<T: Half16>(
+    (s, rs, cs): Operand<'_, T>,
+    (r, c0, len): (usize, usize, usize),
+    tmp: &mut Vec<T>,
+    out: &mut [f32],
+) {
+    let (rs, cs) = (rs as usize, cs as usize);
+    let at = r * rs + c0 * cs;
+    if cs == 1 {
+        T::widen(&s[at..at + len], &mut out[..len]);
+    } else {
+        tmp.clear();
+        tmp.extend((0..len).map(|c| s[at + c * cs]));
+        T::widen(tmp, &mut out[..len]);
+    }
+}
+
+/// The conversion path: both operands widened to float32, the float32 product (on the intra-op
+/// threads above `gemm_into`'s threshold), each element rounded once.
+fn via_f32<T: Half16>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    lhs: Operand<'_, T>,
+    rhs: Operand<'_, T>,
+    read_dst: bool,
+) {
+    let mut tmp = Vec::new();
+    let mut a = vec![0.0f32; m * k];
+    for (r, o) in a.chunks_exact_mut(k).enumerate() {
+        widen_row(lhs, (r, 0, k), &mut tmp, o);
+    }
+    let mut b = vec![0.0f32; k * n];
+    for (r, o) in b.chunks_exact_mut(n).enumerate() {
+        widen_row(rhs, (r, 0, n), &mut tmp, o);
+    }
+    let mut c = vec![0.0f32; m * n];
+    crate::ops::matmul::gemm_into(
+        &mut c,
+        (m, n, k),
+        (&a, k as isize, 1),
+        (&b, n as isize, 1),
+        false,
+    );
+    T::narrow(&c, &mut dst[..m * n], read_dst);
+}
+
+/// A micro-kernel and the packing it reads. A is packed in panels of [`MR`] rows, each
+/// `steps(k)` groups of [`MR`] elements; B in panels of [`NR`] columns, `steps(k)` groups of
+/// [`NR`]; zero past the matrices' edges.
+trait Micro: Sync {
+    /// A packed element: a float32, or a pair of bfloat16 along the inner dimension.
+    type P: Copy + Default + Send + Sync + 'static;
+    /// This thread's packed A and B of the last product, reused (allocating and faulting in
+    /// fresh pages cost 15% of a 1024^3 product).
+    fn cache() -> &'static std::thread::LocalKey<std::cell::RefCell<Packed<Self::P>>>;
+    /// Steps for an inner dimension of `k`.
+    fn steps(k: usize) -> usize;
+    /// Packs rows `i0..i0 + MR` of A (`m x k`), writing every element of `panel`.
+    fn pack_a(&self, panel: &mut [Self::P], i0: usize, m: usize, k: usize);
+    /// Packs columns `j0..` of B (`k x n`) into the consecutive panels of [`NR`] columns
+    /// that `panels` holds (at most [`PANELS`]), writing every element.
+    fn pack_b(&self, panels: &mut [Self::P], j0: usize, n: usize, k: usize);
+    /// One [`MR`] x [`NR`] tile over `pl` steps into `c` (row stride `ldc`), from zero when
+    /// `first`, else added to `c`.
+    ///
+    /// # Safety
+    /// The processor has the kernel's instructions (checked by [`resolve`]); `a` holds
+    /// `pl * MR` and `b` `pl * NR` elements, `c` at least `(MR - 1) * ldc + NR`.
+    unsafe fn tile(pl: usize, a: &[Self::P], b: &[Self::P], c: &mut [f32], ldc: usize, first: bool);
+}
+
+/// Packed A and B.
+type Packed<P> = (Vec<P>, Vec<P>);
+
+/// Packs the operands, then runs the tiles over bands of output rows (on the threads when
+/// `par`), each band's blocks summed in float32 scratch and rounded once.
+fn run<T: Half16, K: Micro>(
+    kern: &K,
+    bl: Blocking,
+    dst: &mut [T],
+    dims: (usize, usize, usize),
+    read_dst: bool,
+    par: bool,
+) {
+    let (mut pa, mut pb) = K::cache().with(|c| std::mem::take(&mut *c.borrow_mut()));
+    pack(kern, dims, par, (&mut pa, &mut pb));
+    compute::<T, K>(&pa, &pb, bl, dst, dims, read_dst, par);
+    if pa.len().max(pb.len()) <= KEEP_PACKED {
+        K::cache().with(|c| *c.borrow_mut() = (pa, pb));
+    }
+}
+
+/// A and B packed for `kern` into `pa` and `pb` (resized; every element written): panels of
+/// [`MR`] rows and of [`NR`] columns.
+fn pack<K: Micro>(
+    kern: &K,
+    (m, n, k): (usize, usize, usize),
+    par: bool,
+    (pa, pb): (&mut Vec<K::P>, &mut Vec<K::P>),
+) {
+    let steps = K::steps(k);
+    pa.resize(m.div_ceil(MR) * steps * MR, K::P::default());
+    pb.resize(n.div_ceil(NR) * steps * NR, K::P::default());
+    chunks(pa, steps * MR, par, |ip, panel| {
+        kern.pack_a(panel, ip * MR, m, k)
+    });
+    chunks(pb, steps * NR * PANELS, par, |g, panels| {
+        kern.pack_b(panels, g * PANELS * NR, n, k)
+    });
+}
+
+/// The tiles over the packed operands, rounded into `dst`.
+fn compute<T: Half16, K: Micro>(
+    pa: &[K::P],
+    pb: &[K::P],
+    bl: Blocking,
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    read_dst: bool,
+    par: bool,
+) {
+    let steps = K::steps(k);
+    // bands of rows: a band's height does not change any element's sum (that depends on
+    // `bl.kb` only), so the bits are the same for any thread count
+    let threads = if par { rayon::current_num_threads() } else { 1 };
+    let band = m.div_ceil(threads).next_multiple_of(MR).clamp(MR, bl.mc);
+    chunks(&mut dst[..m * n], band * n, par, |bi, rows| {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            s.resize(bl.mc * bl.nc, 0.0);
+            let h = rows.len() / n;
+            for j0 in (0..n).step_by(bl.nc) {
+                let w = bl.nc.min(n - j0);
+                let ldc = w.next_multiple_of(NR);
+                block::<K>(&mut s, pa, pb, (bi * band, h), (j0, w), (steps, bl.kb));
+                for (r, out) in rows.chunks_exact_mut(n).enumerate() {
+                    T::narrow(&s[r * ldc..r * ldc + w], &mut out[j0..j0 + w], read_dst);
+                }
+            }
+        })
+    });
+}
+
+thread_local! {
+    /// Each thread's float32 sums of the output block it works on.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `f(i, piece)` over the `len`-element pieces of `out`, on the current pool when `par`.
+fn chunks<T: Send>(out: &mut [T], len: usize, par: bool, f: impl Fn(usize, &mut [T]) + Sync) {
+    if par {
+        out.par_chunks_mut(len.max(1))
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    } else {
+        out.chunks_mut(len.max(1))
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// Sums the output block rows `i0..i0 + h`, columns `j0..j0 + w` into `s` (row stride `w`
+/// rounded up to [`NR`], rows rounded up to [`MR`]) over the packed panels of `steps` steps,
+/// block by block of `kb` steps, each block's sums added to the previous ones.
+fn block<K: Micro>(
+    s: &mut [f32],
+    pa: &[K::P],
+    pb: &[K::P],
+    (i0, h): (usize, usize),
+    (j0, w): (usize, usize),
+    (steps, kb): (usize, usize),
+) {
+    let (hp, wp) = (h.div_ceil(MR), w.div_ceil(NR));
+    let ldc = wp * NR;
+    assert!(s.len() >= hp * MR * ldc && i0 % MR == 0 && j0 % NR == 0);
+    for p0 in (0..steps).step_by(kb) {
+        let pl = kb.min(steps - p0);
+        for jr in 0..wp {
+            let b = &pb[((j0 / NR + jr) * steps + p0) * NR..][..pl * NR];
+            for ir in 0..hp {
+                let a = &pa[((i0 / MR + ir) * steps + p0) * MR..][..pl * MR];
+                let c = &mut s[ir * MR * ldc + jr * NR..][..(MR - 1) * ldc + NR];
+                // SAFETY: `run` is reached only through `resolve`, which checked the
+                // kernel's instructions; the slices above have the lengths `tile` reads.
+                unsafe { K::tile(pl, a, b, c, ldc, p0 == 0) };
+            }
+        }
+    }
+}
+
+#[path = "gemm16_micro.rs"]
+mod micro;
+use micro::{Pairs, Wide};
+
+#[cfg(test)]
+#[path = "gemm16_tests.rs"]
+mod tests;
