@@ -251,8 +251,26 @@ impl Element for bool {
     }
 }
 
+/// `v` as `f32` rounded to odd: truncated toward zero, with the last bit set when anything
+/// was cut off. Rounding that to a format of at most 22 significant bits (both 16-bit types)
+/// to nearest even gives `v` rounded to nearest even once; rounding `v` to `f32` first and
+/// then again could round twice (a value just above a 16-bit tie would land on the tie).
+/// NaN stays NaN; beyond `f32`'s range the result is `f32::MAX` (odd), which rounds on to
+/// infinity, as `v` does.
+fn round_to_odd_f32(v: f64) -> f32 {
+    let mut t = v as f32;
+    if t.is_nan() || f64::from(t) == v {
+        return t;
+    }
+    if f64::from(t).abs() > v.abs() {
+        // rounded away from zero: one step back toward it (same sign, smaller magnitude)
+        t = f32::from_bits(t.to_bits() - 1);
+    }
+    f32::from_bits(t.to_bits() | 1)
+}
+
 /// The 16-bit float types: converted to and from `f64` with one rounding to nearest even
-/// (NaN and infinities kept).
+/// (NaN and infinities kept), through [`round_to_odd_f32`].
 macro_rules! impl_half_element {
     ($t:ty, $d:ident) => {
         impl Element for $t {
@@ -263,7 +281,7 @@ macro_rules! impl_half_element {
             }
             #[inline]
             fn from_f64(v: f64) -> Self {
-                <$t>::from_f64(v)
+                <$t>::from_f32(round_to_odd_f32(v))
             }
         }
         impl FloatElement for $t {

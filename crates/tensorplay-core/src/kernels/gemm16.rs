@@ -85,7 +85,6 @@ type Operand<'a, T> = (&'a [T], isize, isize);
 ///
 /// Panics if `dst` holds fewer than `m * n` elements or an operand's extent passes its slice
 /// (the callers check shapes).
-#[cfg_attr(not(test), allow(dead_code))] // until ops/matmul.rs calls it (issue 39's dtypes)
 pub(crate) fn gemm_bf16(
     dst: &mut [bf16],
     dims: (usize, usize, usize),
@@ -99,7 +98,6 @@ pub(crate) fn gemm_bf16(
 }
 
 /// [`gemm_bf16`] for float16.
-#[cfg_attr(not(test), allow(dead_code))] // until ops/matmul.rs calls it (issue 39's dtypes)
 pub(crate) fn gemm_f16(
     dst: &mut [f16],
     dims: (usize, usize, usize),

@@ -94,8 +94,18 @@ fn filled(op: &'static str, shape: &[usize], value: f64, o: TensorOptions) -> Re
         DType::F64 => CpuStorage::F64(try_vec(n, value, op, "shape")?),
         DType::I64 => CpuStorage::I64(try_vec(n, value as i64, op, "shape")?),
         DType::Bool => CpuStorage::Bool(try_vec(n, value != 0.0, op, "shape")?),
-        DType::BF16 => CpuStorage::BF16(try_vec(n, half::bf16::from_f64(value), op, "shape")?),
-        DType::F16 => CpuStorage::F16(try_vec(n, half::f16::from_f64(value), op, "shape")?),
+        DType::BF16 => CpuStorage::BF16(try_vec(
+            n,
+            <half::bf16 as crate::Element>::from_f64(value),
+            op,
+            "shape",
+        )?),
+        DType::F16 => CpuStorage::F16(try_vec(
+            n,
+            <half::f16 as crate::Element>::from_f64(value),
+            op,
+            "shape",
+        )?),
     };
     place(Tensor::from_cpu(s, shape), o.device)
 }

@@ -10,7 +10,7 @@ use crate::{Error, Result, Tensor};
 /// `out[b] = a[b] @ bmat[b]` for row-major batched layouts; `a`: [.., m, k], `b`: [.., k, n],
 /// both already broadcast to the batch shape.
 #[allow(clippy::too_many_arguments)]
-fn bmm_kernel<T: StorageElement + 'static>(
+fn bmm_kernel<T: GemmElem>(
     sa: &[T],
     la: &Layout,
     sb: &[T],
@@ -47,7 +47,7 @@ fn bmm_kernel<T: StorageElement + 'static>(
 /// `read_dst` adding the product onto what `dst` holds. `lhs` and `rhs` start at their first
 /// element and are walked by (row stride, column stride). Above 2^18 multiply-adds gemm splits
 /// the output's tiles over the intra-op threads.
-pub(crate) fn gemm_into<T: StorageElement + 'static>(
+pub(crate) fn gemm_into<T: GemmElem>(
     dst: &mut [T],
     (m, n, k): (usize, usize, usize),
     (lhs, lhs_rs, lhs_cs): (&[T], isize, isize),
@@ -69,6 +69,81 @@ pub(crate) fn gemm_into<T: StorageElement + 'static>(
         last(lhs_rs, lhs_cs, m, k) < lhs.len() && last(rhs_rs, rhs_cs, k, n) < rhs.len(),
         "gemm_into: an operand's extent passes its slice"
     );
+    T::gemm(
+        dst,
+        (m, n, k),
+        (lhs, lhs_rs, lhs_cs),
+        (rhs, rhs_rs, rhs_cs),
+        read_dst,
+    );
+}
+
+/// The element types of the matrix products, each with its product kernel: float32 and
+/// float64 through the `gemm` crate, the 16-bit types accumulating in float32 and rounding
+/// each output element once.
+pub(crate) trait GemmElem: StorageElement {
+    /// [`gemm_into`] after its checks.
+    fn gemm(
+        dst: &mut [Self],
+        dims: (usize, usize, usize),
+        lhs: (&[Self], isize, isize),
+        rhs: (&[Self], isize, isize),
+        read_dst: bool,
+    );
+}
+impl GemmElem for f32 {
+    fn gemm(
+        dst: &mut [f32],
+        dims: (usize, usize, usize),
+        lhs: (&[f32], isize, isize),
+        rhs: (&[f32], isize, isize),
+        read_dst: bool,
+    ) {
+        gemm_crate(dst, dims, lhs, rhs, read_dst)
+    }
+}
+impl GemmElem for f64 {
+    fn gemm(
+        dst: &mut [f64],
+        dims: (usize, usize, usize),
+        lhs: (&[f64], isize, isize),
+        rhs: (&[f64], isize, isize),
+        read_dst: bool,
+    ) {
+        gemm_crate(dst, dims, lhs, rhs, read_dst)
+    }
+}
+impl GemmElem for crate::bf16 {
+    fn gemm(
+        dst: &mut [Self],
+        dims: (usize, usize, usize),
+        lhs: (&[Self], isize, isize),
+        rhs: (&[Self], isize, isize),
+        read_dst: bool,
+    ) {
+        crate::kernels::gemm16::gemm_bf16(dst, dims, lhs, rhs, read_dst)
+    }
+}
+impl GemmElem for crate::f16 {
+    fn gemm(
+        dst: &mut [Self],
+        dims: (usize, usize, usize),
+        lhs: (&[Self], isize, isize),
+        rhs: (&[Self], isize, isize),
+        read_dst: bool,
+    ) {
+        crate::kernels::gemm16::gemm_f16(dst, dims, lhs, rhs, read_dst)
+    }
+}
+
+/// [`gemm_into`] through the `gemm` crate (float32, float64).
+fn gemm_crate<T: StorageElement + 'static>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    (lhs, lhs_rs, lhs_cs): (&[T], isize, isize),
+    (rhs, rhs_rs, rhs_cs): (&[T], isize, isize),
+    read_dst: bool,
+) {
     let threads = crate::kernels::get_num_threads();
     let parallel = threads > 1 && m * n * k >= 1 << 18;
     let mut run = |par: gemm::Parallelism| {

@@ -8,6 +8,7 @@ mod checkpoint;
 mod cuda_kernels;
 mod devices;
 mod kernels;
+mod low_precision;
 mod nn;
 mod operators;
 mod ops_gradcheck;

@@ -24,7 +24,7 @@ fn cast_kernel(x: &Tensor, to: DType) -> Result<Tensor> {
     // so a conversion rounds once
     any_dispatch!(x.dtype(), S => {
         any_dispatch!(to, D => {
-            unary_map::<S, D>(x, "to_dtype", |v| D::from_f64(Element::to_f64(v)))
+            unary_map::<S, D>(x, "to_dtype", |v| <D as Element>::from_f64(Element::to_f64(v)))
         })
     })
 }

@@ -9,7 +9,7 @@ use super::{binary_map, promote, unary_map};
 use crate::autograd::apply;
 use crate::backend::{CmpCode, DeviceStorage as _, UnaryCode};
 use crate::ops::{any_dispatch, device_map, device_map2, numeric_dispatch};
-use crate::{DType, Element as _, Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 macro_rules! cmp_methods {
     ($($name:ident, $sname:ident, $op:tt, $code:ident, $doc:literal;)*) => {
@@ -190,7 +190,7 @@ impl Tensor {
         }
         numeric_dispatch!(t.dtype(), "sign", T => unary_map::<T, T>(&t, "sign", |v| {
             let z = T::default();
-            if v > z { T::from_f64(1.0) } else if v < z { T::from_f64(-1.0) } else { v }
+            if v > z { <T as crate::Element>::from_f64(1.0) } else if v < z { <T as crate::Element>::from_f64(-1.0) } else { v }
         }))
     }
     /// Elementwise logical not of a bool tensor.

@@ -5,6 +5,7 @@ use super::{binary_map, kernel_map, unary_map};
 use crate::autograd::{Context, Function, apply};
 use crate::backend::{BinaryCode, DeviceStorage as _, UnaryCode};
 use crate::kernels::Map;
+use crate::kernels::math::Elem;
 use crate::ops::{device_map, device_map2, float_dispatch};
 use crate::{DType, Error, Result, Tensor};
 use num_traits::{Float, Zero};
@@ -96,7 +97,9 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
         _ => {}
     }
     float_dispatch!(x.dtype(), op, T => {
-        let c = |v: f64| <T as num_traits::NumCast>::from(v).unwrap_or_else(T::nan);
+        // a scalar operand in the computing type (float32 for the 16-bit types, so that
+        // `x + 0.1` rounds once, not the scalar first)
+        let acc = |v: f64| <<T as Elem>::Acc as crate::Element>::from_f64(v);
         match kind {
             Neg => unary_map::<T, T>(x, op, |v| -v),
             Exp => kernel_map(x, op, Map::Exp),
@@ -110,22 +113,22 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
             Gelu => kernel_map(x, op, Map::GeluErf),
             Erf => kernel_map(x, op, Map::Erf),
             AddScalar(s) => {
-                let s = c(s);
-                unary_map::<T, T>(x, op, |v| v + s)
+                let s = acc(s);
+                unary_map::<T, T>(x, op, |v| T::store(v.load() + s))
             }
             MulScalar(s) => {
-                let s = c(s);
-                unary_map::<T, T>(x, op, |v| v * s)
+                let s = acc(s);
+                unary_map::<T, T>(x, op, |v| T::store(v.load() * s))
             }
             DivScalar(s) => {
-                let s = c(s);
-                unary_map::<T, T>(x, op, |v| v / s)
+                let s = acc(s);
+                unary_map::<T, T>(x, op, |v| T::store(v.load() / s))
             }
             PowScalar(2.0) => unary_map::<T, T>(x, op, |v| v * v),
             PowScalar(1.0) => unary_map::<T, T>(x, op, |v| v),
             PowScalar(p) => {
-                let p = c(p);
-                unary_map::<T, T>(x, op, |v: T| v.powf(p))
+                let p = acc(p);
+                unary_map::<T, T>(x, op, |v: T| T::store(Float::powf(v.load(), p)))
             }
         }
     })
