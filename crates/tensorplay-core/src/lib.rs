@@ -22,6 +22,7 @@
 // `#[derive(Module)]` names this crate `::tensorplay_core`, inside it too
 extern crate self as tensorplay_core;
 
+pub mod amp;
 pub mod autograd;
 mod backend;
 pub mod bytes;
@@ -72,6 +73,7 @@ mod storage;
 mod tensor;
 pub mod utils;
 
+pub use amp::{autocast, get_autocast_dtype, is_autocast_enabled};
 pub use autograd::{no_grad, set_grad_enabled};
 pub use device::{Device, IntoDevice, get_default_device, set_default_device, with_default_device};
 pub use dtype::{DType, Element, FloatElement};

@@ -193,6 +193,8 @@ pub fn run_backward(
     capture: &[GradientEdge],
     options: ExecuteOptions,
 ) -> Result<BackwardResult> {
+    // gradients take their forward's dtypes: no autocast inside backward
+    let _no_autocast = crate::amp::disabled_for_backward();
     // 1. discover reachable nodes and dependency counts
     let mut nodes: HashMap<usize, Arc<Node>> = HashMap::new();
     let mut deps: HashMap<usize, usize> = HashMap::new();

@@ -58,6 +58,17 @@ pub fn scaled_dot_product_attention(
     scale: Option<f64>,
 ) -> Result<Tensor> {
     const OP: &str = "scaled_dot_product_attention";
+    // autocast: the floating inputs (an additive float mask too) in the low dtype
+    let inputs: Vec<&Tensor> = [query, key, value]
+        .into_iter()
+        .chain(attn_mask.filter(|m| m.dtype().is_float()))
+        .collect();
+    if let Some(x) = crate::amp::to_lower(&inputs)? {
+        let mask = if x.len() == 4 { x.get(3) } else { attn_mask };
+        return scaled_dot_product_attention(
+            &x[0], &x[1], &x[2], mask, dropout_p, is_causal, scale,
+        );
+    }
     for (name, t) in [("query", query), ("key", key), ("value", value)] {
         if t.ndim() < 2 {
             return Err(Error::invalid(

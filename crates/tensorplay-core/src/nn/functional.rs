@@ -17,6 +17,10 @@ pub use super::normalization::layer_norm;
 /// Errors: [`Error::ShapeMismatch`] when `input`'s last dimension is not `in` or the bias is
 /// not `[out]`; [`Error::DTypeMismatch`] when the dtypes of input, weight and bias differ.
 pub fn linear(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let inputs: Vec<&Tensor> = [input, weight].into_iter().chain(bias).collect();
+    if let Some(x) = crate::amp::to_lower(&inputs)? {
+        return linear(&x[0], &x[1], x.get(2));
+    }
     if weight.ndim() != 2 {
         return Err(Error::invalid(
             "linear",
@@ -162,6 +166,9 @@ pub fn dropout(input: &Tensor, p: f64, training: bool) -> Result<Tensor> {
 /// tensor. Unlike PyTorch, which broadcasts with a warning, the shapes must be equal
 /// ([`Error::ShapeMismatch`] otherwise); the input must be float ([`Error::UnsupportedDType`]).
 pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if let Some(x) = crate::amp::to_fp32(&[input, target])? {
+        return mse_loss(&x[0], &x[1]);
+    }
     if !input.dtype().is_float() {
         return Err(Error::UnsupportedDType {
             op: "mse_loss",
@@ -194,6 +201,9 @@ pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// [`Error::ShapeMismatch`] when `target` is not `[N]`, [`Error::UnsupportedDType`] for a
 /// non-float input or non-int64 target, [`Error::InvalidArgument`] for a non-2-d input.
 pub fn cross_entropy(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if let Some(x) = crate::amp::to_fp32(&[input, target])? {
+        return cross_entropy(&x[0], &x[1]);
+    }
     Ok(apply(CrossEntropyFn, &[input, target])?.remove(0))
 }
 

@@ -185,6 +185,16 @@ pub fn layer_norm(
     eps: f64,
 ) -> Result<Tensor> {
     const OP: &str = "layer_norm";
+    let inputs: Vec<&Tensor> = [input].into_iter().chain(weight).chain(bias).collect();
+    if let Some(x) = crate::amp::to_fp32(&inputs)? {
+        let (w, b) = match (weight, bias) {
+            (Some(_), Some(_)) => (x.get(1), x.get(2)),
+            (Some(_), None) => (x.get(1), None),
+            (None, Some(_)) => (None, x.get(1)),
+            (None, None) => (None, None),
+        };
+        return layer_norm(&x[0], normalized_shape, w, b, eps);
+    }
     if !input.dtype().is_float() {
         return Err(Error::UnsupportedDType {
             op: OP,

@@ -138,6 +138,9 @@ impl Tensor {
     /// `exp(x) / sum(exp(x))` over `dim` (`torch.softmax`), computed as
     /// `exp(x - max) / sum(exp(x - max))`. Float only; errors on an out-of-range `dim`.
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self])? {
+            return x[0].softmax(dim);
+        }
         let dim = check(self, dim, "softmax")?;
         Ok(apply(Softmax { dim }, &[self])?.remove(0))
     }
@@ -145,6 +148,9 @@ impl Tensor {
     /// `log(softmax(x))` over `dim` (`torch.log_softmax`), computed as
     /// `(x - max) - log(sum(exp(x - max)))`. Float only; errors on an out-of-range `dim`.
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self])? {
+            return x[0].log_softmax(dim);
+        }
         let dim = check(self, dim, "log_softmax")?;
         Ok(apply(LogSoftmax { dim }, &[self])?.remove(0))
     }

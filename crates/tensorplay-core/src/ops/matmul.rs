@@ -331,6 +331,9 @@ impl Tensor {
     /// # Ok::<(), tp::Error>(())
     /// ```
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_lower(&[self, other])? {
+            return x[0].matmul(&x[1]);
+        }
         let (ra, rb) = (self.ndim(), other.ndim());
         if ra == 0 || rb == 0 {
             return Err(Error::invalid(
@@ -362,6 +365,9 @@ impl Tensor {
 
     /// Alias of [`Tensor::matmul`] for 2-d operands (`mm`).
     pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_lower(&[self, other])? {
+            return x[0].mm(&x[1]);
+        }
         if self.ndim() != 2 || other.ndim() != 2 {
             return Err(Error::invalid(
                 "mm",

@@ -212,6 +212,9 @@ impl Tensor {
     /// Sum over `dims` (`sum(dim, keepdim)`); an empty `dims` reduces every dimension.
     /// Errors on repeated or out-of-range dims.
     pub fn sum_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self])? {
+            return x[0].sum_dims(dims, keepdim);
+        }
         let dims = reduce_dims(dims, self.ndim(), "sum")?;
         Ok(apply(Sum { dims, keepdim }, &[self])?.remove(0))
     }
@@ -223,6 +226,9 @@ impl Tensor {
 
     /// Mean over `dims` (float only); an empty `dims` reduces every dimension.
     pub fn mean_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self])? {
+            return x[0].mean_dims(dims, keepdim);
+        }
         if !self.dtype().is_float() {
             return Err(Error::UnsupportedDType {
                 op: "mean",

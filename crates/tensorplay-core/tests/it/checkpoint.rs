@@ -83,6 +83,37 @@ fn every_kind() -> tp::Result<BTreeMap<String, Tensor>> {
         "bool.mask".into(),
         Tensor::from_vec(vec![true, false, false, true, true], &[5, 1])?,
     );
+    // the 16-bit types: zeros, infinities, a NaN with a payload, a subnormal, the largest
+    // finite value, and a third
+    let half_bits: [(&str, [u16; 8]); 2] = [
+        (
+            "bf16.specials",
+            [0, 0x8000, 0x7f80, 0xff80, 0x7fc5, 0x0001, 0x7f7f, 0x3eab],
+        ),
+        (
+            "f16.specials",
+            [0, 0x8000, 0x7c00, 0xfc00, 0x7e05, 0x0001, 0x7bff, 0x3555],
+        ),
+    ];
+    for (name, bits) in half_bits {
+        let t = Tensor::from_vec(
+            bits.iter().map(|&b| tp::bf16::from_bits(b)).collect(),
+            &[2, 4],
+        )?;
+        let t = if name.starts_with("f16") {
+            Tensor::from_vec(
+                bits.iter().map(|&b| tp::f16::from_bits(b)).collect(),
+                &[2, 4],
+            )?
+        } else {
+            t
+        };
+        m.insert(name.into(), t);
+    }
+    m.insert(
+        "bf16.transposed".into(),
+        tp::randn(&[3, 5])?.bfloat16()?.t()?,
+    );
     // a view: transposed, so its elements are not in storage order
     m.insert("f32.transposed".into(), tp::randn(&[3, 5])?.t()?);
     // large: 3 Mi elements (12 MiB)
@@ -490,14 +521,14 @@ fn truncated_corrupt_and_foreign_files_are_refused() -> tp::Result<()> {
     assert!(checkpoint_problem(&p).contains("bool tensor `m`"));
     // a dtype tensorplay lacks, named
     let view =
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![2], &[0, 60, 0, 60])
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I16, vec![2], &[0, 60, 0, 60])
             .unwrap();
     let p = write(
-        "f16.safetensors",
-        &safetensors::serialize([("half", view)], None).unwrap(),
+        "i16.safetensors",
+        &safetensors::serialize([("short", view)], None).unwrap(),
     );
     let problem = checkpoint_problem(&p);
-    assert!(problem.contains("`half` has dtype F16"), "{problem}");
+    assert!(problem.contains("`short` has dtype I16"), "{problem}");
     // a missing file
     assert!(checkpoint_problem(&dir.path("missing.safetensors")).contains("could not read it"));
     // a file another program wrote (no checksum) loads
@@ -589,6 +620,55 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint() {
 /// The CRC-32 of the tensor's elements as little-endian bytes, row-major.
 fn crc_of(t: &Tensor) -> u32 {
     crc32fast::hash(&tensorplay_testkit::le_bytes(t).unwrap())
+}
+
+/// tensorplay reads what PyTorch writes in bfloat16 and float16, with the same bits. Needs a
+/// Python with torch and safetensors, as [`pytorch_loads_what_tensorplay_saves`].
+#[test]
+#[ignore = "needs PyTorch with safetensors: set ANCHOR_PYTHON"]
+fn tensorplay_loads_what_pytorch_saves_in_16_bits() -> tp::Result<()> {
+    let python =
+        std::env::var("ANCHOR_PYTHON").expect("ANCHOR_PYTHON: a Python with torch and safetensors");
+    let dir = TempDir::new("torch16");
+    let path = dir.path("half.safetensors");
+    // PyTorch writes a bfloat16 and a float16 tensor (a transposed view, made contiguous by the
+    // writer) and prints each one's elements' bit patterns
+    let script = r#"
+import sys, torch
+from safetensors.torch import save_file
+x = torch.linspace(-70000, 70000, 15).reshape(3, 5) / torch.arange(1, 6)
+t = {'b': x.to(torch.bfloat16).t().contiguous(), 'h': x.to(torch.float16).t().contiguous()}
+save_file(t, sys.argv[1])
+for k in sorted(t):
+    print(k, str(t[k].dtype).replace('torch.', ''), list(t[k].shape), ' '.join('%04x' % (v & 0xffff) for v in t[k].reshape(-1).view(torch.int16).tolist()))
+"#;
+    let out = std::process::Command::new(python)
+        .args(["-c", script])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let loaded = tp::load(&path)?;
+    for line in String::from_utf8(out.stdout).unwrap().lines() {
+        let name = line.split(' ').next().unwrap();
+        let t = &loaded[name];
+        let torch_dtype = if t.dtype() == DType::BF16 {
+            "bfloat16"
+        } else {
+            "float16"
+        };
+        let bits: Vec<String> = tensorplay_testkit::element_bits(t)?
+            .iter()
+            .map(|b| format!("{b:04x}"))
+            .collect();
+        let want = format!("{name} {torch_dtype} {:?} {}", t.shape(), bits.join(" "));
+        assert_eq!(line, want, "{name} as PyTorch wrote it");
+    }
+    Ok(())
 }
 
 /// PyTorch reads what tensorplay writes, with the same names and values. Needs a Python with

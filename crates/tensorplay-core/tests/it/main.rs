@@ -2,6 +2,7 @@
 //! concern (`cargo test -p tensorplay-core --test it MODULE::`).
 
 mod activation_checkpoint;
+mod autocast;
 mod autograd_engine;
 mod bad_input;
 mod checkpoint;

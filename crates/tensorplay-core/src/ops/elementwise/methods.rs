@@ -95,6 +95,9 @@ impl Tensor {
     }
     /// `self ** other` with broadcasting (`torch.pow`); float only.
     pub fn pow(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self, other])? {
+            return x[0].pow(&x[1]);
+        }
         binary(BinaryKind::Pow, self, other)
     }
     /// Elementwise maximum (`torch.maximum`); NaN propagates; ties split the gradient.
@@ -127,14 +130,23 @@ impl Tensor {
     }
     /// `self ** exponent` (float only).
     pub fn pow_scalar(&self, exponent: f64) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self])? {
+            return x[0].pow_scalar(exponent);
+        }
         unary(UnaryKind::PowScalar(exponent), self)
     }
     /// `e ** self` (float only).
     pub fn exp(&self) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self])? {
+            return x[0].exp();
+        }
         unary(UnaryKind::Exp, self)
     }
     /// Natural logarithm (float only).
     pub fn log(&self) -> Result<Tensor> {
+        if let Some(x) = crate::amp::to_fp32(&[self])? {
+            return x[0].log();
+        }
         unary(UnaryKind::Log, self)
     }
     /// Square root (float only).

@@ -1,0 +1,325 @@
+//! [`autocast`]: regions where the operations that gain from low precision run in bfloat16 or
+//! float16 and the ones that need range or accumulation run in float32, over float32
+//! weights (PyTorch's `torch.autocast`).
+//!
+//! The policy, per operation (PyTorch's, for the operations tensorplay has):
+//! - **low precision** (floating inputs other than float64 are cast to the autocast dtype):
+//!   `matmul`, `mm`, `linear`, `scaled_dot_product_attention`;
+//! - **float32** (16-bit inputs are cast to float32): `softmax`, `log_softmax`, `layer_norm`,
+//!   `exp`, `log`, `pow`, `sum`, `mean`, and the losses (`cross_entropy`, `mse_loss`);
+//! - everything else runs in its inputs' dtype, and elementwise operations with mixed inputs
+//!   promote to the widest (type promotion, as outside autocast).
+//!
+//! The state is per thread, like PyTorch's. Backward runs with autocast off: each gradient
+//! takes its forward's dtype (the casts' backward casts gradients back to float32 for the
+//! weights). A leaf that requires grad (a weight) is cast once per outermost region and the
+//! cast reused by every operation in it (PyTorch's cast cache), so its gradient flows through
+//! one cast.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use crate::{DType, Device, Error, IntoDevice, Result, Tensor, TensorId};
+
+/// The device kinds autocast keeps a state for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    Cpu,
+    Cuda,
+}
+
+impl Kind {
+    fn of(device: Device) -> Option<Kind> {
+        match device {
+            Device::Cpu => Some(Kind::Cpu),
+            Device::Cuda(_) => Some(Kind::Cuda),
+            Device::Meta => None,
+        }
+    }
+    /// PyTorch's default low dtype: bfloat16 on the CPU, float16 on CUDA.
+    fn default_dtype(self) -> DType {
+        match self {
+            Kind::Cpu => DType::BF16,
+            Kind::Cuda => DType::F16,
+        }
+    }
+}
+
+/// One device kind's state: whether autocast is on, its dtype, and whether the cast cache is
+/// used.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Region {
+    enabled: bool,
+    dtype: DType,
+    cache: bool,
+}
+
+#[derive(Default)]
+struct State {
+    /// The current region of each kind (absent: off, default dtype).
+    regions: HashMap<Kind, Region>,
+    /// Live guards that enabled autocast somewhere; the cache lives while any does.
+    active: usize,
+    /// Casts of leaves that require grad, by (leaf, dtype).
+    cache: HashMap<(TensorId, DType), Tensor>,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+/// How [`autocast_with`] sets a region (PyTorch's `torch.autocast` arguments).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AutocastOptions {
+    /// The low dtype (`bfloat16` or `float16`); `None`: bfloat16 on the CPU, float16 on CUDA.
+    pub dtype: Option<DType>,
+    /// Whether autocast is on in the region (`false` turns it off inside an outer region).
+    pub enabled: bool,
+    /// Whether weights are cast once per region and reused (the cast cache).
+    pub cache_enabled: bool,
+}
+
+impl Default for AutocastOptions {
+    fn default() -> Self {
+        AutocastOptions {
+            dtype: None,
+            enabled: true,
+            cache_enabled: true,
+        }
+    }
+}
+
+/// Restores the previous autocast state of its device kind when dropped; the cast cache is
+/// emptied when the last enabling guard of the thread goes. Not `Send`: the state is the
+/// thread's.
+#[must_use = "autocast lasts while the guard lives"]
+pub struct AutocastGuard {
+    kind: Kind,
+    previous: Option<Region>,
+    counted: bool,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            match self.previous {
+                Some(r) => s.regions.insert(self.kind, r),
+                None => s.regions.remove(&self.kind),
+            };
+            if self.counted {
+                s.active -= 1;
+                if s.active == 0 {
+                    s.cache.clear();
+                }
+            }
+        });
+    }
+}
+
+/// Turns autocast on for `device`'s kind (`"cpu"` or `"cuda"`; the index of a CUDA device is
+/// ignored, as PyTorch's device type is) with `dtype`, until the guard drops
+/// (`with torch.autocast(device, dtype)`). Regions nest; the inner one wins while it lives.
+///
+/// # Errors
+/// An unparsable device, the meta device, or a `dtype` other than bfloat16 or float16.
+///
+/// ```
+/// use tensorplay::{self as tp, DType};
+/// let x = tp::randn(&[4, 8])?;
+/// let w = tp::randn(&[8, 3])?;
+/// {
+///     let _ac = tp::autocast("cpu", DType::BF16)?;
+///     assert_eq!(x.matmul(&w)?.dtype(), DType::BF16); // matmul runs in bfloat16
+///     assert_eq!(x.softmax(-1)?.dtype(), DType::F32); // softmax in float32
+/// }
+/// assert_eq!(x.matmul(&w)?.dtype(), DType::F32);
+/// # Ok::<(), tp::Error>(())
+/// ```
+pub fn autocast(device: impl IntoDevice, dtype: DType) -> Result<AutocastGuard> {
+    autocast_with(
+        device,
+        AutocastOptions {
+            dtype: Some(dtype),
+            ..Default::default()
+        },
+    )
+}
+
+/// [`autocast`] with every option: `enabled: false` turns autocast off in a region inside
+/// an outer one; `dtype: None` takes the device's default (bfloat16 on the CPU, float16 on
+/// CUDA).
+///
+/// # Errors
+/// As [`autocast`].
+pub fn autocast_with(device: impl IntoDevice, options: AutocastOptions) -> Result<AutocastGuard> {
+    let device = device.into_device()?;
+    let kind = Kind::of(device).ok_or_else(|| {
+        Error::invalid(
+            "autocast",
+            "device",
+            "a CPU or CUDA device",
+            format!("{device}"),
+        )
+    })?;
+    let dtype = options.dtype.unwrap_or(kind.default_dtype());
+    if !dtype.is_half() {
+        return Err(Error::UnsupportedDType {
+            op: "autocast",
+            dtype,
+            expected: "bfloat16 or float16",
+        });
+    }
+    let region = Region {
+        enabled: options.enabled,
+        dtype,
+        cache: options.cache_enabled,
+    };
+    Ok(STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let previous = s.regions.insert(kind, region);
+        if options.enabled {
+            s.active += 1;
+        }
+        AutocastGuard {
+            kind,
+            previous,
+            counted: options.enabled,
+            _not_send: std::marker::PhantomData,
+        }
+    }))
+}
+
+/// Whether autocast is on for `device`'s kind on this thread (`torch.is_autocast_enabled`).
+/// False for the meta device and for an unparsable device.
+pub fn is_autocast_enabled(device: impl IntoDevice) -> bool {
+    region(device).is_some_and(|(_, r)| r.enabled)
+}
+
+/// The dtype autocast uses for `device`'s kind (`torch.get_autocast_dtype`): the current
+/// region's, else the default (bfloat16 on the CPU, float16 on CUDA).
+///
+/// # Errors
+/// An unparsable device or the meta device.
+pub fn get_autocast_dtype(device: impl IntoDevice) -> Result<DType> {
+    let device = device.into_device()?;
+    let kind = Kind::of(device).ok_or_else(|| {
+        Error::invalid(
+            "get_autocast_dtype",
+            "device",
+            "a CPU or CUDA device",
+            format!("{device}"),
+        )
+    })?;
+    Ok(STATE.with(|s| {
+        s.borrow()
+            .regions
+            .get(&kind)
+            .map_or(kind.default_dtype(), |r| r.dtype)
+    }))
+}
+
+fn region(device: impl IntoDevice) -> Option<(Kind, Region)> {
+    let kind = Kind::of(device.into_device().ok()?)?;
+    STATE.with(|s| s.borrow().regions.get(&kind).map(|r| (kind, *r)))
+}
+
+/// Autocast off on every device kind until dropped, then the regions as they were: what
+/// backward runs under.
+pub(crate) struct NoAutocast {
+    saved: HashMap<Kind, Region>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for NoAutocast {
+    fn drop(&mut self) {
+        let saved = std::mem::take(&mut self.saved);
+        STATE.with(|s| s.borrow_mut().regions = saved);
+    }
+}
+
+/// Turns autocast off on every device kind until the guard drops.
+pub(crate) fn disabled_for_backward() -> NoAutocast {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let off = s
+            .regions
+            .iter()
+            .map(|(&k, &r)| {
+                (
+                    k,
+                    Region {
+                        enabled: false,
+                        ..r
+                    },
+                )
+            })
+            .collect();
+        NoAutocast {
+            saved: std::mem::replace(&mut s.regions, off),
+            _not_send: std::marker::PhantomData,
+        }
+    })
+}
+
+/// The cast of `t` to `dtype`, through the cache when `t` is a leaf that requires grad and
+/// the region caches.
+fn cast(t: &Tensor, dtype: DType, cache: bool) -> Result<Tensor> {
+    if !(cache && t.is_leaf() && t.requires_grad()) {
+        return t.to_dtype(dtype);
+    }
+    let key = (t.id(), dtype);
+    if let Some(c) = STATE.with(|s| s.borrow().cache.get(&key).cloned()) {
+        return Ok(c);
+    }
+    let c = t.to_dtype(dtype)?;
+    STATE.with(|s| s.borrow_mut().cache.insert(key, c.clone()));
+    Ok(c)
+}
+
+/// The inputs of a low-precision operation as it runs under autocast: floating inputs other
+/// than float64 cast to the region's dtype. `None` when autocast is off for the first
+/// input's device or nothing needs a cast.
+pub(crate) fn to_lower(inputs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
+    let Some((_, r)) = inputs.first().and_then(|t| region(t.device())) else {
+        return Ok(None);
+    };
+    let eligible = |t: &Tensor| t.dtype().is_float() && t.dtype() != DType::F64;
+    if !r.enabled || !inputs.iter().any(|t| eligible(t) && t.dtype() != r.dtype) {
+        return Ok(None);
+    }
+    inputs
+        .iter()
+        .map(|t| {
+            if eligible(t) && t.dtype() != r.dtype {
+                cast(t, r.dtype, r.cache)
+            } else {
+                Ok((*t).clone())
+            }
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
+/// The inputs of a float32 operation as it runs under autocast: 16-bit inputs cast to
+/// float32. `None` when autocast is off for the first input's device or no input is 16-bit.
+pub(crate) fn to_fp32(inputs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
+    let Some((_, r)) = inputs.first().and_then(|t| region(t.device())) else {
+        return Ok(None);
+    };
+    if !r.enabled || !inputs.iter().any(|t| t.dtype().is_half()) {
+        return Ok(None);
+    }
+    inputs
+        .iter()
+        .map(|t| {
+            if t.dtype().is_half() {
+                cast(t, DType::F32, r.cache)
+            } else {
+                Ok((*t).clone())
+            }
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}

@@ -1,0 +1,9 @@
+//! Automatic mixed precision: autocast and the gradient scaler (`torch.amp`).
+
+mod autocast;
+
+pub use autocast::{
+    AutocastGuard, AutocastOptions, autocast, autocast_with, get_autocast_dtype,
+    is_autocast_enabled,
+};
+pub(crate) use autocast::{disabled_for_backward, to_fp32, to_lower};
