@@ -163,7 +163,7 @@ pub fn autocast_with(device: impl IntoDevice, options: AutocastOptions) -> Resul
             format!("{device}"),
         )
     })?;
-    let dtype = options.dtype.unwrap_or(kind.default_dtype());
+    let dtype = options.dtype.unwrap_or_else(|| kind.default_dtype());
     if !dtype.is_half() {
         return Err(Error::UnsupportedDType {
             op: "autocast",
@@ -216,7 +216,7 @@ pub fn get_autocast_dtype(device: impl IntoDevice) -> Result<DType> {
         s.borrow()
             .regions
             .get(&kind)
-            .map_or(kind.default_dtype(), |r| r.dtype)
+            .map_or_else(|| kind.default_dtype(), |r| r.dtype)
     }))
 }
 
