@@ -650,6 +650,14 @@ mod tests {
                 dtype: DType::Bool,
                 bytes: None,
             },
+            Case {
+                dtype: DType::BF16,
+                bytes: Some(6),
+            },
+            Case {
+                dtype: DType::F16,
+                bytes: Some(6),
+            },
         ];
         assert_eq!(cases.len(), DType::ALL.len(), "a case per dtype");
         for c in cases {
