@@ -105,11 +105,12 @@
 pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
     CpuCapability, CpuStorage, DType, Device, Element, FInfo, FloatElement, IntoDevice, Layout,
-    ShapeArg, Storage, StorageElement, Tensor, TensorId, TensorOptions, arange, autograd, bf16,
-    broadcast_shapes, cat, cpu_capability, cuda, f16, finfo, full, get_default_device,
-    get_num_threads, load, manual_seed, memory, no_grad, ones, optim, rand, randint, randn, random,
-    save, serialize, set_cpu_capability, set_default_device, set_grad_enabled, set_num_threads,
-    stack, with_default_device, zeros,
+    ShapeArg, Storage, StorageElement, Tensor, TensorId, TensorOptions, amp, arange, autocast,
+    autograd, bf16, broadcast_shapes, cat, cpu_capability, cuda, f16, finfo, full,
+    get_autocast_dtype, get_default_device, get_num_threads, is_autocast_enabled, load,
+    manual_seed, memory, no_grad, ones, optim, rand, randint, randn, random, save, serialize,
+    set_cpu_capability, set_default_device, set_grad_enabled, set_num_threads, stack,
+    with_default_device, zeros,
 };
 
 /// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`
