@@ -323,3 +323,45 @@ pub(crate) fn to_fp32(inputs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
         .collect::<Result<Vec<_>>>()
         .map(Some)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The id of the cast `to_lower` gives `t` (inside a region).
+    fn cast_id(t: &Tensor) -> TensorId {
+        to_lower(&[t]).unwrap().expect("a float32 input is cast")[0].id()
+    }
+
+    #[test]
+    fn the_cast_cache_keeps_one_cast_of_a_weight_per_region() {
+        let w = Tensor::from_vec(vec![1.0f32, 2.0], &[2])
+            .unwrap()
+            .requires_grad_(true);
+        let x = Tensor::from_vec(vec![3.0f32, 4.0], &[2]).unwrap();
+        let first = {
+            let _ac = autocast("cpu", DType::BF16).unwrap();
+            let a = cast_id(&w);
+            assert_eq!(cast_id(&w), a, "a weight: cast once, reused");
+            assert_ne!(cast_id(&x), cast_id(&x), "no grad: cast at each use");
+            {
+                let _inner = autocast("cpu", DType::F16).unwrap();
+                assert_ne!(cast_id(&w), a, "another dtype, another cast");
+            }
+            assert_eq!(cast_id(&w), a, "the outer region's cast again");
+            a
+        };
+        let _ac = autocast("cpu", DType::BF16).unwrap();
+        assert_ne!(cast_id(&w), first, "a new region: the cache was emptied");
+        let _nc = autocast_with(
+            "cpu",
+            AutocastOptions {
+                dtype: Some(DType::BF16),
+                cache_enabled: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_ne!(cast_id(&w), cast_id(&w), "cache_enabled: false");
+    }
+}

@@ -91,50 +91,28 @@ pub(crate) trait GemmElem: StorageElement {
         read_dst: bool,
     );
 }
-impl GemmElem for f32 {
-    fn gemm(
-        dst: &mut [f32],
-        dims: (usize, usize, usize),
-        lhs: (&[f32], isize, isize),
-        rhs: (&[f32], isize, isize),
-        read_dst: bool,
-    ) {
-        gemm_crate(dst, dims, lhs, rhs, read_dst)
-    }
+/// `GemmElem` for each element type, with the function that computes its product.
+macro_rules! gemm_elem {
+    ($($t:ty => $f:path),* $(,)?) => {$(
+        impl GemmElem for $t {
+            fn gemm(
+                dst: &mut [Self],
+                dims: (usize, usize, usize),
+                lhs: (&[Self], isize, isize),
+                rhs: (&[Self], isize, isize),
+                read_dst: bool,
+            ) {
+                $f(dst, dims, lhs, rhs, read_dst)
+            }
+        }
+    )*};
 }
-impl GemmElem for f64 {
-    fn gemm(
-        dst: &mut [f64],
-        dims: (usize, usize, usize),
-        lhs: (&[f64], isize, isize),
-        rhs: (&[f64], isize, isize),
-        read_dst: bool,
-    ) {
-        gemm_crate(dst, dims, lhs, rhs, read_dst)
-    }
-}
-impl GemmElem for crate::bf16 {
-    fn gemm(
-        dst: &mut [Self],
-        dims: (usize, usize, usize),
-        lhs: (&[Self], isize, isize),
-        rhs: (&[Self], isize, isize),
-        read_dst: bool,
-    ) {
-        crate::kernels::gemm16::gemm_bf16(dst, dims, lhs, rhs, read_dst)
-    }
-}
-impl GemmElem for crate::f16 {
-    fn gemm(
-        dst: &mut [Self],
-        dims: (usize, usize, usize),
-        lhs: (&[Self], isize, isize),
-        rhs: (&[Self], isize, isize),
-        read_dst: bool,
-    ) {
-        crate::kernels::gemm16::gemm_f16(dst, dims, lhs, rhs, read_dst)
-    }
-}
+gemm_elem!(
+    f32 => gemm_crate,
+    f64 => gemm_crate,
+    crate::bf16 => crate::kernels::gemm16::gemm_bf16,
+    crate::f16 => crate::kernels::gemm16::gemm_f16,
+);
 
 /// [`gemm_into`] through the `gemm` crate (float32, float64).
 fn gemm_crate<T: StorageElement + 'static>(

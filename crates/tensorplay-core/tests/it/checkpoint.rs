@@ -85,31 +85,16 @@ fn every_kind() -> tp::Result<BTreeMap<String, Tensor>> {
     );
     // the 16-bit types: zeros, infinities, a NaN with a payload, a subnormal, the largest
     // finite value, and a third
-    let half_bits: [(&str, [u16; 8]); 2] = [
-        (
-            "bf16.specials",
-            [0, 0x8000, 0x7f80, 0xff80, 0x7fc5, 0x0001, 0x7f7f, 0x3eab],
-        ),
-        (
-            "f16.specials",
-            [0, 0x8000, 0x7c00, 0xfc00, 0x7e05, 0x0001, 0x7bff, 0x3555],
-        ),
-    ];
-    for (name, bits) in half_bits {
-        let t = Tensor::from_vec(
-            bits.iter().map(|&b| tp::bf16::from_bits(b)).collect(),
-            &[2, 4],
-        )?;
-        let t = if name.starts_with("f16") {
-            Tensor::from_vec(
-                bits.iter().map(|&b| tp::f16::from_bits(b)).collect(),
-                &[2, 4],
-            )?
-        } else {
-            t
-        };
-        m.insert(name.into(), t);
-    }
+    let bf16_bits = [0, 0x8000, 0x7f80, 0xff80, 0x7fc5, 0x0001, 0x7f7f, 0x3eab];
+    let f16_bits = [0, 0x8000, 0x7c00, 0xfc00, 0x7e05, 0x0001, 0x7bff, 0x3555];
+    m.insert(
+        "bf16.specials".into(),
+        Tensor::from_vec(bf16_bits.map(tp::bf16::from_bits).to_vec(), &[2, 4])?,
+    );
+    m.insert(
+        "f16.specials".into(),
+        Tensor::from_vec(f16_bits.map(tp::f16::from_bits).to_vec(), &[2, 4])?,
+    );
     m.insert(
         "bf16.transposed".into(),
         tp::randn(&[3, 5])?.bfloat16()?.t()?,
@@ -622,13 +607,29 @@ fn crc_of(t: &Tensor) -> u32 {
     crc32fast::hash(&tensorplay_testkit::le_bytes(t).unwrap())
 }
 
+/// The standard output of `script` run by `$ANCHOR_PYTHON` (a Python with torch and
+/// safetensors) with `path` as its argument; panics when it fails.
+fn run_python(script: &str, path: &Path) -> String {
+    let python =
+        std::env::var("ANCHOR_PYTHON").expect("ANCHOR_PYTHON: a Python with torch and safetensors");
+    let out = std::process::Command::new(python)
+        .args(["-c", script])
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// tensorplay reads what PyTorch writes in bfloat16 and float16, with the same bits. Needs a
 /// Python with torch and safetensors, as [`pytorch_loads_what_tensorplay_saves`].
 #[test]
 #[ignore = "needs PyTorch with safetensors: set ANCHOR_PYTHON"]
 fn tensorplay_loads_what_pytorch_saves_in_16_bits() -> tp::Result<()> {
-    let python =
-        std::env::var("ANCHOR_PYTHON").expect("ANCHOR_PYTHON: a Python with torch and safetensors");
     let dir = TempDir::new("torch16");
     let path = dir.path("half.safetensors");
     // PyTorch writes a bfloat16 and a float16 tensor (a transposed view, made contiguous by the
@@ -642,18 +643,9 @@ save_file(t, sys.argv[1])
 for k in sorted(t):
     print(k, str(t[k].dtype).replace('torch.', ''), list(t[k].shape), ' '.join('%04x' % (v & 0xffff) for v in t[k].reshape(-1).view(torch.int16).tolist()))
 "#;
-    let out = std::process::Command::new(python)
-        .args(["-c", script])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_python(script, &path);
     let loaded = tp::load(&path)?;
-    for line in String::from_utf8(out.stdout).unwrap().lines() {
+    for line in stdout.lines() {
         let name = line.split(' ').next().unwrap();
         let t = &loaded[name];
         let torch_dtype = if t.dtype() == DType::BF16 {
@@ -678,8 +670,6 @@ for k in sorted(t):
 #[test]
 #[ignore = "needs PyTorch with safetensors: set ANCHOR_PYTHON"]
 fn pytorch_loads_what_tensorplay_saves() -> tp::Result<()> {
-    let python =
-        std::env::var("ANCHOR_PYTHON").expect("ANCHOR_PYTHON: a Python with torch and safetensors");
     let dir = TempDir::new("torch");
     let path = dir.path("all.safetensors");
     let tensors = every_kind()?;
@@ -692,17 +682,7 @@ for name, t in sorted(load_file(sys.argv[1]).items()):
     b = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b''
     print(name, str(t.dtype).replace('torch.', ''), list(t.shape), '%08x' % zlib.crc32(b))
 "#;
-    let out = std::process::Command::new(python)
-        .args(["-c", script])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got = String::from_utf8(out.stdout).unwrap();
+    let got = run_python(script, &path);
     let lines: Vec<&str> = got.lines().collect();
     assert_eq!(lines.len(), tensors.len(), "{got}");
     for ((name, t), line) in tensors.iter().zip(&lines) {

@@ -179,7 +179,7 @@ fn half_zip<H: StorageElement + kernels::math::Elem<Acc = f32>>(
 
 /// The dtype two operands promote to (bool < int64 < bfloat16, float16 < float32 < float64;
 /// bfloat16 with float16 gives float32), as PyTorch's type promotion for tensors.
-pub(crate) fn promote(a: DType, b: DType) -> DType {
+fn promote(a: DType, b: DType) -> DType {
     fn rank(d: DType) -> u8 {
         match d {
             DType::Bool => 0,
