@@ -79,6 +79,8 @@ pub(crate) fn dev(t: &Tensor, stream: &CudaStream) -> Result<Dev> {
             CudaData::F64(s) => (s.device_ptr(stream).0, 8, dtype::FLOAT64),
             CudaData::I64(s) => (s.device_ptr(stream).0, 8, dtype::INT64),
             CudaData::Bool(s) => (s.device_ptr(stream).0, 1, dtype::UINT8),
+            CudaData::BF16(s) => (s.device_ptr(stream).0, 2, dtype::BFLOAT16),
+            CudaData::F16(s) => (s.device_ptr(stream).0, 2, dtype::FLOAT16),
         };
         Ok(Dev {
             ptr: base + (r.start * size) as u64,
