@@ -79,6 +79,8 @@ pub(crate) fn dev(t: &Tensor, stream: &CudaStream) -> Result<Dev> {
             CudaData::F64(s) => (s.device_ptr(stream).0, 8, nccl_dtype(DType::F64)),
             CudaData::I64(s) => (s.device_ptr(stream).0, 8, nccl_dtype(DType::I64)),
             CudaData::Bool(s) => (s.device_ptr(stream).0, 1, nccl_dtype(DType::Bool)),
+            CudaData::BF16(s) => (s.device_ptr(stream).0, 2, nccl_dtype(DType::BF16)),
+            CudaData::F16(s) => (s.device_ptr(stream).0, 2, nccl_dtype(DType::F16)),
         };
         Ok(Dev {
             ptr: base + (r.start * size) as u64,
