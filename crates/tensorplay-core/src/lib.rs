@@ -22,6 +22,7 @@
 // `#[derive(Module)]` names this crate `::tensorplay_core`, inside it too
 extern crate self as tensorplay_core;
 
+pub mod amp;
 pub mod autograd;
 mod backend;
 pub mod bytes;
