@@ -112,6 +112,15 @@ pub use tensorplay_core::{
     stack, with_default_device, zeros,
 };
 
+/// `torch.amp`: automatic mixed precision; [`GradScaler`](amp::GradScaler) scales the loss for
+/// float16 training (see `docs/low-precision.md`).
+pub mod amp {
+    pub use tensorplay_core::amp::{
+        AutocastGuard, AutocastOptions, FoundInfSync, GradScaler, GradScalerOptions,
+        GradScalerState, autocast, autocast_with, get_autocast_dtype, is_autocast_enabled,
+    };
+}
+
 /// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`
 /// (`DistributedDataParallel`).
 pub mod nn {
@@ -229,8 +238,8 @@ pub mod distributed {
     pub mod fsdp {
         #[doc(inline)]
         pub use tensorplay_distributed_nn::parallel::fsdp::{
-            FsdpError, FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, UnshardHandle,
-            clip_grad_norm_, full_tensor, fully_shard, shard_placement,
+            FsdpError, FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, ShardedGradScaler,
+            UnshardHandle, clip_grad_norm_, full_tensor, fully_shard, shard_placement,
         };
     }
 
