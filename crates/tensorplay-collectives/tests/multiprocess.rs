@@ -14,6 +14,8 @@ mod blame;
 mod device_mesh;
 #[path = "multiprocess/double.rs"]
 mod double;
+#[path = "multiprocess/low_precision.rs"]
+mod low_precision;
 #[path = "multiprocess/one_bad_rank.rs"]
 mod one_bad_rank;
 #[path = "multiprocess/shm_cma.rs"]

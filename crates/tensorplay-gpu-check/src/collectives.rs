@@ -21,7 +21,19 @@ pub(crate) fn nccl_world_one() -> Res {
     )
     .map_err(e)?;
     let cuda = |t: &Tensor| t.to("cuda:0").map_err(e);
-    for dt in [DType::F32, DType::F64, DType::I64, DType::Bool] {
+    // bfloat16 needs compute capability 8.0 (refused otherwise: see the 16-bit check)
+    let bf16 = Tensor::zeros(&[1], DType::BF16)
+        .and_then(|t| t.to("cuda:0"))
+        .is_ok();
+    let dtypes = [
+        DType::F32,
+        DType::F64,
+        DType::I64,
+        DType::Bool,
+        DType::F16,
+        DType::BF16,
+    ];
+    for dt in dtypes.into_iter().filter(|&d| d != DType::BF16 || bf16) {
         let x = input(dt, 1000)?;
         let ops: &[ReduceOp] = match dt {
             DType::F32 | DType::F64 | DType::BF16 | DType::F16 => &[

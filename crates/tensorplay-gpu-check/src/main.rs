@@ -25,6 +25,7 @@ use tp::{DType, Tensor};
 
 mod bench;
 mod collectives;
+mod half;
 mod ops;
 mod training;
 
@@ -168,6 +169,10 @@ fn main() -> ExitCode {
     );
     report("in-place writes and dropout", ops::inplace_and_dropout());
     report(
+        "bfloat16 and float16: casts, ops, cross-entropy and GemmEx products against the CPU",
+        half::sixteen_bit(),
+    );
+    report(
         "SGD, Adam, AdamW fused updates against the CPU",
         training::optimizers(),
     );
@@ -199,7 +204,7 @@ fn main() -> ExitCode {
     report(
         "cuda copies of every dtype",
         (|| {
-            for dt in [DType::F32, DType::F64, DType::I64, DType::Bool] {
+            for dt in [DType::F32, DType::F64, DType::I64, DType::Bool, DType::F16] {
                 let x = input(dt, 4097)?;
                 same(
                     &format!("{dt} to cuda:0 and back"),

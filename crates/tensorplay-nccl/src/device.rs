@@ -75,10 +75,12 @@ pub(crate) fn dev(t: &Tensor, stream: &CudaStream) -> Result<Dev> {
         // the guards cudarc returns record the access on `stream` when dropped; every call
         // waits for its work before returning, so dropping them here orders nothing wrongly
         let (base, size, dt) = match c.data() {
-            CudaData::F32(s) => (s.device_ptr(stream).0, 4, dtype::FLOAT32),
-            CudaData::F64(s) => (s.device_ptr(stream).0, 8, dtype::FLOAT64),
-            CudaData::I64(s) => (s.device_ptr(stream).0, 8, dtype::INT64),
-            CudaData::Bool(s) => (s.device_ptr(stream).0, 1, dtype::UINT8),
+            CudaData::F32(s) => (s.device_ptr(stream).0, 4, nccl_dtype(DType::F32)),
+            CudaData::F64(s) => (s.device_ptr(stream).0, 8, nccl_dtype(DType::F64)),
+            CudaData::I64(s) => (s.device_ptr(stream).0, 8, nccl_dtype(DType::I64)),
+            CudaData::Bool(s) => (s.device_ptr(stream).0, 1, nccl_dtype(DType::Bool)),
+            CudaData::BF16(s) => (s.device_ptr(stream).0, 2, nccl_dtype(DType::BF16)),
+            CudaData::F16(s) => (s.device_ptr(stream).0, 2, nccl_dtype(DType::F16)),
         };
         Ok(Dev {
             ptr: base + (r.start * size) as u64,
@@ -87,6 +89,20 @@ pub(crate) fn dev(t: &Tensor, stream: &CudaStream) -> Result<Dev> {
             bytes: r.len() * size,
         })
     })
+}
+
+/// The NCCL element type of `dt` (bool as uint8). NCCL reduces bfloat16 and float16 in
+/// their own type (each step of its ring or tree rounds), unlike the cpu backend, which
+/// sums 16-bit inputs in float32 and rounds once (docs/collectives.md).
+pub(crate) fn nccl_dtype(dt: DType) -> i32 {
+    match dt {
+        DType::F32 => dtype::FLOAT32,
+        DType::F64 => dtype::FLOAT64,
+        DType::I64 => dtype::INT64,
+        DType::Bool => dtype::UINT8,
+        DType::BF16 => dtype::BFLOAT16,
+        DType::F16 => dtype::FLOAT16,
+    }
 }
 
 /// The NCCL op for `op` on `dt` (bool reduces as uint8: Sum is Max, Product is Min, as in
@@ -112,4 +128,26 @@ pub fn device_for(rank: usize, local_rank: usize, gpus: usize) -> Result<usize> 
         )));
     }
     Ok(local_rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_has_its_nccl_type() {
+        // (dtype, ncclDataType_t value from nccl.h)
+        let cases = [
+            (DType::F32, 7),
+            (DType::F64, 8),
+            (DType::I64, 4),
+            (DType::Bool, 1),
+            (DType::BF16, 9),
+            (DType::F16, 6),
+        ];
+        assert_eq!(cases.len(), DType::ALL.len(), "a case per dtype");
+        for (dt, want) in cases {
+            assert_eq!(nccl_dtype(dt), want, "{dt}");
+        }
+    }
 }

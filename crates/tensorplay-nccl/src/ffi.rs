@@ -29,8 +29,12 @@ pub(crate) struct UniqueId {
 pub(crate) mod dtype {
     pub(crate) const UINT8: i32 = 1;
     pub(crate) const INT64: i32 = 4;
+    /// `ncclFloat16` (IEEE half).
+    pub(crate) const FLOAT16: i32 = 6;
     pub(crate) const FLOAT32: i32 = 7;
     pub(crate) const FLOAT64: i32 = 8;
+    /// `ncclBfloat16` (NCCL 2.10 and newer).
+    pub(crate) const BFLOAT16: i32 = 9;
 }
 
 /// `ncclRedOp_t` values.

@@ -105,13 +105,21 @@
 pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{
     CpuCapability, CpuStorage, DType, Device, Element, FInfo, FloatElement, IntoDevice, Layout,
-    ShapeArg, Storage, StorageElement, Tensor, TensorId, TensorOptions, amp, arange, autocast,
-    autograd, bf16, broadcast_shapes, cat, cpu_capability, cuda, f16, finfo, full,
-    get_autocast_dtype, get_default_device, get_num_threads, is_autocast_enabled, load,
-    manual_seed, memory, no_grad, ones, optim, rand, randint, randn, random, save, serialize,
-    set_cpu_capability, set_default_device, set_grad_enabled, set_num_threads, stack,
-    with_default_device, zeros,
+    ShapeArg, Storage, StorageElement, Tensor, TensorId, TensorOptions, arange, autocast, autograd,
+    bf16, broadcast_shapes, cat, cpu_capability, cuda, f16, finfo, full, get_autocast_dtype,
+    get_default_device, get_num_threads, is_autocast_enabled, load, manual_seed, memory, no_grad,
+    ones, optim, rand, randint, randn, random, save, serialize, set_cpu_capability,
+    set_default_device, set_grad_enabled, set_num_threads, stack, with_default_device, zeros,
 };
+
+/// `torch.amp`: automatic mixed precision; [`GradScaler`](amp::GradScaler) scales the loss for
+/// float16 training (see `docs/low-precision.md`).
+pub mod amp {
+    pub use tensorplay_core::amp::{
+        AutocastGuard, AutocastOptions, FoundInfSync, GradScaler, GradScalerOptions,
+        GradScalerState, autocast, autocast_with, get_autocast_dtype, is_autocast_enabled,
+    };
+}
 
 /// `torch.nn`: layers, losses, `functional`, `utils`, and `parallel`
 /// (`DistributedDataParallel`).
@@ -230,8 +238,8 @@ pub mod distributed {
     pub mod fsdp {
         #[doc(inline)]
         pub use tensorplay_distributed_nn::parallel::fsdp::{
-            FsdpError, FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, UnshardHandle,
-            clip_grad_norm_, full_tensor, fully_shard, shard_placement,
+            FsdpError, FsdpEvent, FsdpModule, FsdpOptions, MixedPrecisionPolicy, ShardedGradScaler,
+            UnshardHandle, clip_grad_norm_, full_tensor, fully_shard, shard_placement,
         };
     }
 

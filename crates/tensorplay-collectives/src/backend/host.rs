@@ -96,7 +96,10 @@ pub trait HostBackend: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
     fn size(&self) -> usize;
-    /// In-place all-reduce of `data` (every rank passes the same length).
+    /// In-place all-reduce of `data` (every rank passes the same length). `Avg` of float32,
+    /// float64 and int64 reduces as `Sum` (the caller divides); `Avg` of bfloat16 and float16
+    /// is divided by the group size here, in float32 before the one rounding (as are
+    /// `reduce`'s and `reduce_scatter`'s).
     fn all_reduce(&self, data: BufMut<'_>, op: ReduceOp, timeout: Duration) -> Result<()>;
     /// In-place broadcast from `root`.
     fn broadcast(&self, data: BufMut<'_>, root: usize, timeout: Duration) -> Result<()>;

@@ -32,6 +32,7 @@ pub mod cpu;
 mod host;
 mod host_tensors;
 mod registry;
+pub(crate) mod wide;
 
 use std::time::Duration;
 

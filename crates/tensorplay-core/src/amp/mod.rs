@@ -7,3 +7,5 @@ pub use autocast::{
     is_autocast_enabled,
 };
 pub(crate) use autocast::{disabled_for_backward, to_fp32, to_lower};
+pub mod grad_scaler;
+pub use grad_scaler::{FoundInfSync, GradScaler, GradScalerOptions, GradScalerState};

@@ -22,6 +22,8 @@ impl CudaStorage {
             CudaData::F64(d) => d.device_ptr(s).0,
             CudaData::I64(d) => d.device_ptr(s).0,
             CudaData::Bool(d) => d.device_ptr(s).0,
+            CudaData::BF16(d) => d.device_ptr(s).0,
+            CudaData::F16(d) => d.device_ptr(s).0,
         }
     }
 
@@ -60,14 +62,21 @@ impl CudaStorage {
         })
     }
 
-    fn need_float(&self, op: &'static str) -> Result<()> {
+    /// Refuses all but the float dtypes (with `half`, the 16-bit ones too).
+    fn need_float(&self, op: &'static str, half: bool) -> Result<()> {
         match self.dtype() {
             DType::F32 | DType::F64 => Ok(()),
+            DType::BF16 | DType::F16 if half => Ok(()),
             d @ (DType::I64 | DType::Bool | DType::BF16 | DType::F16) => {
                 Err(Error::UnsupportedDType {
                     op,
                     dtype: d,
-                    expected: "float32 or float64",
+                    expected: if half {
+                        "float32, float64, bfloat16 or float16"
+                    } else {
+                        "float32 or float64 (optimizers keep float32 masters of 16-bit \
+                         parameters)"
+                    },
                 })
             }
         }
@@ -197,7 +206,7 @@ impl DeviceStorage for CudaStorage {
             None
         };
         let (scratch, scratch_idx) = if split.0 > 1 {
-            let s = self.alloc(dt, m * split.0)?;
+            let s = self.alloc(plan::reduce_scratch(dt), m * split.0)?;
             let si = if with_index {
                 Some(self.alloc(DType::I64, m * split.0)?)
             } else {
@@ -227,7 +236,7 @@ impl DeviceStorage for CudaStorage {
 
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, batch: usize) -> Result<Self> {
         self.same_device(rhs, "matmul")?;
-        self.need_float("matmul")?;
+        self.need_float("matmul", true)?;
         let rt = self.rt()?;
         let (m, n) = (l.shape()[1], rl.shape()[2]);
         // operands cuBLAS cannot read in place are copied contiguous first
@@ -261,7 +270,7 @@ impl DeviceStorage for CudaStorage {
         let out = self.alloc(self.dtype(), batch * m * n)?;
         // SAFETY: the plan's offsets, leading dimensions and strides stay inside the operands'
         // views (checked by the emulator's gemm tests); `out` holds batch * m * n elements.
-        unsafe { rt.gemm(&g, self.dtype() == DType::F64, b.ptr(), a.ptr(), out.ptr()) }?;
+        unsafe { rt.gemm(&g, self.dtype(), b.ptr(), a.ptr(), out.ptr()) }?;
         Ok(out)
     }
 
@@ -314,7 +323,7 @@ impl DeviceStorage for CudaStorage {
 
     fn cross_entropy(&self, target: &Self, rows: usize, classes: usize) -> Result<(Self, Self)> {
         self.same_device(target, "cross_entropy")?;
-        self.need_float("cross_entropy")?;
+        self.need_float("cross_entropy", true)?;
         let rt = self.rt()?;
         let loss = self.alloc(self.dtype(), rows)?;
         let probs = self.alloc(self.dtype(), rows * classes)?;
@@ -342,7 +351,7 @@ impl DeviceStorage for CudaStorage {
         h: &SgdStep,
     ) -> Result<()> {
         self.same_device(grad, "SGD.step")?;
-        self.need_float("SGD.step")?;
+        self.need_float("SGD.step", false)?;
         let rt = self.rt()?;
         let p = plan::params::Sgd {
             param: self.ptr(),
@@ -369,7 +378,7 @@ impl DeviceStorage for CudaStorage {
         h: &AdamStep,
     ) -> Result<()> {
         self.same_device(grad, "Adam.step")?;
-        self.need_float("Adam.step")?;
+        self.need_float("Adam.step", false)?;
         let rt = self.rt()?;
         let p = plan::params::Adam {
             param: self.ptr(),

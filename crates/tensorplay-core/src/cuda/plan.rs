@@ -7,6 +7,9 @@
 use crate::backend::{BinaryCode, CmpCode, ReduceCode, UnaryCode};
 use crate::{DType, Error, Layout, Result};
 
+mod gemm;
+pub(crate) use gemm::{Gemm, gemm};
+
 /// The most dims a strided operand can have after merging (the kernels' `TP_MAX_DIMS`).
 pub(crate) const MAX_DIMS: usize = 8;
 /// Threads per block of every launch.
@@ -465,6 +468,12 @@ pub(crate) fn reduce_split(m: usize, k: usize) -> (usize, usize) {
     (k.div_ceil(chunk), chunk)
 }
 
+/// The dtype of a split reduction's partial results: float32 for the 16-bit types (their sums
+/// accumulate in float32 and round once), the input's own otherwise.
+pub(crate) fn reduce_scratch(dt: DType) -> DType {
+    if dt.is_half() { DType::F32 } else { dt }
+}
+
 /// The launches of a reduction into `out` (`m` values) and, for arg ops, `idx_out` (`m` int64
 /// indices into the reduced dims' row-major order). `scratch` holds `m * parts` values and, for
 /// arg ops, as many indices (the first launch's partial results; unused when `parts` is 1).
@@ -484,6 +493,12 @@ pub(crate) fn reduce(
     let chunk = chunk.max(1);
     let parts = parts.min(k.div_ceil(chunk)).max(1);
     let kernel = format!("tp_reduce_{}", suffix(dt));
+    // a 16-bit reduction keeps float32 partials (see `reduce_scratch`), one kernel each side
+    let (first_kernel, second_kernel) = if dt.is_half() {
+        (format!("{kernel}_part"), format!("{kernel}_final"))
+    } else {
+        (kernel.clone(), kernel.clone())
+    };
     let lo = Strided::new(&shape.kept, name)?;
     let lk = Strided::new(&shape.reduced, name)?;
     if parts <= 1 {
@@ -506,7 +521,7 @@ pub(crate) fn reduce(
         }]);
     }
     let first = Launch {
-        kernel: kernel.clone(),
+        kernel: first_kernel,
         params: Params::Reduce(params::Reduce {
             out: scratch,
             idx_out: scratch_idx,
@@ -528,7 +543,7 @@ pub(crate) fn reduce(
         offset: 0,
     };
     let second = Launch {
-        kernel,
+        kernel: second_kernel,
         params: Params::Reduce(params::Reduce {
             out,
             idx_out,
@@ -622,77 +637,4 @@ pub(crate) fn adam(dt: DType, p: params::Adam) -> Launch {
         threads: p.n as usize,
         params: Params::Adam(p),
     }
-}
-
-/// A matrix product as one cuBLAS strided-batched GEMM call, in cuBLAS's column-major terms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Gemm {
-    pub(crate) transa: bool,
-    pub(crate) transb: bool,
-    pub(crate) m: i32,
-    pub(crate) n: i32,
-    pub(crate) k: i32,
-    /// Elements from the first operand's base (cuBLAS's A: our right-hand side).
-    pub(crate) a_offset: usize,
-    pub(crate) lda: i32,
-    pub(crate) stride_a: i64,
-    pub(crate) b_offset: usize,
-    pub(crate) ldb: i32,
-    pub(crate) stride_b: i64,
-    pub(crate) ldc: i32,
-    pub(crate) stride_c: i64,
-    pub(crate) batch: i32,
-}
-
-/// A 3-d operand `[batch, rows, cols]` cuBLAS can read in place: one batch stride (0 when
-/// broadcast) and rows or columns contiguous. Returns (transposed in row-major terms, leading
-/// dimension, batch stride, offset), or `None` when a copy is needed first.
-fn gemm_operand(l: &Layout) -> Option<(bool, usize, usize, usize)> {
-    let (shape, st) = (&l.shape, &l.strides);
-    let (r, c) = (shape[1], shape[2]);
-    let batch_stride = if shape[0] <= 1 { 0 } else { st[0] };
-    if st[2] == 1 || c == 1 {
-        let ld = if r <= 1 { c.max(1) } else { st[1] };
-        if ld >= c.max(1) {
-            return Some((false, ld, batch_stride, l.offset));
-        }
-    }
-    if st[1] == 1 || r == 1 {
-        let ld = if c <= 1 { r.max(1) } else { st[2] };
-        if ld >= r.max(1) {
-            return Some((true, ld, batch_stride, l.offset));
-        }
-    }
-    None
-}
-
-/// The GEMM computing row-major `C[b] = A[b] @ B[b]` for 3-d views `a: [batch|1, m, k]` and
-/// `b: [batch|1, k, n]` into a contiguous `C: [batch, m, n]`; `None` when an operand must be
-/// made contiguous first (see `gemm_operand`) or a size exceeds cuBLAS's 32-bit ints.
-pub(crate) fn gemm(la: &Layout, lb: &Layout, batch: usize) -> Option<Gemm> {
-    let (m, k, n) = (la.shape[1], la.shape[2], lb.shape[2]);
-    let (ta, lda, sa, oa) = gemm_operand(la)?;
-    let (tb, ldb, sb, ob) = gemm_operand(lb)?;
-    let fits = |v: usize| i32::try_from(v).is_ok();
-    if ![m, n, k, lda, ldb, batch].into_iter().all(fits) {
-        return None;
-    }
-    // row-major C = A B is column-major C^T = B^T A^T: cuBLAS's first operand is our B. A
-    // row-major (untransposed) matrix read column-major is its transpose, so it goes in as is.
-    Some(Gemm {
-        transa: tb,
-        transb: ta,
-        m: n as i32,
-        n: m as i32,
-        k: k as i32,
-        a_offset: ob,
-        lda: ldb as i32,
-        stride_a: sb as i64,
-        b_offset: oa,
-        ldb: lda as i32,
-        stride_b: sa as i64,
-        ldc: n.max(1) as i32,
-        stride_c: (m * n) as i64,
-        batch: batch as i32,
-    })
 }

@@ -33,6 +33,10 @@ pub enum CudaData {
     I64(CudaSlice<i64>),
     /// bool elements.
     Bool(CudaSlice<bool>),
+    /// bfloat16 elements (devices of compute capability 8.0 or newer).
+    BF16(CudaSlice<crate::bf16>),
+    /// float16 elements.
+    F16(CudaSlice<crate::f16>),
 }
 
 fn driver_error(op: &'static str, e: impl std::fmt::Debug) -> Error {
@@ -94,14 +98,30 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     Ok(c)
 }
 
-/// The error for a 16-bit tensor on a CUDA device, which has no kernels for it yet.
-fn no_half(dtype: DType) -> Error {
-    Error::UnsupportedDType {
-        op: "cuda",
-        dtype,
-        expected: "float32, float64, int64 or bool on a CUDA device (the 16-bit dtypes run on \
-                   the CPU for now)",
+/// Refuses bfloat16 on a device older than compute capability 8.0 (its kernels and cuBLAS's
+/// bfloat16 GEMM need sm_80), naming the device's capability.
+fn check_dtype(dtype: DType, ctx: &CudaContext, ordinal: usize) -> Result<()> {
+    if dtype != DType::BF16 {
+        return Ok(());
     }
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| driver_error("compute capability", e))?;
+    bf16_capability(ordinal, (major, minor))
+}
+
+/// The sm_80 rule of [`check_dtype`], on a known capability.
+pub(crate) fn bf16_capability(ordinal: usize, (major, minor): (i32, i32)) -> Result<()> {
+    if major >= 8 {
+        return Ok(());
+    }
+    Err(Error::NotSupported {
+        op: "bfloat16 on CUDA",
+        detail: format!(
+            "bfloat16 needs compute capability 8.0 or newer; device {ordinal} has \
+             {major}.{minor} (use float16 or float32 on this device)"
+        ),
+    })
 }
 
 impl CudaStorage {
@@ -111,6 +131,7 @@ impl CudaStorage {
             return CudaStorage::zeros(src.dtype(), 0, ordinal);
         }
         let ctx = context(ordinal)?;
+        check_dtype(src.dtype(), &ctx, ordinal)?;
         let stream = ctx.default_stream();
         let e = |e| driver_error("memcpy host to device", e);
         let data = match src {
@@ -118,7 +139,8 @@ impl CudaStorage {
             CpuStorage::F64(v) => CudaData::F64(stream.clone_htod(v).map_err(e)?),
             CpuStorage::I64(v) => CudaData::I64(stream.clone_htod(v).map_err(e)?),
             CpuStorage::Bool(v) => CudaData::Bool(stream.clone_htod(v).map_err(e)?),
-            CpuStorage::BF16(_) | CpuStorage::F16(_) => return Err(no_half(src.dtype())),
+            CpuStorage::BF16(v) => CudaData::BF16(stream.clone_htod(v).map_err(e)?),
+            CpuStorage::F16(v) => CudaData::F16(stream.clone_htod(v).map_err(e)?),
         };
         Ok(CudaStorage {
             ordinal,
@@ -132,6 +154,7 @@ impl CudaStorage {
     pub(crate) fn uninit(dtype: DType, n: usize, ordinal: usize) -> Result<CudaStorage> {
         let n = n.max(1);
         let ctx = context(ordinal)?;
+        check_dtype(dtype, &ctx, ordinal)?;
         let stream = ctx.default_stream();
         let e = |e| driver_error("alloc", e);
         // SAFETY: the memory is written by a kernel before anything reads it (callers' contract).
@@ -141,7 +164,8 @@ impl CudaStorage {
                 DType::F64 => CudaData::F64(stream.alloc(n).map_err(e)?),
                 DType::I64 => CudaData::I64(stream.alloc(n).map_err(e)?),
                 DType::Bool => CudaData::Bool(stream.alloc(n).map_err(e)?),
-                d @ (DType::BF16 | DType::F16) => return Err(no_half(d)),
+                DType::BF16 => CudaData::BF16(stream.alloc(n).map_err(e)?),
+                DType::F16 => CudaData::F16(stream.alloc(n).map_err(e)?),
             }
         };
         Ok(CudaStorage {
@@ -161,6 +185,7 @@ impl CudaStorage {
     pub fn zeros(dtype: DType, n: usize, ordinal: usize) -> Result<CudaStorage> {
         let n = n.max(1);
         let ctx = context(ordinal)?;
+        check_dtype(dtype, &ctx, ordinal)?;
         let stream = ctx.default_stream();
         let e = |e| driver_error("alloc_zeros", e);
         let data = match dtype {
@@ -168,7 +193,8 @@ impl CudaStorage {
             DType::F64 => CudaData::F64(stream.alloc_zeros(n).map_err(e)?),
             DType::I64 => CudaData::I64(stream.alloc_zeros(n).map_err(e)?),
             DType::Bool => CudaData::Bool(stream.alloc_zeros(n).map_err(e)?),
-            d @ (DType::BF16 | DType::F16) => return Err(no_half(d)),
+            DType::BF16 => CudaData::BF16(stream.alloc_zeros(n).map_err(e)?),
+            DType::F16 => CudaData::F16(stream.alloc_zeros(n).map_err(e)?),
         };
         Ok(CudaStorage {
             ordinal,
@@ -185,6 +211,8 @@ impl CudaStorage {
             CudaData::F64(s) => CpuStorage::F64(self.stream.clone_dtoh(s).map_err(e)?),
             CudaData::I64(s) => CpuStorage::I64(self.stream.clone_dtoh(s).map_err(e)?),
             CudaData::Bool(s) => CpuStorage::Bool(self.stream.clone_dtoh(s).map_err(e)?),
+            CudaData::BF16(s) => CpuStorage::BF16(self.stream.clone_dtoh(s).map_err(e)?),
+            CudaData::F16(s) => CpuStorage::F16(self.stream.clone_dtoh(s).map_err(e)?),
         })
     }
 
@@ -195,6 +223,8 @@ impl CudaStorage {
             CudaData::F64(_) => DType::F64,
             CudaData::I64(_) => DType::I64,
             CudaData::Bool(_) => DType::Bool,
+            CudaData::BF16(_) => DType::BF16,
+            CudaData::F16(_) => DType::F16,
         }
     }
 
@@ -210,6 +240,8 @@ impl CudaStorage {
             CudaData::F64(s) => s.len(),
             CudaData::I64(s) => s.len(),
             CudaData::Bool(s) => s.len(),
+            CudaData::BF16(s) => s.len(),
+            CudaData::F16(s) => s.len(),
         }
     }
 

@@ -14,7 +14,7 @@ use super::cublas::{Cublas, Handle};
 use super::kernel_cache;
 use super::nvrtc::{KERNELS, Nvrtc};
 use super::plan::{BLOCK, Gemm, Launch, Params, params};
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 
 // SAFETY (all eleven): the structs are #[repr(C)] plain data (integers, floats and device
 // addresses) whose layout matches the kernels' structs field for field (checked against the
@@ -179,7 +179,7 @@ impl Runtime {
     ///
     /// # Safety
     /// The pointers must be this device's memory, large enough for `g`.
-    pub(crate) unsafe fn gemm(&self, g: &Gemm, f64: bool, a: u64, b: u64, c: u64) -> Result<()> {
+    pub(crate) unsafe fn gemm(&self, g: &Gemm, dt: DType, a: u64, b: u64, c: u64) -> Result<()> {
         let cublas = Cublas::get()?;
         // cuBLAS works in the calling thread's current context (also when making its handle)
         self.stream
@@ -198,7 +198,7 @@ impl Runtime {
             }
         };
         // SAFETY: per this function's contract; the handle runs on this device's stream.
-        unsafe { cublas.gemm(h, g, f64, a, b, c) }
+        unsafe { cublas.gemm(h, g, dt, a, b, c) }
     }
 }
 

@@ -9,22 +9,31 @@ use tensorplay::cuda;
 
 /// Every kernel tensorplay.cu defines (the host emulation's tests check the same list).
 fn kernel_names() -> Vec<String> {
+    let all = ["f32", "f64", "i64", "bool", "bf16", "f16"];
     let mut want = vec!["tp_dropout_mask".to_string()];
-    for s in ["f32", "f64", "i64", "bool"] {
+    for s in all {
         for k in ["unary", "cmp", "where", "index_select", "gather"] {
             want.push(format!("tp_{k}_{s}"));
         }
-        for d in ["f32", "f64", "i64", "bool"] {
+        for d in all {
             want.push(format!("tp_copy_{s}_{d}"));
         }
     }
-    for s in ["f32", "f64", "i64"] {
+    for s in ["f32", "f64", "i64", "bf16", "f16"] {
         for k in ["binary", "reduce", "scatter_add"] {
             want.push(format!("tp_{k}_{s}"));
         }
     }
+    for s in ["f32", "f64", "bf16", "f16"] {
+        want.push(format!("tp_cross_entropy_{s}"));
+    }
+    // 16-bit reductions' float32 partials; no 16-bit optimizer kernels (float32 masters)
+    for s in ["bf16", "f16"] {
+        want.push(format!("tp_reduce_{s}_part"));
+        want.push(format!("tp_reduce_{s}_final"));
+    }
     for s in ["f32", "f64"] {
-        for k in ["cross_entropy", "sgd", "adam"] {
+        for k in ["sgd", "adam"] {
             want.push(format!("tp_{k}_{s}"));
         }
     }

@@ -8,6 +8,7 @@ mod bad_input;
 mod checkpoint;
 mod cuda_kernels;
 mod devices;
+mod grad_scaler;
 mod kernels;
 mod low_precision;
 mod nn;

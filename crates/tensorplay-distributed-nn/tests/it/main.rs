@@ -13,6 +13,7 @@ mod fsdp_faults;
 mod fsdp_memory;
 mod fsdp_misuse;
 mod fsdp_precision;
+mod grad_scaler;
 mod gradcheck;
 mod hostile;
 mod semantics;

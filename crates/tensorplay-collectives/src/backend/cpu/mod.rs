@@ -31,6 +31,7 @@ mod buf;
 mod conn;
 mod route;
 mod shm;
+mod tcp16;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -194,6 +195,13 @@ impl CpuBackend {
         got: impl std::fmt::Display,
     ) -> Error {
         Error::invalid(op, self.rank as i64, arg, expected, got)
+    }
+
+    /// Whether a reduction of `dtype` takes the 16-bit TCP paths (`tcp16`): bfloat16 and
+    /// float16 where the group is not all on one host's shared memory (which reduces them in
+    /// float32 itself, rounding once).
+    fn tcp16(&self, dtype: DType) -> bool {
+        super::wide::is_16bit(dtype) && !matches!(self.route, Route::Shm(_))
     }
 
     fn check_root(&self, op: &str, root: usize) -> Result<()> {
@@ -367,7 +375,11 @@ impl HostBackend for CpuBackend {
         }
         let sig = (data.dtype(), redop_code(op), data.len(), 0);
         self.run(Kind::AllReduce, sig, timeout, |cx, sc| {
-            route::all_reduce(&self.route, cx, sc, data, op)
+            if self.tcp16(data.dtype()) {
+                tcp16::all_reduce(&self.route, cx, sc, data, op)
+            } else {
+                route::all_reduce(&self.route, cx, sc, data, op)
+            }
         })
     }
 
@@ -390,7 +402,11 @@ impl HostBackend for CpuBackend {
         }
         let sig = (data.dtype(), redop_code(op), data.len(), root);
         self.run(Kind::Reduce, sig, timeout, |cx, sc| {
-            route::reduce(&self.route, cx, sc, data, op, root)
+            if self.tcp16(data.dtype()) {
+                tcp16::reduce(&self.route, cx, sc, data, op, root)
+            } else {
+                route::reduce(&self.route, cx, sc, data, op, root)
+            }
         })
     }
 
@@ -430,7 +446,11 @@ impl HostBackend for CpuBackend {
         }
         let sig = (input.dtype(), redop_code(op), output.len(), 0);
         self.run(Kind::ReduceScatter, sig, timeout, |cx, sc| {
-            route::reduce_scatter(&self.route, cx, sc, input, output, op)
+            if self.tcp16(input.dtype()) {
+                tcp16::reduce_scatter(&self.route, cx, sc, input, output, op)
+            } else {
+                route::reduce_scatter(&self.route, cx, sc, input, output, op)
+            }
         })
     }
 

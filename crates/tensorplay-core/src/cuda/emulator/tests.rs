@@ -48,8 +48,17 @@ fn close(case: &str, got: &Tensor, want: &Tensor, tol: f64) {
     }
 }
 
+/// The relative tolerance of computed (not copied) values: float64 1e-12, float32 2e-6, and
+/// for the 16-bit types one unit in the last place (bfloat16 2^-7, float16 2^-10): they compute
+/// in float32 and round once, and a float32 result an ulp apart from the CPU's (another libm)
+/// may round to the neighbouring 16-bit value.
 fn tol(dt: DType) -> f64 {
-    if dt == DType::F32 { 2e-6 } else { 1e-12 }
+    match dt {
+        DType::F32 => 2e-6,
+        DType::BF16 => 1.0 / 128.0,
+        DType::F16 => 1.0 / 1024.0,
+        _ => 1e-12,
+    }
 }
 
 /// A view of `shape` over fresh random values: contiguous, transposed, narrowed or expanded
@@ -96,23 +105,32 @@ fn shapes(g: &mut Generator, count: usize) -> Vec<Vec<usize>> {
 fn every_planned_kernel_exists() {
     let names = super::kernel_names();
     let mut want = vec!["tp_dropout_mask".to_string()];
-    for s in ["f32", "f64", "i64", "bool"] {
+    let all = ["f32", "f64", "i64", "bool", "bf16", "f16"];
+    for s in all {
         want.push(format!("tp_unary_{s}"));
         want.push(format!("tp_cmp_{s}"));
         want.push(format!("tp_where_{s}"));
         want.push(format!("tp_index_select_{s}"));
         want.push(format!("tp_gather_{s}"));
-        for d in ["f32", "f64", "i64", "bool"] {
+        for d in all {
             want.push(format!("tp_copy_{s}_{d}"));
         }
     }
-    for s in ["f32", "f64", "i64"] {
+    for s in ["f32", "f64", "i64", "bf16", "f16"] {
         want.push(format!("tp_binary_{s}"));
         want.push(format!("tp_reduce_{s}"));
         want.push(format!("tp_scatter_add_{s}"));
     }
-    for s in ["f32", "f64"] {
+    for s in ["f32", "f64", "bf16", "f16"] {
         want.push(format!("tp_cross_entropy_{s}"));
+    }
+    // 16-bit reductions keep float32 partials between their two launches; the optimizers
+    // refuse 16-bit parameters (float32 masters), so they have no 16-bit kernels
+    for s in ["bf16", "f16"] {
+        want.push(format!("tp_reduce_{s}_part"));
+        want.push(format!("tp_reduce_{s}_final"));
+    }
+    for s in ["f32", "f64"] {
         want.push(format!("tp_sgd_{s}"));
         want.push(format!("tp_adam_{s}"));
     }
@@ -164,7 +182,7 @@ fn unary_kernels_match_the_cpu() {
         (UnaryCode::Sign, 0.0, |t| t.sign(), "sign"),
     ];
     for (si, shape) in shapes(&mut g, 12).iter().enumerate() {
-        for dt in [DType::F32, DType::F64, DType::I64] {
+        for dt in [DType::F32, DType::F64, DType::I64, DType::BF16, DType::F16] {
             let x = view(&mut g, shape, dt, si);
             for (code, scalar, cpu, name) in &cases {
                 let int_ok = matches!(
@@ -220,7 +238,7 @@ fn binary_compare_and_where_kernels_match_the_cpu_with_broadcasting() {
         // b broadcasts along its first dim
         let mut bshape = shape.clone();
         bshape[0] = 1;
-        for dt in [DType::F32, DType::F64, DType::I64] {
+        for dt in [DType::F32, DType::F64, DType::I64, DType::BF16, DType::F16] {
             let a = view(&mut g, shape, dt, si);
             let b = view(&mut g, &bshape, dt, si + 1);
             let (ap, la) = host(&a);
@@ -280,7 +298,7 @@ fn binary_compare_and_where_kernels_match_the_cpu_with_broadcasting() {
 #[test]
 fn copies_cast_every_dtype_pair_and_write_strided_views() {
     let mut g = Generator::new(23);
-    let all = [DType::F32, DType::F64, DType::I64, DType::Bool];
+    let all = DType::ALL;
     for (si, shape) in shapes(&mut g, 10).iter().enumerate() {
         for from in all {
             let x = view(&mut g, shape, from, si);
@@ -332,7 +350,7 @@ fn reduce_case(
     let (parts, chunk) = split.unwrap_or_else(|| plan::reduce_split(m, k));
     let out = output(dt, &[m]);
     let idx = output(DType::I64, &[m]);
-    let scratch = output(dt, &[m * parts]);
+    let scratch = output(plan::reduce_scratch(dt), &[m * parts]);
     let scratch_idx = output(DType::I64, &[m * parts]);
     let idx_p = if code == ReduceCode::Sum {
         0
@@ -365,7 +383,7 @@ fn reduce_case(
 fn reductions_match_the_cpu_in_one_and_two_launches() {
     let mut g = Generator::new(24);
     for (si, shape) in shapes(&mut g, 12).iter().enumerate() {
-        for dt in [DType::F32, DType::F64, DType::I64] {
+        for dt in [DType::F32, DType::F64, DType::I64, DType::BF16, DType::F16] {
             let x = view(&mut g, shape, dt, si);
             let nd = shape.len();
             let d = si % nd;
@@ -441,7 +459,7 @@ fn reductions_match_the_cpu_in_one_and_two_launches() {
 #[test]
 fn index_kernels_match_the_cpu() {
     let mut g = Generator::new(25);
-    for dt in [DType::F32, DType::F64, DType::I64] {
+    for dt in [DType::F32, DType::F64, DType::I64, DType::BF16, DType::F16] {
         let x = view(&mut g, &[4, 6, 3], dt, 0);
         for d in 0..3 {
             let size = x.shape()[d];
@@ -492,7 +510,7 @@ fn index_kernels_match_the_cpu() {
 #[test]
 fn cross_entropy_matches_the_cpu() {
     let mut g = Generator::new(26);
-    for dt in [DType::F32, DType::F64] {
+    for dt in [DType::F32, DType::F64, DType::BF16, DType::F16] {
         let x = view(&mut g, &[7, 5], dt, 0);
         let t: Vec<i64> = (0..7).map(|_| g.int_range(0, 5)).collect();
         let target = Tensor::from_vec(t, &[7]).expect("target");
@@ -768,4 +786,154 @@ fn int64_copies_and_comparisons_are_exact_beyond_2_pow_53() {
             "{code:?}"
         );
     }
+}
+
+/// Whether `k` (16-bit pattern, `value` its meaning) is `d` rounded to nearest even: no
+/// neighbour is nearer, a tie goes to the even pattern, and infinity only beyond the largest
+/// finite value plus half a step (`overflow`).
+fn nearest_even(d: f64, k: u16, value: fn(u16) -> f64, overflow: f64) -> bool {
+    let kv = value(k);
+    if d.is_nan() || kv.is_nan() {
+        return d.is_nan() && kv.is_nan();
+    }
+    if kv.is_infinite() {
+        return d.abs() >= overflow && d.signum() == kv.signum();
+    }
+    [k.wrapping_add(1), k.wrapping_sub(1)]
+        .into_iter()
+        .all(|nb| {
+            let n = value(nb);
+            let (dk, dn) = ((d - kv).abs(), (d - n).abs());
+            n.is_nan() || n.is_infinite() || dk < dn || (dk == dn && k & 1 == 0)
+        })
+}
+
+/// Every bfloat16 and float16 bit pattern through the kernels' conversions to float32 and
+/// float64 and back, and float32 values (random bit patterns, and the rounding boundaries:
+/// ties, overflow to infinity, subnormals) to each 16-bit type, against the `half` crate bit for
+/// bit (NaN: any NaN); float64 values to each 16-bit type rounded to nearest even (checked
+/// against the neighbours: `half`'s `from_f64` drops the low 32 bits of the float64 first, so
+/// it is off by one step where only those bits break a tie).
+#[test]
+fn casts_to_and_from_16_bits_match_the_half_crate_bit_for_bit() {
+    use crate::{bf16, f16};
+    let cast = |x: &Tensor, to: DType| {
+        let (xp, lx) = host(x);
+        let out = output(to, x.shape());
+        let (o, lo) = host(&out);
+        run(&plan::copy((x.dtype(), xp, &lx), (to, o, &lo), "to_dtype").expect("plan"));
+        out
+    };
+    let same = |case: &str, got: &Tensor, want: &Tensor| {
+        let (g, w) = (values(got), values(want));
+        for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+            let ok = (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits();
+            assert!(ok, "{case}: element {i}: kernel {a:e}, half {b:e}");
+        }
+    };
+    let bits: Vec<u16> = (0..=u16::MAX).collect();
+    let bfs = Tensor::from_vec(bits.iter().map(|&b| bf16::from_bits(b)).collect(), &[65536]);
+    let fs = Tensor::from_vec(bits.iter().map(|&b| f16::from_bits(b)).collect(), &[65536]);
+    for (name, x) in [
+        ("bfloat16", bfs.expect("bf16")),
+        ("float16", fs.expect("f16")),
+    ] {
+        for to in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let want = x.to_dtype(to).expect("cpu");
+            same(&format!("all {name} -> {to:?}"), &cast(&x, to), &want);
+        }
+    }
+    let mut g = Generator::new(29);
+    let mut f32s: Vec<f32> = (0..200_000)
+        .map(|_| f32::from_bits(g.int_range(0, i64::from(u32::MAX)) as u32))
+        .collect();
+    // bfloat16 ties (even and odd) and float16's: overflow, the subnormal range, ties there
+    f32s.extend([
+        65504.0, 65519.99, 65520.0, 65536.0, 1e-8, 2.98e-8, 5.96e-8, 6.1e-5,
+    ]);
+    f32s.extend([
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::MAX,
+    ]);
+    f32s.extend([
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MIN_POSITIVE,
+        -0.0,
+        2f32.powi(-25),
+    ]);
+    f32s.extend((0..1 << 13).map(|i| f32::from_bits(0x3300_0000 + (i << 11))));
+    let n = f32s.len();
+    let f64s: Vec<f64> = (0..n)
+        .map(|i| f64::from(f32s[i]) * (1.0 + g.normal() * 1e-6))
+        .chain([
+            1.0 + 2f64.powi(-8),
+            1.0 + 2f64.powi(-8) + 2f64.powi(-40),
+            1e300,
+            -1e-300,
+        ])
+        .collect();
+    let m = f64s.len();
+    let x = Tensor::from_vec(f32s, &[n]).expect("f32");
+    for to in [DType::BF16, DType::F16] {
+        let want = x.to_dtype(to).expect("cpu");
+        same(&format!("F32 -> {to:?}"), &cast(&x, to), &want);
+    }
+    let x = Tensor::from_vec(f64s.clone(), &[m]).expect("f64");
+    let bf = cast(&x, DType::BF16).to_vec::<bf16>().expect("bf16");
+    let hf = cast(&x, DType::F16).to_vec::<f16>().expect("f16");
+    let bf_value = |b: u16| bf16::from_bits(b).to_f64();
+    let f_value = |b: u16| f16::from_bits(b).to_f64();
+    // halfway between the largest finite value and the next power of two
+    let (bf_over, f_over) = (
+        (bf16::MAX.to_f64() + 2f64.powi(128)) / 2.0,
+        (f16::MAX.to_f64() + 65536.0) / 2.0,
+    );
+    for (i, &d) in f64s.iter().enumerate() {
+        let (b, h) = (bf[i].to_bits(), hf[i].to_bits());
+        assert!(
+            nearest_even(d, b, bf_value, bf_over),
+            "{d:e} -> bfloat16 {b:#06x}"
+        );
+        assert!(
+            nearest_even(d, h, f_value, f_over),
+            "{d:e} -> float16 {h:#06x}"
+        );
+    }
+}
+
+/// A split 16-bit sum keeps float32 partials and rounds once: a first chunk of `big` and 255
+/// ones (a tie in the 16-bit type, which rounds up) and a second of minus that rounded value
+/// sum to -1, where 16-bit partials would give 0.
+#[test]
+fn split_16_bit_sums_keep_float32_partials() {
+    for (dt, big, rounded) in [(DType::BF16, 256.0, 512.0), (DType::F16, 2048.0, 2304.0)] {
+        let mut v = vec![0.0f64; 512];
+        v[0] = big;
+        v[1..256].fill(1.0);
+        v[256] = -rounded;
+        let x = Tensor::from_vec(v, &[1, 512])
+            .and_then(|t| t.to_dtype(dt))
+            .expect("x");
+        let (s, _) = reduce_case(&x, &[1], ReduceCode::Sum, Some((2, 256)));
+        assert_eq!(values(&s), vec![-1.0], "{dt:?}: split sum");
+        let want = x.sum_dims(&[1], false).expect("cpu");
+        close(&format!("split sum {dt:?}"), &s, &want, 0.0);
+    }
+}
+
+/// The bfloat16 rule: a device older than compute capability 8.0 is refused naming both.
+#[cfg(feature = "cuda")]
+#[test]
+fn bfloat16_needs_compute_capability_8() {
+    let e = crate::cuda::real::bf16_capability(0, (7, 5))
+        .expect_err("sm_75")
+        .to_string();
+    assert!(
+        e.contains("bfloat16 needs compute capability 8.0 or newer; device 0 has 7.5"),
+        "{e}"
+    );
+    assert!(crate::cuda::real::bf16_capability(1, (8, 0)).is_ok());
+    assert!(crate::cuda::real::bf16_capability(1, (9, 0)).is_ok());
 }

@@ -4,6 +4,11 @@
 // the GPU computes; atomics become plain read-modify-writes.
 #pragma once
 #include <math.h>
+#include <string.h>
+
+// CUDA's bit casts between float and its 32-bit pattern
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, sizeof u); return u; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, sizeof f); return f; }
 
 struct tp_dim3 {
     unsigned x, y, z;

@@ -104,6 +104,100 @@ template <> struct tp_cast_t<bool, i64> {
 template <typename D, typename S> __device__ inline D tp_cast(S v) { return tp_cast_t<D, S>::go(v); }
 
 // ---------------------------------------------------------------------------------------------
+// 16-bit floats: two-byte storage types with bit-exact conversions written here (no cuda_bf16.h
+// or cuda_fp16.h: the same code runs on every NVRTC and in the host emulation, so the emulator's
+// tests check the very conversions the GPU runs). Loads widen to float32 exactly; stores round
+// float32 to nearest even, infinities kept, NaN kept and quieted (as the `half` crate). Every
+// operation on them computes in float32 and rounds once, as the CPU does.
+
+struct tp_bf16 { unsigned short bits; };
+struct tp_f16 { unsigned short bits; };
+
+__device__ inline float tp_up(tp_bf16 v) { return __uint_as_float((u32)v.bits << 16); }
+__device__ inline float tp_up(tp_f16 v) {
+    u32 sign = (u32)(v.bits & 0x8000u) << 16, e = (v.bits >> 10) & 0x1fu, m = v.bits & 0x3ffu;
+    if (e == 0x1f) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
+        return sign ? -f : f;
+    }
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+__device__ inline float tp_up(float v) { return v; }
+__device__ inline double tp_up(double v) { return v; }
+__device__ inline i64 tp_up(i64 v) { return v; }
+__device__ inline bool tp_up(bool v) { return v; }
+
+__device__ inline tp_bf16 tp_bf16_from(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return tp_bf16{(unsigned short)((x >> 16) | 0x40u)};
+    return tp_bf16{(unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16)};
+}
+__device__ inline tp_f16 tp_f16_from(float f) {
+    u32 x = __float_as_uint(f);
+    u32 sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) {  // infinity, NaN (quieted, top mantissa bits kept)
+        u32 nan = ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u;
+        return tp_f16{(unsigned short)(sign | 0x7c00u | nan)};
+    }
+    if (ax >= 0x477ff000u) return tp_f16{(unsigned short)(sign | 0x7c00u)};  // >= 65520
+    if (ax < 0x38800000u) {  // below 2^-14: a subnormal result, m * 2^-24
+        if (ax < 0x33000000u) return tp_f16{(unsigned short)sign};  // <= 2^-25: zero
+        u32 mant = (ax & 0x7fffffu) | 0x800000u, shift = 126u - (ax >> 23);
+        u32 q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (q & 1u))) ++q;
+        return tp_f16{(unsigned short)(sign | q)};
+    }
+    u32 r = ax - 0x38000000u;  // exponent rebiased from 127 to 15
+    r += 0xfffu + ((r >> 13) & 1u);
+    return tp_f16{(unsigned short)(sign | (r >> 13))};
+}
+
+// a computed value (float32 for the 16-bit types) stored as type D: 16-bit types round once,
+// the others are already of their type
+template <typename D> struct tp_down_t {
+    template <typename T> __device__ static inline D go(T v) { return (D)v; }
+};
+template <> struct tp_down_t<tp_bf16> {
+    __device__ static inline tp_bf16 go(float v) { return tp_bf16_from(v); }
+};
+template <> struct tp_down_t<tp_f16> {
+    __device__ static inline tp_f16 go(float v) { return tp_f16_from(v); }
+};
+template <typename D, typename T> __device__ inline D tp_down(T v) { return tp_down_t<D>::go(v); }
+
+// float64 to float32 rounding to odd: rounding that to a narrower format then gives the float64
+// value correctly rounded once (float32 has more than twice the 16-bit types' precision bits)
+__device__ inline float tp_f64_to_f32_odd(double d) {
+    float f = (float)d;
+    if (d != d || (double)f == d) return f;
+    u32 b = __float_as_uint(f);
+    if (tp_abs((double)f) > tp_abs(d)) b -= 1u;  // one step toward zero: the truncation
+    return __uint_as_float(b | 1u);
+}
+
+__device__ inline double tp_to_f64(tp_bf16 v) { return (double)tp_up(v); }
+__device__ inline double tp_to_f64(tp_f16 v) { return (double)tp_up(v); }
+template <> __device__ inline tp_bf16 tp_from_f64<tp_bf16>(double v) {
+    return tp_bf16_from(tp_f64_to_f32_odd(v));
+}
+template <> __device__ inline tp_f16 tp_from_f64<tp_f16>(double v) {
+    return tp_f16_from(tp_f64_to_f32_odd(v));
+}
+template <> struct tp_cast_t<float, tp_bf16> {
+    __device__ static inline float go(tp_bf16 v) { return tp_up(v); }
+};
+template <> struct tp_cast_t<float, tp_f16> {
+    __device__ static inline float go(tp_f16 v) { return tp_up(v); }
+};
+template <> struct tp_cast_t<tp_bf16, float> {
+    __device__ static inline tp_bf16 go(float v) { return tp_bf16_from(v); }
+};
+template <> struct tp_cast_t<tp_f16, float> {
+    __device__ static inline tp_f16 go(float v) { return tp_f16_from(v); }
+};
+
+// ---------------------------------------------------------------------------------------------
 // elementwise
 
 enum UnaryOp {
@@ -167,6 +261,16 @@ TP_KERNEL(tp_unary_f64, UnaryParams) {
     double* out = (double*)p.out;
     TP_LOOP(i, p.n) { out[i] = tp_unary_float<double>(p.op, x[tp_at(p.lx, i)], p.scalar); }
 }
+#define TP_UNARY_HALF(name, H)                                                           \
+    TP_KERNEL(name, UnaryParams) {                                                       \
+        const H* x = (const H*)p.x;                                                      \
+        H* out = (H*)p.out;                                                              \
+        TP_LOOP(i, p.n) {                                                                \
+            out[i] = tp_down<H>(tp_unary_float<float>(p.op, tp_up(x[tp_at(p.lx, i)]), p.scalar)); \
+        }                                                                                \
+    }
+TP_UNARY_HALF(tp_unary_bf16, tp_bf16)
+TP_UNARY_HALF(tp_unary_f16, tp_f16)
 TP_KERNEL(tp_unary_i64, UnaryParams) {
     const i64* x = (const i64*)p.x;
     i64* out = (i64*)p.out;
@@ -218,6 +322,18 @@ template <typename T> __device__ inline T tp_binary(i64 op, T x, T y) {
 TP_BINARY(tp_binary_f32, float)
 TP_BINARY(tp_binary_f64, double)
 TP_BINARY(tp_binary_i64, i64)
+#define TP_BINARY_HALF(name, H)                                                      \
+    TP_KERNEL(name, BinaryParams) {                                                  \
+        const H* a = (const H*)p.a;                                                  \
+        const H* b = (const H*)p.b;                                                  \
+        H* out = (H*)p.out;                                                          \
+        TP_LOOP(i, p.n) {                                                            \
+            out[i] = tp_down<H>(tp_binary<float>(p.op, tp_up(a[tp_at(p.la, i)]),     \
+                                                 tp_up(b[tp_at(p.lb, i)])));         \
+        }                                                                            \
+    }
+TP_BINARY_HALF(tp_binary_bf16, tp_bf16)
+TP_BINARY_HALF(tp_binary_f16, tp_f16)
 
 enum CmpOp { C_EQ = 0, C_NE = 1, C_LT = 2, C_LE = 3, C_GT = 4, C_GE = 5 };
 
@@ -252,7 +368,7 @@ template <typename T> __device__ inline bool tp_cmp(i64 op, T x, T y) {
         bool* out = (bool*)p.out;                                                        \
         TP_LOOP(i, p.n) {                                                                \
             T x = a[tp_at(p.la, i)];                                                     \
-            out[i] = p.b ? tp_cmp<T>(p.op, x, b[tp_at(p.lb, i)])                         \
+            out[i] = p.b ? tp_cmp(p.op, tp_up(x), tp_up(b[tp_at(p.lb, i)]))              \
                          : tp_cmp<double>(p.op, tp_to_f64(x), p.scalar);                 \
         }                                                                                \
     }
@@ -260,6 +376,8 @@ TP_CMP(tp_cmp_f32, float)
 TP_CMP(tp_cmp_f64, double)
 TP_CMP(tp_cmp_i64, i64)
 TP_CMP(tp_cmp_bool, bool)
+TP_CMP(tp_cmp_bf16, tp_bf16)
+TP_CMP(tp_cmp_f16, tp_f16)
 
 // out[i] = cond[i] ? a[i] : b[i], all three strided (broadcast) to the output's shape
 struct WhereParams {
@@ -285,6 +403,8 @@ TP_WHERE(tp_where_f32, float)
 TP_WHERE(tp_where_f64, double)
 TP_WHERE(tp_where_i64, i64)
 TP_WHERE(tp_where_bool, bool)
+TP_WHERE(tp_where_bf16, tp_bf16)
+TP_WHERE(tp_where_f16, tp_f16)
 
 // out (strided, the destination view) <- x (strided, broadcast to out's shape), converting the
 // element type; a contiguous `lo` makes this a gather into a new tensor (copies, casts), a
@@ -307,11 +427,15 @@ struct CopyParams {
     TP_COPY(tp_copy_##sname##_f32, S, float)  \
     TP_COPY(tp_copy_##sname##_f64, S, double) \
     TP_COPY(tp_copy_##sname##_i64, S, i64)    \
-    TP_COPY(tp_copy_##sname##_bool, S, bool)
+    TP_COPY(tp_copy_##sname##_bool, S, bool)  \
+    TP_COPY(tp_copy_##sname##_bf16, S, tp_bf16) \
+    TP_COPY(tp_copy_##sname##_f16, S, tp_f16)
 TP_COPY_FROM(float, f32)
 TP_COPY_FROM(double, f64)
 TP_COPY_FROM(i64, i64)
 TP_COPY_FROM(bool, bool)
+TP_COPY_FROM(tp_bf16, bf16)
+TP_COPY_FROM(tp_f16, f16)
 
 // ---------------------------------------------------------------------------------------------
 // reductions
@@ -339,9 +463,11 @@ struct ReduceParams {
     i64 op;
 };
 
-template <typename T> __device__ inline void tp_reduce(const ReduceParams& p) {
-    const T* x = (const T*)p.x;
-    T* out = (T*)p.out;
+// T: the type computed in; S: x's element type; D: out's (a 16-bit type computes in float32,
+// its partial sums stay float32 between the launches and the result rounds once)
+template <typename T, typename S, typename D> __device__ inline void tp_reduce(const ReduceParams& p) {
+    const S* x = (const S*)p.x;
+    D* out = (D*)p.out;
     i64* idx_out = (i64*)p.idx_out;
     const i64* idx_in = (const i64*)p.idx_in;
     TP_LOOP(t, p.m * p.parts) {
@@ -352,7 +478,7 @@ template <typename T> __device__ inline void tp_reduce(const ReduceParams& p) {
         i64 best_i = 0;
         bool have = false;
         for (i64 r = r0; r < r1; ++r) {
-            T v = x[base + tp_at(p.lk, r)];
+            T v = tp_up(x[base + tp_at(p.lk, r)]);
             i64 vi = idx_in ? idx_in[j * p.k + r] : r;
             if (p.op == R_SUM) {
                 best = have ? tp_add(best, v) : v;
@@ -366,13 +492,20 @@ template <typename T> __device__ inline void tp_reduce(const ReduceParams& p) {
             if (replace) { best = v; best_i = vi; }
             have = true;
         }
-        out[t] = best;
+        out[t] = tp_down<D>(best);
         if (idx_out) idx_out[t] = best_i;
     }
 }
-TP_KERNEL(tp_reduce_f32, ReduceParams) { tp_reduce<float>(p); }
-TP_KERNEL(tp_reduce_f64, ReduceParams) { tp_reduce<double>(p); }
-TP_KERNEL(tp_reduce_i64, ReduceParams) { tp_reduce<i64>(p); }
+TP_KERNEL(tp_reduce_f32, ReduceParams) { tp_reduce<float, float, float>(p); }
+TP_KERNEL(tp_reduce_f64, ReduceParams) { tp_reduce<double, double, double>(p); }
+TP_KERNEL(tp_reduce_i64, ReduceParams) { tp_reduce<i64, i64, i64>(p); }
+// a 16-bit reduction: in one launch, or a first into float32 partials and a second from them
+TP_KERNEL(tp_reduce_bf16, ReduceParams) { tp_reduce<float, tp_bf16, tp_bf16>(p); }
+TP_KERNEL(tp_reduce_bf16_part, ReduceParams) { tp_reduce<float, tp_bf16, float>(p); }
+TP_KERNEL(tp_reduce_bf16_final, ReduceParams) { tp_reduce<float, float, tp_bf16>(p); }
+TP_KERNEL(tp_reduce_f16, ReduceParams) { tp_reduce<float, tp_f16, tp_f16>(p); }
+TP_KERNEL(tp_reduce_f16_part, ReduceParams) { tp_reduce<float, tp_f16, float>(p); }
+TP_KERNEL(tp_reduce_f16_final, ReduceParams) { tp_reduce<float, float, tp_f16>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // indexing
@@ -421,10 +554,34 @@ TP_GATHER(tp_gather_f32, float)
 TP_GATHER(tp_gather_f64, double)
 TP_GATHER(tp_gather_i64, i64)
 TP_GATHER(tp_gather_bool, bool)
+TP_INDEX_SELECT(tp_index_select_bf16, tp_bf16)
+TP_INDEX_SELECT(tp_index_select_f16, tp_f16)
+TP_GATHER(tp_gather_bf16, tp_bf16)
+TP_GATHER(tp_gather_f16, tp_f16)
 
 __device__ inline void tp_atomic_add(float* a, float v) { atomicAdd(a, v); }
 __device__ inline void tp_atomic_add(double* a, double v) { atomicAdd(a, v); }
 __device__ inline void tp_atomic_add(i64* a, i64 v) { atomicAdd((u64*)a, (u64)v); }
+// a 16-bit add, in float32 rounded once, by compare-and-swap of the aligned 32-bit word holding
+// the element (any architecture); the host emulation runs one thread at a time and adds in place
+template <typename H> __device__ inline void tp_atomic_add_half(H* a, H v) {
+#ifdef TP_EMULATE
+    *a = tp_down<H>(tp_up(*a) + tp_up(v));
+#else
+    u32* word = (u32*)((u64)a & ~3ULL);
+    u32 shift = ((u64)a & 2ULL) ? 16u : 0u;
+    u32 old = *word, assumed;
+    do {
+        assumed = old;
+        H cur = H{(unsigned short)(assumed >> shift)};
+        H sum = tp_down<H>(tp_up(cur) + tp_up(v));
+        u32 next = (assumed & ~(0xffffu << shift)) | ((u32)sum.bits << shift);
+        old = atomicCAS(word, assumed, next);
+    } while (assumed != old);
+#endif
+}
+__device__ inline void tp_atomic_add(tp_bf16* a, tp_bf16 v) { tp_atomic_add_half(a, v); }
+__device__ inline void tp_atomic_add(tp_f16* a, tp_f16 v) { tp_atomic_add_half(a, v); }
 
 #define TP_SCATTER_ADD(name, T)                                        \
     TP_KERNEL(name, IndexParams) {                                     \
@@ -439,6 +596,8 @@ __device__ inline void tp_atomic_add(i64* a, i64 v) { atomicAdd((u64*)a, (u64)v)
 TP_SCATTER_ADD(tp_scatter_add_f32, float)
 TP_SCATTER_ADD(tp_scatter_add_f64, double)
 TP_SCATTER_ADD(tp_scatter_add_i64, i64)
+TP_SCATTER_ADD(tp_scatter_add_bf16, tp_bf16)
+TP_SCATTER_ADD(tp_scatter_add_f16, tp_f16)
 
 // ---------------------------------------------------------------------------------------------
 // cross-entropy over contiguous logits [rows, classes], per row as the CPU computes it: the
@@ -454,30 +613,33 @@ struct CrossEntropyParams {
     i64 classes;
 };
 
-template <typename T> __device__ inline void tp_cross_entropy(const CrossEntropyParams& p) {
-    const T* x = (const T*)p.x;
+// T: the type computed in (float32 for the 16-bit types), S: the logits' and outputs' type
+template <typename T, typename S> __device__ inline void tp_cross_entropy(const CrossEntropyParams& p) {
+    const S* x = (const S*)p.x;
     const i64* target = (const i64*)p.target;
-    T* loss = (T*)p.loss;
-    T* probs = (T*)p.probs;
+    S* loss = (S*)p.loss;
+    S* probs = (S*)p.probs;
     TP_LOOP(r, p.rows) {
-        const T* row = x + r * p.classes;
-        T* pr = probs + r * p.classes;
+        const S* row = x + r * p.classes;
+        S* pr = probs + r * p.classes;
         T mx = -(T)1 / (T)0;
-        for (i64 c = 0; c < p.classes; ++c) mx = row[c] > mx ? row[c] : mx;
+        for (i64 c = 0; c < p.classes; ++c) {
+            T v = tp_up(row[c]);
+            mx = v > mx ? v : mx;
+        }
         T shift = (mx - mx == (T)0) ? mx : (T)0;
         T sum = (T)0;
-        for (i64 c = 0; c < p.classes; ++c) {
-            T e = tp_exp(row[c] - shift);
-            sum = sum + e;
-            pr[c] = e;
-        }
+        for (i64 c = 0; c < p.classes; ++c) sum = sum + tp_exp(tp_up(row[c]) - shift);
         T inv = (T)1 / sum;
-        for (i64 c = 0; c < p.classes; ++c) pr[c] = pr[c] * inv;
-        loss[r] = (shift + tp_log(sum)) - row[target[r]];
+        // the exponentials again (the same values): a 16-bit probs buffer cannot hold them exactly
+        for (i64 c = 0; c < p.classes; ++c) pr[c] = tp_down<S>(tp_exp(tp_up(row[c]) - shift) * inv);
+        loss[r] = tp_down<S>((shift + tp_log(sum)) - tp_up(row[target[r]]));
     }
 }
-TP_KERNEL(tp_cross_entropy_f32, CrossEntropyParams) { tp_cross_entropy<float>(p); }
-TP_KERNEL(tp_cross_entropy_f64, CrossEntropyParams) { tp_cross_entropy<double>(p); }
+TP_KERNEL(tp_cross_entropy_f32, CrossEntropyParams) { tp_cross_entropy<float, float>(p); }
+TP_KERNEL(tp_cross_entropy_f64, CrossEntropyParams) { tp_cross_entropy<double, double>(p); }
+TP_KERNEL(tp_cross_entropy_bf16, CrossEntropyParams) { tp_cross_entropy<float, tp_bf16>(p); }
+TP_KERNEL(tp_cross_entropy_f16, CrossEntropyParams) { tp_cross_entropy<float, tp_f16>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // dropout: Philox-4x32-10 (Salmon et al. 2011) keyed by (seed), counter (offset + i / 4): the

@@ -36,6 +36,7 @@ pub(crate) mod param;
 mod placement;
 mod policy;
 mod reduce;
+mod scaler;
 mod setup;
 mod state;
 
@@ -50,6 +51,7 @@ pub use error::FsdpError;
 pub use full::{full_tensor, to_local};
 pub use placement::shard_placement;
 pub use policy::MixedPrecisionPolicy;
+pub use scaler::ShardedGradScaler;
 pub use state::FsdpEvent;
 use state::FsdpState;
 

@@ -35,7 +35,8 @@ use std::ops::Range;
 use tensorplay_core::DType;
 
 use super::ShmCtx;
-use crate::backend::{BufMut, BufRef, reduce_into};
+use crate::backend::wide::{is_16bit, reduce_many};
+use crate::backend::{BufMut, BufRef};
 use crate::{Error, ReduceOp, Result};
 
 /// All-reduces of at most this many bytes are one-shot: the smaller of 256 KiB and four slots.
@@ -124,20 +125,33 @@ pub(super) unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
-/// Reduces local rank `li`'s published slot `s` (`dst.len()` elements at byte offset `at`) into
-/// `dst`.
-fn reduce_from(
+/// Reduces the published slots `s` of local ranks `from` (in that order; this rank's own
+/// slot among them is read too), `dst.len()` elements at byte offset `at`, into `dst` in one
+/// pass: 16-bit dtypes in float32, divided for `Avg`, rounded once (see
+/// [`reduce_many`]).
+fn reduce_slots(
     cx: &ShmCtx<'_>,
-    li: usize,
     s: usize,
     at: usize,
     dst: &mut BufMut<'_>,
+    from: Vec<usize>,
     op: ReduceOp,
 ) -> Result<()> {
-    // SAFETY: published data of a peer (see `get`), aligned: slots are 64-byte aligned and `at`
-    // is a multiple of the element size.
-    let src = unsafe { view(dst.dtype(), cx.slot_of(li, s).add(at), dst.len())? };
-    reduce_into(op, dst, src)
+    let mut srcs = Vec::with_capacity(from.len());
+    for li in from {
+        // SAFETY: published data of a peer (see `get`), or our own published slot, which
+        // nobody writes until we publish again; aligned: slots are 64-byte aligned and `at` is
+        // a multiple of the element size.
+        srcs.push(unsafe { view(dst.dtype(), cx.slot_of(li, s).add(at), dst.len())? });
+    }
+    let avg = avg_of(op, dst.dtype(), cx.w());
+    reduce_many(op, dst, &srcs, avg)
+}
+
+/// The divisor a 16-bit `Avg` over `w` ranks applies before its one rounding (other dtypes
+/// and ops: none; their callers divide).
+pub(in crate::backend::cpu) fn avg_of(op: ReduceOp, dtype: DType, w: usize) -> Option<usize> {
+    (op == ReduceOp::Avg && is_16bit(dtype)).then_some(w)
 }
 
 /// Rounds needed to stream `n` elements through pieces of `per` elements (at least one).
@@ -181,15 +195,7 @@ pub(in crate::backend::cpu) fn all_reduce(
             if me != 0 {
                 get(cx, 0, s, 0, &mut d);
             }
-            for p in 1..w {
-                if p == me {
-                    // SAFETY: our own published slot: we read it, nobody writes it now.
-                    let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len())? };
-                    reduce_into(op, &mut d, mine)?;
-                } else {
-                    reduce_from(cx, p, s, 0, &mut d, op)?;
-                }
-            }
+            reduce_slots(cx, s, 0, &mut d, (1..w).collect(), op)?;
         }
         return Ok(());
     }
@@ -211,9 +217,8 @@ pub(in crate::backend::cpu) fn all_reduce(
         }
         {
             let mut acc = d.slice_mut(mine.clone());
-            for j in 1..w {
-                reduce_from(cx, (me + j) % w, s, mine.start * es, &mut acc, op)?;
-            }
+            let peers = (1..w).map(|j| (me + j) % w).collect();
+            reduce_slots(cx, s, mine.start * es, &mut acc, peers, op)?;
             // slice `me` of our own slot is read by nobody until we publish again
             put(cx, s, mine.start * es, acc.as_ref());
         }
@@ -287,15 +292,7 @@ pub(in crate::backend::cpu) fn reduce(
         if me != 0 {
             get(cx, 0, s, 0, &mut d);
         }
-        for p in 1..w {
-            if p == me {
-                // SAFETY: our own published slot, read-only now.
-                let mine = unsafe { view(d.dtype(), cx.slot_of(me, s), d.len())? };
-                reduce_into(op, &mut d, mine)?;
-            } else {
-                reduce_from(cx, p, s, 0, &mut d, op)?;
-            }
-        }
+        reduce_slots(cx, s, 0, &mut d, (1..w).collect(), op)?;
     }
     Ok(())
 }
@@ -454,13 +451,23 @@ pub(in crate::backend::cpu) fn reduce_scatter(
         } else {
             get(cx, 0, s, peer_sub(0, me, w) * sub, &mut d);
         }
+        let mut srcs = Vec::with_capacity(w - 1);
         for p in 1..w {
-            if p == me {
-                reduce_into(op, &mut d, own)?;
+            srcs.push(if p == me {
+                own
             } else {
-                reduce_from(cx, p, s, peer_sub(p, me, w) * sub, &mut d, op)?;
-            }
+                // SAFETY: published data of a peer (see `get`), aligned (64-byte sub-slots).
+                unsafe {
+                    view(
+                        d.dtype(),
+                        cx.slot_of(p, s).add(peer_sub(p, me, w) * sub),
+                        d.len(),
+                    )?
+                }
+            });
         }
+        let avg = avg_of(op, d.dtype(), w);
+        reduce_many(op, &mut d, &srcs, avg)?;
     }
     Ok(())
 }

@@ -35,6 +35,7 @@ use std::io;
 
 use super::ShmCtx;
 use crate::backend::cpu::buf::Scratch;
+use crate::backend::wide::{is_16bit, reduce_many};
 use crate::backend::{BufMut, BufRef, reduce_into};
 use crate::{Error, Part, ReduceOp, Result, detail};
 
@@ -319,9 +320,14 @@ pub(in crate::backend::cpu) fn reduce_scatter(
         })
         .collect::<Result<Vec<usize>>>()?;
     let per = (PIECE / es).max(1);
-    let mut tmp = sc.get(output.dtype(), per.min(m))?;
+    // 16-bit: every peer's piece read first (w - 1 pieces of scratch), then one pass in
+    // float32 rounding once; other dtypes reduce each piece as it arrives (one piece of scratch)
+    let wide = is_16bit(output.dtype());
+    let avg = super::algo::avg_of(op, output.dtype(), w);
+    let mut tmp = sc.get(output.dtype(), per.min(m) * if wide { w } else { 1 })?;
     for k in 0..m.div_ceil(per) {
         let r = k * per..((k + 1) * per).min(m);
+        let len = r.len();
         // the byte offset of this piece of block `me` in every rank's input
         let at = (me * m + r.start) * es;
         let own = input.slice(me * m + r.start..me * m + r.end);
@@ -331,11 +337,31 @@ pub(in crate::backend::cpu) fn reduce_scatter(
         } else {
             read_peer(cx, 0, addrs[0] + at, d.as_bytes_mut())?;
         }
+        if wide {
+            for (p, &addr) in addrs.iter().enumerate().skip(1) {
+                if p != me {
+                    let mut t = tmp.slice_mut(p * len..(p + 1) * len);
+                    read_peer(cx, p, addr + at, t.as_bytes_mut())?;
+                }
+            }
+            let t = tmp.as_ref();
+            let srcs: Vec<BufRef<'_>> = (1..w)
+                .map(|p| {
+                    if p == me {
+                        own
+                    } else {
+                        t.slice(p * len..(p + 1) * len)
+                    }
+                })
+                .collect();
+            reduce_many(op, &mut d, &srcs, avg)?;
+            continue;
+        }
         for (p, &addr) in addrs.iter().enumerate().skip(1) {
             if p == me {
                 reduce_into(op, &mut d, own)?;
             } else {
-                let mut t = tmp.slice_mut(0..r.len());
+                let mut t = tmp.slice_mut(0..len);
                 read_peer(cx, p, addr + at, t.as_bytes_mut())?;
                 reduce_into(op, &mut d, t.as_ref())?;
             }
