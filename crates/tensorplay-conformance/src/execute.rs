@@ -2,7 +2,7 @@
 //! of the format's weights taken backward, outputs and gradients compared.
 
 use tensorplay_collectives::{self as dist, ProcessGroup};
-use tensorplay_core::{Device, Tensor};
+use tensorplay_core::{DType, Device, Tensor};
 use tensorplay_distributed_nn::functional as df;
 
 use crate::Record;
@@ -19,18 +19,21 @@ pub fn weight(rank: usize, shape: &[usize], k: usize) -> tensorplay_core::Result
     Tensor::from_vec(v, shape)
 }
 
-/// Runs one record's case on this rank; `Ok(None)` when outputs and gradients match,
-/// `Ok(Some(line))` with the first difference, `Err` when the case failed.
+/// Runs one record's case on this rank in `dtype` (inputs and loss weights cast to it);
+/// `Ok(None)` when outputs and gradients match, `Ok(Some(line))` with the first difference,
+/// `Err` when the case failed.
 pub(crate) fn run_case(
     rec: &Record,
     g: &ProcessGroup,
     device: Device,
+    dtype: DType,
 ) -> tensorplay_core::Result<Option<String>> {
     let inputs = rec
         .inputs
         .iter()
         .map(|t| {
             Ok(Tensor::from_vec(t.data.clone(), &t.shape)?
+                .to_dtype(dtype)?
                 .to_device(device)?
                 .requires_grad_(true))
         })
@@ -65,7 +68,7 @@ pub(crate) fn run_case(
     for (k, y) in outputs.iter().enumerate() {
         let term = y
             .to_device(Device::Cpu)?
-            .mul(&weight(rec.rank, y.shape(), k)?)?
+            .mul(&weight(rec.rank, y.shape(), k)?.to_dtype(dtype)?)?
             .sum()?;
         loss = Some(match loss {
             Some(l) => l.add(&term)?,
@@ -76,7 +79,7 @@ pub(crate) fn run_case(
         l.backward()?;
     }
     if rec.compare_outputs
-        && let Some(d) = compare("outputs", &rec.outputs, &outputs)?
+        && let Some(d) = compare("outputs", &rec.outputs, &outputs, dtype)?
     {
         return Ok(Some(d));
     }
@@ -85,7 +88,7 @@ pub(crate) fn run_case(
         let Some(got) = got else {
             return Ok(Some(format!("grads[{i}]: expected a gradient, got none")));
         };
-        if let Some(d) = compare_one(&format!("grads[{i}]"), want, got)? {
+        if let Some(d) = compare_one(&format!("grads[{i}]"), want, got, dtype)? {
             return Ok(Some(d));
         }
     }

@@ -27,7 +27,7 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use compare::RTOL;
+pub use compare::{RTOL, tolerance};
 pub use execute::weight;
 pub use record::{Record, TensorData, load};
 pub use run::{RunOptions, run_file};

@@ -5,6 +5,8 @@ use std::fs;
 use std::path::Path;
 use std::time::Duration;
 
+use tensorplay_core::DType;
+
 use crate::case::cases;
 use crate::summary::{Outcome, Summary, parse_result, summarize};
 use crate::world::{WORLD_ENV, run_world};
@@ -20,6 +22,10 @@ pub struct RunOptions {
     pub timeout: Duration,
     /// Overall limit for one world's processes (default 600 s).
     pub world_timeout: Duration,
+    /// The floating dtype the inputs and loss weights are cast to (default float64, the
+    /// files' own). Expected values are rounded to it and compared within
+    /// [`tolerance`](crate::tolerance)`(dtype)`.
+    pub dtype: DType,
 }
 
 impl Default for RunOptions {
@@ -28,6 +34,7 @@ impl Default for RunOptions {
             backend: "cpu".into(),
             timeout: Duration::from_secs(30),
             world_timeout: Duration::from_secs(600),
+            dtype: DType::F64,
         }
     }
 }

@@ -2,12 +2,12 @@
 
 use std::collections::BTreeMap;
 
-use tensorplay_core::Tensor;
+use tensorplay_core::{DType, Tensor};
 
 use crate::case::{cases, validate};
 use crate::compare::compare_one;
 use crate::summary::{Outcome, summarize};
-use crate::{Record, TensorData, weight};
+use crate::{Record, TensorData, tolerance, weight};
 
 fn rec(json: &str) -> Record {
     serde_json::from_str(json).expect("record")
@@ -92,19 +92,67 @@ fn comparison_rule_is_relative_above_one() {
         data: vec![0.5, 1e6, -2.0],
     };
     let ok = Tensor::from_vec(vec![0.5 + 5e-10, 1e6 + 5e-4, -2.0], &[3]).unwrap();
-    assert_eq!(compare_one("outputs[0]", &want, &ok).unwrap(), None);
+    assert_eq!(
+        compare_one("outputs[0]", &want, &ok, DType::F64).unwrap(),
+        None
+    );
     let bad = Tensor::from_vec(vec![0.5, 1e6 + 2e-3, -2.0], &[3]).unwrap();
     assert_eq!(
-        compare_one("outputs[0]", &want, &bad).unwrap().unwrap(),
+        compare_one("outputs[0]", &want, &bad, DType::F64)
+            .unwrap()
+            .unwrap(),
         "outputs[0][1]: expected 1000000 got 1000000.002"
     );
     let nan = Tensor::from_vec(vec![f64::NAN, 1e6, -2.0], &[3]).unwrap();
-    assert!(compare_one("x", &want, &nan).unwrap().is_some());
+    assert!(compare_one("x", &want, &nan, DType::F64).unwrap().is_some());
     let shape = Tensor::from_vec(vec![0.5, 1e6, -2.0], &[3, 1]).unwrap();
     assert!(
-        compare_one("x", &want, &shape)
+        compare_one("x", &want, &shape, DType::F64)
             .unwrap()
             .unwrap()
             .contains("shape")
     );
+}
+
+#[test]
+fn comparison_in_bfloat16_rounds_the_expectation() {
+    let want = TensorData {
+        shape: vec![2],
+        data: vec![1.0 / 3.0, 100.0],
+    };
+    let t = |v: Vec<f64>| {
+        Tensor::from_vec(v, &[2])
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    // the expectations rounded to bfloat16, and values a few steps from them
+    let tol = tolerance(DType::BF16);
+    assert_eq!(tol, 2.0 * 2f64.powi(-7));
+    for (case, got, pass) in [
+        ("rounded", vec![1.0 / 3.0, 100.0], true),
+        (
+            "within the bound",
+            vec![1.0 / 3.0 + 0.01, 100.0 - 1.5],
+            true,
+        ),
+        (
+            "beyond the bound at 1",
+            vec![1.0 / 3.0 + 0.02, 100.0],
+            false,
+        ),
+        ("beyond the bound at 100", vec![1.0 / 3.0, 102.0], false),
+    ] {
+        let got = compare_one("o", &want, &t(got), DType::BF16).unwrap();
+        assert_eq!(got.is_none(), pass, "{case}: {got:?}");
+    }
+    // a result of another dtype is a difference
+    let f32s = Tensor::from_vec(vec![1.0 / 3.0, 100.0], &[2])
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let d = compare_one("o", &want, &f32s, DType::BF16)
+        .unwrap()
+        .unwrap();
+    assert!(d.contains("expected dtype bfloat16 got float32"), "{d}");
 }

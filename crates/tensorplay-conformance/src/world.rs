@@ -87,7 +87,7 @@ pub(crate) fn worker(
         };
         let outcome = match group
             .map_err(|e| e.to_string())
-            .and_then(|g| run_case(rec, &g, device).map_err(|e| e.to_string()))
+            .and_then(|g| run_case(rec, &g, device, opts.dtype).map_err(|e| e.to_string()))
         {
             Ok(None) => Outcome::Pass,
             Ok(Some(d)) => Outcome::Differs(d),

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use tensorplay_conformance::{RunOptions, run_file};
+use tensorplay_core::DType;
 
 fn vectors(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -13,7 +14,17 @@ fn vectors(name: &str) -> PathBuf {
 }
 
 fn run(name: &str, records: usize) {
-    let summary = run_file(&vectors(name), &RunOptions::default()).expect("vectors file");
+    run_in(name, records, DType::F64);
+}
+
+/// One file in `dtype` (each file and dtype in its own test: `spawn` re-executes the test, and
+/// its children run the first `run_file` they reach).
+fn run_in(name: &str, records: usize, dtype: DType) {
+    let opts = RunOptions {
+        dtype,
+        ..RunOptions::default()
+    };
+    let summary = run_file(&vectors(name), &opts).expect("vectors file");
     println!("{summary}");
     assert_eq!(summary.failed, 0, "{summary}");
     assert_eq!(summary.passed, records, "{summary}");
@@ -41,4 +52,29 @@ fn generated_world_3() {
 #[test]
 fn generated_world_4() {
     run("functional-w4.json", 528);
+}
+
+/// The world-2 vectors in bfloat16: inputs and loss weights rounded to bfloat16, expected
+/// values rounded from the float64 math, within `tolerance(BF16)` (two epsilons).
+#[test]
+fn bfloat16_world_2() {
+    run_in("functional-w2.json", 52, DType::BF16);
+}
+
+/// The subgroup vectors in bfloat16.
+#[test]
+fn bfloat16_subgroup_world_3() {
+    run_in("functional-subgroup-w3.json", 20, DType::BF16);
+}
+
+/// The generated world-4 vectors (every function and op, ties, uneven splits) in bfloat16.
+#[test]
+fn bfloat16_world_4() {
+    run_in("functional-w4.json", 528, DType::BF16);
+}
+
+/// The world-2 vectors in float16.
+#[test]
+fn float16_world_2() {
+    run_in("functional-w2.json", 52, DType::F16);
 }

@@ -21,7 +21,7 @@ use super::{all_gather, broadcast};
 /// `g_dst × Π_{k≠r} x_k`. The gradients of the other ranks' (zero) outputs are ignored.
 ///
 /// # Errors
-/// `dst` not in the group; a dtype other than float32, float64 or int64 or more than
+/// `dst` not in the group; a dtype other than float32, float64, bfloat16, float16 or int64 or more than
 /// [`MAX_DIMS`](super::MAX_DIMS) dimensions; `Avg` on int64 or a bitwise op on floats; ranks disagreeing on
 /// shape, dtype, `dst` or op; timeouts and peer failures.
 pub fn reduce(
@@ -94,7 +94,7 @@ impl Function for Reduce {
 /// which is wrong for `Max`, `Min` and `Product` (its `functional.py`, `_AllReduce`).
 ///
 /// # Errors
-/// A dtype other than float32, float64 or int64 or more than [`MAX_DIMS`](super::MAX_DIMS) dimensions; `Avg` on
+/// A dtype other than float32, float64, bfloat16, float16 or int64 or more than [`MAX_DIMS`](super::MAX_DIMS) dimensions; `Avg` on
 /// int64 or a bitwise op on floats; ranks disagreeing on shape, dtype or op (on every rank); timeouts and peer failures.
 pub fn all_reduce(tensor: &Tensor, op: ReduceOp, group: Option<&ProcessGroup>) -> Result<Tensor> {
     let gp = Grp::new(group, "all_reduce")?;

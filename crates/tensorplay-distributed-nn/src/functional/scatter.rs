@@ -18,7 +18,7 @@ use super::{gather, reduce};
 /// (its values are ignored off `src`); `src`'s layout need not match the others'.
 ///
 /// # Errors
-/// `src` not in the group, a dtype other than float32, float64 or int64 or more than
+/// `src` not in the group, a dtype other than float32, float64, bfloat16, float16 or int64 or more than
 /// [`MAX_DIMS`](super::MAX_DIMS) dimensions, ranks disagreeing on shape, dtype or `src` (on every rank, naming
 /// them), timeouts and peer failures of the collectives.
 pub fn broadcast(tensor: &Tensor, src: usize, group: Option<&ProcessGroup>) -> Result<Tensor> {

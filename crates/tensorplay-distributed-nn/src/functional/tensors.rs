@@ -9,8 +9,16 @@ use tensorplay_core::{DType, Device, Result, Tensor, TensorOptions};
 
 /// Checks a tensor argument: a dtype the collectives move and at most [`MAX_DIMS`](super::MAX_DIMS) dims.
 pub(super) fn check_tensor(gp: &Grp, op: &str, arg: &str, t: &Tensor) -> coll::Result<()> {
-    if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::I64) {
-        return Err(gp.err(op, arg, "a float32, float64 or int64 tensor", t.dtype()));
+    if !matches!(
+        t.dtype(),
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16 | DType::I64
+    ) {
+        return Err(gp.err(
+            op,
+            arg,
+            "a float32, float64, bfloat16, float16 or int64 tensor",
+            t.dtype(),
+        ));
     }
     if t.ndim() > MAX_DIMS {
         return Err(gp.err(
