@@ -2,7 +2,8 @@
 //! 1. MLP training step (Linear 11->64, ReLU, Linear 64->64, ReLU, Linear 64->10,
 //!    cross-entropy, SGD lr 0.01), batch 64, float32: microseconds per step (forward +
 //!    backward + optimizer step), median of 5 x 500 steps after 200 warm-up steps.
-//! 2. float32 matmul 512^3 and 1024^3: GFLOP/s.
+//! 2. float32 matmul 512^3 and 1024^3, and bfloat16 1024^3 (beside `torch_bf16_step.py`):
+//!    GFLOP/s.
 //!
 //! Run with `cargo bench -p tensorplay-core --bench core_step`, or side by side with PyTorch
 //! through `cargo xtask bench-core`.
@@ -53,9 +54,10 @@ fn mlp_step_us() -> tp::Result<f64> {
     Ok(runs[2] * 1e6)
 }
 
-fn matmul_gflops(n: usize) -> tp::Result<f64> {
-    let a = tp::randn(&[n, n])?;
-    let b = tp::randn(&[n, n])?;
+/// `[n, n] @ [n, n]` in `dtype` (output of `dtype`): GFLOP/s of the mean of a few calls.
+fn matmul_gflops(n: usize, dtype: tp::DType) -> tp::Result<f64> {
+    let a = tp::randn(&[n, n])?.to_dtype(dtype)?;
+    let b = tp::randn(&[n, n])?.to_dtype(dtype)?;
     for _ in 0..3 {
         a.matmul(&b)?;
     }
@@ -104,8 +106,13 @@ fn main() -> tp::Result<()> {
     for n in [512, 1024] {
         println!(
             "tensorplay-core matmul {n}^3 f32  {:8.1} GFLOP/s",
-            matmul_gflops(n)?
+            matmul_gflops(n, tp::DType::F32)?
         );
     }
+    // beside torch_bf16_step.py's `matmul 1024 bf16` (PyTorch's oneDNN)
+    println!(
+        "tensorplay-core matmul 1024^3 bf16  {:8.1} GFLOP/s",
+        matmul_gflops(1024, tp::DType::BF16)?
+    );
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! The GPT training step of `gpt_distributed` (4 layers, width 128, 4 heads, context 64,
 //! vocabulary 65, float32), batch 16 x 64 tokens, one thread: forward, backward and an AdamW
-//! step. Prints one line in the format `cargo xtask bench-core` reads, beside
-//! `benchmarks/torch_gpt.py step`.
+//! step, in float32 and under autocast bfloat16. Prints two lines in the format `cargo xtask
+//! bench-core` reads, beside `benchmarks/torch_gpt.py step` and the anchors'
+//! `torch_bf16_step.py` (`gpt step autocast-bf16`).
 
 use std::time::Instant;
 
@@ -23,14 +24,16 @@ use tp::{DType, Tensor};
 struct Args {
     /// Run this many steps and print nothing (for profiling).
     steps: Option<usize>,
+    /// With STEPS: profile the step under autocast bfloat16.
+    #[arg(long)]
+    autocast_bf16: bool,
     /// Given by `cargo bench` to every benchmark; nothing changes.
     #[arg(long, hide = true)]
     bench: bool,
 }
 
-fn main() -> tp::Result<()> {
-    let args = Args::parse();
-    tp::set_num_threads(1);
+/// The job's model (seed 0) and AdamW, and one fixed batch.
+fn setup() -> tp::Result<(Gpt, AdamW, Tensor, Tensor)> {
     tp::manual_seed(0);
     let model = Gpt::new(GptConfig {
         vocab_size: 65,
@@ -41,7 +44,7 @@ fn main() -> tp::Result<()> {
         dropout: 0.0,
         dtype: DType::F32,
     })?;
-    let mut opt = AdamW::new(
+    let opt = AdamW::new(
         model.parameters(),
         AdamWOptions {
             lr: 1e-3,
@@ -53,17 +56,30 @@ fn main() -> tp::Result<()> {
     let ids: Vec<i64> = (0..16 * 65).map(|i| (i * 37 % 65) as i64).collect();
     let x = Tensor::from_vec(ids[..16 * 64].to_vec(), &[16, 64])?;
     let y = Tensor::from_vec(ids[16..16 * 65].to_vec(), &[16, 64])?;
+    Ok((model, opt, x, y))
+}
+
+/// Microseconds per step (zero_grad, forward and loss, backward, AdamW): the median of 5 x 10
+/// steps after 5 warm-up steps; `autocast`: forward and loss under autocast bfloat16 (float32
+/// masters), backward outside it. `profile`: run that many steps and return `None`.
+fn step_us(autocast: bool, profile: Option<usize>) -> tp::Result<Option<f64>> {
+    let (model, mut opt, x, y) = setup()?;
     let mut step = || -> tp::Result<()> {
         opt.zero_grad()?;
-        model.loss(&x, &y)?.backward()?;
+        let loss = {
+            let _ac = autocast
+                .then(|| tp::autocast(tp::Device::Cpu, DType::BF16))
+                .transpose()?;
+            model.loss(&x, &y)?
+        };
+        loss.backward()?;
         opt.step()
     };
-    // `cargo bench ... -- N` runs N steps only (for profiling)
-    if let Some(n) = args.steps {
+    if let Some(n) = profile {
         for _ in 0..n {
             step()?;
         }
-        return Ok(());
+        return Ok(None);
     }
     for _ in 0..5 {
         step()?;
@@ -77,9 +93,23 @@ fn main() -> tp::Result<()> {
         runs.push(t.elapsed().as_secs_f64() / 10.0);
     }
     runs.sort_by(f64::total_cmp);
-    println!(
-        "tensorplay-core gpt_step batch16x64  {:8.1} us/step",
-        runs[2] * 1e6
-    );
+    Ok(Some(runs[2] * 1e6))
+}
+
+fn main() -> tp::Result<()> {
+    let args = Args::parse();
+    tp::set_num_threads(1);
+    // `cargo bench ... -- N [--autocast-bf16]` runs N steps only (for profiling)
+    if let Some(n) = args.steps {
+        step_us(args.autocast_bf16, Some(n))?;
+        return Ok(());
+    }
+    if let Some(us) = step_us(false, None)? {
+        println!("tensorplay-core gpt_step batch16x64  {us:8.1} us/step");
+    }
+    // beside torch_bf16_step.py's `gpt step autocast-bf16`
+    if let Some(us) = step_us(true, None)? {
+        println!("tensorplay-core gpt_step_autocast_bf16 batch16x64  {us:8.1} us/step");
+    }
     Ok(())
 }

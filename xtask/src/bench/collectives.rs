@@ -1,7 +1,8 @@
 //! `bench-collectives`: the cpu backend's collective bandwidth (our `bench_collectives`
 //! example, 4 KiB to `--max-mib` MiB) next to PyTorch gloo's (`torch_gloo_collectives.py`),
 //! alternately for `--rounds` rounds, best round of each row, with a single-thread memcpy as
-//! the ceiling. Two other modes compare us with ourselves (no PyTorch): `--hosts K` (ranks
+//! the ceiling, and the bfloat16 all_reduce's bus bandwidth at 16 MiB beside float32's (goal:
+//! at least 0.9x, both ours). Two other modes compare us with ourselves (no PyTorch): `--hosts K` (ranks
 //! across simulated hosts, `multihost/bench.rs`) and `--fr-rounds N` (the flight recorder's
 //! cost).
 
@@ -146,7 +147,28 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
         &rows,
         &pytorch,
     );
+    if let Some(line) = bf16_line(&ours) {
+        println!("{line}");
+    }
     Ok(())
+}
+
+/// The bfloat16 all_reduce's busbw beside float32's at the same size (bytes of the elements
+/// moved: half as many float32 elements), as `all_reduce_bf16 16MiB busbw X GB/s, float32 Y
+/// GB/s, ratio R (goal >= 0.9)`; `None` when either row is missing.
+fn bf16_line(ours: &[Coll]) -> Option<String> {
+    let bf = ours.iter().find(|c| c.name == "all_reduce_bf16")?;
+    let f = ours
+        .iter()
+        .find(|c| c.name == "all_reduce" && c.bytes == bf.bytes)?;
+    let ratio = bf.busbw / f.busbw;
+    Some(format!(
+        "all_reduce_bf16 {} busbw {:.3} GB/s, float32 {:.3} GB/s, ratio {ratio:.2} (goal >= 0.9: {})",
+        size_token(bf.bytes),
+        bf.busbw,
+        f.busbw,
+        if ratio >= 0.9 { "met" } else { "missed" }
+    ))
 }
 
 /// Merges one round into the best so far: the least time and the most bus bandwidth of each
@@ -249,6 +271,29 @@ fn memcpy_gbps(mib: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bf16_line_compares_busbw_at_the_same_size() {
+        let c = |name: &str, bytes, busbw| Coll {
+            name: name.into(),
+            bytes,
+            us: 1.0,
+            busbw,
+        };
+        let rows = [
+            c("all_reduce", 4 << 20, 9.0),
+            c("all_reduce", 16 << 20, 4.0),
+            c("all_reduce_bf16", 16 << 20, 3.0),
+        ];
+        assert_eq!(
+            bf16_line(&rows).as_deref(),
+            Some(
+                "all_reduce_bf16 16MiB busbw 3.000 GB/s, float32 4.000 GB/s, ratio 0.75 \
+                 (goal >= 0.9: missed)"
+            )
+        );
+        assert_eq!(bf16_line(&rows[..2]), None);
+    }
 
     #[test]
     fn sizes_become_tokens() {

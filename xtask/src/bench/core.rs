@@ -4,7 +4,9 @@
 //! and `benchmarks/torch_gpt.py step`, and the kernels' bench (`--bench ops_step`) beside
 //! `torch_ops_step.py`, alternately for `--rounds` rounds; the summary keeps each program's best
 //! round: `mlp_step`, `matmul_512`, `matmul_1024`, `gpt_step`, `exp_1m`, `softmax_1m`,
-//! `layernorm_1m`, `gelu_tanh_1m`, `sdpa_causal`; and `gpt_train_2_threads`, the main job's
+//! `layernorm_1m`, `gelu_tanh_1m`, `sdpa_causal`; `matmul_bf16_1024` and
+//! `gpt_step_autocast_bf16` beside the anchors' `torch_bf16_step.py` (PyTorch's oneDNN bfloat16
+//! matmul and its CPU autocast step with fused AdamW); and `gpt_train_2_threads`, the main job's
 //! single-process recipe for 200 steps on two threads (`gpt_distributed --single-process
 //! --threads 2 --steps 200`) beside `OMP_NUM_THREADS=2 torch_gpt.py train 200`.
 
@@ -12,7 +14,7 @@ use std::path::Path;
 use std::process::Command;
 
 use super::anchor::{Pytorch, torch_with};
-use super::parse::{Metric, parse_core, parse_train_seconds};
+use super::parse::{Metric, parse_bf16, parse_core, parse_train_seconds};
 use super::summary::{Goal, Row, print_summary};
 use super::{Common, best, higher_is_better, run_torch, run_torch_threads};
 use crate::packages::GPT_BENCH_PACKAGE;
@@ -31,6 +33,8 @@ const ROWS: &[(&str, &str, Goal)] = &[
     ("matmul_512", "GFLOP/s", Goal::AtLeast(0.8)),
     ("matmul_1024", "GFLOP/s", Goal::AtLeast(0.8)),
     ("gpt_step", "us/step", Goal::AtMost(0.8)),
+    ("matmul_bf16_1024", "GFLOP/s", Goal::AtLeast(1.0)),
+    ("gpt_step_autocast_bf16", "us/step", Goal::AtMost(1.0)),
     ("gpt_train_2_threads", "s", Goal::AtMost(1.0)),
     ("exp_1m", "us", Goal::AtMost(1.0)),
     ("softmax_1m", "us", Goal::AtMost(1.0)),
@@ -95,7 +99,8 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
     // the GPT step's twin lives in this repository (the model and data are ours)
     let gpt_script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/torch_gpt.py");
     let gpt = torch_with(python.clone(), &gpt_script);
-    let ops = torch_with(python, &anchor.anchors.join("torch_ops_step.py"));
+    let ops = torch_with(python.clone(), &anchor.anchors.join("torch_ops_step.py"));
+    let bf16 = torch_with(python, &anchor.anchors.join("torch_bf16_step.py"));
     // build once, outside the timed runs
     cargo_bench("tensorplay-core", "core_step", true)?;
     cargo_bench(GPT_BENCH_PACKAGE, "gpt_step", true)?;
@@ -117,7 +122,7 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
             ours.extend(parse_core(&o));
         }
         ours.push(our_training(&program)?);
-        if core.is_ok() || gpt.is_ok() || ops.is_ok() {
+        if core.is_ok() || gpt.is_ok() || ops.is_ok() || bf16.is_ok() {
             eprintln!("round {r}: pytorch");
         }
         for (found, args) in [
@@ -140,6 +145,21 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
             };
             print!("{t}");
             theirs.extend(parse_core(&t));
+        }
+        if let Ok((python, script)) = &bf16 {
+            // one thread, as torch_bf16_step.py's first argument and OMP_NUM_THREADS say
+            let t = match run_torch(python, script, &["1".to_string()], r, &["torch-bf16 "]) {
+                Ok(t) => {
+                    torch_ran = true;
+                    t
+                }
+                Err((kept, why)) => {
+                    last_failure = Some(why);
+                    kept
+                }
+            };
+            print!("{t}");
+            theirs.extend(parse_bf16(&t));
         }
         if let Ok((python, script)) = &gpt {
             let args = ["train".to_string(), TRAIN_STEPS.to_string()];

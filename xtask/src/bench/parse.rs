@@ -11,9 +11,13 @@ pub(crate) struct Metric {
 }
 
 /// The metric token of a core bench line's name: its first word, and for `matmul N^3 f32`
-/// the size (`matmul_512`).
+/// the size (`matmul_512`), for another dtype the dtype too (`matmul 1024^3 bf16`:
+/// `matmul_bf16_1024`).
 fn core_token(words: &[&str]) -> String {
     match words {
+        ["matmul", size, dtype, ..] if *dtype != "f32" => {
+            format!("matmul_{dtype}_{}", size.split('^').next().unwrap_or(size))
+        }
         ["matmul", size, ..] => {
             format!("matmul_{}", size.split('^').next().unwrap_or(size))
         }
@@ -49,6 +53,32 @@ pub(crate) fn parse_core(text: &str) -> Vec<Metric> {
         });
     }
     out
+}
+
+/// The bfloat16 rows of the anchors' `torch_bf16_step.py`: `torch-bf16 matmul 1024 bf16 Y
+/// GFLOP/s` as `matmul_bf16_1024` and `torch-bf16 gpt step autocast-bf16 B us` as
+/// `gpt_step_autocast_bf16` (unit `us/step`); its float32 rows (measured by the core anchors
+/// already) and its loss line are skipped.
+pub(crate) fn parse_bf16(text: &str) -> Vec<Metric> {
+    text.lines()
+        .filter_map(|line| {
+            let toks: Vec<&str> = line.split_whitespace().collect();
+            let (key, value, unit) = match toks.as_slice() {
+                ["torch-bf16", "matmul", size, "bf16", v, "GFLOP/s"] => {
+                    (format!("matmul_bf16_{size}"), v, "GFLOP/s")
+                }
+                ["torch-bf16", "gpt", "step", "autocast-bf16", v, "us"] => {
+                    ("gpt_step_autocast_bf16".to_string(), v, "us/step")
+                }
+                _ => return None,
+            };
+            Some(Metric {
+                key,
+                value: value.parse().ok()?,
+                unit: unit.into(),
+            })
+        })
+        .collect()
 }
 
 /// The wall time in seconds of a single-process training run: `gpt_distributed
@@ -224,6 +254,8 @@ mod tests {
              torch-core matmul 512^3 f32      88.5 GFLOP/s\nnoise line\n\
              tensorplay-core matmul 1024^3 f32  70.0 GFLOP/s\n\
              tensorplay-core gpt_step batch16x64  139900.0 us/step\n\
+             tensorplay-core matmul 1024^3 bf16  120.5 GFLOP/s\n\
+             tensorplay-core gpt_step_autocast_bf16 batch16x64  99000.0 us/step\n\
              torch-ops softmax_1m 714.7 us\nops-total softmax_1m 1.0 us\n",
         );
         assert_eq!(
@@ -233,7 +265,28 @@ mod tests {
                 m("matmul_512", 88.5, "GFLOP/s"),
                 m("matmul_1024", 70.0, "GFLOP/s"),
                 m("gpt_step", 139900.0, "us/step"),
+                m("matmul_bf16_1024", 120.5, "GFLOP/s"),
+                m("gpt_step_autocast_bf16", 99000.0, "us/step"),
                 m("softmax_1m", 714.7, "us"),
+            ]
+        );
+    }
+
+    #[test]
+    fn parses_the_bf16_anchor_lines() {
+        let got = parse_bf16(
+            "torch-bf16 matmul 1024 f32 95.0 GFLOP/s\n\
+             torch-bf16 matmul 1024 bf16 180.2 GFLOP/s\n\
+             torch-bf16 gpt step f32 41000.0 us\n\
+             torch-bf16 gpt step autocast-bf16 52000.5 us\n\
+             torch-bf16 gpt loss f32 1.5000 bf16 1.5100 after 50 steps\n\
+             torch-bf16 matmul 1024 bf16 x GFLOP/s\n",
+        );
+        assert_eq!(
+            got,
+            [
+                m("matmul_bf16_1024", 180.2, "GFLOP/s"),
+                m("gpt_step_autocast_bf16", 52000.5, "us/step"),
             ]
         );
     }
