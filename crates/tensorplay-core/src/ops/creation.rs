@@ -279,10 +279,10 @@ fn float_from_f64(
     o: TensorOptions,
 ) -> Result<Tensor> {
     float_only(op, o.dtype)?;
-    let t = if o.dtype == DType::F64 {
-        Tensor::from_vec(v, shape)?
-    } else {
-        Tensor::from_vec(v.into_iter().map(|x| x as f32).collect(), shape)?
+    let t = match o.dtype {
+        DType::F32 => Tensor::from_vec(v.into_iter().map(|x| x as f32).collect(), shape)?,
+        // float64, and the 16-bit types rounded once from float64
+        d => Tensor::from_vec(v, shape)?.to_dtype(d)?,
     };
     place(t, o.device)
 }

@@ -255,6 +255,25 @@ fn creation_printing_and_indexing_in_16_bits() {
         );
         let f = tp::finfo(dtype).unwrap();
         assert_eq!(f.bits, 16, "{dtype}: finfo bits");
+        // random creation: the asked dtype (randn once gave float32 for a 16-bit dtype), and
+        // the float64 draws of the same seed rounded once
+        type Draw = fn(&[usize], DType) -> tp::Result<Tensor>;
+        let draws: [(&str, Draw); 2] = [
+            ("randn", |s, d| Tensor::randn(s, d)),
+            ("rand", |s, d| Tensor::rand(s, d)),
+        ];
+        for (name, draw) in draws {
+            tp::manual_seed(5);
+            let want = draw(&[64], DType::F64).unwrap().to_dtype(dtype).unwrap();
+            tp::manual_seed(5);
+            let got = draw(&[64], dtype).unwrap();
+            assert_eq!(got.dtype(), dtype, "{dtype}: {name}'s dtype");
+            assert_eq!(
+                got.to_vec_f64().unwrap(),
+                want.to_vec_f64().unwrap(),
+                "{dtype}: {name}'s values"
+            );
+        }
     }
 }
 
