@@ -1,4 +1,4 @@
-//! `conformance --vectors FILE [--backend nccl]`: builds and runs the `tensorplay-conformance`
+//! `conformance --vectors FILE [--backend nccl] [--dtype bfloat16]`: builds and runs the `tensorplay-conformance`
 //! program (`crates/tensorplay-conformance`) on a vectors file, one world of processes per
 //! world size in the file; it ends with `N passed, M failed`.
 
@@ -17,6 +17,9 @@ pub(crate) struct Args {
     /// Timeout of each collective, in seconds.
     #[arg(long, default_value_t = 30)]
     pub(crate) timeout: u64,
+    /// The dtype the cases run in: float64 (the files'), float32, bfloat16 or float16.
+    #[arg(long, default_value = "float64")]
+    pub(crate) dtype: String,
 }
 
 pub(crate) fn run(args: &Args) -> Result<(), String> {
@@ -37,6 +40,7 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
         .arg(&vectors)
         .args(["--backend", &args.backend])
         .args(["--timeout", &args.timeout.to_string()])
+        .args(["--dtype", &args.dtype])
         .status()
         .map_err(|e| format!("could not run cargo: {e}"))?;
     if status.success() {

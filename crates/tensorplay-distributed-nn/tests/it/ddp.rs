@@ -14,10 +14,10 @@ use tensorplay_distributed_nn::parallel::{
     CommFuture, DdpError, DdpOptions, DistributedDataParallel as Ddp, default_hooks,
 };
 
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+pub(crate) type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 const DIMS: [usize; 4] = [5, 7, 6, 3];
-const SEED: u64 = 11;
+pub(crate) const SEED: u64 = 11;
 
 fn init() -> dist::Result<()> {
     dist::init_process_group(
@@ -30,21 +30,21 @@ fn init() -> dist::Result<()> {
 }
 
 /// A leaf copy of `t` in `dtype`.
-fn leaf(t: &Tensor, dtype: DType) -> tp::Result<Tensor> {
+pub(crate) fn leaf(t: &Tensor, dtype: DType) -> tp::Result<Tensor> {
     Ok(t.detach()
         .to_dtype(dtype)?
         .deep_clone()?
         .requires_grad_(true))
 }
 
-fn linear(i: usize, o: usize, dtype: DType) -> tp::Result<Linear> {
+pub(crate) fn linear(i: usize, o: usize, dtype: DType) -> tp::Result<Linear> {
     let l = Linear::new(i, o, true)?;
     let b = l.bias.as_ref().map(|b| leaf(b, dtype)).transpose()?;
     Linear::from_weights(leaf(&l.weight, dtype)?, b)
 }
 
 /// Linear and Tanh layers of `dims`, initialised from `seed`.
-fn mlp(dims: &[usize], dtype: DType, seed: u64) -> tp::Result<Sequential> {
+pub(crate) fn mlp(dims: &[usize], dtype: DType, seed: u64) -> tp::Result<Sequential> {
     tp::manual_seed(seed);
     let mut m = Sequential::new();
     for (k, w) in dims.windows(2).enumerate() {
@@ -57,7 +57,12 @@ fn mlp(dims: &[usize], dtype: DType, seed: u64) -> tp::Result<Sequential> {
 }
 
 /// Deterministic rows `from..from + n` of a regression dataset (the same on every rank).
-fn rows(from: usize, n: usize, dims: &[usize], dtype: DType) -> tp::Result<(Tensor, Tensor)> {
+pub(crate) fn rows(
+    from: usize,
+    n: usize,
+    dims: &[usize],
+    dtype: DType,
+) -> tp::Result<(Tensor, Tensor)> {
     let (fi, fo) = (dims[0], dims[dims.len() - 1]);
     let x: Vec<f64> = (from..from + n)
         .flat_map(|i| (0..fi).map(move |j| ((i * 13 + j * 7) as f64 * 0.37).sin()))
@@ -71,7 +76,7 @@ fn rows(from: usize, n: usize, dims: &[usize], dtype: DType) -> tp::Result<(Tens
     ))
 }
 
-fn mse(out: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
+pub(crate) fn mse(out: &Tensor, y: &Tensor) -> tp::Result<Tensor> {
     nn::MSELoss::new().forward(out, y)
 }
 
@@ -160,7 +165,7 @@ fn sgd(params: Vec<Tensor>) -> tp::Result<SGD> {
     )
 }
 
-fn options(cap_mb: f64) -> DdpOptions {
+pub(crate) fn options(cap_mb: f64) -> DdpOptions {
     DdpOptions {
         bucket_cap_mb: cap_mb,
         ..Default::default()
@@ -168,7 +173,7 @@ fn options(cap_mb: f64) -> DdpOptions {
 }
 
 /// A cap of 100 bytes: about one bucket per parameter.
-const SMALL_CAP: f64 = 100.0 / (1024.0 * 1024.0);
+pub(crate) const SMALL_CAP: f64 = 100.0 / (1024.0 * 1024.0);
 
 // ---------------------------------------------------------------------------------------------
 // gradients and parameters against one process

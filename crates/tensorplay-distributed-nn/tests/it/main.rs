@@ -3,6 +3,7 @@
 
 mod bad_arguments;
 mod ddp;
+mod ddp_low_precision;
 mod fsdp;
 mod fsdp_2d;
 mod fsdp_api;

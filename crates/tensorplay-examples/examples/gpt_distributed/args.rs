@@ -1,11 +1,12 @@
 //! The program's command line (clap): `--steps`, `--seed`, `--sample`, `--plot`,
-//! `--single-process`, `--threads`, each checked
+//! `--single-process`, `--threads`, `--dtype`, each checked
 //! before any training starts.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::Parser;
+use tensorplay::DType;
 use tensorplay_examples::gpt_checks::COMPARE_STEPS;
 use tensorplay_examples::plot;
 
@@ -19,7 +20,8 @@ use crate::MAX_STEPS;
              Shakespeare three times from the same weights and batches: tensor-parallel on 2 \
              ranks, data-parallel on 2 ranks, then in one process. Prints each run's validation \
              loss (the single-process reference first) and, for the distributed runs, the largest difference from the \
-             single-process losses over the first 100 steps (exit 1 if one reaches 1e-4); then \
+             single-process losses over the first 100 steps (exit 1 if one reaches 1e-4, or 2e-2 \
+             with --dtype bf16); then \
              the learning check and the memory check of the single-process run (from 600 steps \
              on; exit 1 if it did not learn or its resident memory grew by more than 10%), the \
              tensor memory, a sample of generated text and a timing table.",
@@ -48,6 +50,12 @@ pub(crate) struct Opts {
     /// process's affinity, `tp::set_num_threads`' rule); the distributed runs use one per rank.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub(crate) threads: Option<u16>,
+    /// The compute dtype: float32, or bf16 (every run under autocast bfloat16 over float32
+    /// master weights, the fully-sharded run with MixedPrecisionPolicy param bfloat16, reduce
+    /// float32; the distributed runs' losses must then stay within 2e-2 of the single-process
+    /// bfloat16 run's).
+    #[arg(long, value_name = "DTYPE", default_value = "float32", value_parser = parse_dtype)]
+    pub(crate) dtype: DType,
 }
 
 impl Opts {
@@ -74,6 +82,15 @@ fn parse_steps(v: &str) -> Result<usize, String> {
     Ok(steps)
 }
 
+/// `--dtype`: float32 (or f32) or bf16 (or bfloat16).
+fn parse_dtype(v: &str) -> Result<DType, String> {
+    match v {
+        "float32" | "f32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        _ => Err("expected float32 or bf16".to_string()),
+    }
+}
+
 /// `--sample`: at most 100000 characters.
 fn parse_sample(v: &str) -> Result<usize, String> {
     let chars: usize = v.parse().map_err(|e| format!("bad --sample {v:?}: {e}"))?;
@@ -96,8 +113,16 @@ fn parse_plot(v: &str) -> Result<PathBuf, String> {
 mod tests {
     use super::*;
 
-    /// steps, seed, sample, plot, single_process, threads
-    type Want = (usize, u64, usize, Option<&'static str>, bool, Option<u16>);
+    /// steps, seed, sample, plot, single_process, threads, dtype
+    type Want = (
+        usize,
+        u64,
+        usize,
+        Option<&'static str>,
+        bool,
+        Option<u16>,
+        DType,
+    );
 
     /// One command line: the values it gives, or the words its refusal says.
     struct Case {
@@ -109,14 +134,15 @@ mod tests {
         let argv = std::iter::once("gpt_distributed").chain(case.args.iter().copied());
         let got = Opts::try_parse_args(argv);
         match (&got, &case.want) {
-            (Ok(o), Ok((steps, seed, sample, plot, single, threads))) => assert_eq!(
+            (Ok(o), Ok((steps, seed, sample, plot, single, threads, dtype))) => assert_eq!(
                 (
                     o.steps,
                     o.seed,
                     o.sample,
                     o.plot.as_deref(),
                     o.single_process,
-                    o.threads
+                    o.threads,
+                    o.dtype
                 ),
                 (
                     *steps,
@@ -124,7 +150,8 @@ mod tests {
                     *sample,
                     plot.map(std::path::Path::new),
                     *single,
-                    *threads
+                    *threads,
+                    *dtype
                 ),
                 "{:?}",
                 case.args
@@ -142,23 +169,23 @@ mod tests {
         let cases = [
             Case {
                 args: &[],
-                want: Ok((600, 0, 300, None, false, None)),
+                want: Ok((600, 0, 300, None, false, None, DType::F32)),
             },
             Case {
                 args: &["--steps", "200", "--seed=3", "--sample", "0"],
-                want: Ok((200, 3, 0, None, false, None)),
+                want: Ok((200, 3, 0, None, false, None, DType::F32)),
             },
             Case {
                 args: &["--steps=100", "--sample", "200", "--plot", "loss.svg"],
-                want: Ok((100, 0, 200, Some("loss.svg"), false, None)),
+                want: Ok((100, 0, 200, Some("loss.svg"), false, None, DType::F32)),
             },
             Case {
                 args: &["--", "--steps", "100", "--seed", "7"],
-                want: Ok((100, 7, 300, None, false, None)),
+                want: Ok((100, 7, 300, None, false, None, DType::F32)),
             },
             Case {
                 args: &["--steps", "1000000"],
-                want: Ok((1_000_000, 0, 300, None, false, None)),
+                want: Ok((1_000_000, 0, 300, None, false, None, DType::F32)),
             },
             Case {
                 args: &["--steps", "99"],
@@ -200,7 +227,7 @@ mod tests {
             },
             Case {
                 args: &["--single-process", "--threads", "2", "--steps", "200"],
-                want: Ok((200, 0, 300, None, true, Some(2))),
+                want: Ok((200, 0, 300, None, true, Some(2), DType::F32)),
             },
             Case {
                 args: &["--threads", "0"],
@@ -209,6 +236,18 @@ mod tests {
             Case {
                 args: &["--single-process", "--plot", "loss.svg"],
                 want: Err("cannot be used with"),
+            },
+            Case {
+                args: &["--dtype", "bf16", "--steps", "100"],
+                want: Ok((100, 0, 300, None, false, None, DType::BF16)),
+            },
+            Case {
+                args: &["--dtype=bfloat16", "--single-process"],
+                want: Ok((600, 0, 300, None, true, None, DType::BF16)),
+            },
+            Case {
+                args: &["--dtype", "float16"],
+                want: Err("expected float32 or bf16"),
             },
             Case {
                 args: &["--bogus"],

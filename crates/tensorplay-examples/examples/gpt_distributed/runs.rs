@@ -1,18 +1,21 @@
 //! The runs of the job: the single-process reference and the three distributed runs
 //! (tensor-parallel, data-parallel, fully-sharded), each trained by [`train`] with the recipe.
+//! With `--dtype bf16` every forward runs under [`autocast`] bfloat16 over the float32 master
+//! weights, and the fully-sharded run gathers its parameters in bfloat16 and reduces its
+//! gradients in float32 ([`mp_policy`]).
 
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use tensorplay as tp;
-use tp::distributed::fsdp::{FsdpOptions, fully_shard};
+use tp::distributed::fsdp::{FsdpOptions, MixedPrecisionPolicy, fully_shard};
 use tp::distributed::{self as dist, ReduceOp};
 use tp::models::Gpt;
 use tp::nn::Module;
 use tp::nn::parallel::DistributedDataParallel as Ddp;
 use tp::optim::lr_scheduler::{LrScheduler, WarmupCosineLR};
 use tp::optim::{AdamW, Optimizer};
-use tp::{Tensor, no_grad};
+use tp::{DType, Device, Tensor, no_grad};
 
 use tensorplay_examples::gpt_batches as batches;
 use tensorplay_examples::gpt_checks::{MEMORY_FIRST_STEP, state_bytes};
@@ -44,6 +47,29 @@ fn progress(steps: usize, what: &str, rank: usize) -> ProgressBar {
     }
     bar.set_prefix(what.to_string());
     bar
+}
+
+/// The autocast region of one forward: bfloat16 on the CPU with `--dtype bf16`, none with
+/// float32. Backward runs outside it (it takes the forward's dtypes).
+fn autocast(o: &Opts) -> Res<Option<tp::amp::AutocastGuard>> {
+    Ok(match o.dtype {
+        DType::F32 => None,
+        d => Some(tp::autocast(Device::Cpu, d)?),
+    })
+}
+
+/// The fully-sharded run's precision: with `--dtype bf16`, torchtitan's policy (parameters
+/// gathered and computed in bfloat16, gradients reduce-scattered in float32 into the float32
+/// shards); with float32, nothing changes.
+fn mp_policy(o: &Opts) -> MixedPrecisionPolicy {
+    match o.dtype {
+        DType::F32 => MixedPrecisionPolicy::default(),
+        d => MixedPrecisionPolicy {
+            param_dtype: Some(d),
+            reduce_dtype: Some(DType::F32),
+            ..Default::default()
+        },
+    }
 }
 
 /// The model every run starts from: built from the seed, the same on every rank.
@@ -128,12 +154,13 @@ fn train(
     })
 }
 
-/// The mean loss of the fixed validation batches.
-fn validation_loss(model: &Gpt, corpus: &Corpus, seed: u64) -> Res<f64> {
+/// The mean loss of the fixed validation batches (in the run's precision).
+fn validation_loss(model: &Gpt, corpus: &Corpus, o: &Opts) -> Res<f64> {
     let _g = no_grad();
+    let _ac = autocast(o)?;
     let mut sum = 0.0;
     for b in 0..VAL_BATCHES {
-        let (x, y) = Corpus::batch(&corpus.val, seed, batches::VALIDATION, b, BATCH)?;
+        let (x, y) = Corpus::batch(&corpus.val, o.seed, batches::VALIDATION, b, BATCH)?;
         sum += model.loss(&x, &y)?.item_f64()?;
     }
     Ok(sum / VAL_BATCHES as f64)
@@ -144,12 +171,9 @@ pub(crate) fn single_process(o: &Opts, corpus: &Corpus) -> Res<(Report, Gpt)> {
     tp::set_num_threads(o.threads.map_or(0, usize::from));
     let model = initial_model(o, corpus)?;
     let trained = train(o, "single-process", 0, model.parameters(), |s| {
-        let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
-        let loss = model.loss(&x, &y)?;
-        loss.backward()?;
-        Ok(loss.item_f64()?)
+        whole_batch_step(&model, o, corpus, s)
     })?;
-    let val_loss = validation_loss(&model, corpus, o.seed)?;
+    let val_loss = validation_loss(&model, corpus, o)?;
     Ok((trained.report(val_loss), model))
 }
 
@@ -159,13 +183,22 @@ pub(crate) fn tensor_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Rep
     // every rank computes the whole batch's loss; each shard's gradient is its slice of the
     // single-process gradient
     let trained = train(o, "tensor-parallel", rank, model.parameters(), |s| {
-        let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
-        let loss = model.loss(&x, &y)?;
-        loss.backward()?;
-        Ok(loss.item_f64()?)
+        whole_batch_step(&model, o, corpus, s)
     })?;
-    let val_loss = validation_loss(&model, corpus, o.seed)?;
+    let val_loss = validation_loss(&model, corpus, o)?;
     Ok(trained.report(val_loss))
+}
+
+/// One step on the whole batch (single-process and tensor-parallel): forward (under
+/// autocast with `--dtype bf16`), backward, the loss.
+fn whole_batch_step(model: &Gpt, o: &Opts, corpus: &Corpus, s: usize) -> Res<f64> {
+    let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
+    let loss = {
+        let _ac = autocast(o)?;
+        model.loss(&x, &y)?
+    };
+    loss.backward()?;
+    Ok(loss.item_f64()?)
 }
 
 /// One step of a run in which each rank takes its rows of the batch (data-parallel and
@@ -184,10 +217,13 @@ fn sharded_batch_step(
         x.narrow(0, rows.start, rows.len())?,
         y.narrow(0, rows.start, rows.len())?,
     );
-    let logits = model.call(&x)?;
-    let n = y.numel();
-    let v = logits.shape()[2];
-    let local = tp::nn::functional::cross_entropy(&logits.reshape(&[n, v])?, &y.reshape(&[n])?)?;
+    let local = {
+        let _ac = autocast(o)?;
+        let logits = model.call(&x)?;
+        let n = y.numel();
+        let v = logits.shape()[2];
+        tp::nn::functional::cross_entropy(&logits.reshape(&[n, v])?, &y.reshape(&[n])?)?
+    };
     // both wrappers average the gradients of the equal shares: the whole batch's mean loss
     local.backward()?;
     let _g = no_grad();
@@ -202,23 +238,28 @@ pub(crate) fn data_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Repor
     let trained = train(o, "data-parallel", rank, ddp.parameters(), |s| {
         sharded_batch_step(&ddp, rank, o, corpus, s)
     })?;
-    let val_loss = validation_loss(ddp.module(), corpus, o.seed)?;
+    let val_loss = validation_loss(ddp.module(), corpus, o)?;
     Ok(trained.report(val_loss))
 }
 
 /// Each block fully sharded, then the root (the embeddings, the tied head and the final
-/// LayerNorm): every rank keeps half of every parameter, its gradient and AdamW's moments.
+/// LayerNorm): every rank keeps half of every parameter, its gradient and AdamW's moments
+/// (float32 also with `--dtype bf16`: the shards are the master weights).
 pub(crate) fn fully_sharded(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
     // no broadcast: every rank built the same weights from the seed, as FSDP2 expects
     let mut model = initial_model(o, corpus)?;
+    let opts = || FsdpOptions {
+        mp_policy: mp_policy(o),
+        ..Default::default()
+    };
     for block in model.h.iter_mut() {
-        fully_shard(block, FsdpOptions::default())?;
+        fully_shard(block, opts())?;
     }
-    fully_shard(&mut model, FsdpOptions::default())?;
+    fully_shard(&mut model, opts())?;
     let trained = train(o, "fully-sharded", rank, model.parameters(), |s| {
         sharded_batch_step(&model, rank, o, corpus, s)
     })?;
-    let val_loss = validation_loss(&model, corpus, o.seed)?;
+    let val_loss = validation_loss(&model, corpus, o)?;
     Ok(trained.report(val_loss))
 }
 
