@@ -125,15 +125,19 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
         if core.is_ok() || gpt.is_ok() || ops.is_ok() || bf16.is_ok() {
             eprintln!("round {r}: pytorch");
         }
-        for (found, args) in [
-            (&core, vec![]),
-            (&gpt, vec!["step".to_string()]),
-            (&ops, vec![]),
-        ] {
+        type Parse = fn(&str) -> Vec<Metric>;
+        // torch_bf16_step.py's first argument is its thread count (one, as OMP_NUM_THREADS)
+        let anchors: [(_, Vec<String>, &[&str], Parse); 4] = [
+            (&core, vec![], &["torch-core "], parse_core),
+            (&gpt, vec!["step".to_string()], &["torch-core "], parse_core),
+            (&ops, vec![], &["torch-ops "], parse_core),
+            (&bf16, vec!["1".to_string()], &["torch-bf16 "], parse_bf16),
+        ];
+        for (found, args, keep, parse) in anchors {
             let Ok((python, script)) = found else {
                 continue;
             };
-            let t = match run_torch(python, script, &args, r, &["torch-core ", "torch-ops "]) {
+            let t = match run_torch(python, script, &args, r, keep) {
                 Ok(t) => {
                     torch_ran = true;
                     t
@@ -144,22 +148,7 @@ pub(crate) fn run(args: &Args) -> Result<(), String> {
                 }
             };
             print!("{t}");
-            theirs.extend(parse_core(&t));
-        }
-        if let Ok((python, script)) = &bf16 {
-            // one thread, as torch_bf16_step.py's first argument and OMP_NUM_THREADS say
-            let t = match run_torch(python, script, &["1".to_string()], r, &["torch-bf16 "]) {
-                Ok(t) => {
-                    torch_ran = true;
-                    t
-                }
-                Err((kept, why)) => {
-                    last_failure = Some(why);
-                    kept
-                }
-            };
-            print!("{t}");
-            theirs.extend(parse_bf16(&t));
+            theirs.extend(parse(&t));
         }
         if let Ok((python, script)) = &gpt {
             let args = ["train".to_string(), TRAIN_STEPS.to_string()];
