@@ -191,7 +191,7 @@ pub fn save_with_metadata(
 /// Errors: [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and what is wrong:
 /// it cannot be read; it is too short or its header is not a safetensors header (another
 /// format); it is truncated or its offsets do not cover the data; its checksum does not match
-/// (corrupt); a tensor has a dtype tensorplay lacks (such as `F16`, named).
+/// (corrupt); a tensor has a dtype tensorplay lacks (such as `I32` or `F8_E4M3`, named).
 pub fn load(path: impl AsRef<Path>) -> Result<BTreeMap<String, Tensor>> {
     Ok(load_with_metadata(path)?.0)
 }
