@@ -105,9 +105,7 @@ fn main() -> R {
     let parent = std::env::var_os(dist::spawn::SPAWN_RANK_ENV).is_none();
     if parent {
         // SAFETY: single-threaded here, before any rank starts
-        unsafe {
-            std::env::set_var("TENSORPLAY_ERROR_PARENT", std::process::id().to_string())
-        };
+        unsafe { std::env::set_var("TENSORPLAY_ERROR_PARENT", std::process::id().to_string()) };
         let _ = std::fs::remove_file(report_path());
         println!("world dtype differs max_err/(u sum|x|) time_ms");
     }

@@ -43,4 +43,9 @@ pub enum Error {
     /// The vectors file is not a JSON array of records.
     #[error("{path} is not a conformance vectors file (a JSON array of records): {source}", path = .0.display(), source = .1)]
     Parse(PathBuf, serde_json::Error),
+    /// `RunOptions::dtype` is not a floating dtype (the cases differentiate their inputs).
+    #[error(
+        "RunOptions::dtype: expected a floating dtype (float64, float32, bfloat16 or float16), got {0}"
+    )]
+    Dtype(tensorplay_core::DType),
 }

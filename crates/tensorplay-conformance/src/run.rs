@@ -49,8 +49,12 @@ impl Default for RunOptions {
 /// In a child spawned by this function, it runs that child's share and exits the process.
 ///
 /// # Errors
-/// The file cannot be read or parsed, or the results directory cannot be created.
+/// The file cannot be read or parsed, the results directory cannot be created, or
+/// `opts.dtype` is not floating ([`Error::Dtype`]).
 pub fn run_file(path: &Path, opts: &RunOptions) -> Result<Summary, Error> {
+    if !opts.dtype.is_float() {
+        return Err(Error::Dtype(opts.dtype));
+    }
     let records = load(path)?;
     let cases = cases(&records);
     let mut worlds: Vec<usize> = vec![];

@@ -156,3 +156,21 @@ fn comparison_in_bfloat16_rounds_the_expectation() {
         .unwrap();
     assert!(d.contains("expected dtype bfloat16 got float32"), "{d}");
 }
+
+#[test]
+fn a_dtype_that_is_not_floating_is_refused_before_any_run() {
+    for dtype in [DType::I64, DType::Bool] {
+        let opts = crate::RunOptions {
+            dtype,
+            ..Default::default()
+        };
+        let e = crate::run_file(std::path::Path::new("does-not-matter.json"), &opts)
+            .err()
+            .unwrap_or_else(|| panic!("{dtype} accepted"))
+            .to_string();
+        assert!(
+            e.contains("expected a floating dtype") && e.contains(&dtype.to_string()),
+            "{e}"
+        );
+    }
+}

@@ -54,14 +54,22 @@ struct Region {
     cache: bool,
 }
 
+/// What one guard changed: its kind, the region it replaced, and whether it enabled autocast.
+struct Frame {
+    kind: Kind,
+    previous: Option<Region>,
+    enabled: bool,
+}
+
 #[derive(Default)]
 struct State {
     /// The current region of each kind (absent: off, default dtype).
     regions: HashMap<Kind, Region>,
-    /// Live guards that enabled autocast somewhere; the cache lives while any does.
-    active: usize,
-    /// Casts of leaves that require grad, by (leaf, dtype).
-    cache: HashMap<(TensorId, DType), Tensor>,
+    /// The live guards' changes, oldest first; a guard is its index here.
+    frames: Vec<Frame>,
+    /// Casts of leaves that require grad, by (leaf, dtype), with the leaf's version when cast
+    /// (an in-place change of the leaf makes the entry stale).
+    cache: HashMap<(TensorId, DType), (u64, Tensor)>,
 }
 
 thread_local! {
@@ -89,14 +97,15 @@ impl Default for AutocastOptions {
     }
 }
 
-/// Restores the previous autocast state of its device kind when dropped; the cast cache is
-/// emptied when the last enabling guard of the thread goes. Not `Send`: the state is the
+/// Restores the autocast state as it was before the guard when dropped; the cast cache is
+/// emptied when no enabling guard of the thread is left. Dropping a guard also ends the
+/// regions opened after it that still live (their guards then change nothing when they drop),
+/// so guards dropped out of order cannot leave autocast on. Not `Send`: the state is the
 /// thread's.
 #[must_use = "autocast lasts while the guard lives"]
 pub struct AutocastGuard {
-    kind: Kind,
-    previous: Option<Region>,
-    counted: bool,
+    /// The guard's index in the thread's frames.
+    depth: usize,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
@@ -104,15 +113,15 @@ impl Drop for AutocastGuard {
     fn drop(&mut self) {
         STATE.with(|s| {
             let mut s = s.borrow_mut();
-            match self.previous {
-                Some(r) => s.regions.insert(self.kind, r),
-                None => s.regions.remove(&self.kind),
-            };
-            if self.counted {
-                s.active -= 1;
-                if s.active == 0 {
-                    s.cache.clear();
-                }
+            while s.frames.len() > self.depth {
+                let Some(f) = s.frames.pop() else { break };
+                match f.previous {
+                    Some(r) => s.regions.insert(f.kind, r),
+                    None => s.regions.remove(&f.kind),
+                };
+            }
+            if !s.frames.iter().any(|f| f.enabled) {
+                s.cache.clear();
             }
         });
     }
@@ -179,13 +188,13 @@ pub fn autocast_with(device: impl IntoDevice, options: AutocastOptions) -> Resul
     Ok(STATE.with(|s| {
         let mut s = s.borrow_mut();
         let previous = s.regions.insert(kind, region);
-        if options.enabled {
-            s.active += 1;
-        }
-        AutocastGuard {
+        s.frames.push(Frame {
             kind,
             previous,
-            counted: options.enabled,
+            enabled: options.enabled,
+        });
+        AutocastGuard {
+            depth: s.frames.len() - 1,
             _not_send: std::marker::PhantomData,
         }
     }))
@@ -225,8 +234,9 @@ fn region(device: impl IntoDevice) -> Option<(Kind, Region)> {
     STATE.with(|s| s.borrow().regions.get(&kind).map(|r| (kind, *r)))
 }
 
-/// Autocast off on every device kind until dropped, then the regions as they were: what
-/// backward runs under.
+/// Other regions until dropped, then the regions as they were: autocast off for backward
+/// ([`disabled_for_backward`]), or a checkpointed forward's regions while it is recomputed
+/// ([`enter_regions`]).
 pub(crate) struct NoAutocast {
     saved: HashMap<Kind, Region>,
     _not_send: std::marker::PhantomData<*const ()>,
@@ -239,10 +249,13 @@ impl Drop for NoAutocast {
     }
 }
 
-/// Turns autocast off on every device kind until the guard drops.
+/// Turns autocast off on every device kind until the guard drops, and empties the cast cache:
+/// the next forward casts afresh (a second micro-batch's backward must not run through the
+/// first's consumed cast, and the optimizer's step after backward changes the weights).
 pub(crate) fn disabled_for_backward() -> NoAutocast {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
+        s.cache.clear();
         let off = s
             .regions
             .iter()
@@ -263,19 +276,56 @@ pub(crate) fn disabled_for_backward() -> NoAutocast {
     })
 }
 
-/// The cast of `t` to `dtype`, through the cache when `t` is a leaf that requires grad and
-/// the region caches.
+/// The cast of `t` to `dtype`, through the cache when `t` is a leaf that requires grad, the
+/// region caches and gradients are recorded (a cast made under `no_grad` has no graph and
+/// must not serve a later forward that needs one). An entry made before an in-place change
+/// of `t` (its version moved) is replaced.
 fn cast(t: &Tensor, dtype: DType, cache: bool) -> Result<Tensor> {
-    if !(cache && t.is_leaf() && t.requires_grad()) {
+    if !(cache && t.is_leaf() && t.requires_grad() && crate::autograd::is_grad_enabled()) {
         return t.to_dtype(dtype);
     }
     let key = (t.id(), dtype);
-    if let Some(c) = STATE.with(|s| s.borrow().cache.get(&key).cloned()) {
+    let version = t.version();
+    let hit = STATE.with(|s| {
+        s.borrow()
+            .cache
+            .get(&key)
+            .filter(|(v, _)| *v == version)
+            .map(|(_, c)| c.clone())
+    });
+    if let Some(c) = hit {
         return Ok(c);
     }
     let c = t.to_dtype(dtype)?;
-    STATE.with(|s| s.borrow_mut().cache.insert(key, c.clone()));
+    STATE.with(|s| s.borrow_mut().cache.insert(key, (version, c.clone())));
     Ok(c)
+}
+
+/// This thread's autocast regions, as a forward that will be recomputed saw them.
+#[derive(Clone, Default)]
+pub(crate) struct Regions(HashMap<Kind, Region>);
+
+/// This thread's current autocast regions.
+pub(crate) fn current_regions() -> Regions {
+    STATE.with(|s| Regions(s.borrow().regions.clone()))
+}
+
+/// Sets this thread's regions to `saved` until the guard drops (a checkpoint's recompute, in
+/// backward, under its forward's autocast state). Without the cast cache: the recompute runs
+/// where no guard of the user's would empty it.
+pub(crate) fn enter_regions(saved: &Regions) -> NoAutocast {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let set = saved
+            .0
+            .iter()
+            .map(|(&k, &r)| (k, Region { cache: false, ..r }))
+            .collect();
+        NoAutocast {
+            saved: std::mem::replace(&mut s.regions, set),
+            _not_send: std::marker::PhantomData,
+        }
+    })
 }
 
 /// The inputs of a low-precision operation as it runs under autocast: floating inputs other
@@ -363,5 +413,73 @@ mod tests {
         )
         .unwrap();
         assert_ne!(cast_id(&w), cast_id(&w), "cache_enabled: false");
+    }
+
+    #[test]
+    fn guards_dropped_out_of_order_leave_autocast_off() {
+        let outer = autocast("cpu", DType::BF16).unwrap();
+        let inner = autocast("cpu", DType::F16).unwrap();
+        drop(outer);
+        assert!(
+            !is_autocast_enabled("cpu"),
+            "the outer guard ends both regions"
+        );
+        drop(inner);
+        assert!(
+            !is_autocast_enabled("cpu"),
+            "the inner guard, dropped last, changes nothing"
+        );
+        assert_eq!(get_autocast_dtype("cpu").unwrap(), DType::BF16);
+        STATE.with(|s| assert!(s.borrow().cache.is_empty() && s.borrow().frames.is_empty()));
+    }
+
+    /// `w`'s gradient after `y = sum(x @ w)` run under autocast, with the steps `before`
+    /// taken in the same region first.
+    fn grad_after(before: impl Fn(&Tensor, &Tensor)) -> Vec<f64> {
+        let w = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])
+            .unwrap()
+            .requires_grad_(true);
+        let x = Tensor::from_vec(vec![1.0f32, 0.5, -1.0, 2.0], &[2, 2]).unwrap();
+        let _ac = autocast("cpu", DType::BF16).unwrap();
+        before(&x, &w);
+        w.set_grad(None);
+        x.matmul(&w).unwrap().sum().unwrap().backward().unwrap();
+        w.grad().expect("w has a gradient").to_vec_f64().unwrap()
+    }
+
+    #[test]
+    fn cached_casts_serve_every_forward_of_a_region() {
+        // d sum(x @ w) / dw = column sums of x, on each row of w: [0, 2.5] twice
+        let want = vec![0.0, 0.0, 2.5, 2.5];
+        type Before = fn(&Tensor, &Tensor);
+        let cases: [(&str, Before); 3] = [
+            ("nothing before", |_, _| {}),
+            ("a forward under no_grad first", |x, w| {
+                let _ng = crate::autograd::no_grad();
+                x.matmul(w).unwrap();
+            }),
+            ("a first micro-batch's backward", |x, w| {
+                x.matmul(w).unwrap().sum().unwrap().backward().unwrap();
+            }),
+        ];
+        for (case, before) in cases {
+            assert_eq!(grad_after(before), want, "{case}");
+        }
+        // the values, not only the gradient: a weight changed in place is cast again
+        let w = Tensor::from_vec(vec![1.0f32, 2.0], &[2, 1])
+            .unwrap()
+            .requires_grad_(true);
+        let x = Tensor::from_vec(vec![1.0f32, 1.0], &[1, 2]).unwrap();
+        let _ac = autocast("cpu", DType::BF16).unwrap();
+        assert_eq!(x.matmul(&w).unwrap().to_vec_f64().unwrap(), vec![3.0]);
+        {
+            let _ng = crate::autograd::no_grad();
+            w.mul_scalar_(2.0).unwrap();
+        }
+        assert_eq!(
+            x.matmul(&w).unwrap().to_vec_f64().unwrap(),
+            vec![6.0],
+            "after w *= 2 in the region"
+        );
     }
 }

@@ -313,7 +313,7 @@ impl GradScaler {
 
     /// Adapts the scale after the iteration's steps (`update()`): multiplied by
     /// `backoff_factor` when any optimizer found an infinite or NaN gradient (the count of
-    /// clean steps restarts), else the count grows and at `growth_interval` the scale is
+    /// clean steps restarts; the scale stops at the smallest positive float32, never 0), else the count grows and at `growth_interval` the scale is
     /// multiplied by `growth_factor` (unless that overflows float32) and the count restarts.
     /// Nothing when disabled.
     ///
@@ -340,7 +340,15 @@ impl GradScaler {
         self.stages.clear();
         let o = &self.options;
         if found_inf {
-            self.scale = as_f32(self.scale * o.backoff_factor);
+            // never down to zero (a float32 underflow): a zero scale would skip every later
+            // step and make the scaler's own state unloadable; it stops at the smallest
+            // positive float32
+            let backed = as_f32(self.scale * o.backoff_factor);
+            self.scale = if backed > 0.0 {
+                backed
+            } else {
+                f64::from(f32::from_bits(1))
+            };
             self.growth_tracker = 0;
         } else {
             self.growth_tracker += 1;

@@ -6,6 +6,8 @@ pub use autocast::{
     AutocastGuard, AutocastOptions, autocast, autocast_with, get_autocast_dtype,
     is_autocast_enabled,
 };
-pub(crate) use autocast::{disabled_for_backward, to_fp32, to_lower};
+pub(crate) use autocast::{
+    Regions, current_regions, disabled_for_backward, enter_regions, to_fp32, to_lower,
+};
 pub mod grad_scaler;
 pub use grad_scaler::{FoundInfSync, GradScaler, GradScalerOptions, GradScalerState};

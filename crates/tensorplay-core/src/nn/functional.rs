@@ -137,7 +137,7 @@ pub fn dropout(input: &Tensor, p: f64, training: bool) -> Result<Tensor> {
         return Err(Error::UnsupportedDType {
             op: "dropout",
             dtype: input.dtype(),
-            expected: "float32 or float64",
+            expected: "a floating dtype (float32, float64, bfloat16 or float16)",
         });
     }
     let scale = 1.0 / (1.0 - p);
@@ -165,6 +165,8 @@ pub fn dropout(input: &Tensor, p: f64, training: bool) -> Result<Tensor> {
 /// Mean squared error `mean((input - target)^2)` (`F.mse_loss`, `reduction='mean'`), a 0-d
 /// tensor. Unlike PyTorch, which broadcasts with a warning, the shapes must be equal
 /// ([`Error::ShapeMismatch`] otherwise); the input must be float ([`Error::UnsupportedDType`]).
+/// With a 16-bit input the squares and their mean are computed in float32 and the loss
+/// rounded once to the input's dtype.
 pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
     if let Some(x) = crate::amp::to_fp32(&[input, target])? {
         return mse_loss(&x[0], &x[1]);
@@ -173,8 +175,18 @@ pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
         return Err(Error::UnsupportedDType {
             op: "mse_loss",
             dtype: input.dtype(),
-            expected: "float32 or float64",
+            expected: "a floating dtype (float32, float64, bfloat16 or float16)",
         });
+    }
+    if input.dtype().is_half() {
+        let wide = |t: &Tensor| {
+            if t.dtype().is_half() {
+                t.float()
+            } else {
+                Ok(t.clone())
+            }
+        };
+        return mse_loss(&wide(input)?, &wide(target)?)?.to_dtype(input.dtype());
     }
     if input.shape() != target.shape() {
         return Err(Error::ShapeMismatch {

@@ -48,7 +48,7 @@ fn target(op: &'static str, t: &Tensor, random: bool) -> Result<Option<Target>> 
         return Err(Error::UnsupportedDType {
             op,
             dtype: tensor.dtype(),
-            expected: "float32 or float64",
+            expected: "a floating dtype (float32, float64, bfloat16 or float16)",
         });
     }
     if tensor.device().is_meta() {

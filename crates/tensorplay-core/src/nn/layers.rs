@@ -453,7 +453,7 @@ fn gather_rows(table: &Tensor, idx: &[i64], out_shape: &[usize]) -> Result<Tenso
             return Err(Error::UnsupportedDType {
                 op: "embedding",
                 dtype: table.dtype(),
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             });
         }
         let c = c.copy_as(l, table.dtype())?;
@@ -521,7 +521,7 @@ impl Function for EmbeddingDenseBackward {
                 return Err(Error::UnsupportedDType {
                     op: "embedding_backward",
                     dtype: g.dtype(),
-                    expected: "float32 or float64",
+                    expected: "a floating dtype (float32, float64, bfloat16 or float16)",
                 });
             }
             let src = c.copy_as(l, g.dtype())?;

@@ -199,7 +199,7 @@ pub fn layer_norm(
         return Err(Error::UnsupportedDType {
             op: OP,
             dtype: input.dtype(),
-            expected: "float32 or float64",
+            expected: "a floating dtype (float32, float64, bfloat16 or float16)",
         });
     }
     let k = normalized_shape.len();
@@ -312,7 +312,7 @@ impl LayerNorm {
             return Err(Error::UnsupportedDType {
                 op: "LayerNorm::new",
                 dtype,
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             });
         }
         Ok(LayerNorm {

@@ -128,7 +128,7 @@ fn check(x: &Tensor, dim: isize, op: &'static str) -> Result<usize> {
         return Err(Error::UnsupportedDType {
             op,
             dtype: x.dtype(),
-            expected: "float32 or float64",
+            expected: "a floating dtype (float32, float64, bfloat16 or float16)",
         });
     }
     normalize_dim(dim, x.ndim(), op)

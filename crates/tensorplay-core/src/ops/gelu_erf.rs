@@ -59,7 +59,7 @@ pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
         return Err(Error::UnsupportedDType {
             op: "gelu",
             dtype: x.dtype(),
-            expected: "float32 or float64",
+            expected: "a floating dtype (float32, float64, bfloat16 or float16)",
         });
     }
     Ok(apply(GeluErf, &[x])?.remove(0))

@@ -95,7 +95,7 @@ impl Tensor {
             return Err(Error::UnsupportedDType {
                 op: "gelu_tanh",
                 dtype: self.dtype(),
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             });
         }
         Ok(apply(GeluTanh, &[self])?.remove(0))

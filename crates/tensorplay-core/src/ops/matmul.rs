@@ -226,7 +226,7 @@ fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             return Err(Error::UnsupportedDType {
                 op: "matmul",
                 dtype: a.dtype(),
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             });
         }
         let nb: usize = batch.iter().product();

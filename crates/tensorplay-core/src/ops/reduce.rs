@@ -224,7 +224,9 @@ impl Tensor {
         self.mean_dims(&[], false)
     }
 
-    /// Mean over `dims` (float only); an empty `dims` reduces every dimension.
+    /// Mean over `dims` (float only); an empty `dims` reduces every dimension. A 16-bit
+    /// tensor's mean is summed and divided in float32 and rounded once (its sum alone may
+    /// overflow the 16-bit type where the mean does not).
     pub fn mean_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         if let Some(x) = crate::amp::to_fp32(&[self])? {
             return x[0].mean_dims(dims, keepdim);
@@ -233,8 +235,14 @@ impl Tensor {
             return Err(Error::UnsupportedDType {
                 op: "mean",
                 dtype: self.dtype(),
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             });
+        }
+        if self.dtype().is_half() {
+            return self
+                .float()?
+                .mean_dims(dims, keepdim)?
+                .to_dtype(self.dtype());
         }
         let d = reduce_dims(dims, self.ndim(), "mean")?;
         // a 0-d tensor reduces over its "dim 0" of size 1

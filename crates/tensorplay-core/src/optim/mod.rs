@@ -129,7 +129,8 @@ pub(crate) fn check_nonneg(op: &'static str, arg: &'static str, v: f64) -> Resul
     Ok(())
 }
 
-/// Checks the parameters given to an optimizer: floating tensors on the CPU.
+/// Checks the parameters given to an optimizer: float32 or float64 tensors (16-bit ones are
+/// refused here, before any step could update some parameters and then fail on others).
 pub(crate) fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
     // PyTorch: "optimizer got an empty parameter list"; almost always unregistered parameters
     if params.is_empty() {
@@ -141,11 +142,12 @@ pub(crate) fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
         ));
     }
     for (i, p) in params.iter().enumerate() {
-        if !p.dtype().is_float() {
+        if !matches!(p.dtype(), crate::DType::F32 | crate::DType::F64) {
             return Err(Error::invalid(
                 op,
                 "params",
-                "floating-point parameters",
+                "float32 or float64 parameters (16-bit training keeps float32 master weights: \
+                 autocast or MixedPrecisionPolicy)",
                 format!("parameter {i} of dtype {}", p.dtype()),
             ));
         }

@@ -258,7 +258,7 @@ pub fn load_with_metadata(
             problem(
                 path,
                 format!(
-                    "tensor `{name}` has dtype {:?}; tensorplay reads F32, F64, I64 and BOOL",
+                    "tensor `{name}` has dtype {:?}; tensorplay reads F32, F64, BF16, F16, I64 and BOOL",
                     v.dtype()
                 ),
             )

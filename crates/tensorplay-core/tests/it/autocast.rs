@@ -269,3 +269,41 @@ fn an_mlp_trained_under_bf16_autocast_reaches_the_float32_loss() -> tp::Result<(
     );
     Ok(())
 }
+
+/// An activation-checkpointed block under autocast: the recompute in backward runs under the
+/// forward's autocast state, so the gradients equal the plain autocast run's bit for bit.
+#[test]
+fn checkpointed_blocks_recompute_under_the_forwards_autocast() -> tp::Result<()> {
+    let w = Tensor::from_vec((0..12).map(|i| i as f32 * 0.25 - 1.0).collect(), &[3, 4])?
+        .requires_grad_(true);
+    let x = Tensor::from_vec((0..6).map(|i| i as f32 * 0.5 - 1.5).collect(), &[2, 3])?
+        .requires_grad_(true);
+    let run = |checkpointed: bool| -> tp::Result<(Vec<f64>, Vec<f64>)> {
+        w.set_grad(None);
+        x.set_grad(None);
+        let y = {
+            let _ac = tp::autocast("cpu", DType::BF16)?;
+            let wc = w.clone();
+            let body = move |xs: &[Tensor]| -> tp::Result<Vec<Tensor>> {
+                Ok(vec![xs[0].matmul(&wc)?.tanh()?])
+            };
+            if checkpointed {
+                tp::utils::checkpoint::checkpoint(body, &[&x])?.remove(0)
+            } else {
+                body(std::slice::from_ref(&x))?.remove(0)
+            }
+        };
+        if y.dtype() != DType::BF16 {
+            return Err(tp::Error::Autograd(format!("output of {}", y.dtype())));
+        }
+        y.float()?.sum()?.backward()?;
+        let grad = |t: &Tensor| -> tp::Result<Vec<f64>> {
+            t.grad()
+                .ok_or_else(|| tp::Error::Autograd("no gradient".into()))?
+                .to_vec_f64()
+        };
+        Ok((grad(&w)?, grad(&x)?))
+    };
+    assert_eq!(run(true)?, run(false)?);
+    Ok(())
+}

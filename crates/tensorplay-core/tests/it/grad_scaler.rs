@@ -27,9 +27,12 @@ enum Case {
     Misuse,
     /// Disabled: the loss and gradients pass unscaled, the step is plain.
     Disabled,
+    /// A skip at the smallest positive float32 scale: the scale stays there (not 0) and its
+    /// state loads into another scaler.
+    Floor,
 }
 
-const CASES: [(&str, Case); 8] = [
+const CASES: [(&str, Case); 9] = [
     ("clean step at 2^16", Case::Clean { s: 65536.0 }),
     ("clean step at 1024", Case::Clean { s: 1024.0 }),
     ("skip on inf", Case::Skip { bad: f32::INFINITY }),
@@ -38,6 +41,7 @@ const CASES: [(&str, Case); 8] = [
     ("state round trip", Case::RoundTrip),
     ("misuse errors", Case::Misuse),
     ("disabled pass-through", Case::Disabled),
+    ("a skip at the smallest scale", Case::Floor),
 ];
 
 fn setup() -> tp::Result<(Tensor, SGD)> {
@@ -119,6 +123,23 @@ fn run(c: Case) -> Result<(), Box<dyn std::error::Error>> {
             ensure("params unchanged", w.to_vec::<f32>()? == before)?;
             ensure("scale halved", sc.get_scale() == 512.0)?;
             ensure("tracker reset", sc.state_dict().growth_tracker == 0)?;
+        }
+        Case::Floor => {
+            let tiny = f64::from(f32::from_bits(1));
+            let mut sc = scaler(1024.0, 2000, true)?;
+            sc.update_to(tiny)?;
+            opt.zero_grad()?;
+            sc.scale(&loss(&w)?)?.backward()?;
+            w.set_grad(Some(Tensor::from_slice(
+                &[1.0, f32::INFINITY, 2.0f32],
+                &[3],
+            )?));
+            ensure("skipped", !sc.step(&mut opt)?)?;
+            sc.update()?;
+            ensure("scale kept above 0", sc.get_scale() == tiny)?;
+            let mut other = scaler(8.0, 2000, true)?;
+            other.load_state_dict(&sc.state_dict())?;
+            ensure("state loaded", other.get_scale() == tiny)?;
         }
         Case::Growth { interval } => {
             let mut sc = scaler(8.0, interval, true)?;

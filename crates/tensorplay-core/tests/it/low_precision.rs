@@ -730,3 +730,97 @@ fn every_op_and_gradient_in_16_bits_matches_float32_rounded() {
         failures.join("\n")
     );
 }
+
+/// Means and losses whose float32 result fits the 16-bit type while an intermediate (the sum,
+/// a square) would not: computed in float32 and rounded once, never infinite. The expected
+/// values are the exact results rounded to the dtype.
+#[test]
+fn means_and_losses_in_16_bits_do_not_overflow_their_intermediates() {
+    type Op = fn(DType) -> tp::Result<Tensor>;
+    /// float16: near its largest value, so the sum of two is not a float16 (it is a float32).
+    /// bfloat16 has float32's range: two values near its largest would overflow the float32
+    /// sum too (as in PyTorch), so it takes a value whose sum fits.
+    fn big(d: DType) -> f64 {
+        if d == DType::BF16 { 1e38 } else { 6e4 }
+    }
+    type Want = fn(DType) -> Vec<f64>;
+    let cases: [(&str, Op, Want); 5] = [
+        (
+            "mean of 40000 twos (sum 80000)",
+            |d| Tensor::full(&[40000], 2.0, d)?.mean(),
+            |_| vec![2.0],
+        ),
+        (
+            "mean_dims over rows of 40000 twos",
+            |d| Tensor::full(&[2, 40000], 2.0, d)?.mean_dims(&[1], false),
+            |_| vec![2.0, 2.0],
+        ),
+        (
+            "mse_loss of [300, 0] against zeros (300^2 = 90000)",
+            |d| {
+                let x = Tensor::from_vec(vec![300.0f32, 0.0], &[2])?.to_dtype(d)?;
+                tp::nn::functional::mse_loss(&x, &Tensor::zeros(&[2], d)?)
+            },
+            |_| vec![45000.0],
+        ),
+        (
+            "mse_loss of 40000 differences of 2",
+            |d| {
+                tp::nn::functional::mse_loss(
+                    &Tensor::full(&[40000], 2.0, d)?,
+                    &Tensor::zeros(&[40000], d)?,
+                )
+            },
+            |_| vec![4.0],
+        ),
+        (
+            "mean of two values near the largest",
+            |d| Tensor::full(&[2], big(d), d)?.mean(),
+            |d| vec![big(d)],
+        ),
+    ];
+    for dtype in [DType::BF16, DType::F16] {
+        for (name, op, want) in &cases {
+            let got = op(dtype).unwrap_or_else(|e| panic!("{dtype}, {name}: {e}"));
+            assert_eq!(got.dtype(), dtype, "{dtype}, {name}");
+            let want = want(dtype);
+            let rounded = Tensor::from_vec(want.clone(), &[want.len()])
+                .and_then(|t| t.to_dtype(dtype))
+                .and_then(|t| t.to_vec_f64())
+                .unwrap();
+            assert_eq!(got.to_vec_f64().unwrap(), rounded, "{dtype}, {name}");
+        }
+    }
+}
+
+/// The optimizers refuse 16-bit parameters when built (float32 masters are the rule), naming
+/// the optimizer and the parameter, so no step can update some parameters and fail on others.
+#[test]
+fn optimizers_refuse_16_bit_parameters_when_built() {
+    use tp::optim::{Adam, AdamW, SGD};
+    type Build = fn(Vec<Tensor>) -> tp::Result<()>;
+    let builds: [(&str, Build); 3] = [
+        ("SGD", |p| SGD::new(p, Default::default()).map(drop)),
+        ("Adam", |p| Adam::new(p, Default::default()).map(drop)),
+        ("AdamW", |p| AdamW::new(p, Default::default()).map(drop)),
+    ];
+    for dtype in [DType::BF16, DType::F16] {
+        for (name, build) in &builds {
+            let params = vec![
+                Tensor::ones(&[2], DType::F32).unwrap().requires_grad_(true),
+                Tensor::ones(&[2], dtype).unwrap().requires_grad_(true),
+            ];
+            let e = build(params)
+                .err()
+                .unwrap_or_else(|| panic!("{name} accepted a {dtype} parameter"))
+                .to_string();
+            for part in [
+                *name,
+                "float32 or float64",
+                &format!("parameter 1 of dtype {dtype}"),
+            ] {
+                assert!(e.contains(part), "{name}, {dtype}: {e}");
+            }
+        }
+    }
+}

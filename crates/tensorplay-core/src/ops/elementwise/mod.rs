@@ -154,7 +154,7 @@ pub(crate) fn kernel_zip(
             return Err(crate::Error::UnsupportedDType {
                 op,
                 dtype: d,
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             });
         }
     };

@@ -58,7 +58,7 @@ fn unary_kernel(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
             return Err(Error::UnsupportedDType {
                 op,
                 dtype: x.dtype(),
-                expected: "float32 or float64",
+                expected: "a floating dtype (float32, float64, bfloat16 or float16)",
             });
         }
         let (code, s) = match kind {
@@ -226,7 +226,7 @@ impl Function for ThresholdBackward {
                 return Err(Error::UnsupportedDType {
                     op: "relu_backward",
                     dtype: g.dtype(),
-                    expected: "float32 or float64",
+                    expected: "a floating dtype (float32, float64, bfloat16 or float16)",
                 });
             }
             cg.binary(lg, cx, lx, BinaryCode::ReluBackward)

@@ -33,6 +33,8 @@ struct Frame {
     inputs: Vec<Tensor>,
     /// The default generator's state when the forward started.
     rng: Generator,
+    /// The autocast regions of the forward (the recompute in backward runs under them).
+    autocast: crate::amp::Regions,
     /// Shape, dtype and device of every tensor saved in the forward, by save order.
     saved: Mutex<Vec<TensorMeta>>,
     /// The recomputed saved tensors (with their version when saved), each taken by its unpack.
@@ -98,6 +100,7 @@ impl Frame {
         {
             let _mode = set_grad_enabled(true);
             let _rng = RngSwap::enter(self.rng.clone());
+            let _autocast = crate::amp::enter_regions(&self.autocast);
             let _hooks = push_saved_tensors_hooks(capture.clone());
             drop((self.body)(&inputs)?);
         }
@@ -239,6 +242,7 @@ where
         body: Box::new(f),
         inputs,
         rng: default_generator().clone(),
+        autocast: crate::amp::current_regions(),
         saved: Mutex::new(Vec::new()),
         recomputed: Mutex::new(Vec::new()),
     });

@@ -126,12 +126,9 @@ impl Header {
     }
 
     pub(in crate::backend::cpu) fn describe(&self) -> String {
-        let dt = match self.dtype {
-            0 => "float32",
-            1 => "float64",
-            2 => "int64",
-            _ => "?",
-        };
+        // the core's wire codes (`DType::code`)
+        let name = tensorplay_core::DType::from_code(self.dtype).map(|d| d.to_string());
+        let dt = name.as_deref().unwrap_or("?");
         match self.kind {
             Kind::P2p => format!("send(tag={}, {} elements of {dt})", self.seq, self.count),
             k => format!(
