@@ -3,7 +3,7 @@
 //!
 //! Three paths, chosen at run time:
 //! - [`Path::Fma`], where the kernels' capability level is AVX-512 (the default there, for
-//!   both types): A and B are widened to float32 while they are packed (A into panels of
+//!   both types, when every dimension is at least [`FMA_MIN_DIM`]): A and B are widened to float32 while they are packed (A into panels of
 //!   [`MR`] rows, B into panels of [`NR`] columns), and a [`MR`] x [`NR`] tile is summed with
 //!   float32 FMAs in 24 vector registers over blocks of the inner dimension, the sums kept in
 //!   float32 between blocks;
@@ -13,8 +13,8 @@
 //!   measured (a Xeon with AVX512_BF16, issue 39 in `docs/decisions.md`) one `VDPBF16PS` (64
 //!   flops) issues about every two cycles where two float32 FMAs (32 flops each) issue every
 //!   cycle, so it reaches 78-80 GFLOP/s on one thread where the FMA path reaches 120-130;
-//! - [`Path::Convert`], below AVX-512: both operands converted to float32 and the float32
-//!   `gemm`.
+//! - [`Path::Convert`], below AVX-512 and for smaller products: both operands converted to
+//!   float32 and the float32 `gemm`.
 //!
 //! The `gemm` crate's own float16 product was measured too: it computes in float32 but adds
 //! each block of the inner dimension into the float16 output, rounding once per block of ~256,
@@ -51,6 +51,10 @@ const BLOCKING: Blocking = Blocking {
     mc: 16 * MR,
     nc: 16 * NR,
 };
+
+/// The smallest dimension of a product [`Path::Auto`] gives to the FMA kernel; smaller ones
+/// are converted to float32 and run on the float32 `gemm`.
+const FMA_MIN_DIM: usize = 1024;
 
 /// B's panels packed by one call.
 const PANELS: usize = 8;
@@ -149,6 +153,16 @@ pub(super) fn gemm_on<T: Half16>(
     if !prologue(dst, dims, &lhs, &rhs, read_dst) {
         return;
     }
+    // `Auto` takes the FMA kernel only for large products: at the GPT's shapes (an inner or
+    // outer dimension of 128 to 512) converting and running the float32 `gemm` took about a
+    // third less time per training step than the FMA kernel (issue 39, docs/benchmarks.md),
+    // while at 1024^3 the FMA kernel is the faster
+    let (m, n, k) = dims;
+    let path = if path == Path::Auto && m.min(n).min(k) < FMA_MIN_DIM {
+        Path::Convert
+    } else {
+        path
+    };
     match resolve::<T>(path) {
         Path::Fma => run(&Wide { lhs, rhs }, BLOCKING, dst, dims, read_dst, par),
         Path::Dpbf16 => run(&Pairs::of(lhs, rhs), BLOCKING, dst, dims, read_dst, par),

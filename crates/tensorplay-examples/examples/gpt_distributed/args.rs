@@ -12,13 +12,13 @@ use tensorplay_examples::plot;
 
 use crate::MAX_STEPS;
 
-/// Trains a character-level GPT three times from the same weights and batches.
+/// Trains a character-level GPT four times (three distributed runs and one process) from the same weights and batches.
 #[derive(Parser, Debug)]
 #[command(
     name = "gpt_distributed",
     about = "Trains a character-level GPT (4 layers, width 128, 4 heads, context 64) on \
-             Shakespeare three times from the same weights and batches: tensor-parallel on 2 \
-             ranks, data-parallel on 2 ranks, then in one process. Prints each run's validation \
+             Shakespeare four times from the same weights and batches: tensor-parallel, \
+             data-parallel and fully sharded on 2 ranks, then in one process. Prints each run's validation \
              loss (the single-process reference first) and, for the distributed runs, the largest difference from the \
              single-process losses over the first 100 steps (exit 1 if one reaches 1e-4, or 2e-2 \
              with --dtype bf16); then \
