@@ -94,11 +94,17 @@ fn run(rank: usize, world: usize, n: usize) -> R {
     Ok(())
 }
 
+/// The 16-bit all_reduce's error against the float64 sum (see the file's docs).
+#[derive(clap::Parser, Debug)]
+#[command(name = "low_precision_error")]
+struct Args {
+    /// Elements per rank.
+    #[arg(default_value_t = 1 << 20)]
+    n: usize,
+}
+
 fn main() -> R {
-    let n: usize = match std::env::args().nth(1) {
-        Some(v) => v.parse().map_err(|e| format!("bad n {v:?}: {e}"))?,
-        None => 1 << 20,
-    };
+    let n = <Args as clap::Parser>::parse().n;
     tensorplay_core::set_num_threads(1);
     // the children run this again (spawn re-executes the program): only the parent names the
     // report file, clears it and prints

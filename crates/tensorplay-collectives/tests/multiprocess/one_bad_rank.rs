@@ -163,7 +163,7 @@ fn one_ranks_bad_arguments_fail_the_call_on_every_rank_and_the_next_call_is_righ
             "all_gather bool input",
             rank,
             dist::all_gather(&zs(N, &[2]), &input, None),
-            "float32, float64 or int64",
+            "float32, float64, int64, bfloat16 or float16",
             rejected,
         )?;
         all_gather_ok(rank, c)?;
@@ -203,7 +203,7 @@ fn one_ranks_bad_arguments_fail_the_call_on_every_rank_and_the_next_call_is_righ
             "gather bool input",
             rank,
             dist::gather(&input, (rank == 0).then_some(&list[..]), 0, None),
-            "float32, float64 or int64",
+            "float32, float64, int64, bfloat16 or float16",
             rejected,
         )?;
         gather_ok(rank, c)?;

@@ -266,7 +266,14 @@ impl GradScaler {
         let inv = as_f32(1.0 / self.scale);
         let mut found = false;
         for (i, p) in optimizer.params().iter().enumerate() {
-            let Some(g) = p.grad() else { continue };
+            let Some(mut g) = p.grad() else { continue };
+            if g.layout().contiguous_range().is_none() {
+                // a gradient that is a view (a sum's backward gives an expanded one, whose
+                // elements share memory) is replaced by a contiguous copy: scaled in place,
+                // a shared element would be scaled once per view of it
+                g = g.contiguous()?;
+                p.set_grad(Some(g.clone()));
+            }
             found |= unscale_grad(&g, inv, i)?;
         }
         if let Some(sync) = &self.sync {
