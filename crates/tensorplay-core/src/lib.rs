@@ -81,8 +81,10 @@ pub use error::{Error, Result, fmt_error_chain};
 pub use finfo::{FInfo, finfo};
 /// The 16-bit float element types of [`DType::BF16`] and [`DType::F16`] (the `half` crate's).
 pub use half::{bf16, f16};
+pub use kernels::half_convert;
 pub use kernels::{
     CpuCapability, cpu_capability, get_num_threads, set_cpu_capability, set_num_threads,
+    with_cpu_capability,
 };
 pub use layout::{Layout, broadcast_shapes, contiguous_strides, normalize_dim};
 pub use ops::creation::{TensorOptions, arange, full, ones, rand, randint, randn, zeros};

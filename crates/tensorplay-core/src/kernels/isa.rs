@@ -171,6 +171,16 @@ pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Runs `f` compiled for the current [`cpu_capability`] (AVX-512, AVX2 or the baseline), so
+/// that plain loops inside it vectorize for the processor: the same run-time choice the core's
+/// CPU kernels make, for other crates' element loops (the collectives' 16-bit reductions).
+/// `f` should call only `#[inline(always)]` functions in its hot loops; whatever it calls out
+/// of line runs as compiled for the baseline.
+#[inline(always)]
+pub fn with_cpu_capability<R>(f: impl FnOnce() -> R) -> R {
+    dispatch(f)
+}
+
 /// `f()` compiled with AVX-512.
 ///
 /// # Safety

@@ -10,6 +10,7 @@
 pub(crate) mod attention;
 mod attention_backward;
 pub(crate) mod gemm16;
+pub mod half_convert;
 mod isa;
 pub(crate) mod loss;
 pub(crate) mod math;
@@ -17,7 +18,7 @@ mod parallel;
 pub(crate) mod reduce;
 pub(crate) mod rows;
 
-pub use isa::{CpuCapability, cpu_capability, set_cpu_capability};
+pub use isa::{CpuCapability, cpu_capability, set_cpu_capability, with_cpu_capability};
 pub use parallel::{get_num_threads, set_num_threads};
 
 use num_traits::{ToPrimitive, Zero};
