@@ -2,17 +2,18 @@
 //! float32 sum of the exact products, rounded once to the 16-bit type (round to nearest even).
 //!
 //! Three paths, chosen at run time:
-//! - [`Path::Fma`], where the kernels' capability level is AVX-512 (the default there, for
-//!   both types, when every dimension is at least [`FMA_MIN_DIM`]): A and B are widened to float32 while they are packed (A into panels of
-//!   [`MR`] rows, B into panels of [`NR`] columns), and a [`MR`] x [`NR`] tile is summed with
-//!   float32 FMAs in 24 vector registers over blocks of the inner dimension, the sums kept in
-//!   float32 between blocks;
-//! - [`Path::Dpbf16`] (bfloat16, where the processor has AVX512_BF16): the same blocking on
-//!   `VDPBF16PS`, which multiplies two pairs of bfloat16 and adds both products to a float32
-//!   lane, A and B packed as pairs of the inner dimension. Not the default: on the processor
-//!   measured (a Xeon with AVX512_BF16, issue 39 in `docs/decisions.md`) one `VDPBF16PS` (64
-//!   flops) issues about every two cycles where two float32 FMAs (32 flops each) issue every
-//!   cycle, so it reaches 78-80 GFLOP/s on one thread where the FMA path reaches 120-130;
+//! - [`Path::Dpbf16`] (bfloat16, where the processor has AVX512_BF16 and issues it fast: AMD's,
+//!   see `isa::fast_bf16_dot`; the default there at every size): `VDPBF16PS`, which multiplies
+//!   two pairs of bfloat16 and adds both products to a float32 lane, A and B packed as pairs
+//!   of the inner dimension, with the blocking below. On the Intel Xeon measured (issue 39 in
+//!   `docs/decisions.md`) one `VDPBF16PS` (64 flops) issues about every two cycles where two
+//!   float32 FMAs (32 flops each) issue every cycle, so there it reaches 78-80 GFLOP/s on one
+//!   thread where the FMA path reaches 120-130; on an AMD EPYC 160-185 against 100-110;
+//! - [`Path::Fma`], where the kernels' capability level is AVX-512 (otherwise the default
+//!   there, for both types, when every dimension is at least [`FMA_MIN_DIM`]): A and B are
+//!   widened to float32 while they are packed (A into panels of [`MR`] rows, B into panels of
+//!   [`NR`] columns), and a [`MR`] x [`NR`] tile is summed with float32 FMAs in 24 vector
+//!   registers over blocks of the inner dimension, the sums kept in float32 between blocks;
 //! - [`Path::Convert`], below AVX-512 and for smaller products: both operands converted to
 //!   float32 and the float32 `gemm`.
 //!
@@ -25,7 +26,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::{CpuCapability, cpu_capability, with_pool};
+use super::{CpuCapability, cpu_capability, half_convert, with_pool};
 
 /// Rows of the micro-kernels' tile.
 const MR: usize = 12;
@@ -66,12 +67,13 @@ const KEEP_PACKED: usize = 1 << 22;
 /// Which kernel a product runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Path {
-    /// [`Path::Fma`] where the capability level is AVX-512, else [`Path::Convert`].
+    /// The default: [`Path::Dpbf16`] for bfloat16 where `isa::fast_bf16_dot`, else [`Path::Fma`]
+    /// for products whose dimensions are all at least [`FMA_MIN_DIM`] at capability AVX-512,
+    /// else [`Path::Convert`].
     Auto,
     /// Operands widened while packed, float32 FMA micro-kernel (needs AVX-512 F).
     Fma,
     /// bfloat16 pairs, `VDPBF16PS` micro-kernel (needs AVX-512 F and BF16).
-    #[cfg_attr(not(test), allow(dead_code))]
     Dpbf16,
     /// Convert to float32 and use the float32 `gemm`.
     Convert,
@@ -153,15 +155,16 @@ pub(super) fn gemm_on<T: Half16>(
     if !prologue(dst, dims, &lhs, &rhs, read_dst) {
         return;
     }
-    // `Auto` takes the FMA kernel only for large products: at the GPT's shapes (an inner or
-    // outer dimension of 128 to 512) converting and running the float32 `gemm` took about a
-    // third less time per training step than the FMA kernel (issue 39, docs/benchmarks.md),
-    // while at 1024^3 the FMA kernel is the faster
+    // `Auto`: bfloat16 on `VDPBF16PS` where the processor issues it fast (`fast_bf16_dot`:
+    // 1.5-1.8x the other paths at every shape measured there); otherwise the FMA kernel for
+    // large products only: at the GPT's shapes (an inner or outer dimension of 128 to 512)
+    // converting and running the float32 `gemm` was as fast or faster (issue 39,
+    // docs/decisions.md), while at 1024^3 the FMA kernel was the faster on the Xeon measured
     let (m, n, k) = dims;
-    let path = if path == Path::Auto && m.min(n).min(k) < FMA_MIN_DIM {
-        Path::Convert
-    } else {
-        path
+    let path = match path {
+        Path::Auto if T::IS_BF16 && super::isa::fast_bf16_dot() => Path::Dpbf16,
+        Path::Auto if m.min(n).min(k) < FMA_MIN_DIM => Path::Convert,
+        p => p,
     };
     match resolve::<T>(path) {
         Path::Fma => run(&Wide { lhs, rhs }, BLOCKING, dst, dims, read_dst, par),
@@ -202,42 +205,59 @@ fn prologue<T: Copy + Default>(
     true
 }
 
-/// The 16-bit float types' conversions to and from float32.
+/// The 16-bit float types' conversions to and from float32 (whole slices, vectorized through
+/// [`super::half_convert`]'s branch-free element conversions).
 pub(super) trait Half16: Copy + Default + Send + Sync {
     /// Whether this is bfloat16 (the pair kernel reads its bits).
     const IS_BF16: bool;
-    /// `dst[i] = src[i]` exactly.
-    fn widen(src: &[Self], dst: &mut [f32]);
-    /// `dst[i] = round(src[i] + dst[i])` with `add`, else `round(src[i])`, each rounded once
-    /// to nearest even.
-    fn narrow(src: &[f32], dst: &mut [Self], add: bool);
+    /// One element widened (exact).
+    fn up(x: Self) -> f32;
+    /// One element rounded to nearest even.
+    fn down(x: f32) -> Self;
     /// The bits of bfloat16 elements (empty for float16).
     fn bf16_bits(s: &[Self]) -> &[u16];
-}
 
-impl Half16 for bf16 {
-    const IS_BF16: bool = true;
-    fn widen(src: &[bf16], dst: &mut [f32]) {
-        super::dispatch(
-            #[inline(always)]
-            || {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = bf16_to_f32(s.to_bits());
-                }
-            },
-        )
-    }
-    fn narrow(src: &[f32], dst: &mut [bf16], add: bool) {
-        let dst: &mut [u16] = dst.reinterpret_cast_mut();
+    /// `dst[i] = src[i]` exactly.
+    fn widen(src: &[Self], dst: &mut [f32]) {
         super::dispatch(
             #[inline(always)]
             || {
                 for (d, &s) in dst.iter_mut().zip(src) {
-                    let v = if add { s + bf16_to_f32(*d) } else { s };
-                    *d = f32_to_bf16(v);
+                    *d = Self::up(s);
                 }
             },
         )
+    }
+
+    /// `dst[i] = round(src[i] + dst[i])` with `add`, else `round(src[i])`, each rounded once
+    /// to nearest even.
+    fn narrow(src: &[f32], dst: &mut [Self], add: bool) {
+        super::dispatch(
+            #[inline(always)]
+            || {
+                if add {
+                    for (d, &s) in dst.iter_mut().zip(src) {
+                        *d = Self::down(s + Self::up(*d));
+                    }
+                } else {
+                    for (d, &s) in dst.iter_mut().zip(src) {
+                        *d = Self::down(s);
+                    }
+                }
+            },
+        )
+    }
+}
+
+impl Half16 for bf16 {
+    const IS_BF16: bool = true;
+    #[inline(always)]
+    fn up(x: bf16) -> f32 {
+        half_convert::bf16_to_f32(x)
+    }
+    #[inline(always)]
+    fn down(x: f32) -> bf16 {
+        half_convert::f32_to_bf16(x)
     }
     fn bf16_bits(s: &[bf16]) -> &[u16] {
         s.reinterpret_cast()
@@ -246,46 +266,16 @@ impl Half16 for bf16 {
 
 impl Half16 for f16 {
     const IS_BF16: bool = false;
-    fn widen(src: &[f16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
+    #[inline(always)]
+    fn up(x: f16) -> f32 {
+        half_convert::f16_to_f32(x)
     }
-    fn narrow(src: &[f32], dst: &mut [f16], add: bool) {
-        if !add {
-            return dst.convert_from_f32_slice(src);
-        }
-        let mut sum = [0.0f32; 64];
-        for (d, s) in dst.chunks_mut(64).zip(src.chunks(64)) {
-            let sum = &mut sum[..d.len()];
-            d.convert_to_f32_slice(sum);
-            for (a, b) in sum.iter_mut().zip(s) {
-                *a += b;
-            }
-            d.convert_from_f32_slice(sum);
-        }
+    #[inline(always)]
+    fn down(x: f32) -> f16 {
+        half_convert::f32_to_f16(x)
     }
     fn bf16_bits(_: &[f16]) -> &[u16] {
         &[]
-    }
-}
-
-/// bfloat16 bits as float32 (exact).
-#[inline(always)]
-fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
-}
-
-/// float32 to bfloat16 bits, rounded to nearest even; a NaN stays a (quiet) NaN. The same bits
-/// as `half::bf16::from_f32`, written without branches so that row loops vectorise.
-#[inline(always)]
-fn f32_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
-    // below the NaNs, adding at most 0x8000 cannot carry out of 32 bits
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-    if nan {
-        ((b >> 16) | 0x40) as u16
-    } else {
-        rounded
     }
 }
 
@@ -308,6 +298,37 @@ fn widen_row<T: Half16>(
     }
 }
 
+/// `r x c` of `op` widened into `out` (resized), and the strides to walk it by: a dense
+/// operand (row- or column-major, as a transposed weight is) is widened in memory order and
+/// keeps its strides; any other is gathered row by row into a row-major copy.
+fn widen_operand<T: Half16>(
+    op: Operand<'_, T>,
+    (r, c): (usize, usize),
+    tmp: &mut Vec<T>,
+    out: &mut Vec<f32>,
+) -> (isize, isize) {
+    let (s, rs, cs) = op;
+    let (urs, ucs) = (rs.unsigned_abs(), cs.unsigned_abs());
+    let span = (r - 1) * urs + (c - 1) * ucs + 1;
+    let dense = (urs == c && ucs == 1) || (urs == 1 && ucs == r);
+    out.resize(out.len().max(r * c), 0.0);
+    if dense && span == r * c {
+        T::widen(&s[..span], &mut out[..span]);
+        return (rs, cs);
+    }
+    for (i, o) in out[..r * c].chunks_exact_mut(c).enumerate() {
+        widen_row(op, (i, 0, c), tmp, o);
+    }
+    (c as isize, 1)
+}
+
+thread_local! {
+    /// This thread's float32 copies of A, B and the product from the last converted product,
+    /// reused (at most [`KEEP_PACKED`] elements each).
+    static CONVERTED: std::cell::RefCell<[Vec<f32>; 3]> =
+        const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
+}
+
 /// The conversion path: both operands widened to float32, the float32 product (on the intra-op
 /// threads above `gemm_into`'s threshold), each element rounded once.
 fn via_f32<T: Half16>(
@@ -317,24 +338,22 @@ fn via_f32<T: Half16>(
     rhs: Operand<'_, T>,
     read_dst: bool,
 ) {
+    let [mut a, mut b, mut c] = CONVERTED.with(|v| std::mem::take(&mut *v.borrow_mut()));
     let mut tmp = Vec::new();
-    let mut a = vec![0.0f32; m * k];
-    for (r, o) in a.chunks_exact_mut(k).enumerate() {
-        widen_row(lhs, (r, 0, k), &mut tmp, o);
-    }
-    let mut b = vec![0.0f32; k * n];
-    for (r, o) in b.chunks_exact_mut(n).enumerate() {
-        widen_row(rhs, (r, 0, n), &mut tmp, o);
-    }
-    let mut c = vec![0.0f32; m * n];
+    let (ars, acs) = widen_operand(lhs, (m, k), &mut tmp, &mut a);
+    let (brs, bcs) = widen_operand(rhs, (k, n), &mut tmp, &mut b);
+    c.resize(c.len().max(m * n), 0.0);
     crate::ops::matmul::gemm_into(
-        &mut c,
+        &mut c[..m * n],
         (m, n, k),
-        (&a, k as isize, 1),
-        (&b, n as isize, 1),
+        (&a, ars, acs),
+        (&b, brs, bcs),
         false,
     );
-    T::narrow(&c, &mut dst[..m * n], read_dst);
+    T::narrow(&c[..m * n], &mut dst[..m * n], read_dst);
+    if a.len().max(b.len()).max(c.len()) <= KEEP_PACKED {
+        CONVERTED.with(|v| *v.borrow_mut() = [a, b, c]);
+    }
 }
 
 /// A micro-kernel and the packing it reads. A is packed in panels of [`MR`] rows, each

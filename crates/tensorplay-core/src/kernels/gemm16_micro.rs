@@ -107,15 +107,29 @@ impl Micro for Pairs<'_> {
     fn pack_a(&self, panel: &mut [u32], i0: usize, m: usize, k: usize) {
         let (a, rs, cs) = self.lhs;
         let h = MR.min(m - i0);
-        for (p, g) in panel.chunks_exact_mut(MR).enumerate() {
-            for (r, g) in g.iter_mut().enumerate() {
-                let at = |c: usize| u32::from(a[(i0 + r) * rs + c * cs]);
-                let hi = if 2 * p + 1 < k && r < h {
-                    at(2 * p + 1)
-                } else {
-                    0
-                };
-                *g = if r < h { at(2 * p) | hi << 16 } else { 0 };
+        if h < MR {
+            panel.fill(0);
+        }
+        if cs != 1 {
+            // step by step: a transposed A's rows are adjacent within a step
+            for (p, g) in panel.chunks_exact_mut(MR).enumerate() {
+                let (c0, c1) = (2 * p * cs, (2 * p + 1) * cs);
+                for (r, g) in g[..h].iter_mut().enumerate() {
+                    let at = (i0 + r) * rs;
+                    *g = pair(a[at + c0], if 2 * p + 1 < k { a[at + c1] } else { 0 });
+                }
+            }
+            return;
+        }
+        // row by row: a row's pairs are adjacent elements
+        for r in 0..h {
+            let at = (i0 + r) * rs;
+            let row = &a[at..at + k];
+            let (pairs, odd) = row.split_at(k & !1);
+            let pairs = pairs.chunks_exact(2).map(|x| pair(x[0], x[1]));
+            let dst = panel.iter_mut().skip(r).step_by(MR);
+            for (g, v) in dst.zip(pairs.chain(odd.iter().map(|&x| pair(x, 0)))) {
+                *g = v;
             }
         }
     }
@@ -146,17 +160,45 @@ impl Pairs<'_> {
     fn pack_b_panel(&self, panel: &mut [u32], j0: usize, n: usize, k: usize) {
         let (b, rs, cs) = self.rhs;
         let w = NR.min(n.saturating_sub(j0));
+        if w < NR {
+            panel.fill(0);
+        }
+        if rs == 1 {
+            // columns contiguous (a transposed weight): a column's pairs are adjacent
+            for j in 0..w {
+                let col = &b[(j0 + j) * cs..(j0 + j) * cs + k];
+                let (pairs, odd) = col.split_at(k & !1);
+                let pairs = pairs.chunks_exact(2).map(|x| pair(x[0], x[1]));
+                let dst = panel.iter_mut().skip(j).step_by(NR);
+                for (g, v) in dst.zip(pairs.chain(odd.iter().map(|&x| pair(x, 0)))) {
+                    *g = v;
+                }
+            }
+            return;
+        }
+        // rows contiguous (or neither): two rows interleaved per step
         for (p, g) in panel.chunks_exact_mut(NR).enumerate() {
             let (k0, k1) = (2 * p * rs, (2 * p + 1) * rs);
-            let has1 = 2 * p + 1 < k;
-            for (j, g) in g[..w].iter_mut().enumerate() {
-                let c = (j0 + j) * cs;
-                let hi = if has1 { u32::from(b[k1 + c]) } else { 0 };
-                *g = u32::from(b[k0 + c]) | hi << 16;
+            let g = &mut g[..w];
+            if 2 * p + 1 < k && cs == 1 {
+                let (r0, r1) = (&b[k0 + j0..k0 + j0 + w], &b[k1 + j0..k1 + j0 + w]);
+                for (g, (&lo, &hi)) in g.iter_mut().zip(r0.iter().zip(r1)) {
+                    *g = pair(lo, hi);
+                }
+            } else {
+                for (j, g) in g.iter_mut().enumerate() {
+                    let c = (j0 + j) * cs;
+                    *g = pair(b[k0 + c], if 2 * p + 1 < k { b[k1 + c] } else { 0 });
+                }
             }
-            g[w..].fill(0);
         }
     }
+}
+
+/// Two bfloat16 (bits) as one packed pair: `lo` in the low half (the even step).
+#[inline(always)]
+fn pair(lo: u16, hi: u16) -> u32 {
+    u32::from(lo) | u32::from(hi) << 16
 }
 
 /// Writes (or with `!first` adds onto `c`) the `MR x 2` vectors of `acc`'s tile: the body of

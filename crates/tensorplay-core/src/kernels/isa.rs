@@ -171,6 +171,32 @@ pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Whether bfloat16 products should run on `VDPBF16PS` (AVX512_BF16's dot products): where
+/// the processor has it and issues it fast enough to beat widening to float32, which holds on
+/// AMD's processors (Zen 4: 160-185 GFLOP/s on one thread against 100-110 for the float32
+/// FMA path) and not on the Intel Xeon measured (77 against 120-130: one `VDPBF16PS` every
+/// 2.2 cycles). Decided by vendor, not timed, so a machine always takes the same path and
+/// gives the same bits (docs/decisions.md, issue 39).
+pub(crate) fn fast_bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FAST.get_or_init(|| {
+            #[allow(unused_unsafe)]
+            // SAFETY: CPUID leaf 0 exists on every x86-64 processor (the intrinsic is safe
+            // from Rust 1.90; the block keeps the 1.89 minimum compiling)
+            let id = unsafe { std::arch::x86_64::__cpuid(0) };
+            let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect();
+            std::arch::is_x86_feature_detected!("avx512bf16") && vendor == b"AuthenticAMD"
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Runs `f` compiled for the current [`cpu_capability`] (AVX-512, AVX2 or the baseline), so
 /// that plain loops inside it vectorize for the processor: the same run-time choice the core's
 /// CPU kernels make, for other crates' element loops (the collectives' 16-bit reductions).

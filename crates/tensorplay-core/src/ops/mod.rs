@@ -21,6 +21,7 @@ pub(crate) mod view;
 
 use crate::backend;
 use crate::cuda::CudaStorage;
+use crate::kernels::math::Elem;
 use crate::storage::StorageElement;
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
@@ -78,7 +79,22 @@ macro_rules! impl_wrapping_float {
         }
     )*};
 }
-impl_wrapping_float!(f32, f64, half::bf16, half::f16);
+impl_wrapping_float!(f32, f64);
+/// The 16-bit types: in float32, rounded once, with the kernels' branch-free conversions (so
+/// their loops vectorize; `half`'s operators round the same but branch).
+macro_rules! impl_wrapping_half {
+    ($($t:ty),*) => {$(
+        impl WrappingArith for $t {
+            #[inline(always)]
+            fn wadd(self, o: Self) -> Self { <$t as Elem>::store(self.load() + o.load()) }
+            #[inline(always)]
+            fn wsub(self, o: Self) -> Self { <$t as Elem>::store(self.load() - o.load()) }
+            #[inline(always)]
+            fn wmul(self, o: Self) -> Self { <$t as Elem>::store(self.load() * o.load()) }
+        }
+    )*};
+}
+impl_wrapping_half!(half::bf16, half::f16);
 impl WrappingArith for i64 {
     #[inline]
     fn wadd(self, o: Self) -> Self {
