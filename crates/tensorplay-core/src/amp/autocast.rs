@@ -131,6 +131,9 @@ impl Drop for AutocastGuard {
 /// ignored, as PyTorch's device type is) with `dtype`, until the guard drops
 /// (`with torch.autocast(device, dtype)`). Regions nest; the inner one wins while it lives.
 ///
+/// Where CUDA is not available, a CUDA region is disabled with a warning on standard error
+/// (once per process), as PyTorch does, so that a script written for a GPU still runs.
+///
 /// # Errors
 /// An unparsable device, the meta device, or a `dtype` other than bfloat16 or float16.
 ///
@@ -173,6 +176,15 @@ pub fn autocast_with(device: impl IntoDevice, options: AutocastOptions) -> Resul
         )
     })?;
     let dtype = options.dtype.unwrap_or_else(|| kind.default_dtype());
+    let mut enabled = options.enabled;
+    if enabled && kind == Kind::Cuda && !crate::cuda::is_available() {
+        // PyTorch warns and disables, so that a script written for a GPU still runs
+        crate::kernels::warn_once(
+            "autocast-cuda",
+            "autocast(\"cuda\") was asked for but CUDA is not available: the region is disabled",
+        );
+        enabled = false;
+    }
     if !dtype.is_half() {
         return Err(Error::UnsupportedDType {
             op: "autocast",
@@ -181,7 +193,7 @@ pub fn autocast_with(device: impl IntoDevice, options: AutocastOptions) -> Resul
         });
     }
     let region = Region {
-        enabled: options.enabled,
+        enabled,
         dtype,
         cache: options.cache_enabled,
     };
@@ -191,7 +203,7 @@ pub fn autocast_with(device: impl IntoDevice, options: AutocastOptions) -> Resul
         s.frames.push(Frame {
             kind,
             previous,
-            enabled: options.enabled,
+            enabled,
         });
         AutocastGuard {
             depth: s.frames.len() - 1,

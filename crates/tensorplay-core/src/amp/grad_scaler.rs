@@ -162,7 +162,7 @@ fn check_scale(op: &'static str, arg: &'static str, scale: f64) -> Result<()> {
 }
 
 fn warn_bf16(what: &str) {
-    crate::kernels::warn_env(
+    crate::kernels::warn_once(
         "GradScaler/bfloat16",
         &format!(
             "GradScaler used with a bfloat16 {what}: bfloat16 has float32's exponent range and \

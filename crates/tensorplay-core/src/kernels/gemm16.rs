@@ -162,7 +162,14 @@ pub(super) fn gemm_on<T: Half16>(
     // docs/decisions.md), while at 1024^3 the FMA kernel was the faster on the Xeon measured
     let (m, n, k) = dims;
     let path = match path {
-        Path::Auto if T::IS_BF16 && super::isa::fast_bf16_dot() => Path::Dpbf16,
+        Path::Auto
+            if T::IS_BF16
+                && super::isa::fast_bf16_dot()
+                && !has_tiny(&lhs, (m, k))
+                && !has_tiny(&rhs, (k, n)) =>
+        {
+            Path::Dpbf16
+        }
         Path::Auto if m.min(n).min(k) < FMA_MIN_DIM => Path::Convert,
         p => p,
     };
@@ -171,6 +178,24 @@ pub(super) fn gemm_on<T: Half16>(
         Path::Dpbf16 => run(&Pairs::of(lhs, rhs), BLOCKING, dst, dims, read_dst, par),
         _ => via_f32(dst, dims, lhs, rhs, read_dst),
     }
+}
+
+/// Whether a bfloat16 operand holds a nonzero element below 2^-63 in magnitude (subnormals
+/// included): `VDPBF16PS` reads subnormal inputs as zero and flushes subnormal products and
+/// sums, so such an operand takes an exact path instead (any product of two elements of
+/// 2^-63 or more is a float32 normal). Scans the operand's whole extent (elements between
+/// strided rows too: a false alarm only costs speed); false for float16.
+fn has_tiny<T: Half16>((s, rs, cs): &Operand<'_, T>, (r, c): (usize, usize)) -> bool {
+    let bits = T::bf16_bits(s);
+    let span = (r - 1) * rs.unsigned_abs() + (c - 1) * cs.unsigned_abs() + 1;
+    super::dispatch(
+        #[inline(always)]
+        || {
+            bits[..span.min(bits.len())].iter().fold(false, |any, &x| {
+                any | ((x & 0x7f80) < (64 << 7) && x & 0x7fff != 0)
+            })
+        },
+    )
 }
 
 /// Checks the extents and handles the empty products; false when nothing is left to do.

@@ -109,7 +109,7 @@ pub fn cpu_capability() -> CpuCapability {
         Ok(v) => match CpuCapability::parse(&v) {
             Some(l) if l <= best => l,
             Some(l) => {
-                super::warn_env(
+                super::warn_once(
                     "TENSORPLAY_CPU_CAPABILITY",
                     &format!(
                         "TENSORPLAY_CPU_CAPABILITY={v}: this processor lacks {l}; using {best}"
@@ -118,7 +118,7 @@ pub fn cpu_capability() -> CpuCapability {
                 best
             }
             None => {
-                super::warn_env(
+                super::warn_once(
                     "TENSORPLAY_CPU_CAPABILITY",
                     &format!(
                         "TENSORPLAY_CPU_CAPABILITY={v:?} is not one of default, avx2, avx512; \

@@ -31,16 +31,17 @@ use math::Elem;
 use parallel::map_chunks;
 pub(crate) use parallel::{for_each_chunk, with_pool};
 
-/// Reports an environment variable that was set to a value we cannot use, once per process
-/// and variable, on standard error as well as through `tracing` (which prints nothing unless
-/// the program installed a subscriber, and a mistyped setting must not go unnoticed).
-pub(crate) fn warn_env(var: &str, message: &str) {
+/// Reports a setting we cannot honour (an environment variable set to a value we cannot use,
+/// autocast for an absent device), once per process and `key`, on standard error as well as
+/// through `tracing` (which prints nothing unless the program installed a subscriber, and a
+/// mistyped setting must not go unnoticed).
+pub(crate) fn warn_once(key: &str, message: &str) {
     static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
-    if seen.iter().any(|v| v == var) {
+    if seen.iter().any(|v| v == key) {
         return;
     }
-    seen.push(var.to_string());
+    seen.push(key.to_string());
     tracing::warn!("{message}");
     eprintln!("tensorplay: warning: {message}");
 }

@@ -51,14 +51,14 @@ fn default_threads() -> usize {
             match v.trim().parse::<usize>() {
                 Ok(n) if (1..=MAX_NUM_THREADS).contains(&n) => Some(n),
                 Ok(n) if n > MAX_NUM_THREADS => {
-                    super::warn_env(
+                    super::warn_once(
                         "OMP_NUM_THREADS",
                         &format!("OMP_NUM_THREADS={n} is above {MAX_NUM_THREADS}; using {MAX_NUM_THREADS}"),
                     );
                     Some(MAX_NUM_THREADS)
                 }
                 _ => {
-                    super::warn_env(
+                    super::warn_once(
                         "OMP_NUM_THREADS",
                         &format!(
                             "OMP_NUM_THREADS={v:?} is not a positive integer; ignored (the \

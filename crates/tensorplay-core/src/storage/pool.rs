@@ -98,7 +98,7 @@ pub fn cache_limit_bytes() -> usize {
         match cache_bytes_of(&v) {
             Some(b) => b,
             None => {
-                crate::kernels::warn_env(
+                crate::kernels::warn_once(
                     "TENSORPLAY_CPU_CACHE_MIB",
                     &format!(
                         "TENSORPLAY_CPU_CACHE_MIB={v:?} is not a whole number of MiB that fits \

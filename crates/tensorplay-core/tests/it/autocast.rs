@@ -172,6 +172,16 @@ fn regions_nest_disable_and_restore() -> tp::Result<()> {
         tp::autocast("meta", DType::BF16).is_err(),
         "no autocast on meta"
     );
+    {
+        // as PyTorch: without CUDA a CUDA region is disabled (with a warning), not an error
+        let _cuda = tp::autocast("cuda", DType::F16)?;
+        assert_eq!(
+            tp::is_autocast_enabled("cuda"),
+            tp::cuda::is_available(),
+            "a CUDA region is on exactly where CUDA is available"
+        );
+        assert!(!tp::is_autocast_enabled("cpu"), "the CPU stays off");
+    }
     Ok(())
 }
 

@@ -824,3 +824,99 @@ fn optimizers_refuse_16_bit_parameters_when_built() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// tiny magnitudes in matrix products
+
+/// One bfloat16/float16 product whose elements or partial products are tiny: `a` (`1 x k`,
+/// every element `2^ea`) times `b` (`k x n`, every element `2^eb`).
+struct TinyCase {
+    name: &'static str,
+    k: usize,
+    n: usize,
+    ea: i32,
+    eb: i32,
+}
+
+/// The 16-bit product equals the float32 product of the same (exact) values rounded once: on
+/// a processor whose bfloat16 kernel flushes subnormals (`VDPBF16PS`), operands this small
+/// take the exact path.
+fn check_tiny(c: &TinyCase, dtype: DType) {
+    let run = |dt: DType| -> Vec<f32> {
+        let a = Tensor::full(&[1, c.k], 2f64.powi(c.ea), DType::F32).and_then(|t| t.to_dtype(dt));
+        let b = Tensor::full(&[c.k, c.n], 2f64.powi(c.eb), DType::F32).and_then(|t| t.to_dtype(dt));
+        let y = a.and_then(|a| b.and_then(|b| a.matmul(&b)));
+        y.and_then(|y| y.to_dtype(DType::F32))
+            .and_then(|y| y.to_vec::<f32>())
+            .unwrap_or_else(|e| panic!("{} ({dtype}): {e}", c.name))
+    };
+    let want: Vec<f32> = Tensor::from_vec(run(DType::F32), &[c.n])
+        .and_then(|t| t.to_dtype(dtype))
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.to_vec::<f32>())
+        .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+    let got = run(dtype);
+    assert!(
+        want[0] != 0.0,
+        "{} ({dtype}): the case must not round to zero",
+        c.name
+    );
+    assert_eq!(got, want, "{} ({dtype})", c.name);
+}
+
+#[test]
+fn tiny_products_are_not_flushed_to_zero() {
+    let cases = [
+        TinyCase {
+            name: "products below float32's normals, sum above",
+            k: 64,
+            n: 1,
+            ea: -70,
+            eb: -60,
+        },
+        TinyCase {
+            name: "a bfloat16 subnormal input",
+            k: 1,
+            n: 1,
+            ea: -130,
+            eb: 40,
+        },
+        TinyCase {
+            name: "a subnormal result",
+            k: 1,
+            n: 1,
+            ea: -64,
+            eb: -64,
+        },
+        TinyCase {
+            name: "a tile-sized product",
+            k: 64,
+            n: 64,
+            ea: -70,
+            eb: -60,
+        },
+    ];
+    for c in &cases {
+        check_tiny(c, DType::BF16);
+    }
+    // float16's range: the same shapes at its own small magnitudes (subnormals below 2^-14)
+    let half = [
+        TinyCase {
+            name: "float16 subnormal input",
+            k: 8,
+            n: 40,
+            ea: -20,
+            eb: 3,
+        },
+        TinyCase {
+            name: "float16 subnormal result",
+            k: 2,
+            n: 33,
+            ea: -9,
+            eb: -9,
+        },
+    ];
+    for c in &half {
+        check_tiny(c, DType::F16);
+    }
+}
