@@ -406,32 +406,48 @@ fn measure_1024_one_thread() {
         });
         println!("{line} f16 gemm-native {native:.1}, f32 gemm {f:.1}");
     }
-    // the FMA path's parts: packing, and the tiles under other blockings
+    // each micro-kernel's parts: packing, and the tiles under other blockings
     let dims = (n, n, n);
+    let blockings = [
+        (256, 16, 16),
+        (128, 16, 16),
+        (192, 16, 16),
+        (384, 16, 16),
+        (256, 8, 16),
+        (256, 24, 16),
+        (256, 16, 32),
+    ];
+    fn parts<K: Micro>(
+        name: &str,
+        kern: &K,
+        dims: (usize, usize, usize),
+        blockings: &[(usize, usize, usize)],
+        out: &mut [bf16],
+        gflops: &dyn Fn(&mut dyn FnMut()) -> f64,
+    ) {
+        let flop = 2.0 * (dims.0 * dims.1 * dims.2) as f64;
+        let (mut pa, mut pb) = (Vec::new(), Vec::new());
+        let pack_ms = flop / gflops(&mut || pack(kern, dims, false, (&mut pa, &mut pb))) / 1e6;
+        let mut line =
+            format!("bf16 {name} parts: packing {pack_ms:.2} ms; tiles and rounding GFLOP/s:");
+        for &(kb, mc, nc) in blockings {
+            let bl = Blocking {
+                kb,
+                mc: mc * MR,
+                nc: nc * NR,
+            };
+            let g = gflops(&mut || compute::<bf16, K>(&pa, &pb, bl, out, dims, false, false));
+            line += &format!(" kb {kb} mc {} nc {}: {g:.1},", bl.mc, bl.nc);
+        }
+        println!("{line}");
+    }
     let wide = Wide {
         lhs: (&ab[..], s, 1),
         rhs: (&bb[..], s, 1),
     };
-    let flop = 2.0 * (n as f64).powi(3);
-    let (mut pa, mut pb) = (Vec::new(), Vec::new());
-    let pack_ms = flop / gflops(&mut || pack(&wide, dims, false, (&mut pa, &mut pb))) / 1e6;
-    let mut line = format!("bf16 Fma parts: packing {pack_ms:.2} ms; tiles and rounding GFLOP/s:");
-    for (kb, mc, nc) in [
-        (256, 16, 16),
-        (128, 16, 16),
-        (192, 16, 16),
-        (256, 8, 16),
-        (256, 16, 32),
-    ] {
-        let bl = Blocking {
-            kb,
-            mc: mc * MR,
-            nc: nc * NR,
-        };
-        let g = gflops(&mut || {
-            compute::<bf16, Wide<'_, bf16>>(&pa, &pb, bl, &mut cb, dims, false, false)
-        });
-        line += &format!(" kb {kb} mc {} nc {}: {g:.1},", bl.mc, bl.nc);
+    parts("Fma", &wide, dims, &blockings, &mut cb, &gflops);
+    if resolve::<bf16>(Path::Dpbf16) == Path::Dpbf16 {
+        let pairs = Pairs::of((&ab[..], s, 1), (&bb[..], s, 1));
+        parts("Dpbf16", &pairs, dims, &blockings, &mut cb, &gflops);
     }
-    println!("{line}");
 }
