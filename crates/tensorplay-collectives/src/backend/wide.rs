@@ -5,14 +5,15 @@
 //! (for `Avg`) and rounded once to the 16-bit type (round to nearest even, NaN kept), so a
 //! sum over `w` ranks rounds once rather than `w - 1` times. The pass runs in cache-sized
 //! pieces, one monomorphic loop per op compiled for the processor's vector instructions, with
-//! the core's branch-free conversions ([`half_convert`]) fused into it, so the loops vectorize.
+//! the core's branch-free conversions (`tensorplay_core::half_convert`) fused into it, so the loops vectorize.
 //! float32, float64 and int64 buffers reduce pairwise as [`reduce_into`] does (bit for bit the
 //! same as before).
 //!
 //! [`widen`] and [`narrow`] convert whole buffers for the paths where partial sums travel in
 //! float32 (the TCP ring: see `cpu::route`).
 
-use tensorplay_core::{DType, bf16, f16, half_convert, with_cpu_capability};
+use tensorplay_core::half_convert::HalfFloat as Half;
+use tensorplay_core::{DType, bf16, f16, with_cpu_capability};
 
 use super::{BufMut, BufRef, reduce_into};
 use crate::{Error, ReduceOp, Result};
@@ -75,37 +76,6 @@ fn f16_of(b: BufRef<'_>) -> Option<&[f16]> {
     match b {
         BufRef::F16(s) => Some(s),
         _ => None,
-    }
-}
-
-/// A 16-bit element type and its branch-free conversions to and from float32 (the core's
-/// [`half_convert`], so loops of them vectorize).
-trait Half: Copy {
-    /// One element widened (exact).
-    fn up(x: Self) -> f32;
-    /// One element rounded to nearest even, NaN kept.
-    fn down(x: f32) -> Self;
-}
-
-impl Half for bf16 {
-    #[inline(always)]
-    fn up(x: Self) -> f32 {
-        half_convert::bf16_to_f32(x)
-    }
-    #[inline(always)]
-    fn down(x: f32) -> Self {
-        half_convert::f32_to_bf16(x)
-    }
-}
-
-impl Half for f16 {
-    #[inline(always)]
-    fn up(x: Self) -> f32 {
-        half_convert::f16_to_f32(x)
-    }
-    #[inline(always)]
-    fn down(x: f32) -> Self {
-        half_convert::f32_to_f16(x)
     }
 }
 

@@ -26,7 +26,8 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::{CpuCapability, cpu_capability, half_convert, with_pool};
+use super::half_convert::HalfFloat;
+use super::{CpuCapability, cpu_capability, with_pool};
 
 /// Rows of the micro-kernels' tile.
 const MR: usize = 12;
@@ -232,13 +233,9 @@ fn prologue<T: Copy + Default>(
 
 /// The 16-bit float types' conversions to and from float32 (whole slices, vectorized through
 /// [`super::half_convert`]'s branch-free element conversions).
-pub(super) trait Half16: Copy + Default + Send + Sync {
+pub(super) trait Half16: HalfFloat {
     /// Whether this is bfloat16 (the pair kernel reads its bits).
     const IS_BF16: bool;
-    /// One element widened (exact).
-    fn up(x: Self) -> f32;
-    /// One element rounded to nearest even.
-    fn down(x: f32) -> Self;
     /// The bits of bfloat16 elements (empty for float16).
     fn bf16_bits(s: &[Self]) -> &[u16];
 
@@ -248,7 +245,7 @@ pub(super) trait Half16: Copy + Default + Send + Sync {
             #[inline(always)]
             || {
                 for (d, &s) in dst.iter_mut().zip(src) {
-                    *d = Self::up(s);
+                    *d = s.up();
                 }
             },
         )
@@ -262,7 +259,7 @@ pub(super) trait Half16: Copy + Default + Send + Sync {
             || {
                 if add {
                     for (d, &s) in dst.iter_mut().zip(src) {
-                        *d = Self::down(s + Self::up(*d));
+                        *d = Self::down(s + d.up());
                     }
                 } else {
                     for (d, &s) in dst.iter_mut().zip(src) {
@@ -276,14 +273,6 @@ pub(super) trait Half16: Copy + Default + Send + Sync {
 
 impl Half16 for bf16 {
     const IS_BF16: bool = true;
-    #[inline(always)]
-    fn up(x: bf16) -> f32 {
-        half_convert::bf16_to_f32(x)
-    }
-    #[inline(always)]
-    fn down(x: f32) -> bf16 {
-        half_convert::f32_to_bf16(x)
-    }
     fn bf16_bits(s: &[bf16]) -> &[u16] {
         s.reinterpret_cast()
     }
@@ -291,14 +280,6 @@ impl Half16 for bf16 {
 
 impl Half16 for f16 {
     const IS_BF16: bool = false;
-    #[inline(always)]
-    fn up(x: f16) -> f32 {
-        half_convert::f16_to_f32(x)
-    }
-    #[inline(always)]
-    fn down(x: f32) -> f16 {
-        half_convert::f32_to_f16(x)
-    }
     fn bf16_bits(_: &[f16]) -> &[u16] {
         &[]
     }

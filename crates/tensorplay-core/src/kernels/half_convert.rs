@@ -71,6 +71,37 @@ pub fn f32_to_f16(x: f32) -> f16 {
     f16::from_bits((o | sign) as u16)
 }
 
+/// The 16-bit float types with the conversions above, for code generic over both (the
+/// kernels' loads and stores, the 16-bit matrix products, the collectives' reductions).
+pub trait HalfFloat: Copy + Default + Send + Sync + 'static {
+    /// The element widened to float32 (exact).
+    fn up(self) -> f32;
+    /// `x` rounded to the type, to nearest even (NaN kept).
+    fn down(x: f32) -> Self;
+}
+
+impl HalfFloat for bf16 {
+    #[inline(always)]
+    fn up(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn down(x: f32) -> Self {
+        f32_to_bf16(x)
+    }
+}
+
+impl HalfFloat for f16 {
+    #[inline(always)]
+    fn up(self) -> f32 {
+        f16_to_f32(self)
+    }
+    #[inline(always)]
+    fn down(x: f32) -> Self {
+        f32_to_f16(x)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

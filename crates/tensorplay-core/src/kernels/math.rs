@@ -289,32 +289,18 @@ impl Elem for f64 {
 
 /// The 16-bit float types: loaded into float32 (exact), stored rounded to nearest even, with
 /// the branch-free conversions of [`super::half_convert`] (so their loops vectorize).
-macro_rules! impl_half_elem {
-    ($t:ty, $load:path, $store:path) => {
-        impl Elem for $t {
-            type Acc = f32;
-            #[inline(always)]
-            fn load(self) -> f32 {
-                $load(self)
-            }
-            #[inline(always)]
-            fn store(v: f32) -> $t {
-                $store(v)
-            }
-            #[inline(always)]
-            fn as_acc(_: &[$t]) -> Option<&[f32]> {
-                None
-            }
-        }
-    };
+impl<T: super::half_convert::HalfFloat> Elem for T {
+    type Acc = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.up()
+    }
+    #[inline(always)]
+    fn store(v: f32) -> T {
+        T::down(v)
+    }
+    #[inline(always)]
+    fn as_acc(_: &[T]) -> Option<&[f32]> {
+        None
+    }
 }
-impl_half_elem!(
-    half::bf16,
-    super::half_convert::bf16_to_f32,
-    super::half_convert::f32_to_bf16
-);
-impl_half_elem!(
-    half::f16,
-    super::half_convert::f16_to_f32,
-    super::half_convert::f32_to_f16
-);

@@ -828,10 +828,11 @@ fn optimizers_refuse_16_bit_parameters_when_built() {
 // ---------------------------------------------------------------------------------------------
 // tiny magnitudes in matrix products
 
-/// One bfloat16/float16 product whose elements or partial products are tiny: `a` (`1 x k`,
-/// every element `2^ea`) times `b` (`k x n`, every element `2^eb`).
+/// One 16-bit product whose elements or partial products are tiny: `a` (`1 x k`, every
+/// element `2^ea`) times `b` (`k x n`, every element `2^eb`), in `dtype`.
 struct TinyCase {
     name: &'static str,
+    dtype: DType,
     k: usize,
     n: usize,
     ea: i32,
@@ -841,82 +842,57 @@ struct TinyCase {
 /// The 16-bit product equals the float32 product of the same (exact) values rounded once: on
 /// a processor whose bfloat16 kernel flushes subnormals (`VDPBF16PS`), operands this small
 /// take the exact path.
-fn check_tiny(c: &TinyCase, dtype: DType) {
+fn check_tiny(c: &TinyCase) {
+    let (name, dtype) = (c.name, c.dtype);
     let run = |dt: DType| -> Vec<f32> {
         let a = Tensor::full(&[1, c.k], 2f64.powi(c.ea), DType::F32).and_then(|t| t.to_dtype(dt));
         let b = Tensor::full(&[c.k, c.n], 2f64.powi(c.eb), DType::F32).and_then(|t| t.to_dtype(dt));
         let y = a.and_then(|a| b.and_then(|b| a.matmul(&b)));
         y.and_then(|y| y.to_dtype(DType::F32))
             .and_then(|y| y.to_vec::<f32>())
-            .unwrap_or_else(|e| panic!("{} ({dtype}): {e}", c.name))
+            .unwrap_or_else(|e| panic!("{name} ({dtype}): {e}"))
     };
     let want: Vec<f32> = Tensor::from_vec(run(DType::F32), &[c.n])
         .and_then(|t| t.to_dtype(dtype))
         .and_then(|t| t.to_dtype(DType::F32))
         .and_then(|t| t.to_vec::<f32>())
-        .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     let got = run(dtype);
     assert!(
         want[0] != 0.0,
-        "{} ({dtype}): the case must not round to zero",
-        c.name
+        "{name} ({dtype}): the case must not round to zero"
     );
-    assert_eq!(got, want, "{} ({dtype})", c.name);
+    assert_eq!(got, want, "{name} ({dtype})");
 }
 
 #[test]
 fn tiny_products_are_not_flushed_to_zero() {
+    let case = |name, dtype, k, n, ea, eb| TinyCase {
+        name,
+        dtype,
+        k,
+        n,
+        ea,
+        eb,
+    };
+    let (bf, h) = (DType::BF16, DType::F16);
     let cases = [
-        TinyCase {
-            name: "products below float32's normals, sum above",
-            k: 64,
-            n: 1,
-            ea: -70,
-            eb: -60,
-        },
-        TinyCase {
-            name: "a bfloat16 subnormal input",
-            k: 1,
-            n: 1,
-            ea: -130,
-            eb: 40,
-        },
-        TinyCase {
-            name: "a subnormal result",
-            k: 1,
-            n: 1,
-            ea: -64,
-            eb: -64,
-        },
-        TinyCase {
-            name: "a tile-sized product",
-            k: 64,
-            n: 64,
-            ea: -70,
-            eb: -60,
-        },
+        case(
+            "products below float32's normals, sum above",
+            bf,
+            64,
+            1,
+            -70,
+            -60,
+        ),
+        case("a bfloat16 subnormal input", bf, 1, 1, -130, 40),
+        case("a subnormal result", bf, 1, 1, -64, -64),
+        case("a tile-sized product", bf, 64, 64, -70, -60),
+        // float16's range: subnormals below 2^-14
+        case("float16 subnormal input", h, 8, 40, -20, 3),
+        case("float16 subnormal result", h, 2, 33, -9, -9),
     ];
     for c in &cases {
-        check_tiny(c, DType::BF16);
-    }
-    // float16's range: the same shapes at its own small magnitudes (subnormals below 2^-14)
-    let half = [
-        TinyCase {
-            name: "float16 subnormal input",
-            k: 8,
-            n: 40,
-            ea: -20,
-            eb: 3,
-        },
-        TinyCase {
-            name: "float16 subnormal result",
-            k: 2,
-            n: 33,
-            ea: -9,
-            eb: -9,
-        },
-    ];
-    for c in &half {
-        check_tiny(c, DType::F16);
+        check_tiny(c);
     }
 }
