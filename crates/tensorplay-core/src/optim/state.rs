@@ -47,8 +47,9 @@ pub struct GroupState {
 ///
 /// Per parameter (by index in `params()`), the tensors of the optimizer's running state, each of
 /// the parameter's shape and dtype, on the CPU: SGD `momentum_buffer`; Adam and AdamW `step` (a
-/// 0-d int64), `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, as PyTorch names
-/// them. Parameters never stepped have no entry.
+/// 0-d float32 as PyTorch's, or int64 past 2^24 steps where float32 would round it; a load
+/// accepts float32, float64 or int64), `exp_avg`, `exp_avg_sq` and, with AMSGrad,
+/// `max_exp_avg_sq`, as PyTorch names them. Parameters never stepped have no entry.
 ///
 /// [`save`](OptimizerState::save) writes a safetensors file: tensors named
 /// `state.<index>.<name>`, and in the header `tensorplay.optimizer` (the kind) and

@@ -330,6 +330,79 @@ fn optimizer_state_round_trip_gives_bit_identical_next_steps() -> tp::Result<()>
 }
 
 #[test]
+fn adam_step_counts_are_saved_as_pytorch_does_and_load_from_every_form() -> tp::Result<()> {
+    let ps = params()?;
+    let mut a = adam(ps.clone())?;
+    for k in 0..3 {
+        a.step_with_grads(&grads(k, &ps)?)?;
+    }
+    let state = a.state_dict()?;
+    let saved = &state.state[&0]["step"];
+    assert_eq!(
+        (saved.dtype(), saved.shape().to_vec(), saved.to_vec_f64()?),
+        (DType::F32, vec![], vec![3.0]),
+        "a step count is a 0-d float32, as PyTorch's"
+    );
+    let past = (1i64 << 24) + 1;
+    type Want = Result<(f64, DType), &'static str>;
+    let cases: [(&str, Tensor, Want); 8] = [
+        (
+            "float32, PyTorch's",
+            Tensor::scalar(3f32),
+            Ok((3.0, DType::F32)),
+        ),
+        ("float64", Tensor::scalar(3f64), Ok((3.0, DType::F32))),
+        (
+            "int64, earlier tensorplay",
+            Tensor::scalar(3i64),
+            Ok((3.0, DType::F32)),
+        ),
+        // float32 would round 2^24 + 1: kept as int64
+        (
+            "int64 past 2^24",
+            Tensor::scalar(past),
+            Ok((past as f64, DType::I64)),
+        ),
+        ("a fraction", Tensor::scalar(2.5f32), Err("state.0.step")),
+        ("negative", Tensor::scalar(-1i64), Err("state.0.step")),
+        ("NaN", Tensor::scalar(f32::NAN), Err("state.0.step")),
+        (
+            "not 0-d",
+            Tensor::from_vec(vec![3f32], &[1])?,
+            Err("shape [1]"),
+        ),
+    ];
+    let check = |case: &str, step: &Tensor, want: &Want| -> tp::Result<()> {
+        let mut s = state.clone();
+        s.state
+            .get_mut(&0)
+            .unwrap()
+            .insert("step".into(), step.clone());
+        let mut b = adam(deep_copy(&ps)?)?;
+        match (b.load_state_dict(&s), want) {
+            (Ok(()), Ok((n, dtype))) => {
+                let out = &b.state_dict()?.state[&0]["step"];
+                assert_eq!(
+                    (out.dtype(), out.to_vec_f64()?),
+                    (*dtype, vec![*n]),
+                    "{case}: the count saved again"
+                );
+            }
+            (Err(e), Err(needle)) => {
+                let e = e.to_string();
+                assert!(e.contains(needle), "{case}: {e}");
+            }
+            (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+        }
+        Ok(())
+    };
+    for (case, step, want) in &cases {
+        check(case, step, want)?;
+    }
+    Ok(())
+}
+
+#[test]
 fn optimizer_state_of_another_layout_is_refused_unchanged() -> tp::Result<()> {
     let dir = TempDir::new("optim-bad");
     let ps = params()?;

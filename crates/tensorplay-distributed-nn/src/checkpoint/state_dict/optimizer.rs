@@ -35,7 +35,7 @@ pub struct ParamGroupState {
 /// `get_optimizer_state_dict` returns in PyTorch): the same for plain, DDP, tensor-parallel
 /// and fully sharded models. Each state tensor with its parameter's (local) shape is sharded
 /// as the parameter is (or whole, from `full_state_dict`); the others (Adam's `step`, a 0-d
-/// int64) are the same on every rank.
+/// float32) are the same on every rank.
 #[derive(Debug, Clone)]
 pub struct OptimizerStateDict {
     /// The optimizer's name: `"SGD"`, `"Adam"`, `"AdamW"`.
@@ -374,10 +374,17 @@ fn receive(state: &OptimizerStateDict, rank: usize) -> Result<OptimizerStateDict
         let t = match tensors.get(&key).filter(|_| rank == 0) {
             Some(t) => t.contiguous()?.deep_clone()?,
             None => {
-                let dtype = [DType::F32, DType::F64, DType::I64, DType::Bool]
-                    .into_iter()
-                    .find(|d| d.to_string() == dtype)
-                    .unwrap_or(DType::F32);
+                let dtype = [
+                    DType::F32,
+                    DType::F64,
+                    DType::I64,
+                    DType::Bool,
+                    DType::BF16,
+                    DType::F16,
+                ]
+                .into_iter()
+                .find(|d| d.to_string() == dtype)
+                .unwrap_or(DType::F32);
                 Tensor::zeros(&shape, (dtype, tensorplay_core::Device::Cpu))?
             }
         };
