@@ -36,6 +36,7 @@ mod layout;
 /// Host memory statistics and the caching allocator's controls (PyTorch's
 /// `torch.cuda.memory_allocated` family, for the CPU): see `storage/pool.rs` for the rules.
 pub mod memory {
+    pub use crate::storage::huge_pages::advise_huge_pages;
     pub use crate::storage::pool::{
         allocated_bytes, cache_limit_bytes, empty_cache, peak_allocated_bytes, reserved_bytes,
         reset_peak,

@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 mod buf;
+pub(crate) mod huge_pages;
 pub(crate) mod pool;
 
 pub use buf::{BufElement, HostBuf, HostBufMut};
@@ -78,6 +79,7 @@ pub(crate) fn try_vec<T: Clone>(
             format!("{n} elements of {} bytes", size_of::<T>().max(1)),
         )
     })?;
+    huge_pages::advise_huge_pages(&mut v);
     v.resize(n, value);
     Ok(v)
 }

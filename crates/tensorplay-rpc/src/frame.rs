@@ -445,7 +445,7 @@ async fn read_vec<T: Copy, R: AsyncRead + Unpin>(r: &mut R, n: usize) -> Result<
         if v.capacity() < elems_needed {
             v.try_reserve_exact(elems_needed - v.len())
                 .map_err(|e| shm::oom(elems_needed * size_of::<T>(), e))?;
-            shm::advise_huge(v.as_mut_ptr().cast(), v.capacity() * size_of::<T>());
+            tensorplay_core::memory::advise_huge_pages(&mut v);
         }
         let cap_bytes = v.capacity() * size_of::<T>();
         // SAFETY: the allocation holds `cap_bytes` bytes; viewing them as MaybeUninit<u8> is

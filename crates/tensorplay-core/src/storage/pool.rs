@@ -139,6 +139,7 @@ pub(crate) fn take<T: StorageElement>(n: usize) -> Vec<T> {
         }
     }
     let mut v = Vec::with_capacity(class / size_of::<T>().max(1));
+    super::huge_pages::advise_huge_pages(&mut v);
     v.resize(n, T::default());
     v
 }

@@ -1,29 +1,10 @@
 //! Receive buffers: new vectors for large tensors, allocated where the allocator can reuse
-//! memory, with huge pages where they help.
+//! memory, with huge pages where they help (`tensorplay_core::memory::advise_huge_pages`).
 
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 use crate::{Error, Result};
-
-/// Advises the kernel to back `[ptr, ptr+len)` with huge pages where it is 2 MiB aligned: a
-/// new tensor of many MiB then takes a few hundred page faults instead of thousands (the
-/// faults, not the copy, dominate receiving a large tensor into fresh memory).
-pub(crate) fn advise_huge(ptr: *mut u8, len: usize) {
-    const HUGE: usize = 2 << 20;
-    if len < 2 * HUGE {
-        return;
-    }
-    let start = (ptr as usize).next_multiple_of(HUGE);
-    let end = (ptr as usize + len) & !(HUGE - 1);
-    if end > start {
-        // SAFETY: advice on whole pages inside an allocation this process owns; MADV_HUGEPAGE
-        // never changes the contents. Failure (THP off) is harmless and ignored.
-        unsafe {
-            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-        }
-    }
-}
 
 /// The error for a tensor whose storage cannot be allocated.
 pub(crate) fn oom(bytes: usize, e: impl std::fmt::Display) -> Error {
@@ -105,7 +86,7 @@ pub(super) fn new_vec_with<T: Copy + Send + 'static>(
         v.try_reserve_exact(n).map(|()| v)
     }
     .map_err(|e| oom(bytes, e))?;
-    advise_huge(v.as_mut_ptr().cast(), bytes);
+    tensorplay_core::memory::advise_huge_pages(&mut v);
     // SAFETY: the capacity holds at least `bytes` bytes; MaybeUninit<u8> has no validity
     // requirement, so viewing the spare capacity as uninitialised bytes is sound.
     let buf =

@@ -53,7 +53,7 @@ mod alloc;
 mod receiver;
 mod sender;
 
-pub(crate) use alloc::{advise_huge, oom};
+pub(crate) use alloc::oom;
 pub(crate) use receiver::{forget_peer_mappings, read_tensor};
 pub(crate) use sender::{Claim, ShmDir, release};
 
