@@ -62,26 +62,24 @@ impl CpuStorage {
     }
 }
 
-/// `n` copies of `value`, or an [`Error::InvalidArgument`] naming `op` and `arg` when the
-/// memory cannot be allocated (instead of aborting the process).
-pub(crate) fn try_vec<T: Clone>(
+/// `n` copies of `value` in a buffer from the caching allocator ([`pool`]: a buffer of 16 KiB
+/// or more is a cached one when the cache has it, so no page faults), or an
+/// [`Error::InvalidArgument`] naming `op` and `arg` when the memory cannot be allocated
+/// (instead of aborting the process).
+pub(crate) fn try_vec<T: StorageElement>(
     n: usize,
     value: T,
     op: &'static str,
     arg: &'static str,
 ) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| {
+    pool::try_take_filled(n, value).map_err(|_| {
         Error::invalid(
             op,
             arg,
             "a tensor that fits in memory",
             format!("{n} elements of {} bytes", size_of::<T>().max(1)),
         )
-    })?;
-    huge_pages::advise_huge_pages(&mut v);
-    v.resize(n, value);
-    Ok(v)
+    })
 }
 
 /// Conversion between a typed `Vec`/slice and [`CpuStorage`].

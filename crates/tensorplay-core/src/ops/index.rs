@@ -198,6 +198,7 @@ fn scatter_add_kernel(x: &Tensor, d: usize, index: &Tensor, src: &Tensor) -> Res
             out[t] = out[t].wadd(srcv[k]);
             k += 1;
         });
+        crate::storage::pool::give_back(srcv);
         Ok(Tensor::from_cpu(T::into_storage(out), x.shape()))
     })
 }

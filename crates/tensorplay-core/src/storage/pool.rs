@@ -120,10 +120,38 @@ fn class_of(bytes: usize) -> usize {
 
 /// A buffer of `n` elements of `T`: a cached one of the class (holding old values) or a new
 /// one of the class's capacity (zeros). Every element must be written before it is read.
+/// Aborts when memory runs out, as `Vec` does.
 pub(crate) fn take<T: StorageElement>(n: usize) -> Vec<T> {
-    let bytes = n * size_of::<T>();
+    try_take(n, None).unwrap_or_else(|_| {
+        let bytes = n.saturating_mul(size_of::<T>()).max(1);
+        let layout = std::alloc::Layout::from_size_align(bytes, align_of::<T>())
+            .unwrap_or(std::alloc::Layout::new::<T>());
+        std::alloc::handle_alloc_error(layout)
+    })
+}
+
+/// A buffer of `n` elements of `T`, every one `value`, from the cache when it has one (as
+/// [`take`]); an error instead of an abort when memory runs out.
+pub(crate) fn try_take_filled<T: StorageElement>(
+    n: usize,
+    value: T,
+) -> Result<Vec<T>, std::collections::TryReserveError> {
+    try_take(n, Some(value))
+}
+
+/// [`take`] and [`try_take_filled`]: with `fill`, every element is set to it; without, a cached
+/// buffer keeps its old values.
+fn try_take<T: StorageElement>(
+    n: usize,
+    fill: Option<T>,
+) -> Result<Vec<T>, std::collections::TryReserveError> {
+    let value = fill.unwrap_or_default();
+    let bytes = n.saturating_mul(size_of::<T>());
+    let mut v = Vec::new();
     if bytes < MIN_CACHED_BYTES {
-        return vec![T::default(); n];
+        v.try_reserve_exact(n)?;
+        v.resize(n, value);
+        return Ok(v);
     }
     let class = class_of(bytes);
     let found = {
@@ -134,14 +162,26 @@ pub(crate) fn take<T: StorageElement>(n: usize) -> Vec<T> {
         let cap = capacity_bytes(&s);
         CACHED.fetch_sub(cap, Ordering::Relaxed);
         if let Ok(mut v) = T::into_vec(s) {
-            v.resize(n, T::default());
-            return v;
+            v.truncate(n);
+            if fill.is_some() {
+                v.fill(value);
+            }
+            v.resize(n, value);
+            return Ok(v);
         }
     }
-    let mut v = Vec::with_capacity(class / size_of::<T>().max(1));
+    v.try_reserve_exact(class / size_of::<T>().max(1))?;
     super::huge_pages::advise_huge_pages(&mut v);
-    v.resize(n, T::default());
-    v
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// Gives a buffer from [`take`] that never became a tensor's (a scratch copy) back to the
+/// cache, so its class can hand it out again instead of asking the system for fresh pages.
+/// Buffers the cache does not take are freed, as when a tensor's buffer is.
+pub(crate) fn give_back<T: StorageElement>(v: Vec<T>) {
+    // never counted as allocated: it was not a tensor's
+    on_free(Some(T::into_storage(v)), 0);
 }
 
 /// The bytes a storage's buffer occupies (its capacity).

@@ -106,6 +106,7 @@ impl Tensor {
                     });
                 }
             })?;
+            crate::storage::pool::give_back(src);
         });
         if let Some(edge) = history {
             self.meta().grad_fn = edge;

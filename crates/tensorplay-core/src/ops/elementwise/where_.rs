@@ -69,7 +69,13 @@ fn binary_map_where(
     any_dispatch!(a.dtype(), T => {
         let av: Vec<T> = ae.with_slice("where", |s: &[T], l| gather_strided(s, l))?;
         let bv: Vec<T> = be.with_slice("where", |s: &[T], l| gather_strided(s, l))?;
-        let v: Vec<T> = mask.iter().zip(av.into_iter().zip(bv)).map(|(&m, (x, y))| if m { x } else { y }).collect();
+        let mut v = crate::storage::pool::take::<T>(mask.len());
+        for (o, (&m, (&x, &y))) in v.iter_mut().zip(mask.iter().zip(av.iter().zip(&bv))) {
+            *o = if m { x } else { y };
+        }
+        crate::storage::pool::give_back(av);
+        crate::storage::pool::give_back(bv);
+        crate::storage::pool::give_back(mask);
         Ok(Tensor::from_cpu(T::into_storage(v), shape))
     })
 }
