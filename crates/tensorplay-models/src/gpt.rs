@@ -289,10 +289,10 @@ impl Module for CausalSelfAttention {
         let qkv = self.c_attn.call(x)?;
         let local = qkv.shape()[2] / 3;
         let (d, heads) = (self.head_dim, local / self.head_dim);
+        // one split: its backward writes the three gradients into one buffer
+        let parts = qkv.split(local, 2)?;
         let heads = |i: usize| -> Result<Tensor> {
-            qkv.narrow(2, i * local, local)?
-                .reshape(&[b, t, heads, d])?
-                .permute(&[0, 2, 1, 3])
+            parts[i].reshape(&[b, t, heads, d])?.permute(&[0, 2, 1, 3])
         };
         let p = if self.is_training() {
             self.dropout

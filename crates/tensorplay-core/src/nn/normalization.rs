@@ -106,14 +106,23 @@ impl Function for LayerNormFn {
         let (dx, dw, db) = float_dispatch!(x.dtype(), "layer_norm", T => {
             let ws = w.map(|w| w.to_vec::<T>()).transpose()?;
             let stat = |t: &Tensor| -> Result<Vec<<T as Elem>::Acc>> { t.to_vec() };
-            let (dx, dw, db) = kernels::layer_norm_backward(
-                &x.to_vec::<T>()?,
-                &g.to_vec::<T>()?,
-                ws.as_deref(),
-                &stat(mean)?,
-                &stat(rstd)?,
-                self.n,
-            );
+            let (mean, rstd) = (stat(mean)?, stat(rstd)?);
+            // both contiguous: read in place, not copied out
+            let (dx, dw, db) = crate::ops::with_two(&x, &g, "layer_norm", |xs: &[T], lx, gs: &[T], lg| {
+                match (lx.contiguous_range(), lg.contiguous_range()) {
+                    (Some(rx), Some(rg)) => Ok(kernels::layer_norm_backward(
+                        &xs[rx],
+                        &gs[rg],
+                        ws.as_deref(),
+                        &mean,
+                        &rstd,
+                        self.n,
+                    )),
+                    _ => Err(Error::Autograd(
+                        "layer_norm backward: the input or gradient is not contiguous".into(),
+                    )),
+                }
+            })??;
             (
                 Tensor::from_vec(dx, x.shape())?,
                 Tensor::from_vec(dw.into_iter().map(T::store).collect::<Vec<T>>(), &wshape)?,

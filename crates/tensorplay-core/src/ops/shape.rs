@@ -1,10 +1,10 @@
 //! Joining and splitting: `cat`, `stack`, `split`, `split_with_sizes`, `chunk`. Splits are
-//! `narrow` views (differentiable as views); `cat` copies and its backward narrows the
-//! gradient per input.
+//! views of the input, the outputs of one node whose backward is a `cat` of their gradients;
+//! `cat` copies and its backward narrows the gradient per input.
 
 use crate::autograd::{Context, Function, apply};
 use crate::layout::normalize_dim;
-use crate::{Error, Result, Tensor};
+use crate::{Error, Layout, Result, Tensor};
 
 struct Cat {
     dim: usize,
@@ -167,10 +167,11 @@ impl Tensor {
         if split_size == 0 {
             return Err(Error::invalid(op, "split_size", "a positive size", 0));
         }
-        (0..size)
+        let sizes: Vec<usize> = (0..size)
             .step_by(split_size)
-            .map(|s| self.narrow(d as isize, s, split_size.min(size - s)))
-            .collect()
+            .map(|s| split_size.min(size - s))
+            .collect();
+        self.split_parts(d, &sizes)
     }
 
     /// Splits into views of the given sizes along `dim` (`torch.split` with a list); the
@@ -188,13 +189,7 @@ impl Tensor {
                 format!("{sizes:?}"),
             ));
         }
-        let mut start = 0;
-        let mut out = Vec::with_capacity(sizes.len());
-        for &n in sizes {
-            out.push(self.narrow(d as isize, start, n)?);
-            start += n;
-        }
-        Ok(out)
+        self.split_parts(d, sizes)
     }
 
     /// Splits into `chunks` views along `dim` (`torch.chunk`): each of size
@@ -218,6 +213,24 @@ impl Tensor {
         self.split(size.div_ceil(chunks), d as isize)
     }
 
+    /// Views of consecutive parts of `sizes` along dimension `d` (which exists; the sizes add
+    /// up to its size), all outputs of one [`Split`] node.
+    fn split_parts(&self, d: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        let l = self.layout();
+        let mut start = 0;
+        let mut layouts = Vec::with_capacity(sizes.len());
+        for &n in sizes {
+            let mut part = l.clone();
+            part.shape[d] = n;
+            if n > 0 {
+                part.offset += start * l.strides[d];
+            }
+            layouts.push(part);
+            start += n;
+        }
+        apply(Split { dim: d, layouts }, &[self])
+    }
+
     fn split_dim(&self, dim: isize, op: &'static str) -> Result<usize> {
         let d = normalize_dim(dim, self.ndim(), op)?;
         if self.ndim() == 0 {
@@ -229,5 +242,30 @@ impl Tensor {
             ));
         }
         Ok(d)
+    }
+}
+
+/// The parts of `split`, `split_with_sizes` and `chunk`: views of the input along `dim`, all
+/// outputs of one node whose backward concatenates the parts' gradients (PyTorch's
+/// `SplitBackward`; a part without a gradient contributes zeros). The input's gradient is
+/// written once, where a `narrow` per part gave each part a zero-padded gradient of the
+/// whole input for the backward to sum.
+struct Split {
+    dim: usize,
+    layouts: Vec<Layout>,
+}
+impl Function for Split {
+    fn name(&self) -> &str {
+        "SplitBackward"
+    }
+    fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        Ok(self
+            .layouts
+            .iter()
+            .map(|l| inputs[0].view_with_layout(l.clone()))
+            .collect())
+    }
+    fn backward(&self, _ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(Tensor::cat(g, self.dim as isize)?)])
     }
 }

@@ -181,9 +181,43 @@ struct NarrowBackward {
 impl Function for NarrowBackward {
     fn forward(&self, _ctx: &mut Context, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let g = inputs[0];
-        let out = Tensor::zeros(&self.shape, (g.dtype(), g.device()))?;
-        let region = out.narrow(self.dim as isize, self.start, g.shape()[self.dim])?;
-        region.copy_(g)?;
+        if g.device() != crate::Device::Cpu {
+            let out = Tensor::zeros(&self.shape, (g.dtype(), g.device()))?;
+            let region = out.narrow(self.dim as isize, self.start, g.shape()[self.dim])?;
+            region.copy_(g)?;
+            return Ok(vec![out]);
+        }
+        // on the host, one pass: each row of the output is zeros, then `g`'s row, then zeros
+        let inner: usize = self.shape[self.dim + 1..].iter().product();
+        let (full, part, at) = (
+            self.shape[self.dim] * inner,
+            self.len * inner,
+            self.start * inner,
+        );
+        let n = checked_numel(&self.shape, "narrow_backward")?;
+        let out = any_dispatch!(g.dtype(), T => {
+            let mut out = crate::storage::pool::take::<T>(n);
+            let write = |src: &[T], out: &mut [T]| {
+                if part == 0 {
+                    out.fill(T::default());
+                    return;
+                }
+                for (row, src) in out.chunks_mut(full).zip(src.chunks(part)) {
+                    row[..at].fill(T::default());
+                    row[at..at + part].copy_from_slice(src);
+                    row[at + part..].fill(T::default());
+                }
+            };
+            g.with_slice("narrow_backward", |s: &[T], l| match l.contiguous_range() {
+                Some(r) => write(&s[r], &mut out),
+                None => {
+                    let src = super::gather_strided(s, l);
+                    write(&src, &mut out);
+                    crate::storage::pool::give_back(src);
+                }
+            })?;
+            Tensor::from_cpu(T::into_storage(out), &self.shape)
+        });
         Ok(vec![out])
     }
     fn backward(&self, _ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {

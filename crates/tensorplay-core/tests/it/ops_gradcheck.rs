@@ -393,6 +393,14 @@ fn gradcheck_cat_stack_split() {
     );
     check("chunk", |a| a[0].chunk(2, 0), &[x(&[3, 2], 0)]);
     check(
+        "split of a transposed view, an empty part, one part unused",
+        |a| {
+            let parts = a[0].t()?.split_with_sizes(&[0, 2, 1], 0)?;
+            Ok(vec![parts[0].clone(), parts[1].mul(&parts[1])?])
+        },
+        &[x(&[4, 3], 0)],
+    );
+    check(
         "cat of splits",
         |a| {
             let parts = a[0].chunk(3, 1)?;
