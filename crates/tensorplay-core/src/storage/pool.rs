@@ -216,7 +216,8 @@ pub(crate) fn on_free(s: Option<CpuStorage>, counted: usize) {
     if CACHED.load(Ordering::Relaxed) + cap > cache_limit_bytes() {
         return;
     }
-    let released = {
+    // what a sweep took out of the cache, or the buffer itself when its class is not kept
+    let (swept, refused) = {
         let mut c = lock();
         match c.classes.get_mut(&(s.dtype(), cap)) {
             Some(k) if k.out > 0 => {
@@ -225,16 +226,19 @@ pub(crate) fn on_free(s: Option<CpuStorage>, counted: usize) {
                 k.free.push(s);
                 c.returns += 1;
                 if c.returns.is_multiple_of(SWEEP_EVERY) {
-                    sweep(&mut c)
+                    (sweep(&mut c), None)
                 } else {
-                    Vec::new()
+                    (Vec::new(), None)
                 }
             }
-            _ => vec![s],
+            _ => (Vec::new(), Some(s)),
         }
     };
-    // freed outside the lock
-    drop(released);
+    // freed outside the lock; the sweep's buffers uncounted here, so that `sweep` stays a
+    // function of the cache it is given
+    let freed: usize = swept.iter().map(capacity_bytes).sum();
+    CACHED.fetch_sub(freed, Ordering::Relaxed);
+    drop((swept, refused));
 }
 
 /// Takes the buffers that sat unused since the last sweep (each class's low-water mark, the
@@ -247,8 +251,6 @@ fn sweep(c: &mut Cache) -> Vec<CpuStorage> {
     }
     c.classes
         .retain(|_, k| std::mem::take(&mut k.asked) || !k.free.is_empty() || k.out > 0);
-    let freed: usize = out.iter().map(capacity_bytes).sum();
-    CACHED.fetch_sub(freed, Ordering::Relaxed);
     out
 }
 
@@ -348,6 +350,32 @@ mod tests {
         ];
         for case in &cases {
             check(case);
+        }
+    }
+
+    #[test]
+    fn scratch_given_back_is_reused_and_refilled() {
+        // int64 sizes of classes no other test of this process takes
+        for (case, n, fill) in [
+            ("take: old values kept", 5123usize, None),
+            ("filled: every element set", 5200, Some(0i64)),
+        ] {
+            let mut v = take::<i64>(n);
+            v.fill(7);
+            let at = v.as_ptr();
+            give_back(v);
+            let w = match fill {
+                None => take::<i64>(n),
+                Some(x) => try_take_filled(n, x).expect("memory"),
+            };
+            assert_eq!(
+                w.as_ptr(),
+                at,
+                "{case}: the buffer given back is handed out again"
+            );
+            assert_eq!(w.len(), n, "{case}");
+            let want = fill.unwrap_or(7);
+            assert!(w.iter().all(|&x| x == want), "{case}: values {:?}", &w[..4]);
         }
     }
 
