@@ -374,17 +374,10 @@ fn receive(state: &OptimizerStateDict, rank: usize) -> Result<OptimizerStateDict
         let t = match tensors.get(&key).filter(|_| rank == 0) {
             Some(t) => t.contiguous()?.deep_clone()?,
             None => {
-                let dtype = [
-                    DType::F32,
-                    DType::F64,
-                    DType::I64,
-                    DType::Bool,
-                    DType::BF16,
-                    DType::F16,
-                ]
-                .into_iter()
-                .find(|d| d.to_string() == dtype)
-                .unwrap_or(DType::F32);
+                let dtype = DType::ALL
+                    .into_iter()
+                    .find(|d| d.to_string() == dtype)
+                    .unwrap_or(DType::F32);
                 Tensor::zeros(&shape, (dtype, tensorplay_core::Device::Cpu))?
             }
         };
