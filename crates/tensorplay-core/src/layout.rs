@@ -23,6 +23,18 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 }
 
 impl Layout {
+    /// Elements `start..start + len` along dimension `dim` (which exists; the range within its
+    /// size, checked by the caller): the same strides, the offset moved to `start` (kept where
+    /// `len` is 0).
+    pub(crate) fn narrowed(&self, dim: usize, start: usize, len: usize) -> Layout {
+        let mut l = self.clone();
+        l.shape[dim] = len;
+        if len > 0 {
+            l.offset += start * self.strides[dim];
+        }
+        l
+    }
+
     /// A row-major layout of `shape` starting at offset 0.
     pub fn contiguous(shape: &[usize]) -> Layout {
         Layout {

@@ -162,7 +162,7 @@ impl Tensor {
         let d = self.split_dim(dim, op)?;
         let size = self.shape()[d];
         if size == 0 {
-            return Ok(vec![self.narrow(d as isize, 0, 0)?]);
+            return self.split_parts(d, &[0]);
         }
         if split_size == 0 {
             return Err(Error::invalid(op, "split_size", "a positive size", 0));
@@ -208,7 +208,7 @@ impl Tensor {
         }
         let size = self.shape()[d];
         if size == 0 {
-            return (0..chunks).map(|_| self.narrow(d as isize, 0, 0)).collect();
+            return self.split_parts(d, &vec![0; chunks]);
         }
         self.split(size.div_ceil(chunks), d as isize)
     }
@@ -216,16 +216,10 @@ impl Tensor {
     /// Views of consecutive parts of `sizes` along dimension `d` (which exists; the sizes add
     /// up to its size), all outputs of one [`Split`] node.
     fn split_parts(&self, d: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
-        let l = self.layout();
         let mut start = 0;
         let mut layouts = Vec::with_capacity(sizes.len());
         for &n in sizes {
-            let mut part = l.clone();
-            part.shape[d] = n;
-            if n > 0 {
-                part.offset += start * l.strides[d];
-            }
-            layouts.push(part);
+            layouts.push(self.layout().narrowed(d, start, n));
             start += n;
         }
         apply(Split { dim: d, layouts }, &[self])

@@ -420,12 +420,7 @@ impl Tensor {
                 format!("start {start} + length {length}"),
             ));
         }
-        let l = self.layout();
-        let mut layout = l.clone();
-        layout.shape[d] = length;
-        if length > 0 {
-            layout.offset += start * l.strides[d];
-        }
+        let layout = self.layout().narrowed(d, start, length);
         self.restride(
             "NarrowBackward",
             layout,

@@ -1,11 +1,12 @@
 //! Transparent huge pages for large host buffers.
 //!
-//! A new host buffer of at least [`HUGE_MIN_BYTES`] is advised (`madvise(MADV_HUGEPAGE)`)
-//! before its first write, so the kernel backs its whole 2 MiB pages with huge pages where the
+//! A new host buffer of at least [`HUGE_MIN_BYTES`] that the caching allocator (or the RPC
+//! receive path) creates is advised (`madvise(MADV_HUGEPAGE)`) before its first write (a
+//! `Vec` handed to `Tensor::from_vec` keeps whatever its maker did), so the kernel backs its whole 2 MiB pages with huge pages where the
 //! system allows it (`/sys/kernel/mm/transparent_hugepage/enabled` at `madvise` or `always`):
 //! one page fault per 2 MiB instead of 512, fewer TLB misses for passes over the buffer, and
 //! a peer reading it with `process_vm_readv` (the shared-memory reduce_scatter) pins 2 MiB at
-//! a time; on the AMD EPYC VM of benchmarks.md such reads ran at about 11 GB/s instead of 5.
+//! a time (benchmarks.md, issue 38's last part: reduce_scatter 0.30x -> 0.46x of memcpy).
 //! `TENSORPLAY_CPU_HUGEPAGES=0` (or `false`, `off`, `no`) turns the advice off; where the
 //! kernel has no transparent huge pages the advice fails and changes nothing.
 
@@ -16,10 +17,10 @@ const HUGE_PAGE: usize = 2 << 20;
 
 /// Buffers of at least this many bytes are advised: two huge pages, so at least one whole
 /// aligned huge page lies inside wherever the buffer starts.
-pub(crate) const HUGE_MIN_BYTES: usize = 2 * HUGE_PAGE;
+const HUGE_MIN_BYTES: usize = 2 * HUGE_PAGE;
 
 /// The environment variable that turns the advice off.
-pub(crate) const ENV: &str = "TENSORPLAY_CPU_HUGEPAGES";
+const ENV: &str = "TENSORPLAY_CPU_HUGEPAGES";
 
 /// Whether large buffers are advised ([`ENV`] read once).
 fn enabled() -> bool {
@@ -48,10 +49,10 @@ fn whole_pages(start: usize, len: usize) -> Option<(usize, usize)> {
 /// faulted in afterwards. Buffers below 4 MiB are left alone. Never changes contents; a
 /// failure (no transparent huge pages, another system) is ignored.
 pub fn advise_huge_pages<T>(v: &mut Vec<T>) {
-    let bytes = v.capacity().saturating_mul(size_of::<T>());
     if !enabled() {
         return;
     }
+    let bytes = v.capacity().saturating_mul(size_of::<T>());
     let Some((first, len)) = whole_pages(v.as_mut_ptr() as usize, bytes) else {
         return;
     };
@@ -122,21 +123,34 @@ mod tests {
         // a kernel without transparent huge pages has no such directory and refuses the advice
         let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists();
         let n = 8 << 20; // 8 MiB of bytes: at least three whole huge pages
-        for (case, v) in [
+        let mut by_hand = Vec::<u8>::with_capacity(n);
+        advise_huge_pages(&mut by_hand);
+        // int64 sizes of classes no other test takes, so the allocator makes them new
+        let zeros = crate::storage::try_vec(n / 8 + 3, 0i64, "test", "n").unwrap();
+        let taken = crate::storage::pool::take::<i64>(n / 8 + 5);
+        for (case, at, bytes) in [
+            (
+                "a Vec advised by hand",
+                by_hand.as_ptr() as usize,
+                by_hand.capacity(),
+            ),
             (
                 "zeros (try_vec)",
-                crate::storage::try_vec(n / 4, 0f32, "test", "n").unwrap(),
+                zeros.as_ptr() as usize,
+                zeros.capacity() * 8,
             ),
             (
                 "the caching allocator",
-                crate::storage::pool::take::<f32>(n / 4),
+                taken.as_ptr() as usize,
+                taken.capacity() * 8,
             ),
         ] {
-            let (first, _) = whole_pages(v.as_ptr() as usize, v.capacity() * 4).unwrap();
+            let (first, _) = whole_pages(at, bytes).unwrap();
             let flags = vm_flags(first).unwrap_or_else(|| panic!("{case}: no mapping"));
             // `hg`: the mapping carries MADV_HUGEPAGE
             let advised = flags.split_whitespace().any(|f| f == "hg");
-            assert_eq!(advised, thp, "{case}: VmFlags {flags}");
+            // (unless TENSORPLAY_CPU_HUGEPAGES=0)
+            assert_eq!(advised, thp && enabled(), "{case}: VmFlags {flags}");
         }
     }
 }

@@ -93,6 +93,9 @@ fn enormous_allocations_are_errors_not_aborts() {
     // 2^50 float32 elements: 4 PiB, more than any address space holds
     let huge = [1usize << 25, 1 << 25];
     assert_invalid!(tp::zeros(&huge), "zeros", "shape");
+    // element counts that fit a usize whose bytes do not
+    assert_invalid!(tp::zeros(&[1usize << 62]), "zeros", "shape");
+    assert_invalid!(tp::rand(&[(1usize << 60) + 1]), "rand", "shape");
     assert_invalid!(tp::full(&huge, 2.0), "full", "shape");
     assert_invalid!(Tensor::zeros(&huge, DType::Bool), "zeros", "shape");
     assert_invalid!(tp::rand(&huge), "rand", "shape");
