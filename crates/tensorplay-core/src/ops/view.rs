@@ -187,38 +187,11 @@ impl Function for NarrowBackward {
             region.copy_(g)?;
             return Ok(vec![out]);
         }
-        // on the host, one pass: each row of the output is zeros, then `g`'s row, then zeros
-        let inner: usize = self.shape[self.dim + 1..].iter().product();
-        let (full, part, at) = (
-            self.shape[self.dim] * inner,
-            self.len * inner,
-            self.start * inner,
-        );
-        let n = checked_numel(&self.shape, "narrow_backward")?;
-        let out = any_dispatch!(g.dtype(), T => {
-            let mut out = crate::storage::pool::take::<T>(n);
-            let write = |src: &[T], out: &mut [T]| {
-                if part == 0 {
-                    out.fill(T::default());
-                    return;
-                }
-                for (row, src) in out.chunks_mut(full).zip(src.chunks(part)) {
-                    row[..at].fill(T::default());
-                    row[at..at + part].copy_from_slice(src);
-                    row[at + part..].fill(T::default());
-                }
-            };
-            g.with_slice("narrow_backward", |s: &[T], l| match l.contiguous_range() {
-                Some(r) => write(&s[r], &mut out),
-                None => {
-                    let src = super::gather_strided(s, l);
-                    write(&src, &mut out);
-                    crate::storage::pool::give_back(src);
-                }
-            })?;
-            Tensor::from_cpu(T::into_storage(out), &self.shape)
-        });
-        Ok(vec![out])
+        Ok(vec![assemble_along(
+            &self.shape,
+            self.dim,
+            &[(self.start, g)],
+        )?])
     }
     fn backward(&self, _ctx: &Context, g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         Ok(vec![Some(g[0].narrow(
@@ -227,6 +200,64 @@ impl Function for NarrowBackward {
             self.len,
         )?)])
     }
+}
+
+/// On the host: a new contiguous tensor of `shape` whose elements `at..at + len` along `dim`
+/// are `part`'s, for each `(at, part)` of `parts` (host tensors of one dtype, each of `shape`
+/// but `len` along `dim`; the ranges do not overlap), and zeros wherever no part lands: the
+/// forward of `cat` and of `narrow`'s backward. One pass over the output: each row's gaps are
+/// zeroed and each part's rows copied in place (a part that is not contiguous is gathered
+/// once into a scratch buffer of the caching allocator).
+pub(super) fn assemble_along(
+    shape: &[usize],
+    dim: usize,
+    parts: &[(usize, &Tensor)],
+) -> Result<Tensor> {
+    let op = "cat";
+    let n = checked_numel(shape, op)?;
+    let inner: usize = shape[dim + 1..].iter().product();
+    let full = shape[dim] * inner;
+    let dtype = parts.first().map_or(crate::DType::F32, |(_, t)| t.dtype());
+    let mut spans: Vec<(usize, usize)> = parts
+        .iter()
+        .map(|(at, t)| (at * inner, t.shape()[dim] * inner))
+        .collect();
+    spans.sort_unstable();
+    Ok(any_dispatch!(dtype, T => {
+        let mut out = crate::storage::pool::take::<T>(n);
+        if n > 0 && full > 0 {
+            for row in out.chunks_mut(full) {
+                let mut cur = 0;
+                for &(at, len) in &spans {
+                    if at > cur {
+                        row[cur..at].fill(T::default());
+                    }
+                    cur = cur.max(at + len);
+                }
+                row[cur.min(full)..].fill(T::default());
+            }
+            for &(at, t) in parts {
+                let (at, len) = (at * inner, t.shape()[dim] * inner);
+                if len == 0 {
+                    continue;
+                }
+                let write = |src: &[T], out: &mut [T]| {
+                    for (row, src) in out.chunks_mut(full).zip(src.chunks(len)) {
+                        row[at..at + len].copy_from_slice(src);
+                    }
+                };
+                t.with_slice(op, |s: &[T], l| match l.contiguous_range() {
+                    Some(r) => write(&s[r], &mut out),
+                    None => {
+                        let src = super::gather_strided(s, l);
+                        write(&src, &mut out);
+                        crate::storage::pool::give_back(src);
+                    }
+                })?;
+            }
+        }
+        Tensor::from_cpu(T::into_storage(out), shape)
+    }))
 }
 
 fn narrow_backward(g: &Tensor, shape: &[usize], dim: usize, start: usize) -> Result<Tensor> {

@@ -371,6 +371,14 @@ fn gradcheck_cat_stack_split() {
         &[x(&[2, 3], 0), x(&[2, 2], 1)],
     );
     check(
+        "cat 1 with an empty part and a transposed one",
+        |a| {
+            let parts = [a[0].narrow(1, 0, 0)?, a[1].t()?, a[0].clone()];
+            Ok(vec![tp::cat(&parts, 1)?])
+        },
+        &[x(&[2, 3], 0), x(&[3, 2], 1)],
+    );
+    check(
         "stack",
         |a| Ok(vec![tp::stack(&[a[0].clone(), a[1].clone()], -1)?]),
         &[x(&[2, 3], 0), x(&[2, 3], 1)],
