@@ -2,7 +2,10 @@
 
 use super::group::{ParamGroup, check_groups, ranges, set_all_lr};
 use super::opt_dispatch;
-use super::state::{GroupState, OptimizerState, buf_tensor, check_layout, check_names, saved_buf};
+use super::state::{
+    GroupState, OptimizerState, buf_tensor, check_layout, check_names, read_step, saved_buf,
+    step_tensor,
+};
 use super::{
     Buf, OptElem, Optimizer, check_grads, check_lr, check_nonneg, check_params, device_state,
     device_step, state, update_param,
@@ -424,39 +427,6 @@ impl AdamCore {
         self.fixed = fixed;
         self.states = states;
         Ok(())
-    }
-}
-
-/// The largest step count a float32 holds exactly (2^24).
-const F32_EXACT_STEPS: u64 = 1 << 24;
-
-/// A parameter's step count as its state dict holds it: a 0-d float32 as PyTorch's Adam and
-/// AdamW save it (4 bytes, loadable by either), or a 0-d int64 past 2^24 steps, where float32
-/// would round the count.
-fn step_tensor(step: u64) -> Tensor {
-    if step <= F32_EXACT_STEPS {
-        // exact: a whole number of at most 2^24
-        Tensor::scalar(step as f32)
-    } else {
-        Tensor::scalar(i64::try_from(step).unwrap_or(i64::MAX))
-    }
-}
-
-/// The step count in a saved `step`: a 0-d float32 or float64 (PyTorch's) or int64 (ours past
-/// 2^24, and older tensorplay checkpoints) holding a whole number >= 0; `None` for anything else.
-fn read_step(t: &Tensor) -> Option<u64> {
-    if !t.shape().is_empty() {
-        return None;
-    }
-    let whole = |x: f64| x.is_finite() && x >= 0.0 && x.fract() == 0.0 && x < 2f64.powi(63);
-    match t.dtype() {
-        crate::DType::I64 => u64::try_from(t.to_vec::<i64>().ok()?[0]).ok(),
-        crate::DType::F32 | crate::DType::F64 => {
-            let x = t.to_vec_f64().ok()?[0];
-            // a whole number below 2^63, so the conversion is exact
-            whole(x).then_some(x as u64)
-        }
-        crate::DType::Bool | crate::DType::BF16 | crate::DType::F16 => None,
     }
 }
 
