@@ -9,7 +9,7 @@ use std::time::Duration;
 use tensorplay_core::nn::{Linear, Module, ModuleFields, Sequential, Tanh};
 use tensorplay_core::optim::{Optimizer, SGD, SgdOptions};
 use tensorplay_core::{self as tp, DType, Tensor};
-use tensorplay_distributed_nn::parallel::fsdp::{FsdpOptions, fully_shard};
+use tensorplay_distributed_nn::parallel::fsdp::{self as fsdp, FsdpOptions, fully_shard};
 use tensorplay_testkit::{Tol, check_close, cpu_world};
 
 use super::fsdp_memory::shard;
@@ -96,7 +96,7 @@ fn e(x: impl std::fmt::Display) -> String {
     x.to_string()
 }
 
-const CASES: [Case; 8] = [
+const CASES: [Case; 14] = [
     ("a backward that fails half-way, then training", |_| {
         let mut m = model(1).map_err(e)?;
         shard(&mut m).map_err(e)?;
@@ -251,7 +251,169 @@ const CASES: [Case; 8] = [
             &["fsdp::clip_grad_norm_", "fully_shard"],
         )
     }),
+    ("a transposed (non-contiguous) weight", |_| {
+        view_weights_train_as_one_process(|| {
+            Tensor::from_vec((1..=12).map(f64::from).collect::<Vec<_>>(), &[4, 3])?.t()
+        })
+    }),
+    (
+        "a weight with a storage offset (rows of a bigger tensor)",
+        |_| {
+            view_weights_train_as_one_process(|| {
+                let big = Tensor::from_vec((1..=20).map(f64::from).collect::<Vec<_>>(), &[5, 4])?;
+                Ok(big.narrow(0, 2, 3)?.detach())
+            })
+        },
+    ),
+    (
+        "a non-leaf weight is refused on every rank, the module left whole",
+        |_| {
+            tp::manual_seed(3);
+            let w = tp::randn(&[3, 4])
+                .map_err(e)?
+                .requires_grad_(true)
+                .mul_scalar(1.0)
+                .map_err(e)?;
+            let mut m = Sequential::new().add(Linear::from_weights(w, None).map_err(e)?);
+            err_has(
+                "non-leaf",
+                fully_shard(&mut m, FsdpOptions::default()),
+                &["\"0.weight\" is not a leaf", "nothing was changed"],
+            )?;
+            m.call(&batch(0, 2).map_err(e)?.to_dtype(DType::F32).map_err(e)?)
+                .map(|_| ())
+                .map_err(|x| format!("the module does not run after the refusal: {x}"))
+        },
+    ),
+    (
+        "two parameters viewing one storage (a fused weight split in two)",
+        |_| {
+            let big = Tensor::from_vec(
+                (0..24).map(|i| f64::from(i) * 0.1).collect::<Vec<_>>(),
+                &[6, 4],
+            )
+            .map_err(e)?;
+            let half = |i: usize| -> tp::Result<Tensor> {
+                Ok(big.narrow(0, 3 * i, 3)?.requires_grad_(true))
+            };
+            let mut m = Sequential::new()
+                .add(Linear::from_weights(half(0).map_err(e)?, None).map_err(e)?)
+                .add(Linear::from_weights(half(1).map_err(e)?, None).map_err(e)?);
+            let first = m
+                .named_children_mut()
+                .into_iter()
+                .next()
+                .ok_or("no child")?
+                .1;
+            fully_shard(first, FsdpOptions::default()).map_err(e)?;
+            let second = m.parameters()[1].clone(); // the first is now a shard
+            let want: Vec<f64> = (12..24).map(|i| f64::from(i) * 0.1).collect();
+            check_close(
+                "the other module's weight",
+                &second.to_vec_f64().map_err(e)?,
+                &want,
+                Tol::EXACT,
+            )
+        },
+    ),
+    (
+        "fsdp clip_grad_norm_ with a bad max_norm on one rank",
+        |rank| {
+            let mut m = model(7).map_err(e)?;
+            shard(&mut m).map_err(e)?;
+            loss(&m, 0).map_err(e)?.backward().map_err(e)?;
+            let before: Vec<Vec<f64>> = grads(&m)?;
+            let max_norm = if rank == 1 { f64::NAN } else { 1e-3 };
+            let needle = if rank == 1 {
+                "max_norm"
+            } else {
+                "rank(s) [1] refused"
+            };
+            err_has(
+                "bad max_norm",
+                fsdp::clip_grad_norm_(&m.parameters(), max_norm, 2.0, false),
+                &[needle],
+            )?;
+            if grads(&m)? != before {
+                return Err("a gradient changed although a rank refused".into());
+            }
+            Ok(())
+        },
+    ),
+    (
+        "fsdp clip_grad_norm_ with no gradients on one rank",
+        |rank| {
+            let mut m = model(8).map_err(e)?;
+            shard(&mut m).map_err(e)?;
+            loss(&m, 0).map_err(e)?.backward().map_err(e)?;
+            if rank == 1 {
+                m.parameters().iter().for_each(|p| p.set_grad(None));
+            }
+            let total = fsdp::clip_grad_norm_(&m.parameters(), 1e9, 2.0, false).map_err(e)?;
+            let all: Vec<f64> =
+                tensorplay_collectives::all_gather_object(&total, None).map_err(e)?;
+            if all[0] != all[1] || total <= 0.0 {
+                return Err(format!("the ranks' totals differ or are empty: {all:?}"));
+            }
+            Ok(())
+        },
+    ),
 ];
+
+/// This rank's gradients, parameter by parameter.
+fn grads(m: &dyn Module) -> Result<Vec<Vec<f64>>, String> {
+    m.parameters()
+        .iter()
+        .map(|p| {
+            p.grad()
+                .map_or(Ok(Vec::new()), |g| g.to_vec_f64().map_err(e))
+        })
+        .collect()
+}
+
+/// A one-layer model whose weight is `weight()` (a view), fully sharded, against the same
+/// model in one process: the same outputs and the same weights after three SGD steps.
+fn view_weights_train_as_one_process(weight: fn() -> tp::Result<Tensor>) -> Result<(), String> {
+    let build = || -> tp::Result<Sequential> {
+        Ok(Sequential::new().add(Linear::from_weights(weight()?.requires_grad_(true), None)?))
+    };
+    let (mut m, r) = (build().map_err(e)?, build().map_err(e)?);
+    fully_shard(&mut m, FsdpOptions::default()).map_err(e)?;
+    let x = |k: usize| -> tp::Result<Tensor> {
+        let cols = r.parameters()[0].shape()[1];
+        let v: Vec<f64> = (0..2 * cols)
+            .map(|i| ((k * 13 + i) as f64 * 0.37).sin())
+            .collect();
+        Tensor::from_vec(v, &[2, cols])
+    };
+    let (mut opt, mut ropt) = (
+        sgd(m.parameters()).map_err(e)?,
+        sgd(r.parameters()).map_err(e)?,
+    );
+    for k in 0..3 {
+        let (y, ry) = (
+            m.call(&x(k).map_err(e)?).map_err(e)?,
+            r.call(&x(k).map_err(e)?).map_err(e)?,
+        );
+        check_close(
+            &format!("output {k}"),
+            &y.to_vec_f64().map_err(e)?,
+            &ry.to_vec_f64().map_err(e)?,
+            Tol::scaled(1e-12),
+        )?;
+        for (o, out) in [(&mut opt, y), (&mut ropt, ry)] {
+            o.zero_grad().map_err(e)?;
+            out.pow_scalar(2.0)
+                .map_err(e)?
+                .mean()
+                .map_err(e)?
+                .backward()
+                .map_err(e)?;
+            o.step().map_err(e)?;
+        }
+    }
+    same_params(&m, &r, "view weights after three steps")
+}
 
 #[test]
 fn misuse_gives_one_process_values_or_a_clear_error() {

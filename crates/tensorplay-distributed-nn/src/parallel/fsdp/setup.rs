@@ -117,12 +117,19 @@ pub(super) fn shard_module(
     let index = CALLS.fetch_add(1, Ordering::Relaxed);
     let mut managed = Vec::with_capacity(params.len());
     let mut recast = BTreeMap::new();
+    let all_params = module.parameters();
     for (name, old) in params {
         let shard = shard_of(&old, rank, world)?;
         old.set_grad(None);
-        old.resize_storage_(0)?;
+        // a parameter that views part of a storage (a transposed weight, rows of a bigger
+        // tensor, a piece of a fused weight another module uses) keeps its storage: the module
+        // gets a new parameter of its own, as when the dtype changes
+        let owns = owns_storage(&old, &all_params);
+        if owns {
+            old.resize_storage_(0)?;
+        }
         // the module computes with `param_dtype` tensors; the shard keeps the master's dtype
-        let full = if old.dtype() == param_dtype {
+        let full = if owns && old.dtype() == param_dtype {
             old
         } else {
             let full = Tensor::zeros(old.shape(), (param_dtype, old.device()))?;
@@ -354,15 +361,37 @@ fn agree(
         "reshard_after_forward: {}, mp_policy: {:?}",
         options.reshard_after_forward, options.mp_policy
     );
-    let all = dist::all_gather_object(&(mine, sums, settings), Some(group))?;
+    // a parameter computed from other tensors would get its gradient in the shard, never
+    // in what it was computed from: refused on every rank before anything changes
+    let problem: Option<String> = params.iter().find(|(_, p)| !p.is_leaf()).map(|(n, _)| {
+        format!(
+            "parameter {n:?} is not a leaf (it is computed from other tensors, so its \
+             gradient would never reach them; pass a leaf, e.g. `.detach().requires_grad_(true)`)"
+        )
+    });
+    let all = dist::all_gather_object(&(mine, sums, settings, problem), Some(group))?;
     let mut all_settings = Vec::with_capacity(all.len());
+    let mut problems = Vec::with_capacity(all.len());
     let (all, all_sums): (Vec<Vec<Entry>>, Vec<Vec<u64>>) = all
         .into_iter()
-        .map(|(m, s, o)| {
+        .map(|(m, s, o, p)| {
             all_settings.push(o);
+            problems.push(p);
             (m, s)
         })
         .unzip();
+    if let Some((r, why)) = problems
+        .iter()
+        .enumerate()
+        .find_map(|(r, p)| p.as_ref().map(|p| (r, p)))
+    {
+        return Err(invalid(
+            me,
+            "module",
+            "leaf parameters on every rank (nothing was changed on any rank)",
+            format!("rank {}: {why}", group.ranks()[r]),
+        ));
+    }
     if let Some(r) = (1..all_settings.len()).find(|&r| all_settings[r] != all_settings[0]) {
         return Err(invalid(
             me,
@@ -444,6 +473,19 @@ fn check_ignored(module: &dyn Module, ignored: &[Tensor], me: usize) -> Result<(
         )),
         None => Ok(()),
     }
+}
+
+/// Whether `p` is the only view of its whole storage among `params` (a contiguous tensor from
+/// the storage's first element to its last): then freeing the storage frees nothing another
+/// tensor of the model reads.
+fn owns_storage(p: &Tensor, params: &[Tensor]) -> bool {
+    p.device().is_meta()
+        || (p.is_contiguous()
+            && p.layout().offset() == 0
+            && p.storage_numel() == p.numel()
+            && !params
+                .iter()
+                .any(|q| q.id() != p.id() && q.shares_storage_with(p)))
 }
 
 /// This rank's rows of `full` as a new leaf with `full`'s `requires_grad`.
