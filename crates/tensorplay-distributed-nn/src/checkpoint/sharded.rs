@@ -63,7 +63,8 @@ fn shard_name(name: &str, step: u64, rank: usize) -> String {
     format!("{name}.step{step}.rank{rank}.safetensors")
 }
 
-/// Writes this rank's shard of the sharded checkpoint `name` at `step` in `dir`, then (rank 0)
+/// Writes this rank's shard of the sharded checkpoint `name` at `step` in `dir` (created when
+/// absent), then (rank 0)
 /// the `.json` that commits it, then removes this rank's shards of earlier saves. Collective
 /// over `group` (the default group when `None`). `tensors` and `metadata` are this rank's own
 /// (its parameters' shards, its optimizer's state).
@@ -81,7 +82,15 @@ pub fn save_sharded(
 ) -> Result<()> {
     let dir = dir.as_ref();
     let (rank, world) = (dist::get_rank(group)?, dist::get_world_size(group)?);
-    let mine = save_with_metadata(tensors, metadata, dir.join(shard_name(name, step, rank)));
+    // the folder is created when absent, as PyTorch's `dcp.save` does
+    let mine = std::fs::create_dir_all(dir)
+        .map_err(|e| Error::Checkpoint {
+            path: dir.display().to_string(),
+            problem: format!("could not create the folder: {e}"),
+        })
+        .and_then(|()| {
+            save_with_metadata(tensors, metadata, dir.join(shard_name(name, step, rank)))
+        });
     agree(
         mine,
         &dir.join(shard_name(name, step, rank)).display().to_string(),
