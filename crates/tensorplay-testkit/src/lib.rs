@@ -24,4 +24,4 @@ pub use close::{Tol, assert_close, check_close};
 pub use generator::generator_lock;
 pub use names::test_name;
 pub use tmp::TempDir;
-pub use world::cpu_world;
+pub use world::{SharedDir, cpu_world, cpu_world_in};

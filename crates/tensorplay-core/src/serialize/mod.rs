@@ -33,7 +33,9 @@ mod atomic;
 mod safetensors;
 
 pub(crate) use atomic::problem;
-pub use safetensors::{CHECKSUM_KEY, load, load_with_metadata, save, save_with_metadata};
+pub use safetensors::{
+    CHECKSUM_KEY, dtype_from_name, dtype_name, load, load_with_metadata, save, save_with_metadata,
+};
 
 /// Writes `bytes` to `path` atomically (temporary file, `fsync`, rename, `fsync` of the
 /// folder), for the small metadata files that sit beside checkpoints (a sharded checkpoint's

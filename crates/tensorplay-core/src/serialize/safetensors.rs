@@ -37,6 +37,25 @@ fn from_safetensors(d: Dtype) -> Option<DType> {
     }
 }
 
+/// The safetensors name of `d`: `"F32"`, `"F64"`, `"I64"`, `"BOOL"`, `"BF16"`, `"F16"` (what
+/// a file's header and a distributed checkpoint's metadata write).
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "F32",
+        DType::F64 => "F64",
+        DType::I64 => "I64",
+        DType::Bool => "BOOL",
+        DType::BF16 => "BF16",
+        DType::F16 => "F16",
+    }
+}
+
+/// The dtype whose safetensors name is `name` ([`dtype_name`]'s inverse); `None` for a name
+/// tensorplay has no dtype for.
+pub fn dtype_from_name(name: &str) -> Option<DType> {
+    DType::ALL.into_iter().find(|&d| dtype_name(d) == name)
+}
+
 /// The tensor's elements as little-endian bytes, row-major (CUDA tensors copied to the host).
 fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
     Ok(match t.dtype() {

@@ -22,7 +22,25 @@
 //! sharded models (`torch.distributed.checkpoint.state_dict`), local shards with their
 //! [`TensorPlacement`](state_dict::TensorPlacement) or whole tensors.
 
+mod format;
+mod load;
+mod metadata;
+pub mod planner;
+mod save;
 mod sharded;
+mod state;
 pub mod state_dict;
+mod stateful;
+mod storage;
+mod sync;
+
+pub use format::SHARDING_KEY;
+pub use load::{load, load_with};
+pub use save::{save, save_with};
+pub use state::{StateDict, StateValue, model_state, strip_prefix};
+pub use stateful::{AppState, Stateful, load_state, save_state};
+pub use storage::{FileSystemReader, FileSystemWriter, StorageReader, StorageWriter};
+
+pub use metadata::{FORMAT, METADATA_FILE, Metadata, StoredChunk, TensorStorageMetadata, VERSION};
 
 pub use sharded::{Shard, load_sharded, save_replicated, save_sharded, sharded_exists};

@@ -2,6 +2,7 @@
 //! concern (`cargo test -p tensorplay-distributed-nn --test it MODULE::`).
 
 mod bad_arguments;
+mod dcp;
 mod ddp;
 mod ddp_low_precision;
 mod fsdp;

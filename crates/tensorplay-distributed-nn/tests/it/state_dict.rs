@@ -34,7 +34,7 @@ const BATCH: usize = 12;
 const WORLDS: [usize; 2] = [2, 3];
 
 /// Linear 5 -> 7 -> 6 -> 3 with Tanh between, float64, from `seed`: dimensions 0 of 7 and 3.
-fn mlp(seed: u64) -> tp::Result<Sequential> {
+pub(super) fn mlp(seed: u64) -> tp::Result<Sequential> {
     tp::manual_seed(seed);
     let dims = [5, 7, 6, 3];
     let mut m = Sequential::new();
@@ -56,7 +56,7 @@ fn mlp(seed: u64) -> tp::Result<Sequential> {
 }
 
 /// Every layer fully sharded, then the root.
-fn sharded(seed: u64) -> tp::Result<Sequential> {
+pub(super) fn sharded(seed: u64) -> tp::Result<Sequential> {
     let mut m = mlp(seed)?;
     for (_, child) in m.named_children_mut() {
         if !child.local_parameters().is_empty() {
@@ -67,7 +67,7 @@ fn sharded(seed: u64) -> tp::Result<Sequential> {
     Ok(m)
 }
 
-fn adamw(params: Vec<Tensor>) -> tp::Result<AdamW> {
+pub(super) fn adamw(params: Vec<Tensor>) -> tp::Result<AdamW> {
     AdamW::new(
         params,
         AdamWOptions {
@@ -91,7 +91,13 @@ fn rows(k: usize, from: usize, n: usize) -> tp::Result<(Tensor, Tensor)> {
 }
 
 /// One AdamW step on this rank's rows of step `k`'s batch (`world` 1: the whole batch).
-fn step(m: &dyn Module, o: &mut AdamW, k: usize, rank: usize, world: usize) -> tp::Result<()> {
+pub(super) fn step(
+    m: &dyn Module,
+    o: &mut AdamW,
+    k: usize,
+    rank: usize,
+    world: usize,
+) -> tp::Result<()> {
     let n = BATCH / world;
     let (x, y) = rows(k, rank * n, n)?;
     o.zero_grad()?;
@@ -100,7 +106,7 @@ fn step(m: &dyn Module, o: &mut AdamW, k: usize, rank: usize, world: usize) -> t
 }
 
 /// `got` equals `want` bit for bit, key by key (shapes and values).
-fn same(what: &str, got: &Dict, want: &Dict) -> Result<(), String> {
+pub(super) fn same(what: &str, got: &Dict, want: &Dict) -> Result<(), String> {
     let keys = |d: &Dict| d.keys().cloned().collect::<Vec<_>>();
     if keys(got) != keys(want) {
         return Err(format!(
@@ -128,7 +134,7 @@ fn same(what: &str, got: &Dict, want: &Dict) -> Result<(), String> {
     Ok(())
 }
 
-fn full() -> StateDictOptions {
+pub(super) fn full() -> StateDictOptions {
     StateDictOptions {
         full_state_dict: true,
         ..Default::default()
@@ -256,7 +262,12 @@ fn one_process_without_a_group() -> TestResult {
 
 /// Linear 4 -> 6 -> 4 with Tanh, float64: 6 divides by 2 and 3, for tensor parallelism.
 fn pair() -> tp::Result<Sequential> {
-    tp::manual_seed(11);
+    pair_from(11)
+}
+
+/// [`pair`]'s model drawn from `seed`.
+pub(super) fn pair_from(seed: u64) -> tp::Result<Sequential> {
+    tp::manual_seed(seed);
     let leaf = |t: &Tensor| -> tp::Result<Tensor> {
         Ok(t.detach()
             .to_dtype(DType::F64)?

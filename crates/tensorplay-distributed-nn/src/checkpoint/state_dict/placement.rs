@@ -175,6 +175,42 @@ impl TensorPlacement {
         }
     }
 
+    /// This rank's pieces with where each starts in its local tensor (the chunks follow each
+    /// other along the shard dimension). A `Partial` tensor's rank 0 of the mesh dimension holds
+    /// the whole (the others' parts are zeroed by a load), as [`slice`](Self::slice) cuts it.
+    pub fn local_chunks(&self) -> Vec<super::super::planner::LocalChunk> {
+        use super::super::planner::LocalChunk;
+        let nd = self.global_shape.len();
+        if self.placement == Placement::Partial {
+            if self.mesh_rank != 0 {
+                return Vec::new();
+            }
+            return vec![LocalChunk {
+                chunk: ChunkStorageMetadata {
+                    offsets: vec![0; nd],
+                    sizes: self.global_shape.clone(),
+                },
+                local_offsets: vec![0; nd],
+            }];
+        }
+        let d = self.dim();
+        let mut at = 0;
+        self.chunks
+            .iter()
+            .map(|c| {
+                let mut local_offsets = vec![0; nd];
+                if nd > 0 {
+                    local_offsets[d] = at;
+                    at += c.sizes[d];
+                }
+                LocalChunk {
+                    chunk: c.clone(),
+                    local_offsets,
+                }
+            })
+            .collect()
+    }
+
     /// The dimension the chunks are cut along (0 when whole).
     fn dim(&self) -> usize {
         match self.split {

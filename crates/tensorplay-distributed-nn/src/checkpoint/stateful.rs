@@ -1,0 +1,228 @@
+//! Objects that take part in a checkpoint whole (PyTorch's `Stateful`): [`save_state`] asks
+//! each for its [`StateDict`], [`load_state`] asks each where to load (given what the
+//! checkpoint holds) and hands it the loaded entries. [`AppState`] is a model with its
+//! optimizer, as PyTorch's checkpoint tutorial writes it.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tensorplay_collectives::ProcessGroup;
+use tensorplay_core::nn::Module;
+use tensorplay_core::optim::Optimizer;
+use tensorplay_core::{Device, Error, Result, Tensor};
+
+use super::metadata::Metadata;
+use super::state::{StateDict, StateValue, join, model_state, strip_prefix};
+use super::state_dict::{
+    OptimizerStateDict, StateDictOptions, TensorPlacement, get_optimizer_state_dict,
+    model_state_dict_placements, set_model_state_dict, set_optimizer_state_dict,
+};
+use super::storage::{FileSystemReader, FileSystemWriter, StorageReader};
+use super::{load_with, save_with};
+
+/// Something a checkpoint saves and restores whole (`torch.distributed.checkpoint.stateful.Stateful`).
+pub trait Stateful {
+    /// What to save, by name (without the object's prefix).
+    ///
+    /// # Errors
+    /// The object's own (a collective that gathers it, say).
+    fn state_dict(&self) -> Result<StateDict>;
+
+    /// Where to load, given the checkpoint's `saved` metadata (whose names carry `prefix.`):
+    /// entries whose tensors [`load`](super::load) fills in place. By default
+    /// [`state_dict`](Stateful::state_dict); an object whose state is created lazily (an
+    /// optimizer that has not stepped) builds its entries from `saved`.
+    ///
+    /// # Errors
+    /// The object's own.
+    fn state_dict_to_load(&self, saved: &Metadata, prefix: &str) -> Result<StateDict> {
+        let _ = (saved, prefix);
+        self.state_dict()
+    }
+
+    /// Takes the loaded entries (those [`state_dict_to_load`](Stateful::state_dict_to_load)
+    /// gave, filled).
+    ///
+    /// # Errors
+    /// The object's own; it should change nothing when it fails.
+    fn load_state_dict(&mut self, state: StateDict) -> Result<()>;
+}
+
+impl Stateful for StateDict {
+    fn state_dict(&self) -> Result<StateDict> {
+        Ok(self.clone())
+    }
+    fn load_state_dict(&mut self, state: StateDict) -> Result<()> {
+        *self = state;
+        Ok(())
+    }
+}
+
+/// Saves every object under its name (`("app", &app)` gives `"app.model.0.weight"`, ...) as
+/// one checkpoint in `checkpoint_dir`: [`save`](super::save) of their entries together.
+///
+/// # Errors
+/// As [`save`](super::save); the objects' own.
+pub fn save_state(
+    objects: &[(&str, &dyn Stateful)],
+    checkpoint_dir: impl AsRef<Path>,
+    group: Option<&ProcessGroup>,
+) -> Result<Metadata> {
+    let mut all = StateDict::new();
+    for (name, o) in objects {
+        for (k, v) in o.state_dict()? {
+            all.insert(join(name, &k), v);
+        }
+    }
+    save_with(&all, &mut FileSystemWriter::new(checkpoint_dir), group)
+}
+
+/// Loads the checkpoint in `checkpoint_dir` into every object (as [`save_state`] saved
+/// them): each says where to load, [`load`](super::load) fills those entries on every rank
+/// (all or nothing), then each object takes its own.
+///
+/// # Errors
+/// As [`load`](super::load); the objects' own.
+pub fn load_state(
+    objects: &mut [(&str, &mut dyn Stateful)],
+    checkpoint_dir: impl AsRef<Path>,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
+    let mut reader = FileSystemReader::new(checkpoint_dir);
+    // a rank that cannot read the metadata still joins the load, which reports it everywhere
+    let saved = reader.read_metadata();
+    let mut all = StateDict::new();
+    if let Ok(saved) = &saved {
+        for (name, o) in objects.iter() {
+            for (k, v) in o.state_dict_to_load(saved, name)? {
+                all.insert(join(name, &k), v);
+            }
+        }
+    }
+    load_with(&mut all, &mut reader, group)?;
+    for (name, o) in objects.iter_mut() {
+        o.load_state_dict(strip_prefix(&all, name))?;
+    }
+    Ok(())
+}
+
+/// A model and its optimizer as one [`Stateful`] (PyTorch's tutorial `AppState`): entries
+/// `model.<name>` (the model's local tensors: a load writes into the model in place),
+/// `optim.state.<name>.<state>` (each split as its parameter, or whole) and `optim.header`
+/// (the optimizer's kind and parameter groups). Works for plain, DDP and fully sharded
+/// models; a tensor-parallel model's optimizer state is not the same set of names on every
+/// rank (a row-parallel bias has state on rank 0 only), so save its model alone.
+pub struct AppState<'a, M: Module + ?Sized> {
+    /// The model.
+    pub model: &'a mut M,
+    /// Its optimizer (over `model.parameters()`), if saved with it.
+    pub optimizer: Option<&'a mut dyn Optimizer>,
+}
+
+const HEADER: &str = "optim.header";
+const STATE: &str = "optim.state.";
+
+/// Where state tensor `k` of parameter `p` lives: as its parameter when it is the parameter's
+/// piece (a moment), else whole on every rank (a step count).
+fn state_placement(k: &str, t: &Tensor, p: Option<&TensorPlacement>) -> TensorPlacement {
+    match p {
+        Some(p) if k != "step" && p.is_sharded() && t.shape() == p.local_shape.as_slice() => {
+            p.clone()
+        }
+        _ => TensorPlacement::replicated(t),
+    }
+}
+
+impl<M: Module + ?Sized> Stateful for AppState<'_, M> {
+    fn state_dict(&self) -> Result<StateDict> {
+        let mut out = model_state(&*self.model, "model")?;
+        let Some(opt) = self.optimizer.as_deref() else {
+            return Ok(out);
+        };
+        let placements = model_state_dict_placements(&*self.model)?;
+        let osd = get_optimizer_state_dict(&*self.model, opt, StateDictOptions::default())?;
+        for (fqn, m) in &osd.state {
+            for (k, t) in m {
+                let p = state_placement(k, t, placements.get(fqn));
+                out.insert(
+                    format!("{STATE}{fqn}.{k}"),
+                    StateValue::sharded(t.clone(), p),
+                );
+            }
+        }
+        let (_, header) = osd.to_tensors();
+        out.insert(HEADER.into(), StateValue::Value(serde_json::json!(header)));
+        Ok(out)
+    }
+
+    fn state_dict_to_load(&self, saved: &Metadata, prefix: &str) -> Result<StateDict> {
+        let mut out = model_state(&*self.model, "model")?;
+        if self.optimizer.is_none() {
+            return Ok(out);
+        }
+        let placements = model_state_dict_placements(&*self.model)?;
+        let ours = if prefix.is_empty() {
+            STATE.to_string()
+        } else {
+            format!("{prefix}.{STATE}")
+        };
+        for (key, t) in &saved.tensors {
+            let Some(rest) = key.strip_prefix(&ours) else {
+                continue;
+            };
+            let Some((fqn, k)) = rest.rsplit_once('.') else {
+                continue;
+            };
+            let dtype = t.dtype().ok_or_else(|| Error::Checkpoint {
+                path: key.clone(),
+                problem: format!("dtype {:?}", t.dtype),
+            })?;
+            let p = placements.get(fqn);
+            let (shape, placement) = match p {
+                Some(p) if k != "step" && p.is_sharded() && t.size == p.global_shape => {
+                    (p.local_shape.clone(), Some(p.clone()))
+                }
+                _ => (t.size.clone(), None),
+            };
+            let local = Tensor::zeros(&shape, (dtype, Device::Cpu))?;
+            let placement = placement.unwrap_or_else(|| TensorPlacement::replicated(&local));
+            out.insert(
+                format!("{STATE}{rest}"),
+                StateValue::sharded(local, placement),
+            );
+        }
+        out.insert(HEADER.into(), StateValue::Value(serde_json::Value::Null));
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: StateDict) -> Result<()> {
+        let model: BTreeMap<String, Tensor> = strip_prefix(&state, "model")
+            .into_iter()
+            .filter_map(|(k, v)| v.as_tensor().map(|t| (k, t.clone())))
+            .collect();
+        set_model_state_dict(&mut *self.model, &model, StateDictOptions::default())?;
+        let Some(opt) = self.optimizer.as_deref_mut() else {
+            return Ok(());
+        };
+        let header: BTreeMap<String, String> = state
+            .get(HEADER)
+            .and_then(StateValue::as_value)
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .ok_or_else(|| Error::Checkpoint {
+                path: HEADER.into(),
+                problem: "no optimizer header in the checkpoint (saved without its optimizer?)"
+                    .into(),
+            })?;
+        let tensors: BTreeMap<String, Tensor> = state
+            .iter()
+            .filter_map(|(k, v)| {
+                let rest = k.strip_prefix("optim.")?;
+                rest.starts_with("state.")
+                    .then(|| v.as_tensor().map(|t| (rest.to_string(), t.clone())))
+                    .flatten()
+            })
+            .collect();
+        let osd = OptimizerStateDict::from_tensors(&tensors, &header)?;
+        set_optimizer_state_dict(&*self.model, opt, &osd, StateDictOptions::default())
+    }
+}
