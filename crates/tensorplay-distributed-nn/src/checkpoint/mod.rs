@@ -22,6 +22,7 @@
 //! sharded models (`torch.distributed.checkpoint.state_dict`), local shards with their
 //! [`TensorPlacement`](state_dict::TensorPlacement) or whole tensors.
 
+mod async_save;
 mod format;
 mod load;
 mod metadata;
@@ -34,6 +35,7 @@ mod stateful;
 mod storage;
 mod sync;
 
+pub use async_save::{AsyncSaveHandle, async_save, async_save_with};
 pub use format::SHARDING_KEY;
 pub use load::{load, load_with};
 pub use save::{save, save_with};

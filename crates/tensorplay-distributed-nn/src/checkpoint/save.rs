@@ -142,7 +142,7 @@ fn with_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
 }
 
 /// The layout of rank `r`'s file under `plan`.
-fn file_layout(plan: &SavePlan, all: &[Offers], r: usize) -> Result<(Vec<FileEntry>, FileLayout)> {
+fn file_layout(plan: &SavePlan, all: &[Offers], r: usize) -> (Vec<FileEntry>, FileLayout) {
     let entries = plan.writes[r]
         .iter()
         .map(|&i| {
@@ -158,15 +158,22 @@ fn file_layout(plan: &SavePlan, all: &[Offers], r: usize) -> Result<(Vec<FileEnt
         })
         .collect::<Vec<_>>();
     let l = layout(&entries);
-    Ok((entries, l))
+    (entries, l)
 }
 
-/// Writes this rank's file; returns each piece's CRC-32.
-fn write_mine(
+/// A piece's bytes: a host tensor's (a synchronous save) or a staged copy (an async one).
+pub(crate) enum Bytes<'a> {
+    Tensor(&'a Tensor),
+    Host(&'a [u8]),
+}
+
+/// Writes a rank's file (`l`'s header, then the pieces in order); returns each piece's
+/// CRC-32 as 8 hex digits.
+pub(crate) fn write_file(
     writer: &mut dyn StorageWriter,
     name: &str,
     l: &FileLayout,
-    data: &[&Tensor],
+    data: &[Bytes<'_>],
 ) -> Result<Vec<String>> {
     let mut crcs = Vec::with_capacity(data.len());
     writer.write_file(name, &mut |w: &mut dyn Write| {
@@ -175,14 +182,23 @@ fn write_mine(
             problem: format!("could not write it: {e}"),
         };
         w.write_all(&l.header).map_err(io)?;
-        for t in data {
-            let crc =
-                with_bytes(t, |b| w.write_all(b).map(|()| crc32fast::hash(b)))?.map_err(io)?;
+        for piece in data {
+            let mut put = |b: &[u8]| w.write_all(b).map(|()| crc32fast::hash(b));
+            let crc = match piece {
+                Bytes::Tensor(t) => with_bytes(t, put)?,
+                Bytes::Host(b) => put(b),
+            }
+            .map_err(io)?;
             crcs.push(format!("{crc:08x}"));
         }
         Ok(())
     })?;
     Ok(crcs)
+}
+
+/// A host copy of a contiguous host tensor's bytes (what an async save writes from).
+pub(crate) fn staged(t: &Tensor) -> Result<Vec<u8>> {
+    with_bytes(t, <[u8]>::to_vec)
 }
 
 /// Saves `state` as a checkpoint in the folder `checkpoint_dir` (`torch.distributed.checkpoint.save`):
@@ -221,6 +237,140 @@ pub fn save_with(
     writer: &mut dyn StorageWriter,
     group: Option<&ProcessGroup>,
 ) -> Result<Metadata> {
+    let p = prepare(state, writer, group)?;
+    let mine: Vec<Bytes<'_>> = p.mine().map(Bytes::Tensor).collect();
+    let written = if mine.is_empty() {
+        Ok(Vec::new())
+    } else {
+        write_file(writer, &p.file_name(), &p.layout(p.ranks.rank), &mine)
+    };
+    let reports: Vec<(Option<String>, Vec<String>)> = p.ranks.gather(&(
+        written.as_ref().err().map(ToString::to_string),
+        written.as_ref().cloned().unwrap_or_default(),
+    ))?;
+    written?;
+    if let Some(bad) = failed_ranks(reports.iter().map(|(p, _)| p.as_deref())) {
+        return Err(Error::Checkpoint {
+            path: writer.location(),
+            problem: bad,
+        });
+    }
+    let crcs: Vec<Vec<String>> = reports.into_iter().map(|(_, c)| c).collect();
+    let metadata = p.metadata(&crcs);
+    let committed = if p.ranks.rank == 0 {
+        writer.commit(&metadata)
+    } else {
+        Ok(())
+    };
+    p.ranks.agree(committed, &writer.location())?;
+    writer.remove_stale(&files_of(&metadata));
+    Ok(metadata)
+}
+
+/// The files a committed checkpoint names (what a clean-up keeps).
+pub(crate) fn files_of(metadata: &Metadata) -> BTreeSet<String> {
+    metadata
+        .tensors
+        .values()
+        .flat_map(|t| t.chunks.iter().map(|c| c.file.clone()))
+        .collect()
+}
+
+/// What every rank knows once the ranks agreed on a save's plan.
+pub(crate) struct Prepared {
+    pub(crate) ranks: Ranks,
+    plan: SavePlan,
+    all: Vec<Offers>,
+    pub(crate) save_id: String,
+    /// This rank's offered pieces (host, contiguous), in offer order.
+    data: Vec<Tensor>,
+}
+
+impl Prepared {
+    /// The pieces this rank writes, in its file's order.
+    pub(crate) fn mine(&self) -> impl Iterator<Item = &Tensor> {
+        self.plan.writes[self.ranks.rank]
+            .iter()
+            .filter_map(|&i| self.data.get(i))
+    }
+
+    /// Lets go of the pieces (an async save has copied them); [`mine`](Self::mine) is then
+    /// empty.
+    pub(crate) fn release_pieces(&mut self) {
+        self.data.clear();
+    }
+
+    /// This rank's file name.
+    pub(crate) fn file_name(&self) -> String {
+        file_name(&self.save_id, self.ranks.rank)
+    }
+
+    /// Rank `r`'s file layout.
+    pub(crate) fn layout(&self, r: usize) -> FileLayout {
+        file_layout(&self.plan, &self.all, r).1
+    }
+
+    /// The metadata once every rank reported its pieces' checksums (`crcs[r]`: rank `r`'s, in
+    /// its file's order); the same on every rank.
+    pub(crate) fn metadata(&self, crcs: &[Vec<String>]) -> Metadata {
+        let mut tensors: BTreeMap<String, TensorStorageMetadata> = self
+            .plan
+            .tensors
+            .iter()
+            .map(|(k, (dtype, size))| {
+                (
+                    k.clone(),
+                    TensorStorageMetadata {
+                        dtype: dtype.clone(),
+                        size: size.clone(),
+                        chunks: Vec::new(),
+                    },
+                )
+            })
+            .collect();
+        for (r, crcs) in crcs.iter().enumerate() {
+            let (entries, l) = file_layout(&self.plan, &self.all, r);
+            for ((e, range), crc) in entries.iter().zip(&l.ranges).zip(crcs) {
+                if let Some(t) = tensors.get_mut(&e.fqn) {
+                    t.chunks.push(StoredChunk {
+                        offsets: e.offsets.clone(),
+                        sizes: e.sizes.clone(),
+                        file: file_name(&self.save_id, r),
+                        byte_range: *range,
+                        crc32: crc.clone(),
+                    });
+                }
+            }
+        }
+        let mut rank_values: BTreeMap<String, Vec<serde_json::Value>> = BTreeMap::new();
+        for o in &self.all {
+            for (k, v) in &o.rank_values {
+                rank_values.entry(k.clone()).or_default().push(json(v));
+            }
+        }
+        Metadata {
+            format: FORMAT.into(),
+            version: VERSION,
+            save_id: self.save_id.clone(),
+            world_size: self.ranks.world,
+            tensors,
+            values: self.all[0]
+                .values
+                .iter()
+                .map(|(k, v)| (k.clone(), json(v)))
+                .collect(),
+            rank_values,
+        }
+    }
+}
+
+/// The collective first half of a save: checks, the ranks' offers, the plan, and this rank's
+/// pieces on the host.
+pub(crate) fn prepare(
+    state: &StateDict,
+    writer: &mut dyn StorageWriter,
+    group: Option<&ProcessGroup>,
+) -> Result<Prepared> {
     let ranks = Ranks::of(group)?;
     let (rank, world) = (ranks.rank, ranks.world);
     let mut values = BTreeMap::new();
@@ -296,86 +446,11 @@ pub fn save_with(
         })
         .collect();
     let save_id = all[0].save_id.clone();
-    // this rank's file
-    let (_, my_layout) = file_layout(&plan, &all, rank)?;
-    let my_data: Vec<&Tensor> = plan.writes[rank].iter().map(|&i| &data[i]).collect();
-    let written = if my_data.is_empty() {
-        Ok(Vec::new())
-    } else {
-        write_mine(writer, &file_name(&save_id, rank), &my_layout, &my_data)
-    };
-    let reports: Vec<(Option<String>, Vec<String>)> = ranks.gather(&(
-        written.as_ref().err().map(ToString::to_string),
-        written.as_ref().cloned().unwrap_or_default(),
-    ))?;
-    written?;
-    if let Some(bad) = failed_ranks(reports.iter().map(|(p, _)| p.as_deref())) {
-        return Err(Error::Checkpoint {
-            path: writer.location(),
-            problem: bad,
-        });
-    }
-    // the metadata, the same on every rank
-    let mut tensors: BTreeMap<String, TensorStorageMetadata> = plan
-        .tensors
-        .iter()
-        .map(|(k, (dtype, size))| {
-            (
-                k.clone(),
-                TensorStorageMetadata {
-                    dtype: dtype.clone(),
-                    size: size.clone(),
-                    chunks: Vec::new(),
-                },
-            )
-        })
-        .collect();
-    for (r, (_, crcs)) in reports.iter().enumerate() {
-        let (entries, l) = file_layout(&plan, &all, r)?;
-        for ((e, range), crc) in entries.iter().zip(&l.ranges).zip(crcs) {
-            if let Some(t) = tensors.get_mut(&e.fqn) {
-                t.chunks.push(StoredChunk {
-                    offsets: e.offsets.clone(),
-                    sizes: e.sizes.clone(),
-                    file: file_name(&save_id, r),
-                    byte_range: *range,
-                    crc32: crc.clone(),
-                });
-            }
-        }
-    }
-    let metadata = Metadata {
-        format: FORMAT.into(),
-        version: VERSION,
+    Ok(Prepared {
+        ranks,
+        plan,
+        all,
         save_id,
-        world_size: world,
-        tensors,
-        values: all[0]
-            .values
-            .iter()
-            .map(|(k, v)| (k.clone(), json(v)))
-            .collect(),
-        rank_values: {
-            let mut m: BTreeMap<String, Vec<serde_json::Value>> = BTreeMap::new();
-            for o in &all {
-                for (k, v) in &o.rank_values {
-                    m.entry(k.clone()).or_default().push(json(v));
-                }
-            }
-            m
-        },
-    };
-    let committed = if rank == 0 {
-        writer.commit(&metadata)
-    } else {
-        Ok(())
-    };
-    ranks.agree(committed, &writer.location())?;
-    let keep: BTreeSet<String> = metadata
-        .tensors
-        .values()
-        .flat_map(|t| t.chunks.iter().map(|c| c.file.clone()))
-        .collect();
-    writer.remove_stale(&keep);
-    Ok(metadata)
+        data,
+    })
 }

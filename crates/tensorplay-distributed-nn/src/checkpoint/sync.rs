@@ -26,6 +26,11 @@ impl Ranks {
         Ok(Ranks { rank, world, group })
     }
 
+    /// The group, when there is one.
+    pub(crate) fn group(&self) -> Option<&ProcessGroup> {
+        self.group.as_ref()
+    }
+
     /// Every rank's `x`, in rank order.
     pub(crate) fn gather<T: Serialize + DeserializeOwned>(&self, x: &T) -> Result<Vec<T>> {
         match &self.group {

@@ -3,6 +3,7 @@
 
 mod bad_arguments;
 mod dcp;
+mod dcp_async;
 mod ddp;
 mod ddp_low_precision;
 mod fsdp;
