@@ -91,7 +91,7 @@ pub use layout::{Layout, broadcast_shapes, contiguous_strides, normalize_dim};
 pub use ops::creation::{TensorOptions, arange, full, ones, rand, randint, randn, zeros};
 pub use ops::shape::{cat, stack};
 pub use ops::view::ShapeArg;
-pub use random::manual_seed;
+pub use random::{get_rng_state, manual_seed, set_rng_state};
 pub use serialize::{load, save};
 pub use storage::{BufElement, CpuStorage, HostBuf, HostBufMut, Storage, StorageElement};
 pub use tensor::{Tensor, TensorId};

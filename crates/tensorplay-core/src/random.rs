@@ -70,6 +70,70 @@ pub fn manual_seed(seed: u64) {
     default_generator().manual_seed(seed);
 }
 
+/// Length of [`get_rng_state`]'s bytes.
+const RNG_STATE_LEN: usize = 32 + 8 + 16 + 1 + 8;
+
+/// The default generator's state as bytes (`torch.get_rng_state`): ChaCha8's key, stream and
+/// position and the spare normal sample, 65 bytes. [`set_rng_state`] restores it, so a
+/// resumed run draws what the uninterrupted one would.
+pub fn get_rng_state() -> Vec<u8> {
+    default_generator().state()
+}
+
+/// Restores the default generator from [`get_rng_state`]'s bytes (`torch.set_rng_state`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when `state` is not 65 bytes
+/// with a flag byte of 0 or 1; the generator is then unchanged.
+pub fn set_rng_state(state: &[u8]) -> crate::Result<()> {
+    let g = Generator::from_state(state)?;
+    *default_generator() = g;
+    Ok(())
+}
+
+impl Generator {
+    /// The state as [`get_rng_state`] gives it.
+    pub fn state(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(RNG_STATE_LEN);
+        out.extend_from_slice(&self.rng.get_seed());
+        out.extend_from_slice(&self.rng.get_stream().to_le_bytes());
+        out.extend_from_slice(&self.rng.get_word_pos().to_le_bytes());
+        out.push(u8::from(self.spare_normal.is_some()));
+        out.extend_from_slice(&self.spare_normal.unwrap_or(0.0).to_le_bytes());
+        out
+    }
+
+    /// The generator whose [`state`](Generator::state) is `state`.
+    ///
+    /// # Errors
+    /// As [`set_rng_state`].
+    pub fn from_state(state: &[u8]) -> crate::Result<Generator> {
+        if state.len() != RNG_STATE_LEN || state[56] > 1 {
+            return Err(crate::Error::invalid(
+                "set_rng_state",
+                "state",
+                format!("the {RNG_STATE_LEN} bytes get_rng_state returns"),
+                format!("{} bytes (flag byte {:?})", state.len(), state.get(56)),
+            ));
+        }
+        let mut seed = [0u8; 32];
+        seed.copy_from_slice(&state[..32]);
+        let mut b8 = [0u8; 8];
+        b8.copy_from_slice(&state[32..40]);
+        let stream = u64::from_le_bytes(b8);
+        let mut b16 = [0u8; 16];
+        b16.copy_from_slice(&state[40..56]);
+        b8.copy_from_slice(&state[57..65]);
+        let mut rng = ChaCha8Rng::from_seed(seed);
+        rng.set_stream(stream);
+        rng.set_word_pos(u128::from_le_bytes(b16));
+        Ok(Generator {
+            rng,
+            spare_normal: (state[56] == 1).then(|| f64::from_le_bytes(b8)),
+        })
+    }
+}
+
 /// Counter-based samples: sample `i` of the stream of `seed` is a function of `(seed, i)`
 /// alone, so any range of a tensor's elements can be drawn without drawing those before it
 /// (how a rank fills its shard with the values of the whole tensor's rows). Uniform sample `i`
@@ -146,5 +210,32 @@ mod tests {
         let mut other = vec![0.0; 20];
         Stream::new(8).uniform(0, &mut other);
         assert_ne!(other, whole_u);
+    }
+}
+
+#[cfg(test)]
+mod state_tests {
+    use super::*;
+
+    #[test]
+    fn a_restored_state_draws_the_same_samples() {
+        let mut g = Generator::new(42);
+        let _ = g.normal(); // leaves a spare normal sample
+        let _ = g.next_u64();
+        let saved = g.state();
+        let want: Vec<f64> = (0..5).map(|_| g.normal()).collect();
+        let mut back = Generator::from_state(&saved).unwrap();
+        let got: Vec<f64> = (0..5).map(|_| back.normal()).collect();
+        assert_eq!(got, want);
+        let mut flag = saved.clone();
+        flag[56] = 7;
+        let cases: [(&str, Vec<u8>); 3] = [
+            ("short", vec![0; 10]),
+            ("long", vec![0; 66]),
+            ("bad flag", flag),
+        ];
+        for (name, bad) in cases {
+            assert!(Generator::from_state(&bad).is_err(), "{name}");
+        }
     }
 }

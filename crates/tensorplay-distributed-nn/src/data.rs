@@ -64,6 +64,24 @@ pub struct DistributedSampler {
     seed: u64,
     drop_last: bool,
     epoch: u64,
+    /// Where this epoch resumes in its order (samples all ranks consumed before a restart).
+    start: usize,
+}
+
+/// Where a [`DistributedSampler`] is in its epochs, to save in a checkpoint and restore at any
+/// world size ([`DistributedSampler::state_dict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SamplerState {
+    /// The epoch.
+    pub epoch: u64,
+    /// Samples of the epoch's order that all ranks together have consumed.
+    pub position: usize,
+    /// The dataset's length, the seed and the order's settings: a load checks they match.
+    pub dataset_len: usize,
+    /// The permutations' seed.
+    pub seed: u64,
+    /// Whether the order is shuffled.
+    pub shuffle: bool,
 }
 
 impl DistributedSampler {
@@ -113,6 +131,7 @@ impl DistributedSampler {
             seed: 0,
             drop_last: false,
             epoch: 0,
+            start: 0,
         })
     }
 
@@ -138,18 +157,69 @@ impl DistributedSampler {
     /// shuffling, the permutation seeded by `seed + epoch`. Call it with the same epoch on
     /// every rank.
     pub fn set_epoch(&mut self, epoch: u64) {
+        if epoch != self.epoch {
+            self.start = 0;
+        }
         self.epoch = epoch;
     }
 
+    /// Where the epoch stands once this rank has taken `consumed` of its indices (and every
+    /// other rank as many, as data-parallel ranks do): the samples of the epoch's order all
+    /// ranks consumed together, `start + consumed * num_replicas`, at most the dataset's length.
+    pub fn state_dict(&self, consumed: usize) -> SamplerState {
+        SamplerState {
+            epoch: self.epoch,
+            position: self
+                .start
+                .saturating_add(consumed.saturating_mul(self.num_replicas))
+                .min(self.dataset_len),
+            dataset_len: self.dataset_len,
+            seed: self.seed,
+            shuffle: self.shuffle,
+        }
+    }
+
+    /// Resumes at `state` (saved at any number of replicas): the epoch continues from the saved
+    /// position. The order is the saved epoch's (the same permutation whatever the world
+    /// size), its first `position` samples are skipped, and what remains is shared among this
+    /// sampler's replicas as a whole epoch is: each rank takes every `num_replicas`-th index
+    /// from its rank, the remainder padded by repeating it from its start (or cut, with
+    /// `drop_last`). So no sample is repeated or skipped across the restart, except the
+    /// padding's repeats (and `drop_last`'s cut) of the remaining part.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the state is of another dataset length, seed or
+    /// shuffling, or its position is past the dataset's end.
+    pub fn load_state_dict(&mut self, state: &SamplerState) -> Result<(), Error> {
+        let mine = (self.dataset_len, self.seed, self.shuffle);
+        let theirs = (state.dataset_len, state.seed, state.shuffle);
+        if mine != theirs || state.position > state.dataset_len {
+            return Err(Error::InvalidArgument {
+                op: "DistributedSampler::load_state_dict",
+                arg: "state",
+                expected: format!(
+                    "a state of this sampler's dataset length, seed and shuffling {mine:?}, its \
+                     position at most the length"
+                ),
+                got: format!("{theirs:?} at position {}", state.position),
+            });
+        }
+        self.epoch = state.epoch;
+        self.start = state.position;
+        Ok(())
+    }
+
     /// The number of indices of this rank's shard (`sampler.num_samples`, `len(sampler)`):
-    /// `ceil(len / num_replicas)`, or `floor(len / num_replicas)` with `drop_last`.
+    /// `ceil(len / num_replicas)`, or `floor(len / num_replicas)` with `drop_last`, where `len`
+    /// is what remains of the epoch (the dataset's length, less a resumed position).
     pub fn num_samples(&self) -> usize {
+        let len = self.dataset_len - self.start.min(self.dataset_len);
         if self.drop_last {
             // PyTorch: ceil((len - num_replicas) / num_replicas) when len % num_replicas != 0,
             // which is floor(len / num_replicas), and 0 when len < num_replicas
-            self.dataset_len / self.num_replicas
+            len / self.num_replicas
         } else {
-            self.dataset_len.div_ceil(self.num_replicas)
+            len.div_ceil(self.num_replicas)
         }
     }
 
@@ -189,6 +259,8 @@ impl DistributedSampler {
         } else {
             (0..self.dataset_len).collect()
         };
+        // a resumed epoch: what the ranks had not consumed
+        let order = &order[self.start.min(order.len())..];
         // padding repeats the order from its start (as often as needed when the padding is
         // longer than the order); drop_last cuts it to total_size <= len
         order
@@ -401,6 +473,51 @@ mod tests {
                 let next = interleave(&shards(len, replicas, drop_last, shuffle, epoch + 1));
                 prop_assert_ne!(next, order);
             }
+        }
+
+        #[test]
+        fn a_resize_mid_epoch_sees_every_sample_once(
+            len in 0usize..60,
+            n in 1usize..6,
+            m in 1usize..6,
+            steps in 0usize..14,
+            shuffle in any::<bool>(),
+        ) {
+            let make = |replicas: usize, rank: usize| {
+                let mut s = sampler(len, replicas, rank).shuffle(shuffle).seed(5);
+                s.set_epoch(2);
+                s
+            };
+            // n ranks each take `consumed` of their indices (whole rounds, before any padding)
+            let consumed = steps.min(len / n);
+            let mut seen: Vec<usize> = (0..n)
+                .flat_map(|r| make(n, r).indices()[..consumed].to_vec())
+                .collect();
+            let state = make(n, 0).state_dict(consumed);
+            prop_assert_eq!(state.position, consumed * n);
+            // a new job of m ranks resumes there
+            let after: Vec<Vec<usize>> = (0..m)
+                .map(|r| {
+                    let mut s = make(m, r);
+                    s.load_state_dict(&state).map(|()| s.indices())
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let rest = interleave(&after);
+            // its first len - position entries are the rest of the epoch, the others padding
+            prop_assert!(rest.len() >= len - state.position);
+            seen.extend_from_slice(&rest[..len - state.position]);
+            seen.sort_unstable();
+            prop_assert_eq!(seen, (0..len).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn a_state_of_another_sampler_is_refused(len in 1usize..30, other in 31usize..40) {
+            let state = sampler(len, 2, 0).state_dict(0);
+            let mut s = sampler(other, 2, 0);
+            prop_assert!(s.load_state_dict(&state).is_err());
+            let mut s = sampler(len, 2, 0).seed(9);
+            prop_assert!(s.load_state_dict(&state).is_err());
         }
     }
 }

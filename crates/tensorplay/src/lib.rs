@@ -107,9 +107,10 @@ pub use tensorplay_core::{
     CpuCapability, CpuStorage, DType, Device, Element, FInfo, FloatElement, IntoDevice, Layout,
     ShapeArg, Storage, StorageElement, Tensor, TensorId, TensorOptions, arange, autocast, autograd,
     bf16, broadcast_shapes, cat, cpu_capability, cuda, f16, finfo, full, get_autocast_dtype,
-    get_default_device, get_num_threads, is_autocast_enabled, load, manual_seed, memory, no_grad,
-    ones, optim, rand, randint, randn, random, save, serialize, set_cpu_capability,
-    set_default_device, set_grad_enabled, set_num_threads, stack, with_default_device, zeros,
+    get_default_device, get_num_threads, get_rng_state, is_autocast_enabled, load, manual_seed,
+    memory, no_grad, ones, optim, rand, randint, randn, random, save, serialize,
+    set_cpu_capability, set_default_device, set_grad_enabled, set_num_threads, set_rng_state,
+    stack, with_default_device, zeros,
 };
 
 /// `torch.amp`: automatic mixed precision; [`GradScaler`](amp::GradScaler) scales the loss for
@@ -196,7 +197,7 @@ pub mod utils {
             Batches, DataLoader, RandomSampler, Sampler, SequentialSampler, TensorDataset,
         };
         #[doc(inline)]
-        pub use tensorplay_distributed_nn::data::DistributedSampler;
+        pub use tensorplay_distributed_nn::data::{DistributedSampler, SamplerState};
     }
 }
 

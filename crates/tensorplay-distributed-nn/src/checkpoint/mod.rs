@@ -40,7 +40,7 @@ pub use format::SHARDING_KEY;
 pub use load::{load, load_with};
 pub use save::{save, save_with};
 pub use state::{StateDict, StateValue, model_state, strip_prefix};
-pub use stateful::{AppState, Stateful, load_state, save_state};
+pub use stateful::{AppState, RandomState, Stateful, load_state, save_state};
 pub use storage::{FileSystemReader, FileSystemWriter, StorageReader, StorageWriter};
 
 pub use metadata::{FORMAT, METADATA_FILE, Metadata, StoredChunk, TensorStorageMetadata, VERSION};

@@ -44,6 +44,39 @@ impl StateValue {
         StateValue::Tensor { local, placement }
     }
 
+    /// A shared value from anything serde writes (a [`SamplerState`](crate::data::SamplerState),
+    /// a scheduler's settings).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument) when serde cannot
+    /// write it as JSON.
+    pub fn value<T: serde::Serialize>(v: &T) -> Result<StateValue> {
+        serde_json::to_value(v).map(StateValue::Value).map_err(|e| {
+            tensorplay_core::Error::InvalidArgument {
+                op: "StateValue::value",
+                arg: "v",
+                expected: "a value serde writes as JSON".into(),
+                got: e.to_string(),
+            }
+        })
+    }
+
+    /// The JSON value read back as `T`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument) when this is a
+    /// tensor or its JSON is not a `T`.
+    pub fn to<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
+        let bad = |got: String| tensorplay_core::Error::InvalidArgument {
+            op: "StateValue::to",
+            arg: "self",
+            expected: format!("a value holding a {}", std::any::type_name::<T>()),
+            got,
+        };
+        let v = self.as_value().ok_or_else(|| bad("a tensor".into()))?;
+        serde_json::from_value(v.clone()).map_err(|e| bad(e.to_string()))
+    }
+
     /// The tensor, if this is one.
     pub fn as_tensor(&self) -> Option<&Tensor> {
         match self {

@@ -226,3 +226,32 @@ impl<M: Module + ?Sized> Stateful for AppState<'_, M> {
         set_optimizer_state_dict(&*self.model, opt, &osd, StateDictOptions::default())
     }
 }
+
+/// Each rank's default random generator ([`tensorplay_core::get_rng_state`]) as a
+/// [`Stateful`]: entry `rng`, a per-rank value. A load gives rank `r` saved rank `r`'s state
+/// (at another world size, saved rank `r mod N`'s), so a resumed run at the same size draws
+/// what the uninterrupted one would.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RandomState;
+
+impl Stateful for RandomState {
+    fn state_dict(&self) -> Result<StateDict> {
+        let mut out = StateDict::new();
+        out.insert(
+            "rng".into(),
+            StateValue::RankValue(serde_json::json!(tensorplay_core::get_rng_state())),
+        );
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: StateDict) -> Result<()> {
+        let bytes: Vec<u8> = state
+            .get("rng")
+            .ok_or_else(|| Error::Checkpoint {
+                path: "rng".into(),
+                problem: "no random state in the checkpoint".into(),
+            })?
+            .to()?;
+        tensorplay_core::set_rng_state(&bytes)
+    }
+}

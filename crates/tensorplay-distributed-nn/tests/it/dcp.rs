@@ -441,3 +441,63 @@ fn states_that_do_not_fit_the_checkpoint_are_refused() {
         r.unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
+
+#[test]
+fn random_state_and_data_position_resume() {
+    let root = SharedDir::new("dcp-rng");
+    let dir = root.dir().join("ckpt");
+    let sampler = |world: usize, rank: usize| {
+        tensorplay_distributed_nn::data::DistributedSampler::new(40, Some(world), Some(rank))
+            .map(|s| s.seed(3))
+    };
+    at(Layout::Ddp, 2, &root, |rank| {
+        tp::manual_seed(10 + rank as u64);
+        let _ = tp::randn(&[3])?;
+        let mut data = dcp::StateDict::new();
+        // each rank took 6 of its indices: 12 of the epoch's 40
+        data.insert(
+            "sampler".into(),
+            StateValue::value(&sampler(2, rank)?.state_dict(6))?,
+        );
+        dcp::save_state(&[("rng", &dcp::RandomState), ("data", &data)], &dir, None)?;
+        let want = tp::randn(&[4])?.to_vec::<f32>()?;
+        tp::manual_seed(99);
+        dcp::load_state(
+            &mut [("rng", &mut dcp::RandomState), ("data", &mut data)],
+            &dir,
+            None,
+        )?;
+        let got = tp::randn(&[4])?.to_vec::<f32>()?;
+        if got != want {
+            return Err(format!("rank {rank}: draws after the load {got:?}, want {want:?}").into());
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("world 2: {e}"));
+    // three ranks resume the epoch where the two left it
+    at(Layout::Ddp, 3, &root, |rank| {
+        let mut data = dcp::StateDict::new();
+        data.insert(
+            "sampler".into(),
+            StateValue::value(&sampler(3, rank)?.state_dict(0))?,
+        );
+        dcp::load_state(
+            &mut [("rng", &mut dcp::RandomState), ("data", &mut data)],
+            &dir,
+            None,
+        )?;
+        let state: tensorplay_distributed_nn::data::SamplerState = data["sampler"].to()?;
+        let mut s = sampler(3, rank)?;
+        s.load_state_dict(&state)?;
+        if state.position != 12 || s.num_samples() != 10 {
+            return Err(format!(
+                "rank {rank}: position {}, {} samples left",
+                state.position,
+                s.num_samples()
+            )
+            .into());
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("world 3: {e}"));
+}
