@@ -1,7 +1,7 @@
 //! Conversions between float32 and the 16-bit float types, branch-free so that a loop of them
 //! vectorizes (the `half` crate's per-element conversions branch, or call F16C one element at
 //! a time). Every function gives the same bits as `half`'s for every input, except which NaN a
-//! NaN becomes (always a NaN). The kernels' loads and stores ([`super::math::Elem`]) and the
+//! NaN becomes (always a NaN). The kernels' loads and stores (`math::Elem`) and the
 //! collectives' 16-bit reductions use them.
 
 use half::{bf16, f16};

@@ -1,21 +1,24 @@
-//! Checkpoints of a process group's training (`torch.distributed.checkpoint`, simplified):
-//! replicated state written once by rank 0, and sharded state written by every rank with one
-//! metadata file that commits the set.
+//! Checkpoints of a process group's training (`torch.distributed.checkpoint`).
 //!
+//! - **Resharding checkpoints** ([`save`], [`load`], [`async_save`], PyTorch's DCP): each rank
+//!   writes the pieces it holds (each piece once), rank 0 commits a [`Metadata`] file saying
+//!   where every piece of every tensor lies, and a load at any world size, into any layout,
+//!   reads the byte ranges its own pieces need ([`planner`]: box intersections). What to save
+//!   is a [`StateDict`] (tensors with placements, shared and per-rank JSON values), or
+//!   [`Stateful`] objects ([`AppState`]: a model and its optimizer; [`RandomState`]) through
+//!   [`save_state`] / [`load_state`]. Storage is behind [`StorageWriter`] / [`StorageReader`]
+//!   ([`FileSystemWriter`] / [`FileSystemReader`]). The guide: `docs/checkpoints.md`.
 //! - **Replicated** (DDP, or any parameters equal on every rank): [`save_replicated`] writes
 //!   the file on rank 0 only; every rank then loads it with [`tensorplay_core::load`].
-//! - **Sharded** (tensor parallelism: each rank holds a different part): [`save_sharded`]
-//!   writes `<name>.step<S>.rank<r>.safetensors` on every rank, then rank 0 writes
-//!   `<name>.json` naming the step, the world size and the shards. The `.json` is the commit
-//!   point: a job killed while saving still has the previous `.json` and the shards it names
-//!   (older shards are removed only after the new `.json` is on disk). [`load_sharded`]
-//!   restores every rank's shard at the same world size; loading at another world size
-//!   (resharding) is refused.
+//! - **Sharded at a fixed world size** (the older format): [`save_sharded`] writes
+//!   `<name>.step<S>.rank<r>.safetensors` on every rank, then rank 0 writes `<name>.json`
+//!   naming the step, the world size and the shards; [`load_sharded`] restores every rank's
+//!   shard at the same world size (another world size is refused: use [`save`] / [`load`]).
 //!
 //! Every call is collective over the group (every rank calls it, in the same order), and every
-//! rank returns the same outcome: when one rank cannot write or read its file, all of them
-//! fail, naming it. Ranks on several hosts need a folder all of them see (a shared file
-//! system) for [`load_sharded`] to find the `.json`, as with PyTorch's distributed checkpoints.
+//! rank returns the same outcome: when one rank cannot write or read, all of them fail, naming
+//! it. Ranks on several hosts need a folder all of them see (a shared file system), as with
+//! PyTorch's distributed checkpoints.
 //!
 //! [`state_dict`] makes what these functions write: a model's and an optimizer's state keyed
 //! by fully qualified parameter names, the same for plain, DDP, tensor-parallel and fully

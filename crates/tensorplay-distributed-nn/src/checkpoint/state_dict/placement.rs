@@ -177,7 +177,7 @@ impl TensorPlacement {
 
     /// This rank's pieces with where each starts in its local tensor (the chunks follow each
     /// other along the shard dimension). A `Partial` tensor's rank 0 of the mesh dimension holds
-    /// the whole (the others' parts are zeroed by a load), as [`slice`](Self::slice) cuts it.
+    /// the whole (the others' parts are zeroed by a load), as setting a whole state dict cuts it.
     pub fn local_chunks(&self) -> Vec<super::super::planner::LocalChunk> {
         use super::super::planner::LocalChunk;
         let nd = self.global_shape.len();
