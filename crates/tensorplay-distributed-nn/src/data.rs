@@ -185,7 +185,9 @@ impl DistributedSampler {
     /// sampler's replicas as a whole epoch is: each rank takes every `num_replicas`-th index
     /// from its rank, the remainder padded by repeating it from its start (or cut, with
     /// `drop_last`). So no sample is repeated or skipped across the restart, except the
-    /// padding's repeats (and `drop_last`'s cut) of the remaining part.
+    /// padding's repeats (and `drop_last`'s cut) of the remaining part. The resumed position
+    /// holds until [`set_epoch`](Self::set_epoch) moves to another epoch: call it every epoch,
+    /// as PyTorch asks, or every later epoch starts from the position too.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the state is of another dataset length, seed or

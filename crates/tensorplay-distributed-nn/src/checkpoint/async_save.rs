@@ -97,16 +97,35 @@ pub fn async_save_with(
     group: Option<&ProcessGroup>,
 ) -> Result<AsyncSaveHandle> {
     let mut p = prepare(state, &mut *writer, group)?;
-    let pieces: Vec<Vec<u8>> = p.mine().map(staged).collect::<Result<_>>()?;
-    let layout = p.layout(p.ranks.rank);
-    p.release_pieces();
     let store = p.ranks.group().map(|g| g.store().clone());
+    let (rank, id) = (p.ranks.rank, p.save_id.clone());
+    // a failure from here on is reported where rank 0's writer waits, so that it fails at once
+    let report_failure = |e: Error| -> Error {
+        if let Some(store) = &store {
+            let r: Report = Err(e.to_string());
+            let _ = store.set(
+                &report_key(&id, rank),
+                &serde_json::to_vec(&r).unwrap_or_default(),
+            );
+        }
+        e
+    };
+    let pieces: Vec<Vec<u8>> = p
+        .mine()
+        .map(staged)
+        .collect::<Result<_>>()
+        .map_err(report_failure)?;
+    let layout = p.layout(rank);
+    p.release_pieces();
+    let thread_store = store.clone();
     let thread = std::thread::Builder::new()
         .name("tp-async-save".into())
-        .spawn(move || background(p, (layout, pieces), writer, store))
-        .map_err(|e| Error::Checkpoint {
-            path: String::new(),
-            problem: format!("could not start the background writer: {e}"),
+        .spawn(move || background(p, (layout, pieces), writer, thread_store))
+        .map_err(|e| {
+            report_failure(Error::Checkpoint {
+                path: String::new(),
+                problem: format!("could not start the background writer: {e}"),
+            })
         })?;
     Ok(AsyncSaveHandle {
         thread: Some(thread),
@@ -166,8 +185,7 @@ fn background(
         return Ok(metadata);
     }
     written.map_err(&fail)?;
-    store
-        .wait(&[&commit_key(&id)], REPORT_TIMEOUT)
+    wait_for(&*store, &[commit_key(&id)])
         .map_err(|e| fail(format!("rank 0 did not commit: {e}")))?;
     let said = String::from_utf8_lossy(&store.get(&commit_key(&id))?).into_owned();
     if said != "ok" {
@@ -180,6 +198,22 @@ fn background(
     Ok(metadata)
 }
 
+/// Waits until every key is set, asking the store every 50 ms (a store `wait` would hold the
+/// rank's store connection, which training's own store calls share, for as long as it waits).
+fn wait_for(store: &dyn Store, keys: &[String]) -> std::result::Result<(), String> {
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let start = std::time::Instant::now();
+    loop {
+        if store.check(&refs).map_err(|e| e.to_string())? {
+            return Ok(());
+        }
+        if start.elapsed() > REPORT_TIMEOUT {
+            return Err(format!("{keys:?} not set within {REPORT_TIMEOUT:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Every rank's checksums, once all have reported (or the first failure).
 fn gather_reports(
     store: &dyn Store,
@@ -187,10 +221,7 @@ fn gather_reports(
     world: usize,
 ) -> std::result::Result<Vec<Vec<String>>, String> {
     let keys: Vec<String> = (0..world).map(|r| report_key(id, r)).collect();
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    store
-        .wait(&refs, REPORT_TIMEOUT)
-        .map_err(|e| format!("not every rank reported its file: {e}"))?;
+    wait_for(store, &keys).map_err(|e| format!("not every rank reported its file: {e}"))?;
     let mut reports: Vec<Report> = Vec::with_capacity(world);
     for k in &keys {
         let b = store.get(k).map_err(|e| e.to_string())?;
@@ -214,6 +245,7 @@ fn commit_all(
         problem,
     })?;
     let metadata = p.metadata(&crcs);
+    metadata.validate(Path::new(&writer.location()))?;
     writer.commit(&metadata)?;
     Ok(metadata)
 }

@@ -285,8 +285,19 @@ pub fn load_with(
     reader: &mut dyn StorageReader,
     group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    load_after(state, reader, group, Ok(()))
+}
+
+/// [`load_with`] after this rank's own preparation, whose failure `prior` the ranks learn of
+/// in the load's one exchange (so that no rank waits in it alone).
+pub(crate) fn load_after(
+    state: &mut StateDict,
+    reader: &mut dyn StorageReader,
+    group: Option<&ProcessGroup>,
+    prior: Result<()>,
+) -> Result<()> {
     let ranks = Ranks::of(group)?;
-    let staged = stage(state, reader, ranks.rank);
+    let staged = prior.and_then(|()| stage(state, reader, ranks.rank));
     let report = (
         staged.as_ref().err().map(ToString::to_string),
         staged

@@ -182,7 +182,18 @@ fn validate_tensor(t: &TensorStorageMetadata) -> std::result::Result<(), String>
     let dtype = t
         .dtype()
         .ok_or_else(|| format!("dtype {:?} is not one tensorplay has", t.dtype))?;
-    let total: u128 = t.size.iter().map(|&d| d as u128).product();
+    let too_big = || {
+        format!(
+            "its shape {:?} has more elements than a machine can address",
+            t.size
+        )
+    };
+    let total: u128 = t
+        .size
+        .iter()
+        .try_fold(1u128, |a, &d| a.checked_mul(d as u128))
+        .filter(|&n| n <= usize::MAX as u128)
+        .ok_or_else(too_big)?;
     let mut covered: u128 = 0;
     for (i, c) in t.chunks.iter().enumerate() {
         if c.offsets.len() != t.size.len() || c.sizes.len() != t.size.len() {
@@ -204,6 +215,7 @@ fn validate_tensor(t: &TensorStorageMetadata) -> std::result::Result<(), String>
                 ));
             }
         }
+        // inside the shape (checked above), so at most `total`
         let numel: u128 = c.sizes.iter().map(|&d| d as u128).product();
         let [start, end] = c.byte_range;
         let want = numel * dtype.size_in_bytes() as u128;
@@ -225,7 +237,7 @@ fn validate_tensor(t: &TensorStorageMetadata) -> std::result::Result<(), String>
                 c.crc32
             ));
         }
-        covered += numel;
+        covered = covered.saturating_add(numel);
     }
     let chunks: Vec<ChunkStorageMetadata> = t.chunks.iter().map(StoredChunk::chunk).collect();
     for (i, a) in chunks.iter().enumerate() {

@@ -23,8 +23,9 @@ use super::sync::{Ranks, failed_ranks};
 struct Offers {
     /// This rank's problem with its input or its storage, if any.
     problem: Option<String>,
-    /// The state's names (every rank must pass the same).
-    keys: Vec<String>,
+    /// The state's names with their kind (tensor, split tensor, `Partial` tensor, value,
+    /// per-rank value): every rank must pass the same.
+    keys: Vec<(String, u8)>,
     /// The pieces this rank holds.
     offers: Vec<WriteOffer>,
     /// Rank 0's: the save's id.
@@ -33,6 +34,16 @@ struct Offers {
     values: BTreeMap<String, String>,
     /// This rank's own values, as JSON text.
     rank_values: BTreeMap<String, String>,
+}
+
+/// An entry's kind, which every rank must agree on (a `Partial` tensor's sum is collective).
+fn kind(v: &StateValue) -> u8 {
+    match v {
+        StateValue::Tensor { placement, .. } if is_partial(placement) => 2,
+        StateValue::Tensor { .. } => 1,
+        StateValue::Value(_) => 3,
+        StateValue::RankValue(_) => 4,
+    }
 }
 
 /// The JSON value a rank sent as text (it came from `Value::to_string`, so it parses).
@@ -68,7 +79,20 @@ pub(crate) fn piece_of(local: &Tensor, lc: &LocalChunk) -> Result<Tensor> {
 }
 
 /// The check every tensor entry passes before anything is planned.
-fn check_entry(key: &str, local: &Tensor, p: &super::state_dict::TensorPlacement) -> Result<()> {
+pub(crate) fn check_entry(
+    key: &str,
+    local: &Tensor,
+    p: &super::state_dict::TensorPlacement,
+) -> Result<()> {
+    if crate::parallel::fsdp::setup::is_shard_of_tp_piece(local) {
+        return Err(Error::NotSupported {
+            op: "checkpoint",
+            detail: format!(
+                "yet for 2-D models (fully sharded over tensor parallel): entry {key:?} is a \
+                 shard of a tensor-parallel piece, whose place in the whole composes two splits"
+            ),
+        });
+    }
     if local.shape() != p.local_shape.as_slice() || local.dtype() != p.dtype {
         return Err(Error::InvalidArgument {
             op: "checkpoint::save",
@@ -257,11 +281,16 @@ pub fn save_with(
     }
     let crcs: Vec<Vec<String>> = reports.into_iter().map(|(_, c)| c).collect();
     let metadata = p.metadata(&crcs);
-    let committed = if p.ranks.rank == 0 {
-        writer.commit(&metadata)
-    } else {
-        Ok(())
-    };
+    // every rank checks what rank 0 is about to commit (the same metadata everywhere)
+    let committed = metadata
+        .validate(Path::new(&writer.location()))
+        .and_then(|()| {
+            if p.ranks.rank == 0 {
+                writer.commit(&metadata)
+            } else {
+                Ok(())
+            }
+        });
     p.ranks.agree(committed, &writer.location())?;
     writer.remove_stale(&files_of(&metadata));
     Ok(metadata)
@@ -276,8 +305,43 @@ pub(crate) fn files_of(metadata: &Metadata) -> BTreeSet<String> {
         .collect()
 }
 
+/// The folders this process is saving into now.
+static IN_FLIGHT: std::sync::Mutex<BTreeSet<String>> = std::sync::Mutex::new(BTreeSet::new());
+
+/// This process's claim on a folder for one save (an async save holds it until its background
+/// writer ends): a second save into the folder meanwhile is refused, since each save's
+/// clean-up removes the files the other's metadata names.
+pub(crate) struct FolderClaim(String);
+
+impl FolderClaim {
+    fn take(location: String) -> Result<FolderClaim> {
+        let mut all = IN_FLIGHT
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !all.insert(location.clone()) {
+            return Err(Error::Checkpoint {
+                path: location,
+                problem: "another save into this folder is still in flight in this process (an \
+                          async save: wait on its handle before the next save)"
+                    .into(),
+            });
+        }
+        Ok(FolderClaim(location))
+    }
+}
+
+impl Drop for FolderClaim {
+    fn drop(&mut self) {
+        IN_FLIGHT
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.0);
+    }
+}
+
 /// What every rank knows once the ranks agreed on a save's plan.
 pub(crate) struct Prepared {
+    _claim: Option<FolderClaim>,
     pub(crate) ranks: Ranks,
     plan: SavePlan,
     all: Vec<Offers>,
@@ -392,10 +456,16 @@ pub(crate) fn prepare(
             }
         }
     }
-    let checked = checked.and_then(|()| writer.set_up());
+    let mut claim = None;
+    let checked = checked
+        .and_then(|()| {
+            claim = Some(FolderClaim::take(writer.location())?);
+            Ok(())
+        })
+        .and_then(|()| writer.set_up());
     let mine = Offers {
         problem: checked.as_ref().err().map(ToString::to_string),
-        keys: state.keys().cloned().collect(),
+        keys: state.iter().map(|(k, v)| (k.clone(), kind(v))).collect(),
         offers: Vec::new(),
         save_id: if rank == 0 {
             new_save_id()
@@ -415,7 +485,8 @@ pub(crate) fn prepare(
         });
     }
     if let Some(r) = (1..world).find(|&r| first[r].keys != first[0].keys) {
-        let (a, b): (BTreeSet<&String>, BTreeSet<&String>) = (
+        type Names<'a> = BTreeSet<&'a (String, u8)>;
+        let (a, b): (Names<'_>, Names<'_>) = (
             first[0].keys.iter().collect(),
             first[r].keys.iter().collect(),
         );
@@ -424,15 +495,27 @@ pub(crate) fn prepare(
         return Err(Error::InvalidArgument {
             op: "checkpoint::save",
             arg: "state_dict",
-            expected: "the same names on every rank".into(),
+            expected: "the same names, of the same kinds (1 tensor, 2 Partial tensor, 3 value, \
+                       4 per-rank value), on every rank"
+                .into(),
             got: format!(
                 "rank {rank} sees rank 0 and rank {r} differ: only rank 0 has {only0:?}, only \
                  rank {r} has {only_r:?}"
             ),
         });
     }
-    let (offers, data) = pieces(state)?;
-    let all_offers = ranks.gather(&offers)?;
+    let pieces = pieces(state);
+    let offers = pieces.as_ref().map(|(o, _)| o.clone()).unwrap_or_default();
+    let reported: Vec<(Option<String>, Vec<WriteOffer>)> =
+        ranks.gather(&(pieces.as_ref().err().map(ToString::to_string), offers))?;
+    let (_, data) = pieces?;
+    if let Some(bad) = failed_ranks(reported.iter().map(|(p, _)| p.as_deref())) {
+        return Err(Error::Checkpoint {
+            path: writer.location(),
+            problem: bad,
+        });
+    }
+    let all_offers: Vec<Vec<WriteOffer>> = reported.into_iter().map(|(_, o)| o).collect();
     let plan = plan_writes(&all_offers).map_err(|p| Error::Checkpoint {
         path: writer.location(),
         problem: p,
@@ -447,6 +530,7 @@ pub(crate) fn prepare(
         .collect();
     let save_id = all[0].save_id.clone();
     Ok(Prepared {
+        _claim: claim,
         ranks,
         plan,
         all,

@@ -11,14 +11,15 @@ use tensorplay_core::nn::Module;
 use tensorplay_core::optim::Optimizer;
 use tensorplay_core::{Device, Error, Result, Tensor};
 
+use super::load::load_after;
 use super::metadata::Metadata;
+use super::save_with;
 use super::state::{StateDict, StateValue, join, model_state, strip_prefix};
 use super::state_dict::{
     OptimizerStateDict, StateDictOptions, TensorPlacement, get_optimizer_state_dict,
     model_state_dict_placements, set_model_state_dict, set_optimizer_state_dict,
 };
 use super::storage::{FileSystemReader, FileSystemWriter, StorageReader};
-use super::{load_with, save_with};
 
 /// Something a checkpoint saves and restores whole (`torch.distributed.checkpoint.stateful.Stateful`).
 pub trait Stateful {
@@ -92,14 +93,25 @@ pub fn load_state(
     // a rank that cannot read the metadata still joins the load, which reports it everywhere
     let saved = reader.read_metadata();
     let mut all = StateDict::new();
+    // a rank whose objects cannot say where to load still joins the load, which reports it
+    // on every rank
+    let mut prior = Ok(());
     if let Ok(saved) = &saved {
         for (name, o) in objects.iter() {
-            for (k, v) in o.state_dict_to_load(saved, name)? {
-                all.insert(join(name, &k), v);
+            match o.state_dict_to_load(saved, name) {
+                Ok(entries) => {
+                    for (k, v) in entries {
+                        all.insert(join(name, &k), v);
+                    }
+                }
+                Err(e) => {
+                    prior = Err(e);
+                    break;
+                }
             }
         }
     }
-    load_with(&mut all, &mut reader, group)?;
+    load_after(&mut all, &mut reader, group, prior)?;
     for (name, o) in objects.iter_mut() {
         o.load_state_dict(strip_prefix(&all, name))?;
     }
@@ -159,6 +171,15 @@ impl<M: Module + ?Sized> Stateful for AppState<'_, M> {
         let mut out = model_state(&*self.model, "model")?;
         if self.optimizer.is_none() {
             return Ok(out);
+        }
+        let header = join(prefix, HEADER);
+        if !saved.values.contains_key(&header) {
+            return Err(Error::Checkpoint {
+                path: header,
+                problem: "the checkpoint has no optimizer state here (saved without its \
+                          optimizer?); load the model alone with `optimizer: None`"
+                    .into(),
+            });
         }
         let placements = model_state_dict_placements(&*self.model)?;
         let ours = if prefix.is_empty() {

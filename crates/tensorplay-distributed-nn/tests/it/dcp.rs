@@ -501,3 +501,62 @@ fn random_state_and_data_position_resume() {
     })
     .unwrap_or_else(|e| panic!("world 3: {e}"));
 }
+
+#[test]
+fn misuse_is_refused_on_every_rank_before_anything_is_written() {
+    let root = SharedDir::new("dcp-misuse");
+    let dir = root.dir().join("ckpt");
+    at(Layout::Fsdp, 2, &root, |rank| {
+        save_as(Layout::Fsdp, &dir, rank)
+    })
+    .unwrap_or_else(|e| panic!("save: {e}"));
+    let r = at(Layout::Fsdp, 2, &root, |rank| {
+        let m = build(Layout::Fsdp, SAVED)?;
+        let sd = model_state(&*m, "model")?;
+        // a name that is a shared value on rank 0 and a per-rank value on rank 1
+        let mut odd = sd.clone();
+        let v = serde_json::json!(1);
+        odd.insert(
+            "step".into(),
+            if rank == 0 {
+                StateValue::Value(v)
+            } else {
+                StateValue::RankValue(v)
+            },
+        );
+        match dcp::save(&odd, &dir, None) {
+            Err(e) if e.to_string().contains("the same names, of the same kinds") => {}
+            other => return Err(format!("kinds differ: rank {rank}: {other:?}").into()),
+        }
+        // a save while an async save into the folder is in flight
+        let handle = dcp::async_save(&sd, &dir, None)?;
+        let second = dcp::save(&sd, &dir, None);
+        handle.wait()?;
+        match second {
+            Err(e)
+                if e.to_string().contains("still in flight")
+                    || e.to_string().contains("failed") => {}
+            other => return Err(format!("overlap: rank {rank}: {other:?}").into()),
+        }
+        // the optimizer asked for where none was saved: nothing changes, the model included
+        let mut fresh = build(Layout::Fsdp, 99)?;
+        let mut o = adamw(fresh.parameters())?;
+        let mut app = AppState {
+            model: &mut *fresh,
+            optimizer: Some(&mut o),
+        };
+        match dcp::load_state(&mut [("model", &mut app)], &dir, None) {
+            Err(e)
+                if e.to_string().contains("no optimizer state")
+                    || e.to_string().contains("failed") => {}
+            other => return Err(format!("no optimizer: rank {rank}: {other:?}").into()),
+        }
+        same(
+            &format!("rank {rank}: unchanged after the refused load"),
+            &get_model_state_dict(&*fresh, full())?,
+            &pair_from(99)?.state_dict()?,
+        )?;
+        Ok(())
+    });
+    r.unwrap_or_else(|e| panic!("{e}"));
+}

@@ -37,7 +37,7 @@ mod placement;
 mod policy;
 mod reduce;
 mod scaler;
-mod setup;
+pub(crate) mod setup;
 mod state;
 
 use std::sync::Arc;

@@ -27,6 +27,18 @@ static CLAIMED: Mutex<BTreeMap<TensorId, (usize, String)>> = Mutex::new(BTreeMap
 /// (for gradient clipping and `full_tensor`).
 static SHARDS: Mutex<BTreeMap<TensorId, (ProcessGroup, Vec<usize>)>> = Mutex::new(BTreeMap::new());
 
+/// The shards whose unsharded parameter is itself a tensor-parallel piece (2-D): their
+/// placement in the whole tensor composes two splits.
+static OVER_TP: Mutex<BTreeMap<TensorId, ()>> = Mutex::new(BTreeMap::new());
+
+/// Whether `t` is the shard of a parameter that tensor parallelism had split first (2-D).
+pub(crate) fn is_shard_of_tp_piece(t: &Tensor) -> bool {
+    OVER_TP
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains_key(&t.id())
+}
+
 /// The process group `t` is a shard over, if it is a fully sharded parameter's shard.
 pub(super) fn group_of_shard(t: &Tensor) -> Option<ProcessGroup> {
     shard_info(t).map(|(g, _)| g)
@@ -120,6 +132,12 @@ pub(super) fn shard_module(
     let all_params = module.parameters();
     for (name, old) in params {
         let shard = shard_of(&old, rank, world)?;
+        if crate::parallel::tensor::tp_placement(&old).is_some() {
+            OVER_TP
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(shard.id(), ());
+        }
         old.set_grad(None);
         // a parameter that views part of a storage (a transposed weight, rows of a bigger
         // tensor, a piece of a fused weight another module uses) keeps its storage: the module
