@@ -230,5 +230,39 @@ pub fn plan_reads(dest: &[LocalChunk], saved: &[ChunkStorageMetadata]) -> Vec<Re
     out
 }
 
+/// The pieces of a 2-D split: `outer` are this rank's pieces of the whole tensor as the first
+/// split left them (tensor parallelism: global chunks and where each lies in the rank's
+/// first-level local tensor); the second split (fully sharded) then keeps rows `rows` of that
+/// local tensor. Returns the kept pieces in the whole tensor's coordinates, each with where it
+/// lies in the final local tensor (whose row 0 is row `rows.start` of the first-level one).
+/// 0-d pieces (never split by the first level) are kept whole by the rank holding row 0.
+pub fn compose_rows(outer: &[LocalChunk], rows: std::ops::Range<usize>) -> Vec<LocalChunk> {
+    let mut out = Vec::new();
+    for c in outer {
+        if c.chunk.sizes.is_empty() {
+            if rows.start == 0 && !rows.is_empty() {
+                out.push(c.clone());
+            }
+            continue;
+        }
+        let (at, n) = (c.local_offsets[0], c.chunk.sizes[0]);
+        let lo = at.max(rows.start);
+        let hi = (at + n).min(rows.end);
+        if lo >= hi {
+            continue;
+        }
+        let mut chunk = c.chunk.clone();
+        chunk.offsets[0] += lo - at;
+        chunk.sizes[0] = hi - lo;
+        let mut local_offsets = c.local_offsets.clone();
+        local_offsets[0] = lo - rows.start;
+        out.push(LocalChunk {
+            chunk,
+            local_offsets,
+        });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests;

@@ -332,3 +332,67 @@ fn intersections() {
         assert_eq!(intersect(&a, &b), want, "case {i}");
     }
 }
+
+/// 2-D: a [12, 6] tensor split by tensor parallelism over `tp` ranks (rows, columns or three
+/// stacked blocks), each piece's rows then fully sharded over `dp` ranks: the composed pieces
+/// of all tp x dp ranks hold every element once, at the right local places.
+#[test]
+fn two_splits_compose_into_pieces_of_the_whole() {
+    let shape = [12usize, 6];
+    let mut failures = Vec::new();
+    for tp_layout in [
+        Layout::Chunked { dim: 0 },
+        Layout::Chunked { dim: 1 },
+        Layout::Stacked { stacked: 3 },
+    ] {
+        for tp in [1usize, 2] {
+            for dp in [1usize, 2, 3, 5] {
+                let mut seen = vec![0u32; 72];
+                for t in 0..tp {
+                    let outer = pieces(&shape, tp_layout, t, tp);
+                    let first = local_shape(&shape, &outer);
+                    let per = first[0].div_ceil(dp);
+                    for d in 0..dp {
+                        let rows = (d * per).min(first[0])..((d + 1) * per).min(first[0]);
+                        for p in compose_rows(&outer, rows.clone()) {
+                            // the element's place in the first-level local tensor must be the
+                            // one the outer piece gave it
+                            each_index(&p.chunk.sizes, |ix| {
+                                let g = [p.chunk.offsets[0] + ix[0], p.chunk.offsets[1] + ix[1]];
+                                let l = [
+                                    p.local_offsets[0] + ix[0] + rows.start,
+                                    p.local_offsets[1] + ix[1],
+                                ];
+                                let src = outer.iter().find(|o| {
+                                    (0..2).all(|k| {
+                                        g[k] >= o.chunk.offsets[k]
+                                            && g[k] < o.chunk.offsets[k] + o.chunk.sizes[k]
+                                    })
+                                });
+                                let ok = src.is_some_and(|o| {
+                                    (0..2).all(|k| {
+                                        l[k] == o.local_offsets[k] + g[k] - o.chunk.offsets[k]
+                                    })
+                                });
+                                if !ok {
+                                    failures.push(format!(
+                                        "{tp_layout:?} tp {tp} dp {dp}: element {g:?} at {l:?}"
+                                    ));
+                                }
+                                seen[g[0] * 6 + g[1]] += 1;
+                            });
+                        }
+                    }
+                }
+                if seen.iter().any(|&c| c != 1) {
+                    failures.push(format!("{tp_layout:?} tp {tp} dp {dp}: counts {seen:?}"));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{:#?}",
+        &failures[..failures.len().min(5)]
+    );
+}
