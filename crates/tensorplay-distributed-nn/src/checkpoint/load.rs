@@ -12,7 +12,7 @@ use tensorplay_core::{DType, Device, Error, Result, Storage, Tensor, no_grad};
 
 use super::metadata::{METADATA_FILE, Metadata, StoredChunk};
 use super::planner::{LocalChunk, plan_reads};
-use super::save::piece_of;
+use super::save::{check_entry, piece_of};
 use super::state::{StateDict, StateValue, is_partial};
 use super::storage::{FileSystemReader, StorageReader};
 use super::sync::{Ranks, failed_ranks};
@@ -149,17 +149,8 @@ fn stage(state: &StateDict, reader: &mut dyn StorageReader, rank: usize) -> Resu
                 continue;
             }
         };
-        if local.shape() != placement.local_shape.as_slice() || local.dtype() != placement.dtype {
-            return Err(Error::InvalidArgument {
-                op: "checkpoint::load",
-                arg: "state_dict",
-                expected: format!(
-                    "entry {key:?}: a {:?} tensor of shape {:?} (its placement's local shape)",
-                    placement.dtype, placement.local_shape
-                ),
-                got: format!("{:?} of shape {:?}", local.dtype(), local.shape()),
-            });
-        }
+        // the same checks as a save's, 2-D shards included
+        check_entry("checkpoint::load", key, local, placement)?;
         let saved = md.tensors.get(key).ok_or_else(|| missing(key, "tensor"))?;
         let want = dtype_name(placement.dtype);
         if saved.dtype != want || saved.size != placement.global_shape {

@@ -80,13 +80,14 @@ pub(crate) fn piece_of(local: &Tensor, lc: &LocalChunk) -> Result<Tensor> {
 
 /// The check every tensor entry passes before anything is planned.
 pub(crate) fn check_entry(
+    op: &'static str,
     key: &str,
     local: &Tensor,
     p: &super::state_dict::TensorPlacement,
 ) -> Result<()> {
     if crate::parallel::fsdp::setup::is_shard_of_tp_piece(local) {
         return Err(Error::NotSupported {
-            op: "checkpoint",
+            op,
             detail: format!(
                 "yet for 2-D models (fully sharded over tensor parallel): entry {key:?} is a \
                  shard of a tensor-parallel piece, whose place in the whole composes two splits"
@@ -95,7 +96,7 @@ pub(crate) fn check_entry(
     }
     if local.shape() != p.local_shape.as_slice() || local.dtype() != p.dtype {
         return Err(Error::InvalidArgument {
-            op: "checkpoint::save",
+            op,
             arg: "state_dict",
             expected: format!(
                 "entry {key:?}: a {:?} tensor of shape {:?} (its placement's local shape)",
@@ -117,7 +118,6 @@ fn pieces(state: &StateDict) -> Result<(Vec<WriteOffer>, Vec<Tensor>)> {
         let StateValue::Tensor { local, placement } = v else {
             continue;
         };
-        check_entry(key, local, placement)?;
         let mut offer = |lc: &LocalChunk, t: Tensor| -> Result<()> {
             offers.push(WriteOffer {
                 fqn: key.clone(),
@@ -451,7 +451,7 @@ pub(crate) fn prepare(
             StateValue::Tensor { local, placement } => {
                 // checked before any collective, so that a bad entry cannot desynchronise them
                 if checked.is_ok() {
-                    checked = check_entry(k, local, placement);
+                    checked = check_entry("checkpoint::save", k, local, placement);
                 }
             }
         }
