@@ -13,7 +13,7 @@ use tensorplay_core::{DType, Device, Error, Result, Storage, Tensor, no_grad};
 use super::metadata::{METADATA_FILE, Metadata, StoredChunk};
 use super::planner::{LocalChunk, plan_reads};
 use super::save::{check_entry, piece_of};
-use super::state::{StateDict, StateValue, is_partial};
+use super::state::{StateDict, StateValue};
 use super::storage::{FileSystemReader, StorageReader};
 use super::sync::{Ranks, failed_ranks};
 
@@ -149,7 +149,7 @@ fn stage(state: &StateDict, reader: &mut dyn StorageReader, rank: usize) -> Resu
                 continue;
             }
         };
-        // the same checks as a save's, 2-D shards included
+        // the same checks as a save's
         check_entry("checkpoint::load", key, local, placement)?;
         let saved = md.tensors.get(key).ok_or_else(|| missing(key, "tensor"))?;
         let want = dtype_name(placement.dtype);
@@ -163,7 +163,7 @@ fn stage(state: &StateDict, reader: &mut dyn StorageReader, rank: usize) -> Resu
                 ),
             });
         }
-        if is_partial(placement) && placement.mesh_rank != 0 {
+        if placement.partial_over().is_some_and(|(_, rank)| rank != 0) {
             staged.zeroed.push(key.clone());
         }
         let dest = placement.local_chunks();

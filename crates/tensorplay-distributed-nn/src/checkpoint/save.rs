@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use tensorplay_collectives::ProcessGroup;
+use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp};
 use tensorplay_core::serialize::dtype_name;
 use tensorplay_core::{DType, Error, Result, Storage, Tensor, no_grad};
 
@@ -85,15 +85,6 @@ pub(crate) fn check_entry(
     local: &Tensor,
     p: &super::state_dict::TensorPlacement,
 ) -> Result<()> {
-    if crate::parallel::fsdp::setup::is_shard_of_tp_piece(local) {
-        return Err(Error::NotSupported {
-            op,
-            detail: format!(
-                "yet for 2-D models (fully sharded over tensor parallel): entry {key:?} is a \
-                 shard of a tensor-parallel piece, whose place in the whole composes two splits"
-            ),
-        });
-    }
     if local.shape() != p.local_shape.as_slice() || local.dtype() != p.dtype {
         return Err(Error::InvalidArgument {
             op,
@@ -129,17 +120,13 @@ fn pieces(state: &StateDict) -> Result<(Vec<WriteOffer>, Vec<Tensor>)> {
             data.push(t.cpu()?.contiguous()?);
             Ok(())
         };
-        if is_partial(placement) {
-            let whole = placement.gather(local)?;
-            let nd = placement.global_shape.len();
-            let lc = LocalChunk {
-                chunk: super::state_dict::ChunkStorageMetadata {
-                    offsets: vec![0; nd],
-                    sizes: placement.global_shape.clone(),
-                },
-                local_offsets: vec![0; nd],
-            };
-            offer(&lc, whole)?;
+        if let Some((group, _)) = placement.partial_over() {
+            // every rank of the sum offers the same pieces of it: one of them writes each
+            let sum = local.detach().contiguous()?.deep_clone()?;
+            dist::all_reduce(&sum, ReduceOp::Sum, Some(group))?;
+            for lc in placement.held_chunks() {
+                offer(&lc, piece_of(&sum, &lc)?)?;
+            }
         } else {
             for lc in placement.local_chunks() {
                 offer(&lc, piece_of(local, &lc)?)?;

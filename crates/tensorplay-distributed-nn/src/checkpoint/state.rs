@@ -7,7 +7,6 @@ use tensorplay_core::nn::Module;
 use tensorplay_core::{Result, Tensor};
 
 use super::state_dict::{TensorPlacement, model_state_dict_placements};
-use crate::tensor::Placement;
 
 /// One entry of a [`StateDict`].
 #[derive(Debug, Clone)]
@@ -142,5 +141,5 @@ pub fn strip_prefix(state: &StateDict, prefix: &str) -> StateDict {
 
 /// Whether the placement is `Partial` over more than one rank (the whole is the ranks' sum).
 pub(crate) fn is_partial(placement: &TensorPlacement) -> bool {
-    placement.placement == Placement::Partial && placement.mesh_size > 1
+    placement.partial_over().is_some()
 }

@@ -121,9 +121,10 @@ pub fn load_state(
 /// A model and its optimizer as one [`Stateful`] (PyTorch's tutorial `AppState`): entries
 /// `model.<name>` (the model's local tensors: a load writes into the model in place),
 /// `optim.state.<name>.<state>` (each split as its parameter, or whole) and `optim.header`
-/// (the optimizer's kind and parameter groups). Works for plain, DDP and fully sharded
-/// models; a tensor-parallel model's optimizer state is not the same set of names on every
-/// rank (a row-parallel bias has state on rank 0 only), so save its model alone.
+/// (the optimizer's kind and parameter groups). Works for plain, DDP, tensor-parallel, fully
+/// sharded and 2-D models. A `Partial` parameter's state (a row-parallel bias: rank 0 of its
+/// group trains it, the others hold frozen zeros and no state) is rank 0's: the other ranks
+/// save zeros for its moments and rank 0's step, so every rank saves the same names.
 pub struct AppState<'a, M: Module + ?Sized> {
     /// The model.
     pub model: &'a mut M,
@@ -145,6 +146,61 @@ fn state_placement(k: &str, t: &Tensor, p: Option<&TensorPlacement>) -> TensorPl
     }
 }
 
+/// One optimizer state tensor as rank 0 of a `Partial` group sends it: name, dtype, shape and
+/// values.
+type WireState = (String, String, Vec<usize>, Vec<f64>);
+
+/// Makes `state[fqn]` of `Partial` parameter `fqn` on every rank of its group what rank 0's
+/// is, the moments (split as the parameter) as zeros elsewhere so their sum is rank 0's.
+/// Collective over the group; nothing for other placements.
+fn partial_state_of_rank_0(
+    state: &mut BTreeMap<String, BTreeMap<String, Tensor>>,
+    fqn: &str,
+    p: &TensorPlacement,
+) -> Result<()> {
+    let Some((group, rank)) = p.partial_over() else {
+        return Ok(());
+    };
+    let mine: Option<Vec<WireState>> = if rank == 0 {
+        let wire = |(k, t): (&String, &Tensor)| -> Result<WireState> {
+            let dtype = tensorplay_core::serialize::dtype_name(t.dtype()).to_string();
+            Ok((k.clone(), dtype, t.shape().to_vec(), t.to_vec_f64()?))
+        };
+        state
+            .get(fqn)
+            .map(|m| m.iter().map(wire).collect::<Result<_>>())
+            .transpose()?
+    } else {
+        None
+    };
+    let all = tensorplay_collectives::all_gather_object(&mine, Some(group))?;
+    if rank == 0 {
+        return Ok(());
+    }
+    let Some(Some(first)) = all.into_iter().next() else {
+        state.remove(fqn);
+        return Ok(());
+    };
+    let mut m = BTreeMap::new();
+    for (k, dtype, shape, values) in first {
+        let dtype = tensorplay_core::serialize::dtype_from_name(&dtype).ok_or_else(|| {
+            Error::Checkpoint {
+                path: format!("{fqn}.{k}"),
+                problem: format!("rank 0 sent dtype {dtype:?}"),
+            }
+        })?;
+        let t = Tensor::from_vec(values, &shape)?.to_dtype(dtype)?;
+        let t = if state_placement(&k, &t, Some(p)).is_sharded() {
+            t.zeros_like()?
+        } else {
+            t
+        };
+        m.insert(k, t);
+    }
+    state.insert(fqn.to_string(), m);
+    Ok(())
+}
+
 impl<M: Module + ?Sized> Stateful for AppState<'_, M> {
     fn state_dict(&self) -> Result<StateDict> {
         let mut out = model_state(&*self.model, "model")?;
@@ -152,7 +208,10 @@ impl<M: Module + ?Sized> Stateful for AppState<'_, M> {
             return Ok(out);
         };
         let placements = model_state_dict_placements(&*self.model)?;
-        let osd = get_optimizer_state_dict(&*self.model, opt, StateDictOptions::default())?;
+        let mut osd = get_optimizer_state_dict(&*self.model, opt, StateDictOptions::default())?;
+        for (fqn, p) in &placements {
+            partial_state_of_rank_0(&mut osd.state, fqn, p)?;
+        }
         for (fqn, m) in &osd.state {
             for (k, t) in m {
                 let p = state_placement(k, t, placements.get(fqn));

@@ -1,13 +1,13 @@
 //! `checkpoint::save` / `checkpoint::load` across real processes: a model saved by each
-//! layout (one process without a group, DDP, tensor parallel, fully sharded) at its world size
-//! loads into every layout at other world sizes, its whole tensors bit for bit the saved ones;
-//! shared and per-rank values come back; bad checkpoints are refused on every rank with
-//! nothing changed.
+//! layout (one process without a group, DDP, tensor parallel, fully sharded, both: 2-D) at its
+//! world size loads into every layout at other world sizes, its whole tensors bit for bit the
+//! saved ones; shared and per-rank values come back; bad checkpoints are refused on every rank
+//! with nothing changed.
 
 use std::path::Path;
 use std::time::Duration;
 
-use tensorplay_collectives::device_mesh::DeviceMesh;
+use tensorplay_collectives::device_mesh::{DeviceMesh, init_device_mesh};
 use tensorplay_collectives::spawn::is_spawned_child;
 use tensorplay_collectives::{self as dist};
 use tensorplay_core::nn::{Module, ModuleFields, Sequential};
@@ -23,7 +23,7 @@ use tensorplay_testkit::{SharedDir, cpu_world_in, generator_lock};
 
 use super::state_dict::{adamw, full, mlp, pair_from, same, sharded, step};
 
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+pub(super) type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 /// The seed of the saved weights (a loaded model starts from another).
@@ -31,16 +31,19 @@ const SAVED: u64 = 11;
 
 /// How a model is split over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Layout {
+pub(super) enum Layout {
     /// One process without a process group (PyTorch's `no_dist`).
     Alone,
     Ddp,
     Tp,
     Fsdp,
+    /// Tensor parallel over pairs of ranks, then fully sharded over the pairs (mesh
+    /// `[world / 2, 2]`, names `dp`, `tp`).
+    TwoD,
 }
 
 /// [`pair_from`]'s model of `seed` laid out as `layout` on this rank.
-fn build(layout: Layout, seed: u64) -> tp::Result<Box<dyn Module>> {
+pub(super) fn build(layout: Layout, seed: u64) -> tp::Result<Box<dyn Module>> {
     let mut m: Sequential = pair_from(seed)?;
     Ok(match layout {
         Layout::Alone => Box::new(m),
@@ -57,6 +60,22 @@ fn build(layout: Layout, seed: u64) -> tp::Result<Box<dyn Module>> {
                 fully_shard(first, FsdpOptions::default())?;
             }
             fully_shard(&mut m, FsdpOptions::default())?;
+            Box::new(m)
+        }
+        Layout::TwoD => {
+            let world = dist::get_world_size(None)?;
+            let mesh = init_device_mesh(&[world / 2, 2], &["dp", "tp"])?;
+            let (col, row) = (ColwiseParallel::new(), RowwiseParallel::new());
+            let plan: Vec<(&str, &dyn ParallelStyle)> = vec![("0", &col), ("2", &row)];
+            parallelize_module(&mut m, mesh.sub_mesh("tp")?, &plan)?;
+            let options = || FsdpOptions {
+                mesh: mesh.sub_mesh("dp").ok().cloned(),
+                ..FsdpOptions::default()
+            };
+            if let Some((_, first)) = m.named_children_mut().into_iter().next() {
+                fully_shard(first, options())?;
+            }
+            fully_shard(&mut m, options())?;
             Box::new(m)
         }
     })
@@ -103,7 +122,7 @@ fn load_as(layout: Layout, dir: &Path, rank: usize, saved_world: usize) -> TestR
 }
 
 /// Runs `f(rank)` at `world` ranks, or in this process without a group for [`Layout::Alone`].
-fn at(
+pub(super) fn at(
     layout: Layout,
     world: usize,
     dir: &SharedDir,
@@ -133,6 +152,7 @@ fn saved_on_n_loads_on_m_in_every_layout() {
         (Layout::Fsdp, 2),
         (Layout::Fsdp, 3),
         (Layout::Tp, 3),
+        (Layout::TwoD, 4),
     ];
     let loads = [
         (Layout::Alone, 1),
@@ -140,6 +160,8 @@ fn saved_on_n_loads_on_m_in_every_layout() {
         (Layout::Fsdp, 4),
         (Layout::Tp, 2),
         (Layout::Ddp, 3),
+        (Layout::TwoD, 4),
+        (Layout::TwoD, 2),
     ];
     let check = |name: String, r: Result<(), String>| {
         if let Err(e) = r {
@@ -165,10 +187,11 @@ fn saved_on_n_loads_on_m_in_every_layout() {
     }
 }
 
-/// The MLP of `seed` laid out as `layout` (fully sharded: every layer, then the root).
+/// The MLP of `seed` laid out as `layout` (fully sharded: every layer, then the root; its odd
+/// widths split over no tensor-parallel group, so those layouts keep it whole).
 fn mlp_as(layout: Layout, seed: u64) -> tp::Result<Box<dyn Module>> {
     Ok(match layout {
-        Layout::Alone | Layout::Tp => Box::new(mlp(seed)?),
+        Layout::Alone | Layout::Tp | Layout::TwoD => Box::new(mlp(seed)?),
         Layout::Ddp => Box::new(DistributedDataParallel::new(mlp(seed)?)?),
         Layout::Fsdp => Box::new(sharded(seed)?),
     })

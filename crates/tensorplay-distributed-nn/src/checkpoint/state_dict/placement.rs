@@ -3,9 +3,12 @@
 //! piece and the whole: [`TensorPlacement::gather`] (collective) and
 //! [`TensorPlacement::slice`] (local).
 
+use std::sync::Arc;
+
 use tensorplay_collectives::{self as dist, ProcessGroup, ReduceOp};
 use tensorplay_core::{DType, Result, Tensor, no_grad};
 
+use super::super::planner::{LocalChunk, compose_rows};
 use crate::tensor::Placement;
 
 /// One piece of a tensor as offsets and sizes in the whole tensor's coordinates, one per
@@ -79,6 +82,17 @@ pub struct TensorPlacement {
     pub chunks: Vec<ChunkStorageMetadata>,
     pub(crate) split: Split,
     pub(crate) group: Option<ProcessGroup>,
+    /// A 2-D placement's two splits: the fields above then describe the whole tensor and the
+    /// second split's ranks (fully sharded rows of a tensor-parallel piece).
+    pub(crate) levels: Option<Arc<Levels>>,
+}
+
+/// The two splits of a 2-D placement: tensor parallelism cut `piece` from the whole tensor,
+/// then fully sharding cut `rows` (a `Split::Rows` placement whose whole is the piece).
+#[derive(Debug)]
+pub(crate) struct Levels {
+    pub(crate) piece: TensorPlacement,
+    pub(crate) rows: TensorPlacement,
 }
 
 impl TensorPlacement {
@@ -99,6 +113,7 @@ impl TensorPlacement {
             local_shape: shape,
             split: Split::Whole,
             group: None,
+            levels: None,
         }
     }
 
@@ -124,19 +139,63 @@ impl TensorPlacement {
             chunks: Vec::new(),
             split,
             group: Some(group),
+            levels: None,
         };
         p.chunks = p.chunks_of(rank);
         p
     }
 
+    /// A 2-D placement: `rows` (fully sharded rows, whose whole is the local piece) of the
+    /// tensor-parallel `piece`. Its shape, dtype and chunks are the whole tensor's; its
+    /// placement, mesh rank and size are the fully sharded split's.
+    pub(crate) fn two_d(piece: TensorPlacement, rows: TensorPlacement) -> TensorPlacement {
+        let kept = compose_rows(&piece.held_chunks(), kept_rows(&rows));
+        TensorPlacement {
+            global_shape: piece.global_shape.clone(),
+            dtype: rows.dtype,
+            placement: rows.placement,
+            mesh_dim: rows.mesh_dim,
+            mesh_rank: rows.mesh_rank,
+            mesh_size: rows.mesh_size,
+            local_shape: rows.local_shape.clone(),
+            chunks: kept.into_iter().map(|c| c.chunk).collect(),
+            split: rows.split.clone(),
+            group: rows.group.clone(),
+            levels: Some(Arc::new(Levels { piece, rows })),
+        }
+    }
+
+    /// The ranks a `Partial` tensor is summed over and this rank among them: its own group,
+    /// or a 2-D placement's tensor-parallel group when that split is `Partial`.
+    pub(crate) fn partial_over(&self) -> Option<(&ProcessGroup, usize)> {
+        let p = match &self.levels {
+            Some(l) => &l.piece,
+            None => self,
+        };
+        if p.placement != Placement::Partial || p.mesh_size <= 1 {
+            return None;
+        }
+        p.group.as_ref().map(|g| (g, p.mesh_rank))
+    }
+
     /// Whether the ranks hold different values (a `Shard` or `Partial` placement over more
     /// than one rank).
     pub fn is_sharded(&self) -> bool {
-        self.mesh_size > 1 && self.placement != Placement::Replicate
+        self.levels.as_ref().is_some_and(|l| l.piece.is_sharded())
+            || (self.mesh_size > 1 && self.placement != Placement::Replicate)
     }
 
     /// The chunks of the whole rank `rank` of the mesh dimension holds.
+    /// For a 2-D placement, `rank` is along the fully sharded split, at this rank's place in the
+    /// tensor-parallel one.
     pub fn chunks_of(&self, rank: usize) -> Vec<ChunkStorageMetadata> {
+        if let Some(l) = &self.levels {
+            let rows = kept_rows(&l.rows.with_rank(rank));
+            return compose_rows(&l.piece.held_chunks(), rows)
+                .into_iter()
+                .map(|c| c.chunk)
+                .collect();
+        }
         let g = &self.global_shape;
         let whole = || ChunkStorageMetadata {
             offsets: vec![0; g.len()],
@@ -178,13 +237,21 @@ impl TensorPlacement {
     /// This rank's pieces with where each starts in its local tensor (the chunks follow each
     /// other along the shard dimension). A `Partial` tensor's rank 0 of the mesh dimension holds
     /// the whole (the others' parts are zeroed by a load), as setting a whole state dict cuts it.
-    pub fn local_chunks(&self) -> Vec<super::super::planner::LocalChunk> {
-        use super::super::planner::LocalChunk;
+    pub fn local_chunks(&self) -> Vec<LocalChunk> {
+        if self.partial_over().is_some_and(|(_, rank)| rank != 0) {
+            return Vec::new();
+        }
+        self.held_chunks()
+    }
+
+    /// [`local_chunks`](Self::local_chunks) on every rank, a `Partial` tensor's included (what
+    /// its sum over the ranks holds).
+    pub(crate) fn held_chunks(&self) -> Vec<LocalChunk> {
+        if let Some(l) = &self.levels {
+            return compose_rows(&l.piece.held_chunks(), kept_rows(&l.rows));
+        }
         let nd = self.global_shape.len();
         if self.placement == Placement::Partial {
-            if self.mesh_rank != 0 {
-                return Vec::new();
-            }
             return vec![LocalChunk {
                 chunk: ChunkStorageMetadata {
                     offsets: vec![0; nd],
@@ -209,6 +276,14 @@ impl TensorPlacement {
                 }
             })
             .collect()
+    }
+
+    /// This placement as rank `rank` of its mesh dimension would hold it (one level).
+    fn with_rank(&self, rank: usize) -> TensorPlacement {
+        let mut p = self.clone();
+        p.mesh_rank = rank;
+        p.chunks = p.chunks_of(rank);
+        p
     }
 
     /// The dimension the chunks are cut along (0 when whole).
@@ -262,6 +337,9 @@ impl TensorPlacement {
     /// `Shard`, one all-reduce for a `Partial`, a copy for a `Replicate`. A new tensor on
     /// `local`'s device without autograd history. Collective over the placement's group.
     pub(crate) fn gather(&self, local: &Tensor) -> Result<Tensor> {
+        if let Some(l) = &self.levels {
+            return l.piece.gather(&l.rows.gather(local)?);
+        }
         let _g = no_grad();
         let local = local.detach();
         let Some(group) = self.group.as_ref().filter(|_| self.mesh_size > 1) else {
@@ -329,6 +407,9 @@ impl TensorPlacement {
     /// its chunks; for a `Partial` placement the whole on mesh rank 0 and zeros elsewhere. A new
     /// tensor on `whole`'s device. Not collective.
     pub(crate) fn slice(&self, whole: &Tensor) -> Result<Tensor> {
+        if let Some(l) = &self.levels {
+            return l.rows.slice(&l.piece.slice(whole)?);
+        }
         let _g = no_grad();
         let whole = whole.detach();
         if self.placement == Placement::Partial && self.mesh_rank != 0 {
@@ -348,5 +429,14 @@ impl TensorPlacement {
         }
         self.copy_chunks(&self.chunks, &work, &local, true)?;
         Ok(local)
+    }
+}
+
+/// The rows of its whole a `Split::Rows` placement's rank keeps (a 0-d tensor's one "row").
+fn kept_rows(rows: &TensorPlacement) -> std::ops::Range<usize> {
+    match rows.chunks.first() {
+        Some(c) if !c.sizes.is_empty() => c.offsets[0]..c.offsets[0] + c.sizes[0],
+        Some(_) => 0..1,
+        None => 0..0,
     }
 }

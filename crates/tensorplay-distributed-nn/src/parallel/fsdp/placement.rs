@@ -14,7 +14,10 @@ use crate::tensor::Placement;
 /// fully sharded module's `parameters()`; a tensor derived from it, such as its `detach()`,
 /// is not): the parameter's shape and dtype, `Shard(0)` over the ranks of the module's mesh
 /// (`mesh_dim` 0), this rank's coordinate, and its one chunk of rows (none when the rows ran
-/// out before this rank: `torch.chunk`'s rule), of offsets `[first_row, 0, ...]`.
+/// out before this rank: `torch.chunk`'s rule), of offsets `[first_row, 0, ...]`. A shard of
+/// a tensor-parallel piece (2-D: `fully_shard` over a model `parallelize_module` had split)
+/// lies in the whole tensor where both splits put it: the piece's chunks, cut to the rows this
+/// rank keeps of the piece.
 ///
 /// Errors: the group's errors when asking this rank's coordinate; `Ok(None)` for a tensor
 /// that is not a shard.
@@ -25,7 +28,7 @@ pub fn shard_placement(shard: &Tensor) -> Result<Option<TensorPlacement>> {
     let rank = dist::get_rank(Some(&group))?;
     let world = dist::get_world_size(Some(&group))?;
     let local = ShardSpec::new(&shape, world).local_shape(&shape, rank);
-    Ok(Some(TensorPlacement::split(
+    let rows = TensorPlacement::split(
         shape,
         shard.dtype(),
         Placement::Shard(0),
@@ -33,5 +36,10 @@ pub fn shard_placement(shard: &Tensor) -> Result<Option<TensorPlacement>> {
         group,
         (rank, world),
         local,
-    )))
+    );
+    Ok(Some(match setup::tp_piece_of_shard(shard) {
+        // 2-D: the rows are of a tensor-parallel piece
+        Some(piece) => TensorPlacement::two_d(piece, rows),
+        None => rows,
+    }))
 }

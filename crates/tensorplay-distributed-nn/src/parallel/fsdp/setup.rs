@@ -12,6 +12,7 @@ use tensorplay_core::{DType, Result, Tensor, TensorId};
 use super::FsdpOptions;
 use super::param::ShardSpec;
 use super::state::{FsdpState, Managed};
+use crate::checkpoint::state_dict::TensorPlacement;
 
 const OP: &str = "fully_shard";
 
@@ -27,16 +28,18 @@ static CLAIMED: Mutex<BTreeMap<TensorId, (usize, String)>> = Mutex::new(BTreeMap
 /// (for gradient clipping and `full_tensor`).
 static SHARDS: Mutex<BTreeMap<TensorId, (ProcessGroup, Vec<usize>)>> = Mutex::new(BTreeMap::new());
 
-/// The shards whose unsharded parameter is itself a tensor-parallel piece (2-D): their
-/// placement in the whole tensor composes two splits.
-static OVER_TP: Mutex<BTreeMap<TensorId, ()>> = Mutex::new(BTreeMap::new());
+/// The shards whose unsharded parameter is itself a tensor-parallel piece (2-D), with that
+/// piece's placement in the whole tensor: their own placement composes the two splits.
+static OVER_TP: Mutex<BTreeMap<TensorId, TensorPlacement>> = Mutex::new(BTreeMap::new());
 
-/// Whether `t` is the shard of a parameter that tensor parallelism had split first (2-D).
-pub(crate) fn is_shard_of_tp_piece(t: &Tensor) -> bool {
+/// Where the unsharded parameter of shard `t` lies in the whole tensor, if tensor parallelism
+/// had split it before `fully_shard` did (2-D).
+pub(crate) fn tp_piece_of_shard(t: &Tensor) -> Option<TensorPlacement> {
     OVER_TP
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .contains_key(&t.id())
+        .get(&t.id())
+        .cloned()
 }
 
 /// The process group `t` is a shard over, if it is a fully sharded parameter's shard.
@@ -132,11 +135,11 @@ pub(super) fn shard_module(
     let all_params = module.parameters();
     for (name, old) in params {
         let shard = shard_of(&old, rank, world)?;
-        if crate::parallel::tensor::tp_placement(&old).is_some() {
+        if let Some(tp) = crate::parallel::tensor::tp_placement(&old) {
             OVER_TP
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .insert(shard.id(), ());
+                .insert(shard.id(), tp);
         }
         old.set_grad(None);
         // a parameter that views part of a storage (a transposed weight, rows of a bigger
