@@ -5,7 +5,7 @@
 //! |---|---|
 //! | `test-multigpu` | `test_multigpu.rs`: multi-rank scenarios and GPU tests, discovered from the test binaries |
 //! | `test-multihost` | `multihost/`: simulated hosts in network namespaces (needs root) |
-//! | `test-resume` | `resume.rs`: the main job killed and restarted by `tensorplay-run` |
+//! | `test-resume` | `resume.rs`: the main job killed and restarted by `tensorplay-run`; `resume_gpt.rs`: the GPT resumed at other world sizes |
 //! | `bench-core` | `bench/core.rs`: MLP step, matmul and GPT step beside PyTorch |
 //! | `bench-ddp` | `bench/ddp.rs`: a DDP training step beside PyTorch DDP over gloo |
 //! | `bench-fsdp` | `bench/fsdp.rs`: a fully sharded GPT training step beside PyTorch FSDP2 over gloo |
@@ -32,6 +32,7 @@ mod multihost;
 mod packages;
 mod process;
 mod resume;
+mod resume_gpt;
 mod test_multigpu;
 
 #[derive(Parser)]

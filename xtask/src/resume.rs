@@ -3,7 +3,8 @@
 //! while one rank SIGKILLs itself once (`TENSORPLAY_WINE_KILL_AT`) in each of the three runs in
 //! turn (sharded, RPC owners, replicated checkpoints); each job must exit 0 with result lines
 //! byte-identical to an uninterrupted job's. With `--max-restarts 0` the same kill stops the
-//! job, naming the killed rank.
+//! job, naming the killed rank. Then the GPT's checkpoints resume at other world sizes
+//! (`resume_gpt.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -61,12 +62,15 @@ pub(crate) fn test_resume() -> Result<(), String> {
             "tensorplay-run",
             "--example",
             "wine_distributed",
+            "--example",
+            "gpt_distributed",
         ],
-        &["tensorplay-run", "wine_distributed"],
+        &["tensorplay-run", "wine_distributed", "gpt_distributed"],
     )?;
-    let (launcher, wine) = (
+    let (launcher, wine, gpt) = (
         find(&bins, "tensorplay-run")?,
         find(&bins, "wine_distributed")?,
+        find(&bins, "gpt_distributed")?,
     );
     let wine = wine.display().to_string();
     let scratch = Scratch(std::env::temp_dir().join(format!("tp-resume-{}", std::process::id())));
@@ -176,6 +180,10 @@ pub(crate) fn test_resume() -> Result<(), String> {
             o.status
         ));
     }
+    // the GPT resumed at other world sizes, and an elastic job that shrinks
+    failed.extend(crate::resume_gpt::gpt_cases(
+        &launcher, &gpt, &scratch.0, &fr,
+    )?);
     if failed.is_empty() {
         println!("test-resume: passed in {:.1}s", t0.elapsed().as_secs_f64());
         Ok(())

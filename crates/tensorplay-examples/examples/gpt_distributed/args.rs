@@ -1,11 +1,13 @@
 //! The program's command line (clap): `--steps`, `--seed`, `--sample`, `--plot`,
-//! `--single-process`, `--threads`, `--dtype`, each checked
-//! before any training starts.
+//! `--single-process`, `--threads`, `--dtype`, and one layout's run with checkpoints
+//! (`--layout`, `--world`, `--checkpoint-dir`, `--checkpoint-every`, `--losses-out`), each
+//! checked before any training starts.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::Parser;
+use clap::builder::TypedValueParser;
 use tensorplay::DType;
 use tensorplay_examples::gpt_checks::COMPARE_STEPS;
 use tensorplay_examples::plot;
@@ -56,6 +58,57 @@ pub(crate) struct Opts {
     /// bfloat16 run's).
     #[arg(long, value_name = "DTYPE", default_value = "float32", value_parser = parse_dtype)]
     pub(crate) dtype: DType,
+    /// Train only this layout (data-parallel, fully-sharded or tensor-parallel), at `--world`
+    /// ranks, without the single-process reference or the comparisons; prints
+    /// `<layout> at <N> ranks: validation loss V`.
+    #[arg(long, value_name = "LAYOUT", value_parser = parse_layout, conflicts_with_all = ["single_process", "plot"])]
+    pub(crate) layout: Option<Layout>,
+    /// The ranks of `--layout`'s run, 1 to 16 (default: a launcher's WORLD_SIZE, else 2); it
+    /// must divide the batch's 16 rows (tensor-parallel: the 4 heads).
+    #[arg(long, value_name = "N", requires = "layout", value_parser = clap::value_parser!(u16).range(1..=16).map(usize::from))]
+    pub(crate) world: Option<usize>,
+    /// Save a checkpoint of `--layout`'s run into this folder every `--checkpoint-every`
+    /// steps, and continue from the one it holds, if any (at any world size and layout).
+    #[arg(long, value_name = "DIR", requires = "layout")]
+    pub(crate) checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints, at least 1.
+    #[arg(long, value_name = "K", default_value_t = 50, requires = "checkpoint_dir", value_parser = clap::value_parser!(u32).range(1..).map(|k| k as usize))]
+    pub(crate) checkpoint_every: usize,
+    /// Write `--layout`'s run's losses to this file as JSON: `{"layout", "world", "losses"
+    /// (every step's), "val_loss"}`.
+    #[arg(long, value_name = "PATH.json", requires = "layout")]
+    pub(crate) losses_out: Option<PathBuf>,
+}
+
+/// A layout `--layout` runs alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    DataParallel,
+    FullySharded,
+    TensorParallel,
+}
+
+impl Layout {
+    /// The run's name, as the job prints it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Layout::DataParallel => "data-parallel",
+            Layout::FullySharded => "fully-sharded",
+            Layout::TensorParallel => "tensor-parallel",
+        }
+    }
+}
+
+/// `--layout`: data-parallel, fully-sharded or tensor-parallel.
+fn parse_layout(v: &str) -> Result<Layout, String> {
+    [
+        Layout::DataParallel,
+        Layout::FullySharded,
+        Layout::TensorParallel,
+    ]
+    .into_iter()
+    .find(|l| l.name() == v)
+    .ok_or_else(|| "expected data-parallel, fully-sharded or tensor-parallel".to_string())
 }
 
 impl Opts {
@@ -161,6 +214,121 @@ mod tests {
                 assert!(e.contains(says), "{:?}: {e}", case.args);
             }
             _ => panic!("{:?}: got {got:?}", case.args),
+        }
+    }
+
+    /// One command line of the one-layout run: `(layout, world, checkpoint dir, every,
+    /// losses file)`, or the words its refusal says.
+    type LayoutWant = (
+        Option<Layout>,
+        Option<usize>,
+        Option<&'static str>,
+        usize,
+        Option<&'static str>,
+    );
+
+    fn check_layout(args: &[&str], want: Result<LayoutWant, &str>) {
+        let argv = std::iter::once("gpt_distributed").chain(args.iter().copied());
+        match (Opts::try_parse_args(argv), want) {
+            (Ok(o), Ok((layout, world, dir, every, losses))) => assert_eq!(
+                (
+                    o.layout,
+                    o.world,
+                    o.checkpoint_dir.as_deref(),
+                    o.checkpoint_every,
+                    o.losses_out.as_deref()
+                ),
+                (
+                    layout,
+                    world,
+                    dir.map(std::path::Path::new),
+                    every,
+                    losses.map(std::path::Path::new)
+                ),
+                "{args:?}"
+            ),
+            (Err(e), Err(says)) => {
+                let e = e.to_string();
+                assert!(e.contains(says), "{args:?}: {e}");
+            }
+            (got, _) => panic!("{args:?}: got {got:?}"),
+        }
+    }
+
+    #[test]
+    fn one_layout_arguments_are_checked_up_front() {
+        let fs = Some(Layout::FullySharded);
+        let cases: [(&[&str], Result<LayoutWant, &str>); 12] = [
+            (&[], Ok((None, None, None, 50, None))),
+            (
+                &["--layout", "fully-sharded"],
+                Ok((fs, None, None, 50, None)),
+            ),
+            (
+                &[
+                    "--layout=data-parallel",
+                    "--world",
+                    "4",
+                    "--checkpoint-dir",
+                    "c",
+                ],
+                Ok((Some(Layout::DataParallel), Some(4), Some("c"), 50, None)),
+            ),
+            (
+                &[
+                    "--layout",
+                    "tensor-parallel",
+                    "--checkpoint-dir",
+                    "c",
+                    "--checkpoint-every",
+                    "7",
+                    "--losses-out",
+                    "l.json",
+                ],
+                Ok((
+                    Some(Layout::TensorParallel),
+                    None,
+                    Some("c"),
+                    7,
+                    Some("l.json"),
+                )),
+            ),
+            (
+                &["--layout", "pipeline"],
+                Err("expected data-parallel, fully-sharded or tensor-parallel"),
+            ),
+            (&["--world", "2"], Err("--layout <LAYOUT>")),
+            (&["--checkpoint-dir", "c"], Err("--layout <LAYOUT>")),
+            (
+                &["--layout", "fully-sharded", "--checkpoint-every", "5"],
+                Err("--checkpoint-dir <DIR>"),
+            ),
+            (
+                &["--layout", "fully-sharded", "--world", "0"],
+                Err("0 is not in 1..=16"),
+            ),
+            (
+                &["--layout", "fully-sharded", "--world", "17"],
+                Err("17 is not in 1..=16"),
+            ),
+            (
+                &[
+                    "--layout",
+                    "fully-sharded",
+                    "--checkpoint-dir",
+                    "c",
+                    "--checkpoint-every",
+                    "0",
+                ],
+                Err("0 is not in 1.."),
+            ),
+            (
+                &["--layout", "fully-sharded", "--single-process"],
+                Err("cannot be used with"),
+            ),
+        ];
+        for (args, want) in cases {
+            check_layout(args, want);
         }
     }
 

@@ -49,6 +49,8 @@
 //! cargo run --release --example gpt_distributed                     # starts its second rank
 //! cargo run --release --example gpt_distributed -- --plot loss.svg  # and draws the losses
 //! tensorplay-run --nproc-per-node 2 target/release/examples/gpt_distributed
+//! # one layout at 4 ranks, checkpointing every 50 steps into ck (and resuming from it)
+//! cargo run --release --example gpt_distributed -- --layout fully-sharded --world 4 --checkpoint-dir ck
 //! ```
 //!
 //! Without `RANK`/`WORLD_SIZE` in the environment the program is rank 0 and starts rank 1 as a
@@ -72,6 +74,8 @@ use tensorplay_examples::gpt_checks::{COMPARE_STEPS, learning_check, max_diff, m
 use tensorplay_examples::{launch, plot};
 
 mod args;
+mod checkpointing;
+mod one_layout;
 mod runs;
 use args::Opts;
 use runs::Report;
@@ -220,6 +224,9 @@ fn sample(model: &Gpt, corpus: &Corpus, chars: usize, seed: u64) -> Res<String> 
 
 fn run(o: &Opts) -> Res<bool> {
     let corpus = Corpus::load()?;
+    if let Some(layout) = o.layout {
+        return one_layout::run(o, layout, &corpus);
+    }
     let distributed = if o.single_process {
         None
     } else {
@@ -237,9 +244,18 @@ fn run(o: &Opts) -> Res<bool> {
                 },
             )?;
             let runs = vec![
-                ("tensor-parallel", runs::tensor_parallel(rank, o, &corpus)?),
-                ("data-parallel", runs::data_parallel(rank, o, &corpus)?),
-                ("fully-sharded", runs::fully_sharded(rank, o, &corpus)?),
+                (
+                    "tensor-parallel",
+                    runs::tensor_parallel(rank, o, &corpus, None)?,
+                ),
+                (
+                    "data-parallel",
+                    runs::data_parallel((rank, WORLD), o, &corpus, None)?,
+                ),
+                (
+                    "fully-sharded",
+                    runs::fully_sharded((rank, WORLD), o, &corpus, None)?,
+                ),
             ];
             dist::barrier(None)?;
             dist::destroy_process_group()?;

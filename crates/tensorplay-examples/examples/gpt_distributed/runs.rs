@@ -21,7 +21,8 @@ use tensorplay_examples::gpt_batches as batches;
 use tensorplay_examples::gpt_checks::{MEMORY_FIRST_STEP, state_bytes};
 
 use super::args::Opts;
-use super::{BATCH, Corpus, Res, VAL_BATCHES, WARMUP, WORLD, adamw, config};
+use super::checkpointing::Checkpointing;
+use super::{BATCH, Corpus, Res, VAL_BATCHES, WARMUP, adamw, config};
 
 pub(crate) struct Report {
     /// The training loss of every step.
@@ -111,24 +112,35 @@ impl Trained {
     }
 }
 
-/// `steps` optimizer steps of the recipe on `params`; `step(index)` runs one forward and
-/// backward and returns the loss of the whole batch.
-fn train(
+/// `steps` optimizer steps of the recipe on `model`'s parameters; `step(model, index)` runs one
+/// forward and backward and returns the loss of the whole batch. With `ckpt`, the run starts
+/// from the committed checkpoint in its folder (if any) and saves one every `every` steps.
+fn train<M: Module + ?Sized>(
     o: &Opts,
     run: &str,
     rank: usize,
-    params: Vec<Tensor>,
-    mut step: impl FnMut(usize) -> Res<f64>,
+    model: &mut M,
+    ckpt: Option<&Checkpointing>,
+    mut step: impl FnMut(&M, usize) -> Res<f64>,
 ) -> Res<Trained> {
+    let params = model.parameters();
     let mut opt = AdamW::new(params.clone(), adamw())?;
     let mut sched = schedule(&mut opt, o.steps)?;
+    let (first, mut losses) = match ckpt {
+        Some(c) => c.resume(model, &mut opt)?,
+        None => (0, Vec::with_capacity(o.steps)),
+    };
+    // the schedule is a function of the step: replayed to where the checkpoint left it
+    for _ in 0..first {
+        sched.step(&mut opt)?;
+    }
     let bar = progress(o.steps, run, rank);
+    bar.set_position(first as u64);
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(o.steps);
     let mut resident = [None; 2];
-    for s in 0..o.steps {
+    for s in first..o.steps {
         opt.zero_grad()?;
-        let loss = step(s)?;
+        let loss = step(model, s)?;
         if !loss.is_finite() {
             return Err(format!("{run}: the loss of step {s} is {loss}").into());
         }
@@ -142,6 +154,9 @@ fn train(
             bar.set_message(format!("loss {loss:.4}"));
         }
         bar.inc(1);
+        if let Some(c) = ckpt {
+            c.after_step(s + 1, model, &mut opt, &losses, rank)?;
+        }
     }
     bar.finish_and_clear();
     let wall = start.elapsed();
@@ -169,21 +184,26 @@ fn validation_loss(model: &Gpt, corpus: &Corpus, o: &Opts) -> Res<f64> {
 pub(crate) fn single_process(o: &Opts, corpus: &Corpus) -> Res<(Report, Gpt)> {
     // 0: the default rule (the cores of the process's affinity)
     tp::set_num_threads(o.threads.map_or(0, usize::from));
-    let model = initial_model(o, corpus)?;
-    let trained = train(o, "single-process", 0, model.parameters(), |s| {
-        whole_batch_step(&model, o, corpus, s)
+    let mut model = initial_model(o, corpus)?;
+    let trained = train(o, "single-process", 0, &mut model, None, |m, s| {
+        whole_batch_step(m, o, corpus, s)
     })?;
     let val_loss = validation_loss(&model, corpus, o)?;
     Ok((trained.report(val_loss), model))
 }
 
-pub(crate) fn tensor_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
+pub(crate) fn tensor_parallel(
+    rank: usize,
+    o: &Opts,
+    corpus: &Corpus,
+    ckpt: Option<&Checkpointing>,
+) -> Res<Report> {
     let group = dist::default_group("tensor-parallel")?;
-    let model = initial_model(o, corpus)?.tensor_parallel(&group)?;
+    let mut model = initial_model(o, corpus)?.tensor_parallel(&group)?;
     // every rank computes the whole batch's loss; each shard's gradient is its slice of the
     // single-process gradient
-    let trained = train(o, "tensor-parallel", rank, model.parameters(), |s| {
-        whole_batch_step(&model, o, corpus, s)
+    let trained = train(o, "tensor-parallel", rank, &mut model, ckpt, |m, s| {
+        whole_batch_step(m, o, corpus, s)
     })?;
     let val_loss = validation_loss(&model, corpus, o)?;
     Ok(trained.report(val_loss))
@@ -203,15 +223,16 @@ fn whole_batch_step(model: &Gpt, o: &Opts, corpus: &Corpus, s: usize) -> Res<f64
 
 /// One step of a run in which each rank takes its rows of the batch (data-parallel and
 /// fully-sharded): forward through `model` (the wrapper that runs the collectives),
-/// backward of the rank's mean loss, and the whole batch's loss (the mean of the ranks').
+/// backward of the rank's mean loss, and the whole batch's loss (the mean of the ranks'), rank
+/// `rank` of `world` (which divides [`BATCH`]).
 fn sharded_batch_step(
     model: &dyn Module,
-    rank: usize,
+    (rank, world): (usize, usize),
     o: &Opts,
     corpus: &Corpus,
     s: usize,
 ) -> Res<f64> {
-    let rows = batches::shard_rows(BATCH, rank, WORLD);
+    let rows = batches::shard_rows(BATCH, rank, world);
     let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
     let (x, y) = (
         x.narrow(0, rows.start, rows.len())?,
@@ -227,16 +248,22 @@ fn sharded_batch_step(
     // both wrappers average the gradients of the equal shares: the whole batch's mean loss
     local.backward()?;
     let _g = no_grad();
-    let t = Tensor::from_vec(vec![local.item_f64()? / WORLD as f64], &[1])?;
+    let t = Tensor::from_vec(vec![local.item_f64()? / world as f64], &[1])?;
     dist::all_reduce(&t, ReduceOp::Sum, None)?;
     Ok(t.item::<f64>()?)
 }
 
-pub(crate) fn data_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
+/// The data-parallel run, rank `rank` of `world`.
+pub(crate) fn data_parallel(
+    (rank, world): (usize, usize),
+    o: &Opts,
+    corpus: &Corpus,
+    ckpt: Option<&Checkpointing>,
+) -> Res<Report> {
     // broadcasts rank 0's parameters (the same ones: every rank built them from the seed)
-    let ddp = Ddp::new(initial_model(o, corpus)?)?;
-    let trained = train(o, "data-parallel", rank, ddp.parameters(), |s| {
-        sharded_batch_step(&ddp, rank, o, corpus, s)
+    let mut ddp = Ddp::new(initial_model(o, corpus)?)?;
+    let trained = train(o, "data-parallel", rank, &mut ddp, ckpt, |m, s| {
+        sharded_batch_step(m, (rank, world), o, corpus, s)
     })?;
     let val_loss = validation_loss(ddp.module(), corpus, o)?;
     Ok(trained.report(val_loss))
@@ -245,7 +272,12 @@ pub(crate) fn data_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Repor
 /// Each block fully sharded, then the root (the embeddings, the tied head and the final
 /// LayerNorm): every rank keeps half of every parameter, its gradient and AdamW's moments
 /// (float32 also with `--dtype bf16`: the shards are the master weights).
-pub(crate) fn fully_sharded(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
+pub(crate) fn fully_sharded(
+    (rank, world): (usize, usize),
+    o: &Opts,
+    corpus: &Corpus,
+    ckpt: Option<&Checkpointing>,
+) -> Res<Report> {
     // no broadcast: every rank built the same weights from the seed, as FSDP2 expects
     let mut model = initial_model(o, corpus)?;
     let opts = || FsdpOptions {
@@ -256,8 +288,8 @@ pub(crate) fn fully_sharded(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Repor
         fully_shard(block, opts())?;
     }
     fully_shard(&mut model, opts())?;
-    let trained = train(o, "fully-sharded", rank, model.parameters(), |s| {
-        sharded_batch_step(&model, rank, o, corpus, s)
+    let trained = train(o, "fully-sharded", rank, &mut model, ckpt, |m, s| {
+        sharded_batch_step(m, (rank, world), o, corpus, s)
     })?;
     let val_loss = validation_loss(&model, corpus, o)?;
     Ok(trained.report(val_loss))
