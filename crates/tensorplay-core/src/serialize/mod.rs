@@ -34,7 +34,8 @@ mod safetensors;
 
 pub(crate) use atomic::problem;
 pub use safetensors::{
-    CHECKSUM_KEY, dtype_from_name, dtype_name, load, load_with_metadata, save, save_with_metadata,
+    CHECKSUM_KEY, Checksum, dtype_from_name, dtype_name, load, load_with_metadata, save,
+    save_with_metadata,
 };
 
 /// Writes `bytes` to `path` atomically (temporary file, `fsync`, rename, `fsync` of the

@@ -122,14 +122,42 @@ fn checksum<'a>(
     entries: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a [u8])>,
     metadata: &BTreeMap<String, String>,
 ) -> String {
-    let mut h = crc32fast::Hasher::new();
-    for (k, v) in metadata {
-        for part in [k, v] {
-            h.update(&(part.len() as u64).to_le_bytes());
-            h.update(part.as_bytes());
-        }
-    }
+    let mut h = Checksum::new(metadata);
     for (name, dtype, shape, bytes) in entries {
+        h.tensor_st(name, dtype, shape, bytes.len());
+        h.bytes(bytes);
+    }
+    h.finish()
+}
+
+/// The checksum a save writes under [`CHECKSUM_KEY`], computed piece by piece, for a writer
+/// that streams a file's tensors instead of holding them (a checkpoint's consolidation): feed
+/// it the header's metadata (without [`CHECKSUM_KEY`]), then, in name order, each tensor's
+/// [`tensor`](Checksum::tensor) entry followed by its data [`bytes`](Checksum::bytes) (in any
+/// number of calls, row-major, little-endian).
+#[derive(Debug, Clone)]
+pub struct Checksum(crc32fast::Hasher);
+
+impl Checksum {
+    /// A checksum starting with the header's string `metadata`.
+    pub fn new(metadata: &BTreeMap<String, String>) -> Checksum {
+        let mut h = crc32fast::Hasher::new();
+        for (k, v) in metadata {
+            for part in [k, v] {
+                h.update(&(part.len() as u64).to_le_bytes());
+                h.update(part.as_bytes());
+            }
+        }
+        Checksum(h)
+    }
+
+    /// Starts tensor `name` of `dtype` and `shape`, whose data is `nbytes` bytes.
+    pub fn tensor(&mut self, name: &str, dtype: DType, shape: &[usize], nbytes: usize) {
+        self.tensor_st(name, to_safetensors(dtype), shape, nbytes);
+    }
+
+    fn tensor_st(&mut self, name: &str, dtype: Dtype, shape: &[usize], nbytes: usize) {
+        let h = &mut self.0;
         h.update(&(name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());
         h.update(format!("{dtype:?}").as_bytes());
@@ -137,10 +165,18 @@ fn checksum<'a>(
         for &d in shape {
             h.update(&(d as u64).to_le_bytes());
         }
-        h.update(&(bytes.len() as u64).to_le_bytes());
-        h.update(bytes);
+        h.update(&(nbytes as u64).to_le_bytes());
     }
-    format!("{:08x}", h.finalize())
+
+    /// The next bytes of the current tensor's data.
+    pub fn bytes(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The checksum, 8 hex digits.
+    pub fn finish(self) -> String {
+        format!("{:08x}", self.0.finalize())
+    }
 }
 
 /// Writes `tensors` to the safetensors file `path` (`safetensors.torch.save_file`), replacing

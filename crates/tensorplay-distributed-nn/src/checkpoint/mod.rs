@@ -7,7 +7,9 @@
 //!   is a [`StateDict`] (tensors with placements, shared and per-rank JSON values), or
 //!   [`Stateful`] objects ([`AppState`]: a model and its optimizer; [`RandomState`]) through
 //!   [`save_state`] / [`load_state`]. Storage is behind [`StorageWriter`] / [`StorageReader`]
-//!   ([`FileSystemWriter`] / [`FileSystemReader`]). The guide: `docs/checkpoints.md`.
+//!   ([`FileSystemWriter`] / [`FileSystemReader`]). [`consolidate`] writes a checkpoint as one
+//!   safetensors file of whole tensors; [`load_safetensors`] loads such a file (or any of whole
+//!   tensors) into a sharded model. The guide: `docs/checkpoints.md`.
 //! - **Replicated** (DDP, or any parameters equal on every rank): [`save_replicated`] writes
 //!   the file on rank 0 only; every rank then loads it with [`tensorplay_core::load`].
 //! - **Sharded at a fixed world size** (the older format): [`save_sharded`] writes
@@ -26,10 +28,12 @@
 //! [`TensorPlacement`](state_dict::TensorPlacement) or whole tensors.
 
 mod async_save;
+mod consolidate;
 mod format;
 mod load;
 mod metadata;
 pub mod planner;
+mod safetensors_reader;
 mod save;
 mod sharded;
 mod state;
@@ -39,8 +43,10 @@ mod storage;
 mod sync;
 
 pub use async_save::{AsyncSaveHandle, async_save, async_save_with};
+pub use consolidate::consolidate;
 pub use format::SHARDING_KEY;
 pub use load::{load, load_with};
+pub use safetensors_reader::{SafetensorsReader, load_safetensors};
 pub use save::{save, save_with};
 pub use state::{StateDict, StateValue, model_state, strip_prefix};
 pub use stateful::{AppState, RandomState, Stateful, load_state, save_state};

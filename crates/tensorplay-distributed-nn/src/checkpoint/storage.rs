@@ -65,6 +65,15 @@ pub trait StorageReader: Send {
     /// [`Error::Checkpoint`](tensorplay_core::Error::Checkpoint) naming the file: missing,
     /// unreadable, or shorter than `start + buf.len()` (truncated).
     fn read_into(&mut self, file: &str, start: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// Whether the metadata's pieces carry checksums a load checks (each piece is then read
+    /// whole). A storage without them (one safetensors file: [`SafetensorsReader`]) is read in
+    /// just the rows each rank needs. Default: true.
+    ///
+    /// [`SafetensorsReader`]: super::SafetensorsReader
+    fn checksummed(&self) -> bool {
+        true
+    }
 }
 
 /// The file-system storage: a checkpoint is a folder holding one safetensors file per writing

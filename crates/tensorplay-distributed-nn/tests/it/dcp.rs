@@ -27,7 +27,7 @@ pub(super) type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 /// The seed of the saved weights (a loaded model starts from another).
-const SAVED: u64 = 11;
+pub(super) const SAVED: u64 = 11;
 
 /// How a model is split over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +82,7 @@ pub(super) fn build(layout: Layout, seed: u64) -> tp::Result<Box<dyn Module>> {
 }
 
 /// Saves the model of [`SAVED`] as `layout`, with a shared step and each rank's own value.
-fn save_as(layout: Layout, dir: &Path, rank: usize) -> TestResult {
+pub(super) fn save_as(layout: Layout, dir: &Path, rank: usize) -> TestResult {
     let m = build(layout, SAVED)?;
     let mut sd = model_state(&*m, "model")?;
     sd.insert("step".into(), StateValue::Value(serde_json::json!(7)));

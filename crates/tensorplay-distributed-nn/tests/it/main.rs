@@ -4,6 +4,7 @@
 mod bad_arguments;
 mod dcp;
 mod dcp_async;
+mod dcp_consolidate;
 mod dcp_layouts;
 mod ddp;
 mod ddp_low_precision;
