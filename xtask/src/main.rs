@@ -9,6 +9,7 @@
 //! | `bench-core` | `bench/core.rs`: MLP step, matmul and GPT step beside PyTorch |
 //! | `bench-ddp` | `bench/ddp.rs`: a DDP training step beside PyTorch DDP over gloo |
 //! | `bench-fsdp` | `bench/fsdp.rs`: a fully sharded GPT training step beside PyTorch FSDP2 over gloo |
+//! | `bench-checkpoint` | `bench/checkpoint.rs`: distributed checkpoints of the fully sharded GPT beside PyTorch's DCP |
 //! | `bench-rpc` | `bench/rpc.rs`: RPC latency, rate and echo beside TensorPipe |
 //! | `bench-collectives` | `bench/collectives.rs`: collective bandwidth beside gloo |
 //! | `conformance` | `conformance.rs`: a conformance vectors file |
@@ -70,6 +71,9 @@ enum Cmd {
     /// Fully sharded GPT training step (8 blocks of width 256, batch 8 per rank) next to
     /// PyTorch's FSDP2 over gloo: step time, state bytes per rank, and against our own DDP.
     BenchFsdp(bench::fsdp::Args),
+    /// Distributed checkpoints of the fully sharded GPT (8 blocks of width 768) with its AdamW
+    /// state next to PyTorch's DCP over gloo: save and load throughput, async save's blocking.
+    BenchCheckpoint(bench::checkpoint::Args),
     /// Runs a conformance vectors file against the differentiable collectives (one world of
     /// processes per world size in the file); ends with `N passed, M failed`.
     Conformance(conformance::Args),
@@ -101,6 +105,7 @@ fn main() -> ExitCode {
         Cmd::BenchCollectives(a) => bench::collectives::run(&a),
         Cmd::BenchDdp(a) => bench::ddp::run(&a),
         Cmd::BenchFsdp(a) => bench::fsdp::run(&a),
+        Cmd::BenchCheckpoint(a) => bench::checkpoint::run(&a),
         Cmd::Conformance(a) => conformance::run(&a),
         Cmd::BenchCore(a) => bench::core::run(&a),
         Cmd::BenchRpc(a) => bench::rpc::run(&a),

@@ -1,5 +1,6 @@
 //! The benchmark commands, one file each: `bench-core` ([`core`]), `bench-ddp` ([`ddp`]),
-//! `bench-rpc` ([`rpc`]) and `bench-collectives` ([`collectives`]).
+//! `bench-rpc` ([`rpc`]), `bench-collectives` ([`collectives`]), `bench-fsdp` ([`fsdp`]) and
+//! `bench-checkpoint` ([`checkpoint`]).
 //!
 //! Every one of them does the same three things (`docs/benchmarks.md`):
 //! 1. prints the CPU first (`cpu: <model>, N logical CPUs`, `simd: <flags>; absent: <flags>`,
@@ -15,6 +16,7 @@
 //! `$ANCHOR_VENV/bin/python`, then what `<anchors>/setup.sh` prints.
 
 pub(crate) mod anchor;
+pub(crate) mod checkpoint;
 pub(crate) mod collectives;
 pub(crate) mod core;
 pub(crate) mod cpu;

@@ -1,6 +1,7 @@
 //! [`load`]: every rank reads the metadata, intersects the pieces it needs with the pieces on
-//! disk, reads and checks those bytes, and only when every rank has everything does any rank
-//! write into its tensors.
+//! disk and checks those pieces' bytes (streamed through a small buffer, against their
+//! checksums); only when every rank has found everything does any rank read the bytes again,
+//! straight into its tensors (through the files it already holds open).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,18 +18,18 @@ use super::state::{StateDict, StateValue};
 use super::storage::{FileSystemReader, StorageReader};
 use super::sync::{Ranks, failed_ranks};
 
-/// One box to copy once every rank has read its bytes.
+/// One box to read once every rank has checked its pieces.
 struct Copy {
     key: String,
     dest: LocalChunk,
-    /// The saved piece, read and checked.
-    source: Tensor,
-    source_offsets: Vec<usize>,
+    /// The saved piece the box is in (checked).
+    source: StoredChunk,
+    dtype: DType,
     offsets: Vec<usize>,
     sizes: Vec<usize>,
 }
 
-/// Everything this rank will write, read and checked.
+/// Everything this rank will write, its pieces checked.
 struct Staged {
     save_id: String,
     copies: Vec<Copy>,
@@ -48,40 +49,48 @@ fn about(key: &str, e: Error) -> Error {
     }
 }
 
-/// Reads the saved piece `c` of tensor `key` (of `dtype`) and checks its checksum (when the
-/// storage has them).
+/// Streams the saved piece `c` of tensor `key` through a small buffer and checks its checksum.
+fn check_piece(reader: &mut dyn StorageReader, key: &str, c: &StoredChunk) -> Result<()> {
+    const BLOCK: u64 = 4 << 20;
+    let mut buf = vec![0u8; BLOCK.min(c.byte_range[1] - c.byte_range[0]) as usize];
+    let mut h = crc32fast::Hasher::new();
+    let mut at = c.byte_range[0];
+    while at < c.byte_range[1] {
+        let n = BLOCK.min(c.byte_range[1] - at) as usize;
+        reader
+            .read_into(&c.file, at, &mut buf[..n])
+            .map_err(|e| about(key, e))?;
+        h.update(&buf[..n]);
+        at += n as u64;
+    }
+    let crc = format!("{:08x}", h.finalize());
+    if crc != c.crc32 {
+        return Err(Error::Checkpoint {
+            path: format!("{}/{}", reader.location(), c.file),
+            problem: format!(
+                "tensor {key:?}: the piece at offsets {:?} (bytes {}..{}) fails its checksum \
+                 (CRC-32 {crc}, the metadata says {}): the file is corrupt or from another save",
+                c.offsets, c.byte_range[0], c.byte_range[1], c.crc32
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Reads the saved piece `c` of tensor `key` (of `dtype`; checked before) as a tensor.
 fn read_piece(
     reader: &mut dyn StorageReader,
     key: &str,
     c: &StoredChunk,
     dtype: DType,
 ) -> Result<Tensor> {
-    let verify = reader.checksummed();
     let where_ = format!("{}/{}", reader.location(), c.file);
-    let check = |b: &[u8]| -> Result<()> {
-        if !verify {
-            return Ok(());
-        }
-        let crc = format!("{:08x}", crc32fast::hash(b));
-        if crc != c.crc32 {
-            return Err(Error::Checkpoint {
-                path: where_.clone(),
-                problem: format!(
-                    "tensor {key:?}: the piece at offsets {:?} (bytes {}..{}) fails its checksum \
-                     (CRC-32 {crc}, the metadata says {}): the file is corrupt or from another save",
-                    c.offsets, c.byte_range[0], c.byte_range[1], c.crc32
-                ),
-            });
-        }
-        Ok(())
-    };
     let n: usize = c.sizes.iter().product();
     if dtype == DType::Bool {
         let mut buf = vec![0u8; n];
         reader
             .read_into(&c.file, c.byte_range[0], &mut buf)
             .map_err(|e| about(key, e))?;
-        check(&buf)?;
         let bools = bools_from_bytes(&buf).ok_or_else(|| Error::Checkpoint {
             path: where_.clone(),
             problem: format!("tensor {key:?}: a boolean byte is neither 0 nor 1"),
@@ -106,8 +115,7 @@ fn read_piece(
         let bytes = &mut buf.as_bytes_mut()[r.start * es..r.end * es];
         reader
             .read_into(&c.file, c.byte_range[0], bytes)
-            .map_err(|e| about(key, e))?;
-        check(bytes)
+            .map_err(|e| about(key, e))
     })?;
     Ok(t)
 }
@@ -173,34 +181,17 @@ fn stage(state: &StateDict, reader: &mut dyn StorageReader, rank: usize) -> Resu
         }
         let dest = placement.local_chunks();
         let pieces: Vec<_> = saved.chunks.iter().map(StoredChunk::chunk).collect();
-        let mut read: BTreeMap<usize, Tensor> = BTreeMap::new();
+        let mut checked = std::collections::BTreeSet::new();
         for item in plan_reads(&dest, &pieces) {
             let whole = &saved.chunks[item.saved];
-            if !reader.checksummed() {
-                // no checksum to check over the whole piece: read just the rows needed
-                let rows = rows_of(whole, &item.offsets, &item.sizes, placement.dtype);
-                let source = read_piece(reader, key, &rows, placement.dtype)?;
-                staged.copies.push(Copy {
-                    key: key.clone(),
-                    dest: dest[item.dest].clone(),
-                    source,
-                    source_offsets: rows.offsets,
-                    offsets: item.offsets,
-                    sizes: item.sizes,
-                });
-                continue;
+            if reader.checksummed() && checked.insert(item.saved) {
+                check_piece(reader, key, whole)?;
             }
-            let source = match read.entry(item.saved) {
-                std::collections::btree_map::Entry::Occupied(e) => e.get().clone(),
-                std::collections::btree_map::Entry::Vacant(e) => e
-                    .insert(read_piece(reader, key, whole, placement.dtype)?)
-                    .clone(),
-            };
             staged.copies.push(Copy {
                 key: key.clone(),
                 dest: dest[item.dest].clone(),
-                source,
-                source_offsets: pieces[item.saved].offsets.clone(),
+                source: whole.clone(),
+                dtype: placement.dtype,
                 offsets: item.offsets,
                 sizes: item.sizes,
             });
@@ -237,8 +228,43 @@ fn boxed(t: &Tensor, origin: &[usize], offsets: &[usize], sizes: &[usize]) -> Re
     Ok(v)
 }
 
-/// Writes what [`stage`] read into the state's tensors and values.
-fn apply(state: &mut StateDict, staged: Staged) -> Result<()> {
+/// Whether the box `offsets`/`sizes` of saved piece `c` is one run of its bytes: it spans the
+/// piece's whole extent in every dimension after the first.
+fn box_is_rows(c: &StoredChunk, offsets: &[usize], sizes: &[usize]) -> bool {
+    (1..c.sizes.len()).all(|d| offsets[d] == c.offsets[d] && sizes[d] == c.sizes[d])
+}
+
+/// Reads copy `c`'s box straight into `dst` (a contiguous host tensor of the box's shape), when
+/// the box is one run of the file's bytes; `Ok(false)` when it cannot (another device, bools,
+/// a box that cuts the piece's rows).
+fn read_in_place(reader: &mut dyn StorageReader, c: &Copy, dst: &Tensor) -> Result<bool> {
+    if c.dtype == DType::Bool || !box_is_rows(&c.source, &c.offsets, &c.sizes) {
+        return Ok(false);
+    }
+    let rows = rows_of(&c.source, &c.offsets, &c.sizes, c.dtype);
+    let es = c.dtype.size_in_bytes();
+    dst.with_storage_mut(|s, l| -> Result<bool> {
+        let (Storage::Cpu(cpu), Some(r)) = (s, l.contiguous_range()) else {
+            return Ok(false);
+        };
+        let Some(mut buf) = cpu.as_buf_mut() else {
+            return Ok(false);
+        };
+        let bytes = &mut buf.as_bytes_mut()[r.start * es..r.end * es];
+        if bytes.len() as u64 != rows.byte_range[1] - rows.byte_range[0] {
+            return Ok(false);
+        }
+        reader
+            .read_into(&rows.file, rows.byte_range[0], bytes)
+            .map_err(|e| about(&c.key, e))?;
+        Ok(true)
+    })
+}
+
+/// Writes what [`stage`] planned into the state's tensors and values, reading each box from
+/// `reader`: into the tensor itself where the box is one run of bytes of both, else through a
+/// piece of the rows it covers.
+fn apply(state: &mut StateDict, staged: Staged, reader: &mut dyn StorageReader) -> Result<()> {
     let _g = no_grad();
     for key in &staged.zeroed {
         if let Some(StateValue::Tensor { local, .. }) = state.get(key) {
@@ -255,7 +281,12 @@ fn apply(state: &mut StateDict, staged: Staged) -> Result<()> {
             &c.offsets,
             &c.sizes,
         )?;
-        let src = boxed(&c.source, &c.source_offsets, &c.offsets, &c.sizes)?;
+        if read_in_place(reader, c, &dst)? {
+            continue;
+        }
+        let rows = rows_of(&c.source, &c.offsets, &c.sizes, c.dtype);
+        let source = read_piece(reader, &c.key, &rows, c.dtype)?;
+        let src = boxed(&source, &rows.offsets, &c.offsets, &c.sizes)?;
         dst.copy_(&src)?;
     }
     for (key, v) in staged.values {
@@ -279,9 +310,13 @@ fn apply(state: &mut StateDict, staged: Staged) -> Result<()> {
 /// reads only the saved pieces that overlap its own); each value is replaced by the saved
 /// one. Names the checkpoint has but `state` does not are not read.
 ///
-/// All or nothing: every rank first reads and checks everything it needs (the metadata, each
-/// piece's bytes and checksum, shapes and dtypes); only when every rank has succeeded does any
-/// rank write into its tensors.
+/// All or nothing: every rank first checks everything it needs (the metadata, shapes and
+/// dtypes, each piece's bytes against its checksum, streamed through a small buffer); only when
+/// every rank has succeeded does any rank read the bytes again, straight into its tensors where
+/// a box is one run of bytes of both (no staging copy of the state). The files stay open
+/// between the check and the read, so a save that commits meanwhile and removes them changes
+/// nothing; only a file rewritten in place by another program between the two could make the
+/// second read fail, leaving that rank's load partial (reported).
 ///
 /// # Errors
 /// On every rank, with nothing changed anywhere: [`Error::Checkpoint`] naming the file and the
@@ -349,5 +384,5 @@ pub(crate) fn load_after(
             ),
         });
     }
-    apply(state, staged)
+    apply(state, staged, reader)
 }

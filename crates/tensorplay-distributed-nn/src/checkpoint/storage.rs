@@ -66,9 +66,10 @@ pub trait StorageReader: Send {
     /// unreadable, or shorter than `start + buf.len()` (truncated).
     fn read_into(&mut self, file: &str, start: u64, buf: &mut [u8]) -> Result<()>;
 
-    /// Whether the metadata's pieces carry checksums a load checks (each piece is then read
-    /// whole). A storage without them (one safetensors file: [`SafetensorsReader`]) is read in
-    /// just the rows each rank needs. Default: true.
+    /// Whether the metadata's pieces carry checksums a load checks (each piece it needs is then
+    /// read whole once, to check it, before its rows are read into the tensors). A storage
+    /// without them (one safetensors file: [`SafetensorsReader`]) is read only in the rows each
+    /// rank needs. Default: true.
     ///
     /// [`SafetensorsReader`]: super::SafetensorsReader
     fn checksummed(&self) -> bool {
