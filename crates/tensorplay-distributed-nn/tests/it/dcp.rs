@@ -361,13 +361,16 @@ const DAMAGES: [Damage; 9] = [
         "a piece is missing",
     ),
     (
-        "a rank file of another save",
+        "a rank file holding another step's values",
         |d| {
-            // the same bytes with one value changed, as an older save's file would be
+            // the same layout with the last tensor's values changed, as a file of the same
+            // shapes saved at another step would be (only the checksums can tell)
             let f = rank_file(d)?;
             let mut b = std::fs::read(&f)?;
-            let at = b.len() - 16;
-            b[at] = b[at].wrapping_add(1);
+            let n = b.len();
+            for x in &mut b[n - 48..] {
+                *x = x.wrapping_add(1);
+            }
             std::fs::write(&f, b)
         },
         "from another save",
@@ -556,9 +559,7 @@ fn misuse_is_refused_on_every_rank_before_anything_is_written() {
         let second = dcp::save(&sd, &dir, None);
         handle.wait()?;
         match second {
-            Err(e)
-                if e.to_string().contains("still in flight")
-                    || e.to_string().contains("failed") => {}
+            Err(e) if e.to_string().contains("still in flight") => {}
             other => return Err(format!("overlap: rank {rank}: {other:?}").into()),
         }
         // the optimizer asked for where none was saved: nothing changes, the model included
@@ -569,9 +570,7 @@ fn misuse_is_refused_on_every_rank_before_anything_is_written() {
             optimizer: Some(&mut o),
         };
         match dcp::load_state(&mut [("model", &mut app)], &dir, None) {
-            Err(e)
-                if e.to_string().contains("no optimizer state")
-                    || e.to_string().contains("failed") => {}
+            Err(e) if e.to_string().contains("no optimizer state") => {}
             other => return Err(format!("no optimizer: rank {rank}: {other:?}").into()),
         }
         same(
