@@ -1,7 +1,7 @@
-//! Model and optimizer state saved by the tensor-parallel and the 2-D layouts (tensor parallel
-//! inside pairs of ranks, fully sharded across them) resume in every layout at other world
-//! sizes: two AdamW steps, a save, two more steps after the load, against four uninterrupted
-//! steps in one process.
+//! Model and optimizer state saved by every layout (one process, DDP, fully sharded, tensor
+//! parallel, and 2-D: tensor parallel inside pairs of ranks, fully sharded across them) resume
+//! in every layout at other world sizes: two AdamW steps, a save, two more steps after the
+//! load, against four uninterrupted steps in one process.
 
 use tensorplay_core::Tensor;
 use tensorplay_core::nn::Module;
@@ -54,7 +54,13 @@ fn optimizer_state_of_split_layouts_resumes_in_every_layout() {
         }
         m.state_dict().unwrap()
     };
-    let saves = [(Layout::Tp, 2), (Layout::TwoD, 4)];
+    let saves = [
+        (Layout::Alone, 1),
+        (Layout::Ddp, 2),
+        (Layout::Fsdp, 2),
+        (Layout::Tp, 2),
+        (Layout::TwoD, 4),
+    ];
     let loads = [
         (Layout::Alone, 1),
         (Layout::Tp, 2),
