@@ -198,6 +198,30 @@ pub(crate) fn gpt_cases(
                 }
             }
         }
+        // a run with another seed is refused on the same checkpoint, naming both settings
+        let other = dir.join("other-seed");
+        copy_dir(&ck, &other)?;
+        let other_arg = other.display().to_string();
+        let o = output(
+            &mut gpt(
+                gpt_exe,
+                layout,
+                2,
+                &["--checkpoint-dir", &other_arg, "--seed", "1"],
+            ),
+            fr,
+            None,
+        )?;
+        let err = text(&o.stderr);
+        if o.status.success() || !err.contains("resume with the same --seed") {
+            println!("test-resume: gpt {layout} with another --seed: FAIL");
+            failed.push(format!(
+                "gpt {layout}: another --seed was not refused (exit {}):\n{err}",
+                o.status
+            ));
+        } else {
+            println!("test-resume: gpt {layout} with another --seed: refused, ok");
+        }
         // the uninterrupted run's losses serve the elastic case
         if layout == "fully-sharded"
             && let Some(p) = elastic(launcher, gpt_exe, scratch, fr, &want)?
@@ -281,7 +305,7 @@ fn elastic(
         Some(format!("node 0 exited {}:\n{out0}{err0}", o0.status))
     } else if !err1.contains("killing my node's launcher") {
         Some(format!("node 1 was not killed:\n{err1}"))
-    } else if !out0.contains("fully-sharded at 1 ranks")
+    } else if !out0.contains("fully-sharded at 1 rank:")
         || !err0.contains("resumed from the checkpoint at step 50")
     {
         Some(format!(

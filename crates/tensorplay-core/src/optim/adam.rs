@@ -476,6 +476,10 @@ impl Optimizer for Adam {
     fn set_lr(&mut self, lr: f64) -> Result<()> {
         set_all_lr("Adam.set_lr", &mut self.0.groups, lr)
     }
+    fn kind(&self) -> &'static str {
+        "Adam"
+    }
+
     fn state_dict(&self) -> Result<OptimizerState> {
         self.0.state_dict("Adam")
     }
@@ -520,6 +524,10 @@ impl Optimizer for AdamW {
     fn set_lr(&mut self, lr: f64) -> Result<()> {
         set_all_lr("AdamW.set_lr", &mut self.0.groups, lr)
     }
+    fn kind(&self) -> &'static str {
+        "AdamW"
+    }
+
     fn state_dict(&self) -> Result<OptimizerState> {
         self.0.state_dict("AdamW")
     }

@@ -33,6 +33,12 @@ use crate::{Error, FloatElement, Result, Tensor};
 
 /// An optimizer over a fixed list of parameters (`torch.optim.Optimizer`).
 pub trait Optimizer: Send {
+    /// The optimizer's name as its state dict records it (`"SGD"`, `"Adam"`, `"AdamW"`), for
+    /// checking a saved state before loading it; `""` when it does not say.
+    fn kind(&self) -> &'static str {
+        ""
+    }
+
     /// Updates every parameter that has a `.grad` (`step()`); parameters without one are
     /// skipped, as in PyTorch.
     ///

@@ -213,6 +213,10 @@ fn sgd_update<T: OptElem>(
 }
 
 impl Optimizer for SGD {
+    fn kind(&self) -> &'static str {
+        "SGD"
+    }
+
     fn step_with_grads(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
         const OP: &str = "SGD.step";
         check_grads(OP, &self.params, grads)?;

@@ -84,17 +84,24 @@ fn header(tensors: &BTreeMap<String, TensorStorageMetadata>) -> Result<(Vec<u8>,
         serde_json::json!({ "format": "pt", CHECKSUM_KEY: placeholder }),
     );
     let mut at = 0u64;
+    let too_big = || Error::Checkpoint {
+        path: String::new(),
+        problem: "its tensors hold more bytes than a file can".into(),
+    };
     for (name, t) in tensors {
-        let n: u64 = t
+        let n = t
             .chunks
             .iter()
-            .map(|c| c.byte_range[1] - c.byte_range[0])
-            .sum();
+            .try_fold(0u64, |a, c| {
+                a.checked_add(c.byte_range[1] - c.byte_range[0])
+            })
+            .ok_or_else(too_big)?;
+        let end = at.checked_add(n).ok_or_else(too_big)?;
         map.insert(
             name.clone(),
-            serde_json::json!({ "dtype": t.dtype, "shape": t.size, "data_offsets": [at, at + n] }),
+            serde_json::json!({ "dtype": t.dtype, "shape": t.size, "data_offsets": [at, end] }),
         );
-        at += n;
+        at = end;
     }
     let mut text = serde_json::Value::Object(map).to_string().into_bytes();
     while !text.len().is_multiple_of(8) {
@@ -134,7 +141,28 @@ pub fn consolidate(checkpoint_dir: impl AsRef<Path>, file: impl AsRef<Path>) -> 
         Error::Checkpoint { problem, .. } => bad(file, problem),
         other => other,
     })?;
+    // every piece inside its file before anything is allocated (a hand-edited metadata file
+    // may claim any size)
+    for (name, t) in &md.tensors {
+        for c in &t.chunks {
+            let path = Path::new(&reader.location()).join(&c.file);
+            let len = std::fs::metadata(&path)
+                .map_err(|e| bad(&path, format!("could not read it: {e}")))?
+                .len();
+            if c.byte_range[1] > len {
+                return Err(bad(
+                    &path,
+                    format!(
+                        "truncated: tensor {name:?}'s piece ends at byte {}, the file has {len}",
+                        c.byte_range[1]
+                    ),
+                ));
+            }
+        }
+    }
     let tmp = file.with_extension(format!("consolidating-{}", std::process::id()));
+    // the temporary goes whatever happens, a panic included
+    let mut guard = RemoveOnDrop(Some(tmp.clone()));
     let result = (|| -> Result<()> {
         let io = |e: std::io::Error| bad(&tmp, format!("could not write it: {e}"));
         let f = OpenOptions::new()
@@ -155,8 +183,16 @@ pub fn consolidate(checkpoint_dir: impl AsRef<Path>, file: impl AsRef<Path>) -> 
                 .dtype()
                 .ok_or_else(|| bad(file, format!("dtype {:?}", t.dtype)))?;
             let es = dtype.size_in_bytes();
-            let numel: usize = t.size.iter().product();
-            let mut whole = vec![0u8; numel * es];
+            let len = t
+                .size
+                .iter()
+                .try_fold(es, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| bad(file, format!("tensor {name:?} is too large")))?;
+            let mut whole = Vec::new();
+            whole
+                .try_reserve_exact(len)
+                .map_err(|e| bad(file, format!("tensor {name:?} ({len} bytes): {e}")))?;
+            whole.resize(len, 0u8);
             for c in &t.chunks {
                 let piece = piece_bytes(&mut reader, name, c)?;
                 place(&mut whole, &t.size, c, &piece, es);
@@ -176,10 +212,22 @@ pub fn consolidate(checkpoint_dir: impl AsRef<Path>, file: impl AsRef<Path>) -> 
         }
         Ok(())
     })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    if result.is_ok() {
+        // renamed: nothing left to remove
+        guard.0 = None;
     }
     result
+}
+
+/// Removes a file when dropped (a temporary left by a failure or a panic).
+struct RemoveOnDrop(Option<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use tensorplay_core::bytes::bools_from_bytes;
 use tensorplay_core::serialize::dtype_name;
 use tensorplay_core::{DType, Device, Error, Result, Storage, Tensor, no_grad};
 
-use super::metadata::{METADATA_FILE, Metadata, StoredChunk};
+use super::metadata::{Metadata, StoredChunk};
 use super::planner::{LocalChunk, plan_reads};
 use super::save::{check_entry, piece_of};
 use super::state::{StateDict, StateValue};
@@ -49,8 +49,14 @@ fn about(key: &str, e: Error) -> Error {
     }
 }
 
-/// Streams the saved piece `c` of tensor `key` through a small buffer and checks its checksum.
-fn check_piece(reader: &mut dyn StorageReader, key: &str, c: &StoredChunk) -> Result<()> {
+/// Streams the saved piece `c` of tensor `key` (of `dtype`) through a small buffer and checks
+/// its checksum (and that a bool piece's bytes are 0 or 1).
+fn check_piece(
+    reader: &mut dyn StorageReader,
+    key: &str,
+    c: &StoredChunk,
+    dtype: DType,
+) -> Result<()> {
     const BLOCK: u64 = 4 << 20;
     let mut buf = vec![0u8; BLOCK.min(c.byte_range[1] - c.byte_range[0]) as usize];
     let mut h = crc32fast::Hasher::new();
@@ -61,10 +67,16 @@ fn check_piece(reader: &mut dyn StorageReader, key: &str, c: &StoredChunk) -> Re
             .read_into(&c.file, at, &mut buf[..n])
             .map_err(|e| about(key, e))?;
         h.update(&buf[..n]);
+        if dtype == DType::Bool && buf[..n].iter().any(|&b| b > 1) {
+            return Err(Error::Checkpoint {
+                path: format!("{}/{}", reader.location(), c.file),
+                problem: format!("tensor {key:?}: a boolean byte is neither 0 nor 1"),
+            });
+        }
         at += n as u64;
     }
     let crc = format!("{:08x}", h.finalize());
-    if crc != c.crc32 {
+    if reader.checksummed() && crc != c.crc32 {
         return Err(Error::Checkpoint {
             path: format!("{}/{}", reader.location(), c.file),
             problem: format!(
@@ -123,7 +135,7 @@ fn read_piece(
 /// Reads and checks everything this rank needs, writing nothing.
 fn stage(state: &StateDict, reader: &mut dyn StorageReader, rank: usize) -> Result<Staged> {
     let md: Metadata = reader.read_metadata()?;
-    let md_path = format!("{}/{METADATA_FILE}", reader.location());
+    let md_path = reader.metadata_path();
     let missing = |key: &str, what: &str| Error::Checkpoint {
         path: md_path.clone(),
         problem: format!(
@@ -184,8 +196,11 @@ fn stage(state: &StateDict, reader: &mut dyn StorageReader, rank: usize) -> Resu
         let mut checked = std::collections::BTreeSet::new();
         for item in plan_reads(&dest, &pieces) {
             let whole = &saved.chunks[item.saved];
-            if reader.checksummed() && checked.insert(item.saved) {
-                check_piece(reader, key, whole)?;
+            // a bool piece's bytes are checked even without a checksum: a bad byte found while
+            // writing would leave the load partial
+            let check = reader.checksummed() || placement.dtype == DType::Bool;
+            if check && checked.insert(item.saved) {
+                check_piece(reader, key, whole, placement.dtype)?;
             }
             staged.copies.push(Copy {
                 key: key.clone(),

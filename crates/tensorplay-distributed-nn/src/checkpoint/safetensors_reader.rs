@@ -20,7 +20,9 @@ const MAX_HEADER: u64 = 100 << 20;
 
 /// A safetensors file read as a checkpoint of one piece per tensor (PyTorch's
 /// `HuggingFaceStorageReader`, for one file). Its pieces carry no checksums: a load reads only
-/// the rows each rank needs. The file's string metadata is not read.
+/// the rows each rank needs. The file's string metadata is not read, and tensors of dtypes
+/// tensorplay lacks (`I32`, `U8`, ...) are left out (a load that asks for one is told the file
+/// has no such tensor).
 #[derive(Debug)]
 pub struct SafetensorsReader {
     path: PathBuf,
@@ -106,6 +108,10 @@ impl StorageReader for SafetensorsReader {
                     format!("tensor {key:?}: not a safetensors entry (dtype, shape, data_offsets)"),
                 ));
             };
+            if tensorplay_core::serialize::dtype_from_name(&dtype).is_none() {
+                // a dtype tensorplay lacks (I32, U8, ...): loadable only if not asked for
+                continue;
+            }
             if end > len {
                 return Err(bad(
                     &path,
@@ -140,6 +146,10 @@ impl StorageReader for SafetensorsReader {
         };
         md.validate(&path)?;
         Ok(md)
+    }
+
+    fn metadata_path(&self) -> String {
+        self.path.display().to_string()
     }
 
     fn read_into(&mut self, file: &str, start: u64, buf: &mut [u8]) -> Result<()> {

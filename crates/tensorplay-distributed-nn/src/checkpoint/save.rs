@@ -302,6 +302,11 @@ pub(crate) struct FolderClaim(String);
 
 impl FolderClaim {
     fn take(location: String) -> Result<FolderClaim> {
+        // one folder however it is spelled (`dir`, `dir/.`, a link to it)
+        let location = std::fs::canonicalize(&location)
+            .unwrap_or_else(|_| Path::new(&location).components().collect())
+            .display()
+            .to_string();
         let mut all = IN_FLIGHT
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -201,6 +201,44 @@ fn partial_state_of_rank_0(
     Ok(())
 }
 
+/// Refuses, before anything is loaded, an optimizer header `key` of `saved` that `opt` cannot
+/// take: another optimizer's state, or other parameter groups (the load would otherwise have
+/// written the model before the optimizer refused).
+fn check_header(saved: &Metadata, key: &str, opt: Option<&dyn Optimizer>) -> Result<()> {
+    let Some(opt) = opt else {
+        return Ok(());
+    };
+    let bad = |problem: String| Error::Checkpoint {
+        path: key.to_string(),
+        problem,
+    };
+    let header: BTreeMap<String, String> = saved
+        .values
+        .get(key)
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .ok_or_else(|| bad("the optimizer header is not one AppState wrote".into()))?;
+    let osd = OptimizerStateDict::from_tensors(&BTreeMap::new(), &header)?;
+    if !opt.kind().is_empty() && osd.kind != opt.kind() {
+        return Err(bad(format!(
+            "the checkpoint holds the state of {}; the optimizer is {} (nothing was loaded)",
+            osd.kind,
+            opt.kind()
+        )));
+    }
+    let want: Vec<usize> = opt
+        .param_groups()
+        .iter()
+        .map(|g| g.params().count())
+        .collect();
+    let got: Vec<usize> = osd.param_groups.iter().map(|g| g.params.len()).collect();
+    if want != got {
+        return Err(bad(format!(
+            "the checkpoint's optimizer has parameter groups of {got:?} parameters; this one's              has {want:?} (nothing was loaded)"
+        )));
+    }
+    Ok(())
+}
+
 impl<M: Module + ?Sized> Stateful for AppState<'_, M> {
     fn state_dict(&self) -> Result<StateDict> {
         let mut out = model_state(&*self.model, "model")?;
@@ -240,6 +278,7 @@ impl<M: Module + ?Sized> Stateful for AppState<'_, M> {
                     .into(),
             });
         }
+        check_header(saved, &header, self.optimizer.as_deref())?;
         let placements = model_state_dict_placements(&*self.model)?;
         let ours = if prefix.is_empty() {
             STATE.to_string()

@@ -37,14 +37,18 @@ pub trait StorageWriter: Send {
         fill: &mut dyn FnMut(&mut dyn Write) -> Result<()>,
     ) -> Result<()>;
     /// Commits the checkpoint (rank 0 only, after every rank's files are durable): writes
-    /// `metadata` atomically and durably, replacing the previous checkpoint's.
+    /// `metadata` atomically and durably, replacing the previous checkpoint's. The file-system
+    /// writer refuses (an error, nothing committed) when a newer save was committed into the
+    /// folder meanwhile or one of this save's files is gone, under a lock on the folder, so two
+    /// jobs saving into one folder never leave it without a loadable checkpoint.
     ///
     /// # Errors
     /// [`Error::Checkpoint`](tensorplay_core::Error::Checkpoint) naming the metadata file; the
     /// previous checkpoint is then still the committed one.
     fn commit(&mut self, metadata: &Metadata) -> Result<()>;
-    /// After a commit: removes the rank files of earlier or failed saves, those not in `keep`.
-    /// Best effort.
+    /// After a commit: removes the rank files of saves that began before the committed one,
+    /// those not in `keep` (a newer save's files, perhaps another job's still being written,
+    /// stay). Best effort.
     fn remove_stale(&mut self, keep: &BTreeSet<String>);
 }
 
@@ -59,6 +63,12 @@ pub trait StorageReader: Send {
     /// [`Error::Checkpoint`](tensorplay_core::Error::Checkpoint): no committed checkpoint, or
     /// metadata that is truncated, corrupt or another program's.
     fn read_metadata(&mut self) -> Result<Metadata>;
+
+    /// Where the metadata is, as errors about it name it (default: [`METADATA_FILE`] in
+    /// [`location`](Self::location)).
+    fn metadata_path(&self) -> String {
+        format!("{}/{METADATA_FILE}", self.location())
+    }
     /// Fills `buf` with the bytes of `file` from byte `start` on.
     ///
     /// # Errors
@@ -82,6 +92,8 @@ pub trait StorageReader: Send {
 #[derive(Debug, Clone)]
 pub struct FileSystemWriter {
     dir: PathBuf,
+    /// The save this writer committed last (what a clean-up compares files with).
+    committed: Option<String>,
 }
 
 impl FileSystemWriter {
@@ -89,6 +101,7 @@ impl FileSystemWriter {
     pub fn new(dir: impl AsRef<Path>) -> FileSystemWriter {
         FileSystemWriter {
             dir: dir.as_ref().to_path_buf(),
+            committed: None,
         }
     }
 }
@@ -138,20 +151,97 @@ impl StorageWriter for FileSystemWriter {
     }
 
     fn commit(&mut self, metadata: &Metadata) -> Result<()> {
-        write_atomically(self.dir.join(METADATA_FILE), metadata.to_json().as_bytes())
+        let md_path = self.dir.join(METADATA_FILE);
+        let _lock = FolderLock::take(&self.dir)?;
+        // another job's save into this folder: the newer save wins, and an older one whose
+        // files the newer one's clean-up removed is not committed over it
+        if let Some(current) = fs::read(&md_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Metadata>(&b).ok())
+            && save_order(&current.save_id) > save_order(&metadata.save_id)
+        {
+            return Err(bad(
+                &md_path,
+                format!(
+                    "a newer save ({}) was committed into this folder while this one ({}) was                      written (two jobs saving into one folder?): this save is not committed",
+                    current.save_id, metadata.save_id
+                ),
+            ));
+        }
+        for name in metadata
+            .tensors
+            .values()
+            .flat_map(|t| t.chunks.iter().map(|c| &c.file))
+        {
+            if !self.dir.join(name).is_file() {
+                return Err(bad(
+                    &self.dir.join(name),
+                    "this save's file was removed before its commit (another save into this                      folder cleaned it up?): this save is not committed",
+                ));
+            }
+        }
+        write_atomically(&md_path, metadata.to_json().as_bytes())?;
+        self.committed = Some(metadata.save_id.clone());
+        Ok(())
     }
 
     fn remove_stale(&mut self, keep: &BTreeSet<String>) {
+        let Some(committed) = self.committed.as_deref().and_then(save_order) else {
+            return;
+        };
+        let Ok(_lock) = FolderLock::take(&self.dir) else {
+            return;
+        };
         let Ok(entries) = fs::read_dir(&self.dir) else {
             return;
         };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if is_shard_file(&name) && !keep.contains(&name) {
+            // only older saves' files: a newer save's, still being written, stay
+            let older = save_id_of(&name)
+                .and_then(save_order)
+                .is_some_and(|o| o < committed);
+            if is_shard_file(&name) && !keep.contains(&name) && older {
                 let _ = fs::remove_file(e.path());
             }
         }
     }
+}
+
+/// An exclusive lock on a checkpoint folder's commit (a lock file in it, `flock`): one commit
+/// and clean-up at a time, across processes.
+struct FolderLock(File);
+
+impl FolderLock {
+    fn take(dir: &Path) -> Result<FolderLock> {
+        let path = dir.join(".commit.lock");
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| bad(&path, format!("could not open the folder's lock: {e}")))?;
+        f.lock()
+            .map_err(|e| bad(&path, format!("could not lock the folder: {e}")))?;
+        Ok(FolderLock(f))
+    }
+}
+
+impl Drop for FolderLock {
+    fn drop(&mut self) {
+        let _ = self.0.unlock();
+    }
+}
+
+/// The save id in a rank file's name (`shard-<id>-rank<r>.safetensors`).
+fn save_id_of(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix("shard-")?;
+    Some(&rest[..rest.rfind("-rank")?])
+}
+
+/// When a save began, from its id (`<nanoseconds, hex>-<process, hex>`): saves compare by it.
+fn save_order(id: &str) -> Option<u128> {
+    u128::from_str_radix(id.split('-').next()?, 16).ok()
 }
 
 /// Reads a checkpoint folder written by [`FileSystemWriter`] (positioned reads: a rank reads
@@ -211,5 +301,77 @@ impl StorageReader for FileSystemReader {
                 bad(&path, format!("could not read it: {e}"))
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::checkpoint::metadata::{FORMAT, StoredChunk, TensorStorageMetadata, VERSION};
+
+    /// A save's metadata naming its one rank file (written by [`write`]).
+    fn save(id: &str) -> Metadata {
+        let chunk = StoredChunk {
+            offsets: vec![0],
+            sizes: vec![1],
+            file: format!("shard-{id}-rank0.safetensors"),
+            byte_range: [0, 4],
+            crc32: "00000000".into(),
+        };
+        Metadata {
+            format: FORMAT.into(),
+            version: VERSION,
+            save_id: id.into(),
+            world_size: 1,
+            tensors: BTreeMap::from([(
+                "t".to_string(),
+                TensorStorageMetadata {
+                    dtype: "F32".into(),
+                    size: vec![1],
+                    chunks: vec![chunk],
+                },
+            )]),
+            values: BTreeMap::new(),
+            rank_values: BTreeMap::new(),
+        }
+    }
+
+    fn write(w: &mut FileSystemWriter, md: &Metadata) {
+        let name = &md.tensors["t"].chunks[0].file;
+        w.write_file(name, &mut |out| {
+            out.write_all(&[0; 4])
+                .map_err(|e| bad(Path::new(name), e.to_string()))
+        })
+        .unwrap();
+    }
+
+    /// Two jobs saving into one folder: the older save's commit after the newer one's is
+    /// refused, the newer one's clean-up leaves a still newer save's file alone, and the folder
+    /// keeps a checkpoint whose files are all there.
+    #[test]
+    fn two_jobs_in_one_folder_never_leave_it_without_a_checkpoint() {
+        let dir = std::env::temp_dir().join(format!("tp-two-jobs-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let (older, newer, newest) = (save("a0-1"), save("b0-2"), save("c0-3"));
+        let mut w1 = FileSystemWriter::new(&dir);
+        let mut w2 = FileSystemWriter::new(&dir);
+        let mut w3 = FileSystemWriter::new(&dir);
+        w1.set_up().unwrap();
+        write(&mut w1, &older);
+        write(&mut w2, &newer);
+        write(&mut w3, &newest);
+        w2.commit(&newer).unwrap();
+        w2.remove_stale(&crate::checkpoint::save::files_of(&newer));
+        let e = w1.commit(&older).unwrap_err().to_string();
+        assert!(e.contains("a newer save (b0-2)"), "{e}");
+        let committed = FileSystemReader::new(&dir).read_metadata().unwrap();
+        assert_eq!(committed.save_id, "b0-2");
+        for (md, kept) in [(&older, false), (&newer, true), (&newest, true)] {
+            let f = dir.join(&md.tensors["t"].chunks[0].file);
+            assert_eq!(f.is_file(), kept, "{}", f.display());
+        }
+        let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -578,6 +578,32 @@ fn misuse_is_refused_on_every_rank_before_anything_is_written() {
             &get_model_state_dict(&*fresh, full())?,
             &pair_from(99)?.state_dict()?,
         )?;
+        // another optimizer than the saved one's: refused before the model is written
+        let app_dir = dir.with_file_name("app");
+        let mut m = build(Layout::Fsdp, SAVED)?;
+        let mut o = adamw(m.parameters())?;
+        let app = AppState {
+            model: &mut *m,
+            optimizer: Some(&mut o),
+        };
+        dcp::save_state(&[("app", &app)], &app_dir, None)?;
+        let mut fresh = build(Layout::Fsdp, 99)?;
+        let mut sgd = tp::optim::SGD::new(fresh.parameters(), Default::default())?;
+        let mut app = AppState {
+            model: &mut *fresh,
+            optimizer: Some(&mut sgd),
+        };
+        match dcp::load_state(&mut [("app", &mut app)], &app_dir, None) {
+            Err(e)
+                if e.to_string()
+                    .contains("the state of AdamW; the optimizer is SGD") => {}
+            other => return Err(format!("another optimizer: rank {rank}: {other:?}").into()),
+        }
+        same(
+            &format!("rank {rank}: unchanged after the refused optimizer"),
+            &get_model_state_dict(&*fresh, full())?,
+            &pair_from(99)?.state_dict()?,
+        )?;
         Ok(())
     });
     r.unwrap_or_else(|e| panic!("{e}"));

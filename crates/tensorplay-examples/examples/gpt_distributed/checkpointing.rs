@@ -2,7 +2,9 @@
 //! progress (the step reached and the losses so far) with `tp::distributed::checkpoint` every
 //! `K` steps, and a run started on a folder that holds a committed checkpoint continues from it,
 //! at any world size and in any layout (the checkpoint reshards). The batches are a function of
-//! the step (docs/models.md, "Batches"), so the step is the whole data position.
+//! the step (docs/models.md, "Batches"), so the step is the whole data position. A checkpoint
+//! records `--seed`, `--steps` and `--dtype`; a run with others is refused (the batches, the
+//! schedule or the precision would change mid-run).
 //!
 //! Fault injection for the resume tests: `TENSORPLAY_GPT_KILL_AT=<step>:<rank>` makes that rank
 //! SIGKILL itself after that step (and its checkpoint, if one is due), in the first round of a
@@ -18,22 +20,27 @@ use tp::optim::AdamW;
 
 use super::Res;
 
-/// Where and how often a run checkpoints.
+/// Where and how often a run checkpoints, and the run's settings a checkpoint must share to
+/// be continued.
 #[derive(Debug, Clone)]
 pub(crate) struct Checkpointing {
     /// The folder holding the latest committed checkpoint (`metadata.json` commits it).
     pub(crate) dir: PathBuf,
     /// Steps between checkpoints.
     pub(crate) every: usize,
+    /// `--seed`, `--steps` (the schedule's length) and `--dtype`, as a resumed run must repeat
+    /// them.
+    pub(crate) config: serde_json::Value,
 }
 
-/// The progress entries: `step` (steps done) and `losses` (each step's loss, as the bits of
-/// the float, so they come back exactly).
-fn progress(step: usize, losses: &[f64]) -> StateDict {
+/// The progress entries: `step` (steps done), `losses` (each step's loss, as the bits of the
+/// float, so they come back exactly) and `config` (the run's settings).
+fn progress(step: usize, losses: &[f64], config: &serde_json::Value) -> StateDict {
     let mut p = StateDict::new();
     p.insert("step".into(), StateValue::Value(serde_json::json!(step)));
     let bits: Vec<u64> = losses.iter().map(|l| l.to_bits()).collect();
     p.insert("losses".into(), StateValue::Value(serde_json::json!(bits)));
+    p.insert("config".into(), StateValue::Value(config.clone()));
     p
 }
 
@@ -52,12 +59,23 @@ impl Checkpointing {
             model,
             optimizer: Some(opt),
         };
-        let mut p = progress(0, &[]);
+        let mut p = progress(0, &[], &serde_json::Value::Null);
         dcp::load_state(
             &mut [("app", &mut app), ("progress", &mut p)],
             &self.dir,
             None,
         )?;
+        // every rank read the same values: every rank refuses alike
+        let saved = p["config"].as_value().cloned().unwrap_or_default();
+        if saved != self.config {
+            return Err(format!(
+                "the checkpoint in {} is of a run with {saved}; this run has {} (resume with the \
+                 same --seed, --steps and --dtype, or use another folder)",
+                self.dir.display(),
+                self.config
+            )
+            .into());
+        }
         let step: usize = p["step"].to()?;
         let bits: Vec<u64> = p["losses"].to()?;
         if bits.len() != step {
@@ -93,10 +111,16 @@ impl Checkpointing {
                 optimizer: Some(opt),
             };
             dcp::save_state(
-                &[("app", &app), ("progress", &progress(done, losses))],
+                &[
+                    ("app", &app),
+                    ("progress", &progress(done, losses, &self.config)),
+                ],
                 &self.dir,
                 None,
             )?;
+            if rank == 0 {
+                eprintln!("checkpoint at step {done} in {}", self.dir.display());
+            }
         }
         maybe_kill(done, rank);
         Ok(())

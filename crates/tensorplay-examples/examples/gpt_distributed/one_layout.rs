@@ -2,7 +2,7 @@
 //! `--world N` ranks (under a launcher, its `WORLD_SIZE`), without the single-process
 //! reference; with `--checkpoint-dir` it checkpoints and resumes ([`Checkpointing`]), so a job
 //! killed at one world size continues at another. Rank 0 prints
-//! `<layout> at <N> ranks: validation loss V` and, with `--losses-out FILE`, writes the run's
+//! `<layout> at <N> ranks: validation loss V` (`1 rank`) and, with `--losses-out FILE`, writes the run's
 //! losses there as JSON (`{"layout", "world", "losses", "val_loss"}`: every step's training loss,
 //! those before a resume included).
 
@@ -63,6 +63,11 @@ pub(crate) fn run(o: &Opts, layout: Layout, corpus: &Corpus) -> Res<bool> {
     let ckpt = o.checkpoint_dir.as_ref().map(|dir| Checkpointing {
         dir: dir.clone(),
         every: o.checkpoint_every,
+        config: serde_json::json!({
+            "seed": o.seed,
+            "steps": o.steps,
+            "dtype": o.dtype.to_string(),
+        }),
     });
     let report = (|| -> Res<Report> {
         dist::init_process_group(
@@ -89,8 +94,9 @@ pub(crate) fn run(o: &Opts, layout: Layout, corpus: &Corpus) -> Res<bool> {
         return Ok(true);
     }
     println!(
-        "{} at {world} ranks: validation loss {:.4}",
+        "{} at {world} rank{}: validation loss {:.4}",
         layout.name(),
+        if world == 1 { "" } else { "s" },
         report.val_loss
     );
     if let Some(path) = &o.losses_out {
