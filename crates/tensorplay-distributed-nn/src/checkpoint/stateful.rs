@@ -233,7 +233,8 @@ fn check_header(saved: &Metadata, key: &str, opt: Option<&dyn Optimizer>) -> Res
     let got: Vec<usize> = osd.param_groups.iter().map(|g| g.params.len()).collect();
     if want != got {
         return Err(bad(format!(
-            "the checkpoint's optimizer has parameter groups of {got:?} parameters; this one's              has {want:?} (nothing was loaded)"
+            "the checkpoint's optimizer has parameter groups of {got:?} parameters; this one's \
+             has {want:?} (nothing was loaded)"
         )));
     }
     Ok(())

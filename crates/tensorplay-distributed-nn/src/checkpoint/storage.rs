@@ -163,7 +163,8 @@ impl StorageWriter for FileSystemWriter {
             return Err(bad(
                 &md_path,
                 format!(
-                    "a newer save ({}) was committed into this folder while this one ({}) was                      written (two jobs saving into one folder?): this save is not committed",
+                    "a newer save ({}) was committed into this folder while this one ({}) was \
+                     written (two jobs saving into one folder?): this save is not committed",
                     current.save_id, metadata.save_id
                 ),
             ));
@@ -176,7 +177,8 @@ impl StorageWriter for FileSystemWriter {
             if !self.dir.join(name).is_file() {
                 return Err(bad(
                     &self.dir.join(name),
-                    "this save's file was removed before its commit (another save into this                      folder cleaned it up?): this save is not committed",
+                    "this save's file was removed before its commit (another save into this \
+                     folder cleaned it up?): this save is not committed",
                 ));
             }
         }
