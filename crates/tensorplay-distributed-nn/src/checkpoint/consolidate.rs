@@ -9,6 +9,7 @@ use std::path::Path;
 use tensorplay_core::serialize::{CHECKSUM_KEY, Checksum};
 use tensorplay_core::{Error, Result};
 
+use super::load::checksum_mismatch;
 use super::metadata::{StoredChunk, TensorStorageMetadata, bad};
 use super::storage::{FileSystemReader, StorageReader};
 
@@ -19,14 +20,7 @@ fn piece_bytes(reader: &mut FileSystemReader, key: &str, c: &StoredChunk) -> Res
     reader.read_into(&c.file, c.byte_range[0], &mut buf)?;
     let crc = format!("{:08x}", crc32fast::hash(&buf));
     if crc != c.crc32 {
-        return Err(Error::Checkpoint {
-            path: format!("{}/{}", reader.location(), c.file),
-            problem: format!(
-                "tensor {key:?}: the piece at offsets {:?} fails its checksum (CRC-32 {crc}, the \
-                 metadata says {})",
-                c.offsets, c.crc32
-            ),
-        });
+        return Err(checksum_mismatch(&reader.location(), key, c, &crc));
     }
     Ok(buf)
 }

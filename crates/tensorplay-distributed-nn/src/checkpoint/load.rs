@@ -49,6 +49,19 @@ fn about(key: &str, e: Error) -> Error {
     }
 }
 
+/// The error of saved piece `c` of tensor `key` (in the checkpoint at `location`) whose bytes
+/// hash to `crc`, not the metadata's checksum.
+pub(crate) fn checksum_mismatch(location: &str, key: &str, c: &StoredChunk, crc: &str) -> Error {
+    Error::Checkpoint {
+        path: format!("{location}/{}", c.file),
+        problem: format!(
+            "tensor {key:?}: the piece at offsets {:?} (bytes {}..{}) fails its checksum (CRC-32 \
+             {crc}, the metadata says {}): the file is corrupt or from another save",
+            c.offsets, c.byte_range[0], c.byte_range[1], c.crc32
+        ),
+    }
+}
+
 /// Streams the saved piece `c` of tensor `key` (of `dtype`) through a small buffer and checks
 /// its checksum (and that a bool piece's bytes are 0 or 1).
 fn check_piece(
@@ -77,14 +90,7 @@ fn check_piece(
     }
     let crc = format!("{:08x}", h.finalize());
     if reader.checksummed() && crc != c.crc32 {
-        return Err(Error::Checkpoint {
-            path: format!("{}/{}", reader.location(), c.file),
-            problem: format!(
-                "tensor {key:?}: the piece at offsets {:?} (bytes {}..{}) fails its checksum \
-                 (CRC-32 {crc}, the metadata says {}): the file is corrupt or from another save",
-                c.offsets, c.byte_range[0], c.byte_range[1], c.crc32
-            ),
-        });
+        return Err(checksum_mismatch(&reader.location(), key, c, &crc));
     }
     Ok(())
 }
