@@ -8,9 +8,12 @@
 //!   `tensorplay::distributed::tensor::parallel`.
 //! - [`fsdp`]: fully sharded data parallelism, [`fully_shard`](fsdp::fully_shard)
 //!   (`torch.distributed.fsdp`; the façade re-exports it as `tensorplay::distributed::fsdp`).
+//! - [`pipelining`]: pipeline parallelism (`torch.distributed.pipelining`): stages,
+//!   micro-batches and schedules checked by a simulator before they run.
 
 pub mod ddp;
 pub mod fsdp;
+pub mod pipelining;
 pub mod tensor;
 
 pub use ddp::{
