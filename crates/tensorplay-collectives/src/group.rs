@@ -90,6 +90,8 @@ pub(crate) struct GroupInner {
     pub(crate) backend_name: String,
     /// The flight recorder of this group on this rank.
     pub(crate) recorder: Arc<GroupRecorder>,
+    /// The point-to-point lanes (one thread per peer and direction, started on first use).
+    pub(crate) lanes: crate::ops::Lanes,
 }
 
 /// A process group (`torch.distributed.ProcessGroup`): a set of ranks, a backend and a
@@ -250,6 +252,7 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
                 backend,
                 &(0..info.world_size).collect::<Vec<_>>(),
             ),
+            lanes: Default::default(),
         }),
     };
     crate::recorder::agree_job_id(&*group.inner.store, info.rank, options.timeout)?;
@@ -424,6 +427,7 @@ pub fn new_group(
             store: gstore,
             recorder: GroupRecorder::new(&format!("group{id}"), &backend_name, ranks),
             backend_name,
+            lanes: Default::default(),
         }),
     })
 }

@@ -28,10 +28,10 @@ pub use group::{
 };
 pub use object::{all_gather_object, broadcast_object_list};
 pub use ops::{
-    all_gather, all_gather_into_tensor, all_gather_into_tensor_async, all_gather_metadata,
+    P2POp, all_gather, all_gather_into_tensor, all_gather_into_tensor_async, all_gather_metadata,
     all_reduce, all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async, barrier,
-    broadcast, broadcast_async, gather, irecv, isend, recv, reduce, reduce_scatter,
-    reduce_scatter_tensor, reduce_scatter_tensor_async, scatter, send, with_phase,
+    batch_isend_irecv, broadcast, broadcast_async, gather, irecv, isend, recv, reduce,
+    reduce_scatter, reduce_scatter_tensor, reduce_scatter_tensor_async, scatter, send, with_phase,
 };
 pub use recorder::dump_flight_recorder;
 pub use rendezvous::{

@@ -574,6 +574,60 @@ fn p2p_ring(cx: &Ctx<'_>) -> TestResult {
         ws.wait(None)?;
         wr.wait(None)?;
         check("isend/irecv ring", as_f64(&inp), values(prev, 5, 11))?;
+        // one batch: three messages each way around the ring, received in sending order,
+        // then a blocking send that must not overtake them
+        let outs: Vec<Tensor> = (0..3)
+            .map(|i| tensor(&values(rank, 4 + i, 20 + i), &[4 + i], DType::F64))
+            .collect();
+        let ins: Vec<Tensor> = (0..3)
+            .map(|i| Tensor::zeros(&[4 + i], DType::F64))
+            .collect::<Result<_, _>>()?;
+        let mut ops = Vec::new();
+        for i in 0..3 {
+            ops.push(
+                dist::P2POp::irecv(&ins[i], prev, group, 7).with_label(format!("message {i}")),
+            );
+            ops.push(dist::P2POp::isend(&outs[i], next, group, 7));
+        }
+        let works = dist::batch_isend_irecv(ops)?;
+        assert_eq!(works.len(), 6);
+        let last = tensor(&values(rank, 2, 30), &[2], DType::F64);
+        let got = Tensor::zeros(&[2], DType::F64)?;
+        let wr = dist::irecv(&got, prev, group, 8)?;
+        dist::send(&last, next, group, 8)?;
+        for w in &works {
+            w.wait(None)?;
+        }
+        wr.wait(None)?;
+        for (i, t) in ins.iter().enumerate() {
+            check(
+                &format!("batch_isend_irecv message {i}"),
+                as_f64(t),
+                values(prev, 4 + i, 20 + i),
+            )?;
+        }
+        check(
+            "blocking send after a batch",
+            as_f64(&got),
+            values(prev, 2, 30),
+        )?;
+        // refused before anything is posted
+        let e = dist::batch_isend_irecv(vec![]).unwrap_err().to_string();
+        assert!(
+            e.contains("p2p_op_list") && e.contains("an empty list"),
+            "{e}"
+        );
+        let x = Tensor::zeros(&[1], DType::F64)?;
+        let e = dist::batch_isend_irecv(vec![
+            dist::P2POp::isend(&x, next, group, 0),
+            dist::P2POp::irecv(&x, rank, group, 0),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("p2p_op_list[1].peer") && e.contains("a rank other than this one"),
+            "{e}"
+        );
     }
     Ok(())
 }

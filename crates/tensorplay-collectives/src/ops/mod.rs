@@ -15,6 +15,7 @@ mod all_to_all;
 mod check;
 mod failure_report;
 mod gather;
+mod lanes;
 mod p2p;
 mod reduce;
 mod scatter;
@@ -28,7 +29,8 @@ use tensorplay_core::{DType, Tensor};
 pub use self::all_to_all::{all_to_all, all_to_all_single, all_to_all_single_async};
 pub use self::check::{all_gather_metadata, with_phase};
 pub use self::gather::{all_gather, all_gather_into_tensor, all_gather_into_tensor_async, gather};
-pub use self::p2p::{barrier, irecv, isend, recv, send};
+pub(crate) use self::lanes::Lanes;
+pub use self::p2p::{P2POp, barrier, batch_isend_irecv, irecv, isend, recv, send};
 pub use self::reduce::{
     all_reduce, all_reduce_async, reduce, reduce_scatter, reduce_scatter_tensor,
     reduce_scatter_tensor_async,

@@ -105,8 +105,119 @@ fn state_word(e: &Entry) -> &'static str {
     }
 }
 
-/// What the dumps say, group by group.
+/// What the dumps say, group by group: the collectives (numbered alike on every rank), then
+/// each point-to-point operation that did not finish, with where its peer is.
 pub fn diagnose(dumps: &[Dump]) -> Diagnosis {
+    let collectives: Vec<Dump> = dumps
+        .iter()
+        .map(|d| Dump {
+            groups: d
+                .groups
+                .iter()
+                .map(|g| GroupDump {
+                    entries: g
+                        .entries
+                        .iter()
+                        .filter(|e| e.peer.is_none())
+                        .cloned()
+                        .collect(),
+                    ..g.clone()
+                })
+                .collect(),
+            ..d.clone()
+        })
+        .collect();
+    let mut out = diagnose_collectives(&collectives);
+    out.lines.extend(diagnose_p2p(dumps));
+    out
+}
+
+fn describe_p2p(e: &Entry) -> String {
+    let dir = if e.op == "send" { "to" } else { "from" };
+    let mut s = format!("{} {dir} rank {}", e.op, e.peer.unwrap_or(usize::MAX));
+    if let Some(l) = &e.label {
+        s.push_str(&format!(" ({l})"));
+    }
+    s.push_str(&format!(
+        " [tag {}, {:?} bytes {}]",
+        e.tag.unwrap_or(0),
+        e.shape,
+        e.bytes
+    ));
+    s
+}
+
+/// Each point-to-point operation not finished on a rank, and where its peer is.
+fn diagnose_p2p(dumps: &[Dump]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for d in dumps {
+        for g in &d.groups {
+            for e in g
+                .entries
+                .iter()
+                .filter(|e| e.peer.is_some() && e.state != State::Done)
+            {
+                let peer = e.peer.unwrap_or(usize::MAX);
+                lines.push(format!(
+                    "group {}: rank {} {} {} at {}{}",
+                    g.name,
+                    d.rank,
+                    state_word(e),
+                    describe_p2p(e),
+                    e.site,
+                    e.error.as_ref().map_or(String::new(), |m| format!(": {m}"))
+                ));
+                lines.push(peer_now(dumps, &g.name, peer, d.rank));
+            }
+        }
+    }
+    lines
+}
+
+/// Where rank `peer` is: its first unfinished operation in any group, else its last message
+/// with rank `me` in group `group`.
+fn peer_now(dumps: &[Dump], group: &str, peer: usize, me: usize) -> String {
+    let Some(pd) = dumps.iter().find(|x| x.rank == peer) else {
+        return format!("  rank {peer}: no dump (it exited, was killed, or could not be asked)");
+    };
+    let open = pd.groups.iter().find_map(|g| {
+        g.entries
+            .iter()
+            .find(|e| e.state != State::Done)
+            .map(|e| (g, e))
+    });
+    if let Some((g, e)) = open {
+        let what = if e.peer.is_some() {
+            describe_p2p(e)
+        } else {
+            describe(e)
+        };
+        return format!(
+            "  rank {peer} {} {what} (group {}) at {}",
+            state_word(e),
+            g.name,
+            e.site
+        );
+    }
+    let last = pd
+        .groups
+        .iter()
+        .filter(|g| g.name == group)
+        .flat_map(|g| g.entries.iter())
+        .rfind(|e| e.peer == Some(me));
+    match last {
+        Some(e) => format!(
+            "  rank {peer} is not in any operation; its last message with rank {me}: {} (finished)",
+            describe_p2p(e)
+        ),
+        None => {
+            format!("  rank {peer} is not in any operation and exchanged nothing with rank {me}")
+        }
+    }
+}
+
+/// The collectives' diagnosis, group by group.
+fn diagnose_collectives(dumps: &[Dump]) -> Diagnosis {
     let mut out = Diagnosis::default();
     // group name -> (its description, rank -> its ring)
     let mut groups: BTreeMap<String, (&GroupDump, BTreeMap<usize, &GroupDump>)> = BTreeMap::new();
@@ -248,6 +359,9 @@ mod tests {
             finished_ms: None,
             error: None,
             site: site.into(),
+            peer: None,
+            tag: None,
+            label: None,
         }
     }
 
@@ -265,6 +379,55 @@ mod tests {
                 entries,
             }],
         }
+    }
+
+    fn p2p(seq: u64, op: &str, state: State, peer: usize, label: &str) -> Entry {
+        Entry {
+            peer: Some(peer),
+            tag: Some(0),
+            label: Some(label.into()),
+            ..entry(seq, op, state, "executor.rs:1:1")
+        }
+    }
+
+    #[test]
+    fn a_point_to_point_wait_names_the_peer_and_where_it_is() {
+        // stage 1 (rank 1) waits for micro-batch 3's activation; stage 0 (rank 0) sent
+        // micro-batch 2 and then entered a collective; rank 2 waits on rank 3, which left
+        // no dump; the collectives (numbered apart) all finished
+        let act = |m: usize| format!("stage 0 micro-batch {m} activation");
+        let dumps = vec![
+            dump(
+                0,
+                vec![
+                    p2p(0, "send", State::Done, 1, &act(2)),
+                    entry(0, "all_reduce", State::Started, "train.rs:9:1"),
+                ],
+            ),
+            dump(
+                1,
+                vec![
+                    p2p(0, "recv", State::Done, 0, &act(2)),
+                    p2p(1, "recv", State::Started, 0, &act(3)),
+                    entry(0, "all_reduce", State::Done, "train.rs:9:1"),
+                ],
+            ),
+            dump(
+                2,
+                vec![p2p(0, "recv", State::Started, 3, "stage 3 gradient")],
+            ),
+        ];
+        let d = diagnose(&dumps).to_string();
+        for want in [
+            "group world: rank 1 waits in recv from rank 0 (stage 0 micro-batch 3 activation) [tag 0, [4] bytes 16] at executor.rs:1:1",
+            "  rank 0 waits in #0 all_reduce (float32 [4]) (group world) at train.rs:9:1",
+            "group world: rank 2 waits in recv from rank 3 (stage 3 gradient)",
+            "  rank 3: no dump",
+        ] {
+            assert!(d.contains(want), "missing {want:?} in\n{d}");
+        }
+        // rank 0's finished send is not reported as a wait
+        assert!(!d.contains("rank 0 waits in send"), "{d}");
     }
 
     #[test]

@@ -83,6 +83,18 @@ pub struct Entry {
     pub error: Option<String>,
     /// The user's call site (`file:line:column`).
     pub site: String,
+    /// For a point-to-point operation (`send`, `recv`): the other rank (global). These
+    /// are numbered apart from the collectives (`seq` counts the group's point-to-point
+    /// operations on this rank), since ranks need not make the same ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<usize>,
+    /// A point-to-point operation's tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<u64>,
+    /// What the caller said the message is (pipelining: `"stage 1 micro-batch 3
+    /// activation"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
 }
 
 /// How many dims of a shape the ring keeps (a dump of a tensor with more shows the first 8).
@@ -90,6 +102,8 @@ const SHAPE_DIMS: usize = 8;
 
 /// An operation in the ring (the cheap form of an [`Entry`]).
 struct Rec {
+    /// The ring's own number (collectives and point-to-point together).
+    uid: u64,
     seq: u64,
     op: &'static str,
     dtype: Option<DType>,
@@ -103,6 +117,8 @@ struct Rec {
     finished: Option<SystemTime>,
     error: Option<String>,
     site: &'static Location<'static>,
+    /// Point-to-point: the peer (global), the tag and the caller's label.
+    p2p: Option<(usize, u64, Option<String>)>,
 }
 
 fn ms(t: SystemTime) -> f64 {
@@ -129,6 +145,9 @@ impl Rec {
                 self.site.line(),
                 self.site.column()
             ),
+            peer: self.p2p.as_ref().map(|p| p.0),
+            tag: self.p2p.as_ref().map(|p| p.1),
+            label: self.p2p.as_ref().and_then(|p| p.2.clone()),
         }
     }
 }
@@ -136,6 +155,8 @@ impl Rec {
 #[derive(Default)]
 struct Ring {
     next: u64,
+    next_p2p: u64,
+    next_uid: u64,
     recs: VecDeque<Rec>,
 }
 
@@ -183,6 +204,29 @@ impl GroupRecorder {
         site: &'static Location<'static>,
         t: Option<&Tensor>,
     ) -> Id {
+        self.record(op, site, t, None)
+    }
+
+    /// Records a point-to-point `op` (`"send"`, `"recv"`) with global rank `peer`.
+    pub(crate) fn issued_p2p(
+        &self,
+        op: &'static str,
+        site: &'static Location<'static>,
+        t: &Tensor,
+        peer: usize,
+        tag: u64,
+        label: Option<String>,
+    ) -> Id {
+        self.record(op, site, Some(t), Some((peer, tag, label)))
+    }
+
+    fn record(
+        &self,
+        op: &'static str,
+        site: &'static Location<'static>,
+        t: Option<&Tensor>,
+        p2p: Option<(usize, u64, Option<String>)>,
+    ) -> Id {
         if self.cap == 0 {
             return Id(None);
         }
@@ -195,12 +239,20 @@ impl GroupRecorder {
             ndim = t.ndim().min(255) as u8;
         }
         let mut ring = self.ring();
-        let seq = ring.next;
-        ring.next += 1;
+        let seq = if p2p.is_some() {
+            ring.next_p2p += 1;
+            ring.next_p2p - 1
+        } else {
+            ring.next += 1;
+            ring.next - 1
+        };
+        let uid = ring.next_uid;
+        ring.next_uid += 1;
         if ring.recs.len() == self.cap {
             ring.recs.pop_front();
         }
         ring.recs.push_back(Rec {
+            uid,
             seq,
             op,
             dtype: t.map(Tensor::dtype),
@@ -213,15 +265,16 @@ impl GroupRecorder {
             finished: None,
             error: None,
             site,
+            p2p,
         });
-        Id(Some(seq))
+        Id(Some(uid))
     }
 
     fn update(&self, id: Id, f: impl FnOnce(&mut Rec)) {
-        let Id(Some(seq)) = id else { return };
+        let Id(Some(uid)) = id else { return };
         let mut ring = self.ring();
         // the newest records are at the back, and the one asked for is almost always there
-        if let Some(r) = ring.recs.iter_mut().rev().find(|r| r.seq == seq) {
+        if let Some(r) = ring.recs.iter_mut().rev().find(|r| r.uid == uid) {
             f(r);
         }
     }
