@@ -193,6 +193,27 @@ pub fn run_backward(
     capture: &[GradientEdge],
     options: ExecuteOptions,
 ) -> Result<BackwardResult> {
+    run(roots, capture, options, None)
+}
+
+/// The part of a split backward's input half ([`super::split`]) left for its weight half:
+/// root gradients whose nodes lead to no captured input, and nodes run for their
+/// input-leading edges only, with their output gradients and the edges still to compute.
+#[derive(Default)]
+pub(crate) struct Deferred {
+    pub(crate) roots: Vec<(GradientEdge, Tensor)>,
+    pub(crate) nodes: Vec<(Arc<Node>, Vec<Tensor>, Vec<bool>)>,
+}
+
+/// [`run_backward`]; with `defer`, the input half of a split backward: only the edges that
+/// lead to `capture` are computed (each function's `needs_input_grad` says so), and the rest
+/// is recorded in `defer` (those nodes keep their saved tensors).
+pub(crate) fn run(
+    roots: &[(GradientEdge, Tensor)],
+    capture: &[GradientEdge],
+    options: ExecuteOptions,
+    mut defer: Option<&mut Deferred>,
+) -> Result<BackwardResult> {
     // gradients take their forward's dtypes: no autocast inside backward
     let _no_autocast = crate::amp::disabled_for_backward();
     // 1. discover reachable nodes and dependency counts
@@ -216,7 +237,7 @@ pub fn run_backward(
     }
 
     // 2. with captures, find the nodes that lead to a captured edge
-    let needed: Option<HashMap<usize, bool>> = if capture.is_empty() {
+    let needed: Option<HashMap<usize, bool>> = if capture.is_empty() && defer.is_none() {
         None
     } else {
         let targets: std::collections::HashSet<usize> =
@@ -258,7 +279,21 @@ pub fn run_backward(
     let callbacks =
         CallbackFrame::push(options.leaf_sink == LeafSink::AccumulateGrad && needed.is_none());
     let mut buffers: HashMap<usize, Vec<Option<Tensor>>> = HashMap::new();
-    for (e, g) in roots {
+    let leads = |n: &Arc<Node>| {
+        needed
+            .as_ref()
+            .is_none_or(|m| m.get(&key(n)).copied().unwrap_or(false))
+    };
+    // split backward: roots that lead to no input wait for the weight half
+    let roots: Vec<&(GradientEdge, Tensor)> = match defer.as_deref_mut() {
+        None => roots.iter().collect(),
+        Some(d) => {
+            let (now, later): (Vec<_>, Vec<_>) = roots.iter().partition(|(e, _)| leads(&e.0.node));
+            d.roots.extend(later.into_iter().cloned());
+            now
+        }
+    };
+    for (e, g) in roots.iter().copied() {
         let n = &e.0.node;
         if e.0.input_nr >= n.num_outputs() {
             return Err(Error::Autograd(format!(
@@ -279,7 +314,7 @@ pub fn run_backward(
     let mut ready = BinaryHeap::new();
     let mut pushed = 0u64;
     // the roots, in the order given (the nodes without a parent in the graph)
-    for (e, _) in roots {
+    for (e, _) in roots.iter().copied() {
         let k = key(&e.0.node);
         if deps.get(&k).copied().unwrap_or(0) == 0 && !ready.iter().any(|r: &Ready| r.key == k) {
             ready.push(Ready {
@@ -357,7 +392,20 @@ pub fn run_backward(
                 }
                 vec![]
             }
+            NodeKind::Function { .. } if defer.is_some() && !grads.iter().any(Option::is_some) => {
+                vec![None; node.next_edges.len()]
+            }
             NodeKind::Function { func, ctx } if is_needed => {
+                // split backward: the edges to compute now, and those left for the weight half
+                let mask: Option<(Vec<bool>, Vec<bool>)> = defer.as_ref().map(|_| {
+                    node.next_edges
+                        .iter()
+                        .map(|e| match e {
+                            Some(e) => (leads(&e.node), !leads(&e.node)),
+                            None => (false, false),
+                        })
+                        .unzip()
+                });
                 let mut full = Vec::with_capacity(grads.len());
                 for (i, g) in grads.into_iter().enumerate() {
                     full.push(match g {
@@ -374,20 +422,30 @@ pub fn run_backward(
                         func.name()
                     )));
                 }
-                let out = func.backward(&ctx, &full).map_err(|e| match e {
-                    Error::Autograd(m) => Error::Autograd(m),
-                    other => Error::Custom {
-                        context: format!("in backward of {}", func.name()),
-                        message: other.to_string(),
-                    },
-                })?;
-                if !options.retain_graph {
+                ctx.mask = mask.as_ref().map(|m| m.0.clone());
+                let out = func
+                    .backward(&ctx, &full)
+                    .map_err(|e| backward_error(func.name(), e));
+                ctx.mask = None;
+                let mut out = out?;
+                let later = mask.as_ref().is_some_and(|m| m.1.iter().any(|&b| b));
+                if !options.retain_graph && !later {
                     ctx.released = true;
                     ctx.saved.clear();
                     ctx.values.clear();
                 }
                 drop(ctx);
                 check_grads(&node, &out)?;
+                if let (Some((now, rest)), Some(d)) = (mask, defer.as_deref_mut()) {
+                    for (o, keep) in out.iter_mut().zip(&now) {
+                        if !keep {
+                            *o = None;
+                        }
+                    }
+                    if rest.iter().any(|&b| b) {
+                        d.nodes.push((node.clone(), full, rest));
+                    }
+                }
                 out
             }
             NodeKind::Function { .. } => vec![None; node.next_edges.len()],
@@ -421,6 +479,17 @@ pub fn run_backward(
     }
     callbacks.run()?;
     Ok(result)
+}
+
+/// A backward function's error, named after its node.
+pub(crate) fn backward_error(name: &str, e: Error) -> Error {
+    match e {
+        Error::Autograd(m) => Error::Autograd(m),
+        other => Error::Custom {
+            context: format!("in backward of {name}"),
+            message: other.to_string(),
+        },
+    }
 }
 
 /// Runs the leaf's post-accumulate-grad hooks (registration order) after its `.grad` was
@@ -483,7 +552,7 @@ fn check_grad_meta(meta: &TensorMeta, g: &Tensor, what: impl FnOnce() -> String)
     Ok(())
 }
 
-fn check_grads(node: &Node, out: &[Option<Tensor>]) -> Result<()> {
+pub(crate) fn check_grads(node: &Node, out: &[Option<Tensor>]) -> Result<()> {
     if out.len() != node.next_edges.len() {
         return Err(Error::Autograd(format!(
             "function {} returned {} gradients, but it has {} inputs",

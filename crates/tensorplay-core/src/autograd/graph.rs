@@ -189,6 +189,9 @@ pub struct Context {
     pub(crate) non_differentiable: Vec<Tensor>,
     pub(crate) node: Weak<Node>,
     pub(crate) released: bool,
+    /// During a split backward ([`crate::autograd::backward_input`]): the inputs whose
+    /// gradients this call computes (the others are computed by another call).
+    pub(crate) mask: Option<Vec<bool>>,
 }
 
 impl Context {
@@ -201,6 +204,7 @@ impl Context {
             non_differentiable: vec![],
             node: Weak::new(),
             released: false,
+            mask: None,
         }
     }
 
@@ -311,9 +315,14 @@ impl Context {
             })
     }
 
-    /// Whether forward input `i` needs a gradient (`ctx.needs_input_grad[i]`).
+    /// Whether forward input `i` needs a gradient (`ctx.needs_input_grad[i]`): it required
+    /// grad at forward time and, in a split backward, this call computes its gradient.
     pub fn needs_input_grad(&self, i: usize) -> bool {
         self.needs_input_grad.get(i).copied().unwrap_or(false)
+            && self
+                .mask
+                .as_ref()
+                .is_none_or(|m| m.get(i).copied().unwrap_or(false))
     }
 
     /// Marks an output as not differentiable (`ctx.mark_non_differentiable`): it will not

@@ -26,6 +26,7 @@ mod grad_mode;
 mod gradcheck;
 pub(crate) mod graph;
 mod saved_hooks;
+mod split;
 
 use std::sync::{Arc, Weak};
 
@@ -39,6 +40,7 @@ pub use gradcheck::{GradcheckOptions, gradcheck, gradgradcheck};
 pub use graph::{Context, GradientEdge, Hook, Node, TensorMeta};
 pub use saved_hooks::{PackedTensor, SavedTensorsHooksGuard, saved_tensors_hooks};
 pub(crate) use saved_hooks::{SavedTensorHooks, push as push_saved_tensors_hooks};
+pub use split::{WeightGrads, backward_input};
 
 use crate::{Error, Result, Tensor};
 use graph::Edge;

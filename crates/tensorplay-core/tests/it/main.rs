@@ -4,6 +4,7 @@
 mod activation_checkpoint;
 mod autocast;
 mod autograd_engine;
+mod autograd_split;
 mod bad_input;
 mod checkpoint;
 mod cuda_kernels;
