@@ -204,7 +204,7 @@ fn post(
             return Err(Error::invalid(
                 batch,
                 g.my_global_rank() as i64,
-                &format!("p2p_op_list[{i}].group"),
+                format!("p2p_op_list[{i}].group"),
                 format!("the group of p2p_op_list[0] ({:?})", g.ranks()),
                 format!("{:?}", mine.ranks()),
             ));

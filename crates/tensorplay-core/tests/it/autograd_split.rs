@@ -184,7 +184,7 @@ fn split_backward_refuses_inputs_without_grad_and_frees_the_graph() -> tp::Resul
     let x = Tensor::randn(&[2, 3], DType::F64)?;
     let y = linear(&x, &w, None)?;
     let err = backward_input(
-        &[y.clone()],
+        std::slice::from_ref(&y),
         &[Some(Tensor::ones(&[2, 3], DType::F64)?)],
         &[x],
     )
@@ -197,7 +197,7 @@ fn split_backward_refuses_inputs_without_grad_and_frees_the_graph() -> tp::Resul
     // the weight half runs once; a second backward through the freed graph is an error
     let x = Tensor::randn(&[2, 3], DType::F64)?.requires_grad_(true);
     let y = linear(&x, &w, None)?.sum()?;
-    let (_, weights) = backward_input(&[y.clone()], &[None], &[x])?;
+    let (_, weights) = backward_input(std::slice::from_ref(&y), &[None], &[x])?;
     weights.run()?;
     assert!(w.grad().is_some());
     let err = y.backward().unwrap_err().to_string();
