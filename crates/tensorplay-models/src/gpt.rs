@@ -160,7 +160,7 @@ pub fn shard_parameter(name: &str, full: &Tensor, rank: usize, world: usize) -> 
         })
 }
 
-fn invalid(
+pub(crate) fn invalid(
     op: &'static str,
     arg: &'static str,
     expected: impl Into<String>,
@@ -222,14 +222,14 @@ fn copy_linear(full: &Linear) -> Result<Linear> {
     )
 }
 
-fn fresh_layer_norm(full: &LayerNorm) -> Result<LayerNorm> {
+pub(crate) fn fresh_layer_norm(full: &LayerNorm) -> Result<LayerNorm> {
     let mut ln = LayerNorm::with_dtype(full.normalized_shape(), full.eps(), full.weight.dtype())?;
     ln.weight = full.weight.detach().deep_clone()?.requires_grad_(true);
     ln.bias = full.bias.detach().deep_clone()?.requires_grad_(true);
     Ok(ln)
 }
 
-fn maybe_dropout(x: Tensor, p: f64, training: bool) -> Result<Tensor> {
+pub(crate) fn maybe_dropout(x: Tensor, p: f64, training: bool) -> Result<Tensor> {
     if p > 0.0 && training {
         dropout(&x, p, true)
     } else {
@@ -411,7 +411,8 @@ impl Block {
         Ok(block)
     }
 
-    fn copy(&self) -> Result<Block> {
+    /// A copy with new leaf tensors (same values).
+    pub(crate) fn copy(&self) -> Result<Block> {
         Ok(Block {
             ln_1: fresh_layer_norm(&self.ln_1)?,
             attn: self.attn.copy()?,
@@ -431,7 +432,7 @@ impl Module for Block {
 }
 
 /// A block in a checkpoint wrapper that is switched off.
-fn unchecked(block: Block) -> CheckpointWrapper<Block> {
+pub(crate) fn unchecked(block: Block) -> CheckpointWrapper<Block> {
     let mut w = CheckpointWrapper::new(block);
     w.set_enabled(false);
     w

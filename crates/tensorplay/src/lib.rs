@@ -457,7 +457,9 @@ pub mod distributed {
 #[cfg(feature = "models")]
 pub mod models {
     #[doc(inline)]
-    pub use tensorplay_models::{Block, Gpt, GptConfig, TINY_SHAKESPEARE, gpt};
+    pub use tensorplay_models::{
+        Block, Gpt, GptConfig, GptStage, TINY_SHAKESPEARE, gpt, gpt_stage,
+    };
 }
 
 /// The one error of the stack: the core's error, into which every layer's error converts

@@ -21,6 +21,7 @@ mod fsdp_precision;
 mod grad_scaler;
 mod gradcheck;
 mod hostile;
+mod pipelining;
 mod semantics;
 mod state_dict;
 mod tensor_parallel;

@@ -6,9 +6,25 @@
 //!   rank's list of actions, with their text form.
 //! - [`sim`]: the simulator that checks every list (order, completeness, deadlock) and
 //!   measures its bubble before it runs.
+//! - [`PipelineStage`] (a part of the model on this rank) and the schedules users call,
+//!   [`ScheduleGPipe`], [`Schedule1F1B`], [`ScheduleInterleaved1F1B`] and
+//!   [`ScheduleInterleavedZeroBubble`], each a [`PipelineSchedule`] whose executor runs this
+//!   rank's list over batched point-to-point sends and receives.
 
+mod error;
+mod executor;
 pub mod schedule;
+mod schedules;
 pub mod sim;
+mod stage;
+mod wire;
 
+pub use error::PipelineError;
+pub use executor::LossFn;
 pub use schedule::{Action, ActionKind, PipelineShape, ScheduleError, ScheduleKind};
+pub use schedules::{
+    PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, loss_fn,
+};
 pub use sim::{Costs, SimReport, simulate};
+pub use stage::{MultiIo, PipelineStage, StageModule};
