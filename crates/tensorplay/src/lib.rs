@@ -222,14 +222,14 @@ pub mod distributed {
         SPAWN_CALLS_ENV, SpawnError, SpawnOptions, is_spawned_child, spawn_with,
     };
     pub use tensorplay_collectives::{
-        DEFAULT_TIMEOUT, Detail, Error, InitOptions, Part, ProcessGroup, ReduceOp, Work,
+        DEFAULT_TIMEOUT, Detail, Error, InitOptions, P2POp, Part, ProcessGroup, ReduceOp, Work,
         all_gather, all_gather_into_tensor, all_gather_into_tensor_async, all_gather_object,
         all_reduce, all_reduce_async, all_to_all, all_to_all_single, all_to_all_single_async,
-        backend, barrier, broadcast, broadcast_async, broadcast_object_list, default_group,
-        destroy_process_group, dump_flight_recorder, gather, get_backend, get_rank, get_world_size,
-        irecv, is_initialized, isend, launch_env, recorder, recv, reduce, reduce_scatter,
-        reduce_scatter_tensor, reduce_scatter_tensor_async, register_backend, registered_backends,
-        rendezvous, scatter, send, spawn, store, world_store,
+        backend, barrier, batch_isend_irecv, broadcast, broadcast_async, broadcast_object_list,
+        default_group, destroy_process_group, dump_flight_recorder, gather, get_backend, get_rank,
+        get_world_size, irecv, is_initialized, isend, launch_env, recorder, recv, reduce,
+        reduce_scatter, reduce_scatter_tensor, reduce_scatter_tensor_async, register_backend,
+        registered_backends, rendezvous, scatter, send, spawn, store, world_store,
     };
     #[doc(inline)]
     pub use tensorplay_distributed_nn::checkpoint;
@@ -243,6 +243,13 @@ pub mod distributed {
             UnshardHandle, clip_grad_norm_, full_tensor, fully_shard, shard_placement,
         };
     }
+
+    /// `torch.distributed.pipelining`: pipeline parallelism — [`PipelineStage`](pipelining::PipelineStage)
+    /// and the schedules ([`ScheduleGPipe`](pipelining::ScheduleGPipe),
+    /// [`Schedule1F1B`](pipelining::Schedule1F1B), ...), checked by a simulator before they
+    /// run; see `docs/pipeline-parallel.md`.
+    #[doc(inline)]
+    pub use tensorplay_distributed_nn::parallel::pipelining;
 
     #[doc(inline)]
     pub use tensorplay_collectives::device_mesh;

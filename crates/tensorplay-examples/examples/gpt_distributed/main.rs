@@ -76,6 +76,7 @@ use tensorplay_examples::{launch, plot};
 mod args;
 mod checkpointing;
 mod one_layout;
+mod pipeline;
 mod runs;
 use args::Opts;
 use runs::Report;
@@ -256,6 +257,10 @@ fn run(o: &Opts) -> Res<bool> {
                     "fully-sharded",
                     runs::fully_sharded((rank, WORLD), o, &corpus, None)?,
                 ),
+                (
+                    "pipeline-parallel",
+                    pipeline::pipeline_parallel(rank, o, &corpus)?,
+                ),
             ];
             dist::barrier(None)?;
             dist::destroy_process_group()?;
@@ -332,10 +337,10 @@ fn run(o: &Opts) -> Res<bool> {
         println!("\nsample:\n{}", sample(&model, &corpus, o.sample, o.seed)?);
     }
     println!();
-    println!("{:<16} {:>10} {:>12}", "run", "wall time", "ms per step");
+    println!("{:<17} {:>10} {:>12}", "run", "wall time", "ms per step");
     for (name, r) in std::iter::once(("single-process", &single)).chain(compared.iter().copied()) {
         println!(
-            "{name:<16} {:>9.1}s {:>12.1}",
+            "{name:<17} {:>9.1}s {:>12.1}",
             r.wall.as_secs_f64(),
             r.wall.as_secs_f64() * 1e3 / r.losses.len().max(1) as f64
         );

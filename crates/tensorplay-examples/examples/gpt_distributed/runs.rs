@@ -74,7 +74,7 @@ fn mp_policy(o: &Opts) -> MixedPrecisionPolicy {
 }
 
 /// The model every run starts from: built from the seed, the same on every rank.
-fn initial_model(o: &Opts, corpus: &Corpus) -> Res<Gpt> {
+pub(crate) fn initial_model(o: &Opts, corpus: &Corpus) -> Res<Gpt> {
     tp::manual_seed(o.seed);
     Ok(Gpt::new(config(corpus.vocab.len()))?)
 }
@@ -93,7 +93,7 @@ fn schedule(opt: &mut AdamW, steps: usize) -> Res<WarmupCosineLR> {
 }
 
 /// What [`train`] measured.
-struct Trained {
+pub(crate) struct Trained {
     losses: Vec<f64>,
     wall: Duration,
     resident: [Option<u64>; 2],
@@ -101,7 +101,7 @@ struct Trained {
 }
 
 impl Trained {
-    fn report(self, val_loss: f64) -> Report {
+    pub(crate) fn report(self, val_loss: f64) -> Report {
         Report {
             losses: self.losses,
             val_loss,
@@ -115,7 +115,7 @@ impl Trained {
 /// `steps` optimizer steps of the recipe on `model`'s parameters; `step(model, index)` runs one
 /// forward and backward and returns the loss of the whole batch. With `ckpt`, the run starts
 /// from the committed checkpoint in its folder (if any) and saves one every `every` steps.
-fn train<M: Module + ?Sized>(
+pub(crate) fn train<M: Module + ?Sized>(
     o: &Opts,
     run: &str,
     rank: usize,
