@@ -22,6 +22,8 @@ mod grad_scaler;
 mod gradcheck;
 mod hostile;
 mod pipelining;
+mod pipelining_faults;
+mod pipelining_stages;
 mod semantics;
 mod state_dict;
 mod tensor_parallel;

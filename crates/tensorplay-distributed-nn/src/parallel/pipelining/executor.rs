@@ -166,15 +166,26 @@ impl<'a> Step<'a> {
             },
         };
         if !matches!(pe, PipelineError::PeerFailed { .. }) {
-            let msg = format!("{}|{}|{}", a.stage, self.me(), pe);
-            // best effort: a rank that cannot reach the store still returns its error
-            let _ = self.group.store().set(FAILED_KEY, msg.as_bytes());
+            self.post_failure(a.stage, self.me(), &pe.to_string());
         }
         pe.into()
     }
 
-    /// Waits for `w`, looking every [`POLL`] for another rank's failure.
-    fn wait(&self, a: &Action, w: &Work, what: &str) -> Result<()> {
+    /// Tells the other ranks that stage `stage` on rank `rank` failed, unless a failure was
+    /// posted first (the first one is the cause; best effort: a rank that cannot reach the
+    /// store still returns its error).
+    fn post_failure(&self, stage: usize, rank: usize, message: &str) {
+        let msg = format!("{stage}|{rank}|{message}");
+        let _ = self
+            .group
+            .store()
+            .compare_set(FAILED_KEY, b"", msg.as_bytes());
+    }
+
+    /// Waits for `w`, a message from stage `from` on global rank `peer`, looking every
+    /// [`POLL`] for another rank's failure. A lost peer (its connection failed, or it did not
+    /// answer within the group's timeout) is named as the stage that failed.
+    fn wait(&self, a: &Action, w: &Work, what: &str, (from, peer): (usize, usize)) -> Result<()> {
         loop {
             match w.wait(Some(POLL)) {
                 Ok(()) => return Ok(()),
@@ -189,6 +200,27 @@ impl<'a> Step<'a> {
                     // a failed receive may be the consequence of another rank's failure
                     if let Some(f) = self.peer_failure(a) {
                         return Err(f.into());
+                    }
+                    if matches!(
+                        e,
+                        tensorplay_collectives::Error::PeerFailed { .. }
+                            | tensorplay_collectives::Error::Timeout { .. }
+                    ) {
+                        let message = format!(
+                            "lost (seen by stage {} on rank {} {what}): {e}",
+                            a.stage,
+                            self.me()
+                        );
+                        self.post_failure(from, peer, &message);
+                        return Err(PipelineError::PeerFailed {
+                            stage: a.stage,
+                            rank: self.me(),
+                            action: a.to_string(),
+                            failed_stage: from,
+                            failed_rank: peer,
+                            message,
+                        }
+                        .into());
                     }
                     return Err(PipelineError::Action {
                         stage: a.stage,
@@ -439,7 +471,7 @@ impl<'a> Step<'a> {
         );
         let what = format!("waiting for {want} from rank {peer}");
         let (h, w) = wire::post_header(&self.group, peer, format!("{want}, header"))?;
-        self.wait(a, &w, &what)?;
+        self.wait(a, &w, &what, (from, peer))?;
         let header = Header::decode(&h).map_err(|m| mismatch(a, self.me(), &want, &m))?;
         if header.kind != kind
             || header.stage != from
@@ -450,7 +482,7 @@ impl<'a> Step<'a> {
         }
         let (ts, works) = wire::post_tensors(&self.group, peer, &header)?;
         for w in &works {
-            self.wait(a, w, &what)?;
+            self.wait(a, w, &what, (from, peer))?;
         }
         Ok(ts)
     }
