@@ -336,3 +336,73 @@ fn the_gpt_split_into_stages_trains_as_the_unsplit_model_under_every_schedule() 
         });
     }
 }
+
+/// Pipeline x data parallel on a `DeviceMesh` `[pp 2, dp 2]` at world 4: each pipeline
+/// replica takes half the batch in 2 micro-batches, each stage's gradients averaged over its
+/// replicas; gradients and AdamW steps equal the single-process run on the whole batch.
+#[test]
+fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
+    let case = Case {
+        name: "1F1B pp 2 x dp 2",
+        kind: ScheduleKind::OneFOneB,
+        ranks: 2,
+        stages_per_rank: 1,
+        microbatches: 2,
+        dtype: DType::F64,
+        steps: 2,
+    };
+    cpu_world(4, TIMEOUT, |rank| -> TestResult {
+        let want = reference(&case)?;
+        let mesh = dist::device_mesh::init_device_mesh(&[2, 2], &["pp", "dp"])?;
+        let (pp, dp) = (mesh.get_group("pp")?.clone(), mesh.get_group("dp")?.clone());
+        let (pp_rank, dp_rank) = (mesh.get_local_rank("pp")?, mesh.get_local_rank("dp")?);
+        let shape = PipelineShape {
+            ranks: 2,
+            stages_per_rank: 1,
+            microbatches: 2,
+        };
+        // with 2 stages the embedding group is the pipeline group
+        let stage = gpt_stages(config(DType::F64), &shape, &pp, &pp)?
+            .remove(0)
+            .data_parallel(&dp)?;
+        let lo = 4 * stage.stage_index() / 2;
+        let mut opt = adamw(stage.parameters())?;
+        let mut sched = PipelineSchedule::new(case.kind, vec![stage], 2, Some(gpt_loss()))?;
+        let tol = Tol::scaled(1e-12);
+        for i in 0..=case.steps {
+            let (x, y) = batch(i, seq_len(i))?;
+            let rows = BATCH / 2;
+            let (x, y) = (
+                x.narrow(0, dp_rank * rows, rows)?,
+                y.narrow(0, dp_rank * rows, rows)?,
+            );
+            opt.zero_grad()?;
+            let mut losses = vec![];
+            if pp_rank == 0 {
+                sched.step(&x)?;
+            } else {
+                sched.step_with_target(&y, &mut losses)?;
+            }
+            let st = &sched.stages()[0];
+            for (n, p) in st.submod().named_parameters() {
+                let g = p.grad().ok_or("no gradient")?;
+                check_close(
+                    &format!("rank {rank} step {i} grad {n}"),
+                    &as_f64(&g),
+                    &want.grads[i][&full_name(&n, lo)],
+                    tol,
+                )?;
+            }
+            opt.step()?;
+            for (n, p) in sched.stages()[0].submod().named_parameters() {
+                check_close(
+                    &format!("rank {rank} step {i} param {n}"),
+                    &as_f64(&p),
+                    &want.params[i][&full_name(&n, lo)],
+                    tol,
+                )?;
+            }
+        }
+        Ok(())
+    });
+}

@@ -53,6 +53,10 @@ pub(crate) struct Step<'a> {
     in_grads: HashMap<Key, Vec<Option<Tensor>>>,
     weights: HashMap<Key, WeightGrads>,
     sends: Vec<Work>,
+    /// Per stage: micro-batches whose weight gradients are done (`B` or `W`).
+    grads_done: HashMap<usize, usize>,
+    /// The data-parallel averages in flight.
+    dp_works: Vec<Work>,
 }
 
 impl<'a> Step<'a> {
@@ -86,6 +90,8 @@ impl<'a> Step<'a> {
             in_grads: HashMap::new(),
             weights: HashMap::new(),
             sends: vec![],
+            grads_done: HashMap::new(),
+            dp_works: vec![],
         }
     }
 
@@ -131,6 +137,9 @@ impl<'a> Step<'a> {
                     .into(),
                 )
             })?;
+        }
+        for w in std::mem::take(&mut self.dp_works) {
+            w.wait(None)?;
         }
         if self.training {
             for st in self.stages.iter() {
@@ -260,7 +269,10 @@ impl<'a> Step<'a> {
         let started = std::time::Instant::now();
         match a.kind {
             ActionKind::Forward => self.forward(s, mb)?,
-            ActionKind::Backward => self.backward(s, mb, false)?,
+            ActionKind::Backward => {
+                self.backward(s, mb, false)?;
+                self.weight_grads_done(s)?;
+            }
             ActionKind::BackwardInput => self.backward(s, mb, true)?,
             ActionKind::BackwardWeight => {
                 let w = self
@@ -268,6 +280,7 @@ impl<'a> Step<'a> {
                     .remove(&(s, mb))
                     .ok_or_else(|| missing(a, "its I"))?;
                 w.run()?;
+                self.weight_grads_done(s)?;
             }
             ActionKind::SendF => {
                 let outs = self.fwd_out_for_send(s, mb)?;
@@ -296,6 +309,37 @@ impl<'a> Step<'a> {
             }
         }
         self.compute += started.elapsed();
+        Ok(())
+    }
+
+    /// Counts a micro-batch whose weight gradients stage `s` finished; after the last, starts
+    /// the average of its gradients over its data-parallel group.
+    fn weight_grads_done(&mut self, s: usize) -> Result<()> {
+        let n = self.grads_done.entry(s).or_insert(0);
+        *n += 1;
+        if *n < self.shape.microbatches {
+            return Ok(());
+        }
+        let st = self.stage(s);
+        let Some(dp) = st.data_parallel.clone() else {
+            return Ok(());
+        };
+        for p in st.parameters() {
+            let g = match p.grad() {
+                Some(g) => g,
+                None => {
+                    let z = Tensor::zeros(p.shape(), p.dtype())?;
+                    p.set_grad(Some(z.clone()));
+                    z
+                }
+            };
+            let w = tensorplay_collectives::all_reduce_async(
+                &g,
+                tensorplay_collectives::ReduceOp::Avg,
+                Some(&dp),
+            )?;
+            self.dp_works.push(w);
+        }
         Ok(())
     }
 

@@ -89,6 +89,8 @@ pub struct PipelineStage {
     pub(crate) group: ProcessGroup,
     /// Parameters shared with another stage and the group that sums their gradients.
     pub(crate) tied: Vec<(Tensor, ProcessGroup)>,
+    /// The stage's data-parallel replicas: gradients averaged over it each step.
+    pub(crate) data_parallel: Option<ProcessGroup>,
 }
 
 impl std::fmt::Debug for PipelineStage {
@@ -166,6 +168,7 @@ impl PipelineStage {
             num_stages,
             group: group.clone(),
             tied: Vec::new(),
+            data_parallel: None,
         })
     }
 
@@ -202,6 +205,21 @@ impl PipelineStage {
     /// The stage's parameters (for its optimizer).
     pub fn parameters(&self) -> Vec<Tensor> {
         self.submod().parameters()
+    }
+
+    /// Makes this stage one of the data-parallel replicas of `group` (pipeline x data
+    /// parallel on a `DeviceMesh` `[pp, dp]`: `group` is the mesh's `"dp"` group, each replica
+    /// of the pipeline taking its share of the batch): once the stage's last micro-batch's
+    /// weight gradients are computed, its gradients are averaged over `group`
+    /// (asynchronously, overlapped with the rest of the step; waited for at its end), as DDP
+    /// with `no_sync` on every micro-batch but the last. Every replica runs the same schedule.
+    ///
+    /// # Errors
+    /// This rank is not in `group`.
+    pub fn data_parallel(mut self, group: &ProcessGroup) -> Result<PipelineStage> {
+        dist::get_rank(Some(group))?;
+        self.data_parallel = Some(group.clone());
+        Ok(self)
     }
 
     /// Declares `param` (a parameter of this stage) shared with another stage on another
