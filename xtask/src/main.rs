@@ -74,6 +74,10 @@ enum Cmd {
     /// Distributed checkpoints of the fully sharded GPT (8 blocks of width 768) with its AdamW
     /// state next to PyTorch's DCP over gloo: save and load throughput, async save's blocking.
     BenchCheckpoint(bench::checkpoint::Args),
+    /// Pipelined GPT training step (8 blocks of width 256, 2 stages, batch 16 in 4
+    /// micro-batches) next to PyTorch's pipelining over gloo: GPipe and 1F1B steps, the
+    /// measured bubble against the schedule's theory, interleaved and zero bubble against 1F1B.
+    BenchPp(bench::pp::Args),
     /// Runs a conformance vectors file against the differentiable collectives (one world of
     /// processes per world size in the file); ends with `N passed, M failed`.
     Conformance(conformance::Args),
@@ -106,6 +110,7 @@ fn main() -> ExitCode {
         Cmd::BenchDdp(a) => bench::ddp::run(&a),
         Cmd::BenchFsdp(a) => bench::fsdp::run(&a),
         Cmd::BenchCheckpoint(a) => bench::checkpoint::run(&a),
+        Cmd::BenchPp(a) => bench::pp::run(&a),
         Cmd::Conformance(a) => conformance::run(&a),
         Cmd::BenchCore(a) => bench::core::run(&a),
         Cmd::BenchRpc(a) => bench::rpc::run(&a),

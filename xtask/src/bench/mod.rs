@@ -1,6 +1,6 @@
 //! The benchmark commands, one file each: `bench-core` ([`core`]), `bench-ddp` ([`ddp`]),
-//! `bench-rpc` ([`rpc`]), `bench-collectives` ([`collectives`]), `bench-fsdp` ([`fsdp`]) and
-//! `bench-checkpoint` ([`checkpoint`]).
+//! `bench-rpc` ([`rpc`]), `bench-collectives` ([`collectives`]), `bench-fsdp` ([`fsdp`]),
+//! `bench-checkpoint` ([`checkpoint`]) and `bench-pp` ([`pp`]).
 //!
 //! Every one of them does the same three things (`docs/benchmarks.md`):
 //! 1. prints the CPU first (`cpu: <model>, N logical CPUs`, `simd: <flags>; absent: <flags>`,
@@ -23,6 +23,7 @@ pub(crate) mod cpu;
 pub(crate) mod ddp;
 pub(crate) mod fsdp;
 pub(crate) mod parse;
+pub(crate) mod pp;
 pub(crate) mod rpc;
 pub(crate) mod summary;
 

@@ -26,6 +26,8 @@ pub(crate) enum Goal {
     AtMost(f64),
     /// tensorplay / pytorch at least this (rates).
     AtLeast(f64),
+    /// tensorplay / the reference between these two (a measured value against its theory).
+    Within(f64, f64),
 }
 
 impl Goal {
@@ -34,6 +36,7 @@ impl Goal {
             Goal::None => "-".into(),
             Goal::AtMost(g) => format!("<={g}"),
             Goal::AtLeast(g) => format!(">={g}"),
+            Goal::Within(lo, hi) => format!("{lo}..{hi}"),
         }
     }
 
@@ -42,6 +45,7 @@ impl Goal {
             Goal::None => None,
             Goal::AtMost(g) => Some(ratio <= g),
             Goal::AtLeast(g) => Some(ratio >= g),
+            Goal::Within(lo, hi) => Some((lo..=hi).contains(&ratio)),
         }
     }
 }
