@@ -499,6 +499,11 @@ pub struct TensorParallelDoctests;
 #[cfg(all(doctest, feature = "models"))]
 pub struct FullyShardedDoctests;
 
+/// The pipeline-parallel page's example, compiled as a doc test.
+#[doc = include_str!("../../../docs/pipeline-parallel.md")]
+#[cfg(all(doctest, feature = "models"))]
+pub struct PipelineParallelDoctests;
+
 /// The RPC page's examples, compiled as doc tests.
 #[doc = include_str!("../../../docs/rpc.md")]
 #[cfg(all(doctest, feature = "rpc"))]

@@ -7,40 +7,39 @@ use tensorplay as tp;
 use tp::distributed::pipelining::{PipelineSchedule, PipelineStage, Schedule1F1B, loss_fn};
 use tp::distributed::{self as dist, ReduceOp};
 use tp::nn::functional::cross_entropy;
-use tp::nn::{Module, ModuleCore, ModuleFields};
+use tp::nn::{Module, ModuleCore, ModuleList};
 use tp::{Tensor, no_grad};
 
 use tensorplay_examples::gpt_batches as batches;
 
 use super::args::Opts;
-use super::runs::{Report, initial_model, train};
+use super::runs::{Report, autocast, initial_model, train};
 use super::{BATCH, Corpus, Res, VAL_BATCHES};
 
 /// Micro-batches per batch.
 const MICROBATCHES: usize = 4;
 const STAGES: usize = 2;
 
-/// The stage's parameters (shared tensors) as a module, for the training loop's optimizer
-/// (the schedule owns the stage).
-struct Params {
-    params: Vec<Tensor>,
+/// One of the stage's parameters (a shared tensor).
+#[derive(Module)]
+struct Param {
+    p: Tensor,
     core: ModuleCore,
 }
 
-impl ModuleFields for Params {
-    fn core(&self) -> &ModuleCore {
-        &self.core
+impl Module for Param {
+    /// Unused: the schedule runs the stage.
+    fn forward(&self, x: &Tensor) -> tp::Result<Tensor> {
+        Ok(x.clone())
     }
-    fn core_mut(&mut self) -> &mut ModuleCore {
-        &mut self.core
-    }
-    fn local_parameters(&self) -> Vec<(String, Tensor)> {
-        self.params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (i.to_string(), p.clone()))
-            .collect()
-    }
+}
+
+/// The stage's parameters as a module, for the training loop's optimizer (the schedule owns
+/// the stage).
+#[derive(Module)]
+struct Params {
+    all: ModuleList<Param>,
+    core: ModuleCore,
 }
 
 impl Module for Params {
@@ -68,14 +67,24 @@ pub(crate) fn pipeline_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<R
         // with 2 stages the group of the first and last stage is the whole world
         stage.tie_parameter(&w, &group)?;
     }
+    let mut all = ModuleList::new();
+    for p in stage.parameters() {
+        all.push(Param {
+            p,
+            core: ModuleCore::new(),
+        });
+    }
     let mut params = Params {
-        params: stage.parameters(),
+        all,
         core: ModuleCore::new(),
     };
     let mut sched = Schedule1F1B::new(stage, MICROBATCHES, Some(loss_fn(gpt_loss)))?;
     let trained = train(o, "pipeline-parallel", rank, &mut params, None, |_, s| {
         let (x, y) = Corpus::batch(&corpus.train, o.seed, batches::TRAIN, s, BATCH)?;
         let mut losses = vec![];
+        // with --dtype bf16 the forwards run under autocast, as the other runs' (the
+        // executor runs them on this thread)
+        let _ac = autocast(o)?;
         if rank == 0 {
             sched.step(&x)?;
         } else {
@@ -107,6 +116,7 @@ fn validation_loss(
     corpus: &Corpus,
 ) -> Res<f64> {
     let _g = no_grad();
+    let _ac = autocast(o)?;
     let mut losses = vec![];
     for b in 0..VAL_BATCHES {
         let (x, y) = Corpus::batch(&corpus.val, o.seed, batches::VALIDATION, b, BATCH)?;

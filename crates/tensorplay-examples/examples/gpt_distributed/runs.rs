@@ -52,7 +52,7 @@ fn progress(steps: usize, what: &str, rank: usize) -> ProgressBar {
 
 /// The autocast region of one forward: bfloat16 on the CPU with `--dtype bf16`, none with
 /// float32. Backward runs outside it (it takes the forward's dtypes).
-fn autocast(o: &Opts) -> Res<Option<tp::amp::AutocastGuard>> {
+pub(crate) fn autocast(o: &Opts) -> Res<Option<tp::amp::AutocastGuard>> {
     Ok(match o.dtype {
         DType::F32 => None,
         d => Some(tp::autocast(Device::Cpu, d)?),

@@ -49,6 +49,66 @@ pub struct SimReport {
     /// Per rank: the most micro-batches (of any of its stages) whose forward had run and whose
     /// backward (`B` or `I`) had not, at once: the activations it holds at its peak.
     pub peak_in_flight: Vec<usize>,
+    /// Per rank: each compute action with its start time, in order.
+    pub timeline: Vec<Vec<(f64, Action)>>,
+}
+
+impl SimReport {
+    /// The timeline drawn in text, one line per rank and one cell per unit of time (costs of
+    /// whole units): `F3` a forward of micro-batch 3 (`F3 B3` style cells; a backward of two
+    /// units fills two cells), `.` idle; with several stages per rank, a cell is prefixed
+    /// with the stage (`2F3`).
+    pub fn draw(&self, costs: &Costs) -> String {
+        // several stages per rank: some stage index is not a rank's
+        let ranks = self.timeline.len();
+        let multi = self
+            .timeline
+            .iter()
+            .flatten()
+            .any(|(_, a)| a.stage >= ranks);
+        let cell = |a: &Action| {
+            let code = match a.kind {
+                Forward => "F",
+                Backward => "B",
+                BackwardInput => "I",
+                _ => "W",
+            };
+            if multi {
+                format!("{}{code}{}", a.stage, a.microbatch)
+            } else {
+                format!("{code}{}", a.microbatch)
+            }
+        };
+        let units = self.makespan.round() as usize;
+        let width = self
+            .timeline
+            .iter()
+            .flatten()
+            .map(|(_, a)| cell(a).len())
+            .max()
+            .unwrap_or(2);
+        let mut out = String::new();
+        for (r, line) in self.timeline.iter().enumerate() {
+            let mut cells = vec![".".to_string(); units];
+            for (t, a) in line {
+                let len = match a.kind {
+                    Forward => costs.forward,
+                    Backward => costs.backward_input + costs.backward_weight,
+                    BackwardInput => costs.backward_input,
+                    _ => costs.backward_weight,
+                }
+                .round() as usize;
+                for u in 0..len {
+                    if let Some(c) = cells.get_mut(t.round() as usize + u) {
+                        *c = cell(a);
+                    }
+                }
+            }
+            let row: Vec<String> = cells.iter().map(|c| format!("{c:<width$}")).collect();
+            out.push_str(&format!("rank {r}: {}\n", row.join(" ").trim_end()));
+        }
+        out
+    }
 }
 
 type Key = (usize, ActionKind, usize);
@@ -76,6 +136,7 @@ pub fn simulate(
     let mut busy = vec![0.0f64; p];
     let mut in_flight = vec![0usize; p];
     let mut peak = vec![0usize; p];
+    let mut timeline: Vec<Vec<(f64, Action)>> = vec![Vec::new(); p];
     let mut done: HashSet<Key> = HashSet::new();
     let mut sends: HashMap<(usize, usize), Vec<(Action, f64)>> = HashMap::new();
     let mut received: HashMap<(usize, usize), usize> = HashMap::new();
@@ -184,6 +245,9 @@ pub fn simulate(
                         clock[r] = clock[r].max(at);
                     }
                 }
+                if a.kind.is_compute() {
+                    timeline[r].push((clock[r], a));
+                }
                 clock[r] += cost;
                 busy[r] += cost;
                 done.insert(key(&a));
@@ -236,6 +300,7 @@ pub fn simulate(
         busy,
         bubble,
         peak_in_flight: peak,
+        timeline,
     })
 }
 

@@ -272,3 +272,28 @@ fn broken_lists_fail_the_simulator_with_the_rank_and_action() {
         assert!(err.contains(want), "{name}: {err}");
     }
 }
+
+#[test]
+fn timelines_are_drawn_as_run() {
+    let shape = PipelineShape {
+        ranks: 2,
+        stages_per_rank: 1,
+        microbatches: 4,
+    };
+    let draw = |kind: ScheduleKind| {
+        let lists = kind.actions(&shape).unwrap();
+        simulate(&shape, &lists, &Costs::default())
+            .unwrap()
+            .draw(&Costs::default())
+    };
+    assert_eq!(
+        draw(ScheduleKind::OneFOneB),
+        "rank 0: F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3\n\
+         rank 1: .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .\n"
+    );
+    assert_eq!(
+        draw(ScheduleKind::GPipe),
+        "rank 0: F0 F1 F2 F3 .  .  .  B0 B0 B1 B1 B2 B2 B3 B3\n\
+         rank 1: .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .\n"
+    );
+}
