@@ -430,7 +430,9 @@ pub(crate) fn run(
                 let mut out = out?;
                 let later = mask.as_ref().is_some_and(|m| m.1.iter().any(|&b| b));
                 if !options.retain_graph && !later {
-                    ctx.released = true;
+                    // a node that saved nothing can run again (PyTorch's rule): a cast that
+                    // autocast's cache shares between several forwards, each with its backward
+                    ctx.released = !ctx.saved.is_empty() || !ctx.values.is_empty();
                     ctx.saved.clear();
                     ctx.values.clear();
                 }

@@ -116,7 +116,7 @@ fn run_rest(
     ctx.mask = Some(mask.to_vec());
     let out = func.backward(&ctx, grads);
     ctx.mask = None;
-    ctx.released = true;
+    ctx.released = !ctx.saved.is_empty() || !ctx.values.is_empty();
     ctx.saved.clear();
     ctx.values.clear();
     drop(ctx);

@@ -317,3 +317,34 @@ fn checkpointed_blocks_recompute_under_the_forwards_autocast() -> tp::Result<()>
     assert_eq!(run(true)?, run(false)?);
     Ok(())
 }
+
+/// Two forwards in one region share the weight's cached cast, each with its own backward (a
+/// pipeline's micro-batches): the cast saved nothing, so the second backward runs through it
+/// too (PyTorch's rule), and the weight's gradient is the sum of both.
+#[test]
+fn a_cached_cast_serves_two_backwards() -> tp::Result<()> {
+    let (x1, x2) = (input(DType::F32, 0), input(DType::F32, 2));
+    let w = input(DType::F32, 1).t()?.contiguous()?.requires_grad_(true);
+    let ac = tp::autocast("cpu", DType::BF16)?;
+    let y1 = x1.matmul(&w)?.sum()?;
+    let y2 = x2.matmul(&w)?.sum()?;
+    y1.backward()?;
+    y2.backward()?;
+    drop(ac);
+    let got = w.grad().expect("the weight's gradient").to_vec::<f32>()?;
+    // the same sums in one backward
+    let w2 = w.detach().deep_clone()?.requires_grad_(true);
+    let _ac = tp::autocast("cpu", DType::BF16)?;
+    x1.matmul(&w2)?
+        .sum()?
+        .add(&x2.matmul(&w2)?.sum()?)?
+        .backward()?;
+    let want = w2.grad().unwrap().to_vec::<f32>()?;
+    for (g, e) in got.iter().zip(&want) {
+        assert!(
+            (g - e).abs() <= 1e-2 * (1.0 + e.abs()),
+            "{got:?} vs {want:?}"
+        );
+    }
+    Ok(())
+}
