@@ -122,12 +122,16 @@ impl Gpt {
 impl GptStage {
     /// The weight this stage shares with the other end of the pipeline: the token embedding
     /// on the first stage, the head on the last (`None` on the middle ones; with one stage,
-    /// the embedding).
-    pub fn tied_weight(&self) -> Option<&Tensor> {
-        self.wte
-            .as_ref()
-            .map(|e| &e.weight)
-            .or_else(|| self.lm_head.as_ref().map(|l| &l.weight))
+    /// the embedding). Taken from [`Module::named_parameters`], so after `fully_shard` it is
+    /// this rank's shard (the same rows on both stages).
+    pub fn tied_weight(&self) -> Option<Tensor> {
+        let params = self.named_parameters();
+        ["wte.weight", "lm_head.weight"].iter().find_map(|want| {
+            params
+                .iter()
+                .find(|(n, _)| n == want)
+                .map(|(_, p)| p.clone())
+        })
     }
 
     /// Turns per-block activation checkpointing on or off, as [`Gpt::set_activation_checkpointing`].

@@ -13,6 +13,7 @@ use tensorplay_core::nn::Module;
 use tensorplay_core::nn::functional::cross_entropy;
 use tensorplay_core::optim::{AdamW, AdamWOptions, Optimizer};
 use tensorplay_core::{self as tp, DType, Tensor};
+use tensorplay_distributed_nn::parallel::fsdp::{FsdpOptions, fully_shard};
 use tensorplay_distributed_nn::parallel::pipelining::{
     LossFn, PipelineSchedule, PipelineShape, PipelineStage, ScheduleKind, loss_fn,
 };
@@ -212,7 +213,7 @@ pub(crate) fn gpt_stages(
     let mut out = vec![];
     for s in shape.stages_of(r) {
         let part: GptStage = gpt.pipeline_stage(s, s_total)?;
-        let tied = part.tied_weight().cloned();
+        let tied = part.tied_weight();
         let mut stage = PipelineStage::new(part, s, s_total, group)?;
         if let (Some(w), true) = (tied, s == 0 || s + 1 == s_total) {
             stage.tie_parameter(&w, tie)?;
@@ -337,11 +338,19 @@ fn the_gpt_split_into_stages_trains_as_the_unsplit_model_under_every_schedule() 
     }
 }
 
+/// How each stage's replicas share their work in [`pp_by_dp`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Replicas {
+    /// `PipelineStage::data_parallel`: gradients averaged over the replicas.
+    DataParallel,
+    /// Every block of the stage, then the stage, `fully_shard`ed over the `dp` sub-mesh.
+    FullySharded,
+}
+
 /// Pipeline x data parallel on a `DeviceMesh` `[pp 2, dp 2]` at world 4: each pipeline
-/// replica takes half the batch in 2 micro-batches, each stage's gradients averaged over its
-/// replicas; gradients and AdamW steps equal the single-process run on the whole batch.
-#[test]
-fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
+/// replica takes half the batch in 2 micro-batches; gradients and AdamW steps equal the
+/// single-process run on the whole batch.
+fn pp_by_dp(replicas: Replicas) {
     let case = Case {
         name: "1F1B pp 2 x dp 2",
         kind: ScheduleKind::OneFOneB,
@@ -356,19 +365,38 @@ fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
         let mesh = dist::device_mesh::init_device_mesh(&[2, 2], &["pp", "dp"])?;
         let (pp, dp) = (mesh.get_group("pp")?.clone(), mesh.get_group("dp")?.clone());
         let (pp_rank, dp_rank) = (mesh.get_local_rank("pp")?, mesh.get_local_rank("dp")?);
-        let shape = PipelineShape {
-            ranks: 2,
-            stages_per_rank: 1,
-            microbatches: 2,
-        };
+        let s = pp_rank;
+        tp::manual_seed(0);
+        let mut part = Gpt::new(config(DType::F64))?.pipeline_stage(s, 2)?;
+        if replicas == Replicas::FullySharded {
+            let opts = || FsdpOptions {
+                mesh: Some(mesh.sub_mesh("dp").unwrap().clone()),
+                ..Default::default()
+            };
+            for block in part.h.iter_mut() {
+                fully_shard(block, opts())?;
+            }
+            fully_shard(&mut part, opts())?;
+        }
+        // (after sharding: the tied copies are the shards, the same rows on both stages)
+        let tied = part.tied_weight().ok_or("no tied weight")?;
+        let mut stage = PipelineStage::new(part, s, 2, &pp)?;
         // with 2 stages the embedding group is the pipeline group
-        let stage = gpt_stages(config(DType::F64), &shape, &pp, &pp)?
-            .remove(0)
-            .data_parallel(&dp)?;
-        let lo = 4 * stage.stage_index() / 2;
+        stage.tie_parameter(&tied, &pp)?;
+        if replicas == Replicas::DataParallel {
+            stage = stage.data_parallel(&dp)?;
+        }
+        let lo = 4 * s / 2;
         let mut opt = adamw(stage.parameters())?;
         let mut sched = PipelineSchedule::new(case.kind, vec![stage], 2, Some(gpt_loss()))?;
         let tol = Tol::scaled(1e-12);
+        // the whole tensor (its shards' rows in dp rank order)
+        let whole = |t: &Tensor| -> tp::Result<Vec<f64>> {
+            match replicas {
+                Replicas::FullySharded => crate::fsdp::gathered_in(t, Some(&dp)),
+                Replicas::DataParallel => Ok(as_f64(t)),
+            }
+        };
         for i in 0..=case.steps {
             let (x, y) = batch(i, seq_len(i))?;
             let rows = BATCH / 2;
@@ -383,12 +411,12 @@ fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
             } else {
                 sched.step_with_target(&y, &mut losses)?;
             }
-            let st = &sched.stages()[0];
-            for (n, p) in st.submod().named_parameters() {
-                let g = p.grad().ok_or("no gradient")?;
+            let c = format!("{replicas:?} rank {rank} step {i}");
+            for (n, p) in sched.stages()[0].submod().named_parameters() {
+                let g = whole(&p.grad().ok_or("no gradient")?)?;
                 check_close(
-                    &format!("rank {rank} step {i} grad {n}"),
-                    &as_f64(&g),
+                    &format!("{c} grad {n}"),
+                    &g,
                     &want.grads[i][&full_name(&n, lo)],
                     tol,
                 )?;
@@ -396,8 +424,8 @@ fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
             opt.step()?;
             for (n, p) in sched.stages()[0].submod().named_parameters() {
                 check_close(
-                    &format!("rank {rank} step {i} param {n}"),
-                    &as_f64(&p),
+                    &format!("{c} param {n}"),
+                    &whole(&p)?,
                     &want.params[i][&full_name(&n, lo)],
                     tol,
                 )?;
@@ -405,4 +433,14 @@ fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
         }
         Ok(())
     });
+}
+
+#[test]
+fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
+    pp_by_dp(Replicas::DataParallel);
+}
+
+#[test]
+fn pipeline_by_fully_sharded_on_a_mesh_equals_one_process() {
+    pp_by_dp(Replicas::FullySharded);
 }

@@ -61,7 +61,7 @@ fn gpt_loss(logits: &Tensor, target: &Tensor) -> tp::Result<Tensor> {
 pub(crate) fn pipeline_parallel(rank: usize, o: &Opts, corpus: &Corpus) -> Res<Report> {
     let group = dist::default_group("pipeline-parallel")?;
     let part = initial_model(o, corpus)?.pipeline_stage(rank, STAGES)?;
-    let tied = part.tied_weight().cloned();
+    let tied = part.tied_weight();
     let mut stage = PipelineStage::new(part, rank, STAGES, &group)?;
     if let Some(w) = tied {
         // with 2 stages the group of the first and last stage is the whole world
