@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use tensorplay::models::gpt::{shard_parameter, tensor_parallel_plan};
 use tensorplay::models::{Gpt, GptConfig, GptStage};
 use tensorplay_collectives::{self as dist, ProcessGroup};
 use tensorplay_core::nn::Module;
@@ -17,6 +18,7 @@ use tensorplay_distributed_nn::parallel::fsdp::{FsdpOptions, fully_shard};
 use tensorplay_distributed_nn::parallel::pipelining::{
     LossFn, PipelineSchedule, PipelineShape, PipelineStage, ScheduleKind, loss_fn,
 };
+use tensorplay_distributed_nn::parallel::tensor::parallelize_module;
 use tensorplay_testkit::{Tol, check_close, cpu_world, element_bits};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -443,4 +445,84 @@ fn pipeline_by_data_parallel_on_a_mesh_equals_one_process() {
 #[test]
 fn pipeline_by_fully_sharded_on_a_mesh_equals_one_process() {
     pp_by_dp(Replicas::FullySharded);
+}
+
+/// Pipeline x tensor parallel on a `DeviceMesh` `[pp 2, tp 2]` at world 4: each stage's blocks
+/// split Megatron-style over its tp group by the GPT's plan (`parallelize_module`), the
+/// activations between stages replicated over tp; every shard's gradient and value after
+/// AdamW steps equal its slice of the single-process run's (`shard_parameter`).
+#[test]
+fn pipeline_by_tensor_parallel_on_a_mesh_equals_one_process() {
+    let case = Case {
+        name: "1F1B pp 2 x tp 2",
+        kind: ScheduleKind::OneFOneB,
+        ranks: 2,
+        stages_per_rank: 1,
+        microbatches: 4,
+        dtype: DType::F64,
+        steps: 2,
+    };
+    cpu_world(4, TIMEOUT, |rank| -> TestResult {
+        let want = reference(&case)?;
+        tp::manual_seed(0);
+        let full = Gpt::new(config(DType::F64))?;
+        let shapes: BTreeMap<String, Vec<usize>> = full
+            .named_parameters()
+            .into_iter()
+            .map(|(n, p)| (n, p.shape().to_vec()))
+            .collect();
+        let mesh = dist::device_mesh::init_device_mesh(&[2, 2], &["pp", "tp"])?;
+        let pp = mesh.get_group("pp")?.clone();
+        let (s, tp_rank) = (mesh.get_local_rank("pp")?, mesh.get_local_rank("tp")?);
+        let mut part = full.pipeline_stage(s, 2)?;
+        parallelize_module(&mut part, mesh.sub_mesh("tp")?, &tensor_parallel_plan())?;
+        let tied = part.tied_weight().ok_or("no tied weight")?;
+        let mut stage = PipelineStage::new(part, s, 2, &pp)?;
+        stage.tie_parameter(&tied, &pp)?;
+        let lo = 4 * s / 2;
+        let mut opt = adamw(stage.parameters())?;
+        let mut sched = PipelineSchedule::new(case.kind, vec![stage], 4, Some(gpt_loss()))?;
+        let tol = Tol::scaled(1e-12);
+        // this rank's slice of a full value of parameter `n`
+        let slice = |n: &str, v: &[f64]| -> tp::Result<Vec<f64>> {
+            let t = Tensor::from_vec(v.to_vec(), &shapes[n])?;
+            Ok(as_f64(&shard_parameter(n, &t, tp_rank, 2)?))
+        };
+        for i in 0..=case.steps {
+            let (x, y) = batch(i, seq_len(i))?;
+            opt.zero_grad()?;
+            let mut losses = vec![];
+            if s == 0 {
+                sched.step(&x)?;
+            } else {
+                sched.step_with_target(&y, &mut losses)?;
+            }
+            let c = format!("rank {rank} step {i}");
+            for (n, p) in sched.stages()[0].submod().named_parameters() {
+                let f = full_name(&n, lo);
+                // (a row-parallel bias is trained by tp rank 0: no gradient on the others)
+                let g = match p.grad() {
+                    Some(g) => as_f64(&g),
+                    None => vec![0.0; p.numel()],
+                };
+                check_close(
+                    &format!("{c} grad {n}"),
+                    &g,
+                    &slice(&f, &want.grads[i][&f])?,
+                    tol,
+                )?;
+            }
+            opt.step()?;
+            for (n, p) in sched.stages()[0].submod().named_parameters() {
+                let f = full_name(&n, lo);
+                check_close(
+                    &format!("{c} param {n}"),
+                    &as_f64(&p),
+                    &slice(&f, &want.params[i][&f])?,
+                    tol,
+                )?;
+            }
+        }
+        Ok(())
+    });
 }
