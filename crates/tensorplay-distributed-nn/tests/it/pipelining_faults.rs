@@ -193,3 +193,42 @@ fn a_stage_that_dies_mid_step_is_named_by_the_others() {
         }
     }
 }
+
+/// A rank that skips a step (it went on to a barrier): the stage waiting for its activation
+/// fails at the group's timeout naming the stage, the micro-batch and the rank it waits for,
+/// and the flight recorder's diagnosis says which receive waits and where the peer is.
+#[test]
+fn a_hang_is_reported_with_the_message_waited_for_and_where_the_peer_is() {
+    let res = dist::spawn(2, |rank| -> TestResult {
+        init(3)?;
+        let s = stage(rank, 2, |_| Ok(()))?;
+        let mut sched = PipelineSchedule::new(ScheduleKind::OneFOneB, vec![s], 2, Some(mse()))?;
+        step(&mut sched, rank, 2)?;
+        if rank == 0 {
+            // skips step 1
+            dist::barrier(None)?;
+            return Ok(());
+        }
+        let err = step(&mut sched, rank, 2)
+            .err()
+            .ok_or("step 1 succeeded without stage 0")?;
+        let msg = err.to_string();
+        for want in [
+            "stage 0 (rank 0) failed: lost",
+            "waiting for stage 0's micro-batch 0 activation (step 1) from rank 0",
+        ] {
+            if !msg.contains(want) {
+                return Err(format!("the error lacks {want:?}: {msg}").into());
+            }
+        }
+        Err(msg.into())
+    });
+    let msg = res.err().expect("both ranks time out").to_string();
+    for want in [
+        // (waits, or failed once rank 0's timeout closed the connection)
+        "in recv from rank 0 (stage 0's micro-batch 0 activation (step 1), header)",
+        "barrier (group world)",
+    ] {
+        assert!(msg.contains(want), "the report lacks {want:?}:\n{msg}");
+    }
+}
