@@ -223,7 +223,7 @@ fn a_hang_is_reported_with_the_message_waited_for_and_where_the_peer_is() {
         }
         Err(msg.into())
     });
-    let msg = res.err().expect("both ranks time out").to_string();
+    let msg = res.expect_err("both ranks time out").to_string();
     for want in [
         // (waits, or failed once rank 0's timeout closed the connection)
         "in recv from rank 0 (stage 0's micro-batch 0 activation (step 1), header)",
