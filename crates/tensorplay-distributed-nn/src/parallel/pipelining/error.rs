@@ -78,3 +78,19 @@ impl From<PipelineError> for tensorplay_core::Error {
         tensorplay_core::Error::external(e)
     }
 }
+
+/// An [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument) of the core's kind
+/// (a stage's or a loss function's misuse, not the pipeline's).
+pub(crate) fn core_invalid(
+    op: &'static str,
+    arg: &'static str,
+    expected: impl Into<String>,
+    got: impl std::fmt::Display,
+) -> tensorplay_core::Error {
+    tensorplay_core::Error::InvalidArgument {
+        op,
+        arg,
+        expected: expected.into(),
+        got: got.to_string(),
+    }
+}

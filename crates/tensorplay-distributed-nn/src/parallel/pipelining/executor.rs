@@ -10,7 +10,7 @@ use tensorplay_collectives::{ProcessGroup, Work};
 use tensorplay_core::autograd::{self, WeightGrads};
 use tensorplay_core::{Result, Tensor};
 
-use super::error::PipelineError;
+use super::error::{PipelineError, core_invalid};
 use super::schedule::{Action, ActionKind, PipelineShape};
 use super::stage::PipelineStage;
 use super::wire::{self, Header, Kind};
@@ -544,20 +544,5 @@ fn mismatch(a: &Action, rank: usize, want: &str, got: &str) -> PipelineError {
              different schedules, micro-batch counts or steps",
             a.stage
         ),
-    }
-}
-
-/// An [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument).
-fn core_invalid(
-    op: &'static str,
-    arg: &'static str,
-    expected: impl Into<String>,
-    got: impl std::fmt::Display,
-) -> tensorplay_core::Error {
-    tensorplay_core::Error::InvalidArgument {
-        op,
-        arg,
-        expected: expected.into(),
-        got: got.to_string(),
     }
 }

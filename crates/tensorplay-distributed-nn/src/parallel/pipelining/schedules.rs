@@ -10,7 +10,7 @@ use tensorplay_core::{Result, Tensor};
 
 use super::error::PipelineError;
 use super::executor::{LossFn, Step};
-use super::schedule::{Action, PipelineShape, ScheduleKind};
+use super::schedule::{Action, PipelineShape, ScheduleError, ScheduleKind};
 use super::sim::{Costs, SimReport, simulate};
 use super::stage::PipelineStage;
 
@@ -172,13 +172,12 @@ impl PipelineSchedule {
             microbatches: n_microbatches,
         };
         kind.check(&shape).map_err(|e| -> tensorplay_core::Error {
-            invalid(
-                kind.name(),
-                me,
-                "n_microbatches or stages",
-                "a shape it runs",
-                &e.to_string(),
-            )
+            match e {
+                ScheduleError::Shape {
+                    arg, expected, got, ..
+                } => invalid(kind.name(), me, arg, &expected, &got.to_string()),
+                other => invalid(kind.name(), me, "shape", "one it runs", &other.to_string()),
+            }
         })?;
         let r = group.rank().unwrap_or(0);
         let want = shape.stages_of(r);
@@ -480,11 +479,7 @@ impl PipelineSchedule {
         let all = dist::all_gather_object(&mine, Some(&self.group))?;
         let me = self.group.my_global_rank();
         for (r, sig) in all.iter().enumerate() {
-            let theirs = PipelineShape {
-                ranks: self.shape.ranks,
-                ..self.shape
-            };
-            let expect_stages = theirs.stages_of(r);
+            let expect_stages = self.shape.stages_of(r);
             let ours = (&mine.schedule, mine.n_microbatches, mine.num_stages);
             if (&sig.schedule, sig.n_microbatches, sig.num_stages) != ours
                 || sig.stages != expect_stages

@@ -4,7 +4,7 @@ use tensorplay_collectives::{self as dist, ProcessGroup};
 use tensorplay_core::nn::Module;
 use tensorplay_core::{Result, Tensor};
 
-use super::error::PipelineError;
+use super::error::{PipelineError, core_invalid};
 
 /// What a stage runs: `inputs -> outputs`. Every [`Module`] is one (one input, one output);
 /// [`MultiIo`] wraps a module whose stage takes or returns several tensors.
@@ -246,20 +246,5 @@ impl PipelineStage {
         dist::get_rank(Some(group))?;
         self.tied.push((param.clone(), group.clone()));
         Ok(())
-    }
-}
-
-/// An [`Error::InvalidArgument`](tensorplay_core::Error::InvalidArgument).
-fn core_invalid(
-    op: &'static str,
-    arg: &'static str,
-    expected: impl Into<String>,
-    got: impl std::fmt::Display,
-) -> tensorplay_core::Error {
-    tensorplay_core::Error::InvalidArgument {
-        op,
-        arg,
-        expected: expected.into(),
-        got: got.to_string(),
     }
 }
