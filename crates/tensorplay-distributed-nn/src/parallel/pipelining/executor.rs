@@ -18,8 +18,28 @@ use super::wire::{self, Header, Kind};
 /// The loss of the last stage: `loss_fn(output, target)`, a one-element tensor.
 pub type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
 
-/// The store key a failing rank sets so that the others stop instead of waiting.
-const FAILED_KEY: &str = "pipelining/failed";
+/// The store key a failing rank sets in step `step` so that the others stop instead of
+/// waiting (one per step: a failure does not stop later steps by itself).
+fn failed_key(step: u64) -> String {
+    format!("pipelining/failed/{step}")
+}
+
+/// Tells the other ranks of `group` that stage `stage` on rank `rank` failed in step `step`,
+/// unless a failure was posted first (the first one is the cause). False when the store did
+/// not answer (best effort: a rank that cannot reach it still returns its error).
+pub(crate) fn post_failure(
+    group: &ProcessGroup,
+    step: u64,
+    stage: usize,
+    rank: usize,
+    message: &str,
+) -> bool {
+    let msg = format!("{stage}|{rank}|{message}");
+    group
+        .store()
+        .compare_set(&failed_key(step), b"", msg.as_bytes())
+        .is_ok()
+}
 /// How often a rank waiting for a message looks at that key.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -183,12 +203,8 @@ impl<'a> Step<'a> {
     /// Tells the other ranks that stage `stage` on rank `rank` failed, unless a failure was
     /// posted first (the first one is the cause; best effort: a rank that cannot reach the
     /// store still returns its error).
-    fn post_failure(&self, stage: usize, rank: usize, message: &str) {
-        let msg = format!("{stage}|{rank}|{message}");
-        let _ = self
-            .group
-            .store()
-            .compare_set(FAILED_KEY, b"", msg.as_bytes());
+    fn post_failure(&self, stage: usize, rank: usize, message: &str) -> bool {
+        post_failure(&self.group, self.step, stage, rank, message)
     }
 
     /// Waits for `w`, a message from stage `from` on global rank `peer`, looking every
@@ -215,12 +231,18 @@ impl<'a> Step<'a> {
                         tensorplay_collectives::Error::PeerFailed { .. }
                             | tensorplay_collectives::Error::Timeout { .. }
                     ) {
-                        let message = format!(
+                        let mut message = format!(
                             "lost (seen by stage {} on rank {} {what}): {e}",
                             a.stage,
                             self.me()
                         );
-                        self.post_failure(from, peer, &message);
+                        if !self.post_failure(from, peer, &message) {
+                            // the other ranks cannot learn it either: each names its neighbour
+                            message.push_str(
+                                " (the job's store, served by the group's first rank, does \
+                                 not answer either: that rank may be the first lost)",
+                            );
+                        }
                         return Err(PipelineError::PeerFailed {
                             stage: a.stage,
                             rank: self.me(),
@@ -247,10 +269,11 @@ impl<'a> Step<'a> {
 
     fn peer_failure(&self, a: &Action) -> Option<PipelineError> {
         let store = self.group.store();
-        if !store.check(&[FAILED_KEY]).ok()? {
+        let key = failed_key(self.step);
+        if !store.check(&[key.as_str()]).ok()? {
             return None;
         }
-        let v = String::from_utf8_lossy(&store.get(FAILED_KEY).ok()?).into_owned();
+        let v = String::from_utf8_lossy(&store.get(&key).ok()?).into_owned();
         let mut it = v.splitn(3, '|');
         let failed_stage = it.next()?.parse().ok()?;
         let failed_rank = it.next()?.parse().ok()?;
@@ -389,6 +412,15 @@ impl<'a> Step<'a> {
                 ));
             }
             self.losses.push(loss.detach());
+            if train && !loss.requires_grad() {
+                return Err(core_invalid(
+                    "loss_fn",
+                    "its result",
+                    "a loss computed from the stage's output (it does not require grad: \
+                     detached?)",
+                    format!("a loss of {}", loss.dtype()),
+                ));
+            }
             if train {
                 // the mean over micro-batches: each one's gradient scaled by 1/m
                 let scaled = loss.mul_scalar(1.0 / self.shape.microbatches as f64)?;
@@ -397,6 +429,21 @@ impl<'a> Step<'a> {
         } else if last {
             self.outputs.push(outs.iter().map(Tensor::detach).collect());
         } else {
+            if train {
+                // the next stage sends a gradient for each float output: each must carry one
+                if let Some(i) = outs
+                    .iter()
+                    .position(|o| o.dtype().is_float() && !o.requires_grad())
+                {
+                    return Err(core_invalid(
+                        "PipelineStage forward",
+                        "outputs",
+                        "float outputs computed from the stage's parameters or inputs (the \
+                         next stage returns their gradients)",
+                        format!("output {i} does not require grad (detached?)"),
+                    ));
+                }
+            }
             self.fwd_out.insert((s, mb), outs);
         }
         if train {

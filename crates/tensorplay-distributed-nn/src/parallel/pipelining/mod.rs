@@ -21,7 +21,9 @@ mod wire;
 
 pub use error::PipelineError;
 pub use executor::LossFn;
-pub use schedule::{Action, ActionKind, PipelineShape, ScheduleError, ScheduleKind};
+pub use schedule::{
+    Action, ActionKind, PipelineShape, ScheduleError, ScheduleKind, from_csv, to_csv,
+};
 pub use schedules::{
     PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble, loss_fn,

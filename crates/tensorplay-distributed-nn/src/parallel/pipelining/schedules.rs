@@ -156,7 +156,7 @@ impl PipelineSchedule {
         let Some(first) = stages.first() else {
             return Err(invalid(
                 kind.name(),
-                usize::MAX,
+                dist::get_rank(None).unwrap_or(0),
                 "stages",
                 "at least one stage",
                 "none",
@@ -314,8 +314,8 @@ impl PipelineSchedule {
         target: Option<&Tensor>,
         losses: Option<&mut Vec<Tensor>>,
     ) -> Result<()> {
-        let (ins, targets) = self.split_args("step", inputs, target)?;
         self.agree()?;
+        let (ins, targets) = self.checked_args("step", inputs, target)?;
         let r = self.group.rank().unwrap_or(0);
         let actions = self.lists[r].clone();
         let mut st = Step::new(
@@ -347,8 +347,8 @@ impl PipelineSchedule {
     /// # Errors
     /// As [`PipelineSchedule::step_full`].
     pub fn eval(&mut self, inputs: Option<&[Tensor]>) -> Result<Vec<Tensor>> {
-        let (ins, _) = self.split_args("eval", inputs, None)?;
         self.agree()?;
+        let (ins, _) = self.checked_args("eval", inputs, None)?;
         let r = self.group.rank().unwrap_or(0);
         let actions: Vec<Action> = self.lists[r]
             .iter()
@@ -380,12 +380,36 @@ impl PipelineSchedule {
             return Ok(vec![]);
         }
         let n = outs[0].len();
+        if let Some(mb) = outs.iter().position(|o| o.len() != n) {
+            return Err(invalid(
+                "eval",
+                self.group.my_global_rank(),
+                "the last stage's outputs",
+                &format!("{n} per micro-batch, as micro-batch 0's"),
+                &format!("{} for micro-batch {mb}", outs[mb].len()),
+            ));
+        }
         (0..n)
             .map(|i| {
                 let parts: Vec<Tensor> = outs.iter().map(|o| o[i].clone()).collect();
                 Tensor::cat(&parts, 0)
             })
             .collect()
+    }
+
+    /// [`PipelineSchedule::split_args`]; on an error, tells the other ranks (they would
+    /// otherwise wait for this rank's messages until the group's timeout).
+    fn checked_args(
+        &self,
+        op: &'static str,
+        inputs: Option<&[Tensor]>,
+        target: Option<&Tensor>,
+    ) -> Result<(Vec<Vec<Tensor>>, Vec<Tensor>)> {
+        self.split_args(op, inputs, target).inspect_err(|e| {
+            let me = self.group.my_global_rank();
+            let stage = self.stages[0].stage_index;
+            super::executor::post_failure(&self.group, self.step, stage, me, &e.to_string());
+        })
     }
 
     /// Checks who passed what and splits the batch and targets into micro-batches.

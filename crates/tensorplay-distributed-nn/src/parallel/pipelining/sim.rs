@@ -79,6 +79,14 @@ impl SimReport {
                 format!("{code}{}", a.microbatch)
             }
         };
+        // one cell per unit of time: a timeline too long to read is not drawn
+        const MAX_CELLS: f64 = 10_000.0;
+        if self.makespan.is_nan() || self.makespan > MAX_CELLS {
+            return format!(
+                "(a step of {} units: too long to draw in cells)\n",
+                self.makespan
+            );
+        }
         let units = self.makespan.round() as usize;
         let width = self
             .timeline
@@ -128,6 +136,33 @@ pub fn simulate(
     lists: &[Vec<Action>],
     costs: &Costs,
 ) -> Result<SimReport, ScheduleError> {
+    let pairs = shape
+        .ranks
+        .checked_mul(shape.stages_per_rank)
+        .and_then(|s| s.checked_mul(shape.microbatches));
+    if shape.ranks == 0 || pairs.is_none_or(|n| n > super::schedule::MAX_ACTIONS) {
+        return Err(ScheduleError::Incomplete {
+            detail: format!(
+                "a shape of {} ranks x {} stages per rank x {} micro-batches: at least one rank \
+                 and at most {} (stage, micro-batch) pairs",
+                shape.ranks,
+                shape.stages_per_rank,
+                shape.microbatches,
+                super::schedule::MAX_ACTIONS
+            ),
+        });
+    }
+    for (name, c) in [
+        ("forward", costs.forward),
+        ("backward_input", costs.backward_input),
+        ("backward_weight", costs.backward_weight),
+    ] {
+        if !c.is_finite() || c < 0.0 {
+            return Err(ScheduleError::Incomplete {
+                detail: format!("costs.{name} must be a finite time >= 0, got {c}"),
+            });
+        }
+    }
     check_complete(shape, lists)?;
     let p = shape.ranks;
     let s = shape.stages();

@@ -131,11 +131,14 @@ impl PipelineStage {
             .into()
         };
         let Some(r) = group.rank() else {
-            return Err(bad(
-                "group",
-                format!("a group with rank {me} (it has {:?})", group.ranks()),
-                0,
-            ));
+            return Err(PipelineError::Invalid {
+                op: "PipelineStage::new",
+                rank: me,
+                arg: "group".into(),
+                expected: format!("a group with rank {me}"),
+                got: format!("a group of ranks {:?}", group.ranks()),
+            }
+            .into());
         };
         let p = group.size();
         if num_stages == 0 || !num_stages.is_multiple_of(p) {

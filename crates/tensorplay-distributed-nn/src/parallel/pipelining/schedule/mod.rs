@@ -45,6 +45,9 @@ impl PipelineShape {
     }
 }
 
+/// The most (stage, micro-batch) pairs a schedule or the simulator takes per step.
+pub const MAX_ACTIONS: usize = 1 << 22;
+
 /// The schedules (PyTorch's classes of the same names build them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ScheduleKind {
@@ -99,6 +102,18 @@ impl ScheduleKind {
         if shape.ranks == 0 {
             return bad("num_stages (ranks)", "at least 1".into(), 0);
         }
+        // a step's actions are held in memory: at most MAX_ACTIONS compute actions
+        let actions = shape
+            .ranks
+            .checked_mul(shape.stages_per_rank)
+            .and_then(|s| s.checked_mul(shape.microbatches));
+        if actions.is_none_or(|a| a > MAX_ACTIONS) {
+            return bad(
+                "n_microbatches x stages",
+                format!("at most {MAX_ACTIONS} (stage, micro-batch) pairs per step"),
+                shape.microbatches,
+            );
+        }
         if shape.stages_per_rank == 0 {
             return bad("stages per rank", "at least 1".into(), 0);
         }
@@ -141,7 +156,8 @@ impl ScheduleKind {
 
     /// The schedule's bubble in theory, the idle fraction of a step with a forward one unit
     /// and a backward two: `(p - 1) / (m + p - 1)` for GPipe and 1F1B, `(p - 1) / (v m + p -
-    /// 1)` for interleaved 1F1B (zero bubble: below it, measured by the simulator).
+    /// 1)` for interleaved 1F1B. For zero bubble this is interleaved 1F1B's bound, which it
+    /// stays below: its own bubble is what the simulator measures (`simulate(..).bubble`).
     pub fn theoretical_bubble(self, shape: &PipelineShape) -> f64 {
         let (p, v, m) = (
             shape.ranks as f64,
@@ -234,4 +250,10 @@ pub enum ScheduleError {
         /// Each blocked rank's action and what it waits for.
         waits: String,
     },
+}
+
+impl From<ScheduleError> for tensorplay_core::Error {
+    fn from(e: ScheduleError) -> Self {
+        tensorplay_core::Error::external(e)
+    }
 }

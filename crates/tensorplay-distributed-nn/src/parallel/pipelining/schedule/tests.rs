@@ -297,3 +297,40 @@ fn timelines_are_drawn_as_run() {
          rank 1: .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .\n"
     );
 }
+
+#[test]
+fn shapes_and_costs_out_of_range_are_refused_not_panics() {
+    let huge = PipelineShape {
+        ranks: 1 << 40,
+        stages_per_rank: 1 << 40,
+        microbatches: 4,
+    };
+    assert!(simulate(&huge, &[], &Costs::default()).is_err());
+    let long = PipelineShape {
+        ranks: 1,
+        stages_per_rank: 1,
+        microbatches: 1 << 60,
+    };
+    let e = ScheduleKind::GPipe.actions(&long).unwrap_err().to_string();
+    assert!(e.contains("(stage, micro-batch) pairs per step"), "{e}");
+    let shape = PipelineShape {
+        ranks: 2,
+        stages_per_rank: 1,
+        microbatches: 4,
+    };
+    let lists = ScheduleKind::OneFOneB.actions(&shape).unwrap();
+    for bad in [f64::NAN, -1.0, f64::INFINITY] {
+        let costs = Costs {
+            forward: bad,
+            ..Costs::default()
+        };
+        let e = simulate(&shape, &lists, &costs).unwrap_err().to_string();
+        assert!(e.contains("costs.forward must be a finite time"), "{e}");
+    }
+    let slow = Costs {
+        forward: 1e30,
+        ..Costs::default()
+    };
+    let drawn = simulate(&shape, &lists, &slow).unwrap().draw(&slow);
+    assert!(drawn.contains("too long to draw"), "{drawn}");
+}
