@@ -226,10 +226,13 @@ impl<'a> Step<'a> {
                     if let Some(f) = self.peer_failure(a) {
                         return Err(f.into());
                     }
+                    // lost: its connection failed, it timed out, or an earlier failure with
+                    // it (a send of this step) shut the group's connections down
                     if matches!(
                         e,
                         tensorplay_collectives::Error::PeerFailed { .. }
                             | tensorplay_collectives::Error::Timeout { .. }
+                            | tensorplay_collectives::Error::Backend { .. }
                     ) {
                         let mut message = format!(
                             "lost (seen by stage {} on rank {} {what}): {e}",
