@@ -156,7 +156,7 @@ fn named_peer(message: &str) -> Option<usize> {
 
 /// Whether `message` reports another rank's failure rather than one of this rank's own: a
 /// connection to a peer that failed, an unreachable RPC worker, a timeout waiting for
-/// others, a store whose host left.
+/// others, a store whose host left, a pipeline stage stopped by another's failure.
 pub fn is_consequence(message: &str) -> bool {
     const SIGNS: &[&str] = &[
         "connection to rank",
@@ -168,6 +168,10 @@ pub fn is_consequence(message: &str) -> bool {
         "store: the store server",
         "(did rank",
         "rejected their own arguments",
+        // a store whose host (the first rank) exited while this rank used it
+        "the server closed the connection",
+        // a pipeline stage that stopped because another stage failed
+        ") stopped at action ",
     ];
     SIGNS.iter().any(|s| message.contains(s))
 }
@@ -387,6 +391,14 @@ mod tests {
         ));
         assert!(is_consequence(
             "broadcast: ranks disagree: rank(s) [1] rejected their own arguments: rank 1: src"
+        ));
+        assert!(is_consequence(
+            "store: set on the store server at 127.0.0.1:22955: the server closed the \
+             connection (is it still running?)"
+        ));
+        assert!(is_consequence(
+            "pipeline stage 0 (rank 0) stopped at action 0RECV_B0: stage 1 (rank 1) failed: \
+             boom"
         ));
         assert!(!is_consequence("panicked: boom"));
         assert!(!is_consequence(

@@ -109,6 +109,83 @@ fn ranks_that_disagree_on_the_schedule_fail_on_every_rank_at_the_first_step() {
     }
 }
 
+/// What rank 1 does differently from rank 0 (which trains, tying nothing).
+#[derive(Clone, Copy)]
+enum Divergence {
+    /// Rank 0 evaluates while rank 1 trains.
+    EvalBesideStep,
+    /// Rank 1 evaluates while rank 0 trains (rank 0 waits for gradients that never come).
+    StepBesideEval,
+    /// Rank 0 ties its weight over both ranks; rank 1 ties nothing.
+    TieOnOneRank,
+}
+
+/// A step that one rank takes differently fails on both ranks (never `Ok` on one and an
+/// error on the other), within seconds, saying what differs.
+#[test]
+fn ranks_that_take_a_step_differently_fail_together() {
+    // (case, what differs, what both errors say)
+    let cases: [(&str, Divergence, &str); 3] = [
+        (
+            "eval beside step",
+            Divergence::EvalBesideStep,
+            "1 rank(s) of the pipeline group called step and 1 called eval",
+        ),
+        (
+            "step beside eval",
+            Divergence::StepBesideEval,
+            "1 rank(s) of the pipeline group called step and 1 called eval",
+        ),
+        (
+            "tie on one rank",
+            Divergence::TieOnOneRank,
+            "rank 0 ties a parameter of shape [4, 4] over ranks [0, 1] (its tie 1 over them); \
+             rank 1 does not match: it ties 0 parameter(s) over them",
+        ),
+    ];
+    for (case, how, want) in cases {
+        let res = dist::spawn(2, move |rank| -> TestResult {
+            init(20)?;
+            let mut s = stage(rank, 2, |_| Ok(()))?;
+            if rank == 0 && matches!(how, Divergence::TieOnOneRank) {
+                let w = s.parameters()[0].clone();
+                s.tie_parameter(&w, &dist::default_group("test")?)?;
+            }
+            let mut sched = PipelineSchedule::new(ScheduleKind::OneFOneB, vec![s], 4, Some(mse()))?;
+            let evaluates = match how {
+                Divergence::EvalBesideStep => rank == 0,
+                Divergence::StepBesideEval => rank == 1,
+                Divergence::TieOnOneRank => false,
+            };
+            let start = Instant::now();
+            let res = if evaluates {
+                let x = Tensor::ones(&[8, 4], DType::F32)?;
+                let ins = (rank == 0).then_some(std::slice::from_ref(&x));
+                sched.eval(ins).map(|_| ())
+            } else {
+                step(&mut sched, rank, 2)
+            };
+            let checked = fails_with(case, res, &[want.to_string()]);
+            if start.elapsed() > Duration::from_secs(5) {
+                return Err(format!("{case}: took {:?}", start.elapsed()).into());
+            }
+            // rank 0 serves the store: it stays until rank 1 has its verdict too
+            let store = dist::default_group("test")?.store().clone();
+            store.add("test/checked", 1)?;
+            while rank == 0 && store.add("test/checked", 0)? < 2 {
+                if start.elapsed() > Duration::from_secs(20) {
+                    return Err(format!("{case}: rank 1 did not finish").into());
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok(checked?)
+        });
+        if let Err(e) = res {
+            panic!("{case}: {e}");
+        }
+    }
+}
+
 #[test]
 fn a_stage_that_raises_is_named_on_every_rank() {
     let res = dist::spawn(3, |rank| -> TestResult {

@@ -13,35 +13,11 @@ use tensorplay_core::{Result, Tensor};
 use super::error::{PipelineError, core_invalid};
 use super::schedule::{Action, ActionKind, PipelineShape};
 use super::stage::PipelineStage;
+use super::step_sync::{self, POLL};
 use super::wire::{self, Header, Kind};
 
 /// The loss of the last stage: `loss_fn(output, target)`, a one-element tensor.
 pub type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
-
-/// The store key a failing rank sets in step `step` so that the others stop instead of
-/// waiting (one per step: a failure does not stop later steps by itself).
-fn failed_key(step: u64) -> String {
-    format!("pipelining/failed/{step}")
-}
-
-/// Tells the other ranks of `group` that stage `stage` on rank `rank` failed in step `step`,
-/// unless a failure was posted first (the first one is the cause). False when the store did
-/// not answer (best effort: a rank that cannot reach it still returns its error).
-pub(crate) fn post_failure(
-    group: &ProcessGroup,
-    step: u64,
-    stage: usize,
-    rank: usize,
-    message: &str,
-) -> bool {
-    let msg = format!("{stage}|{rank}|{message}");
-    group
-        .store()
-        .compare_set(&failed_key(step), b"", msg.as_bytes())
-        .is_ok()
-}
-/// How often a rank waiting for a message looks at that key.
-const POLL: Duration = Duration::from_millis(50);
 
 type Key = (usize, usize);
 
@@ -140,17 +116,20 @@ impl<'a> Step<'a> {
             }
             self.trace.push(*a);
         }
-        let last = actions.last().copied();
+        // errors after the list are blamed on its last action
+        let last = actions
+            .last()
+            .copied()
+            .unwrap_or_else(|| Action::new(self.stages[0].stage_index, ActionKind::Forward, 0));
         for w in std::mem::take(&mut self.sends) {
             w.wait(None).map_err(|e| {
-                let a = last.unwrap_or_else(|| Action::new(0, ActionKind::SendF, 0));
                 self.fail(
-                    &a,
+                    &last,
                     PipelineError::Action {
-                        stage: a.stage,
+                        stage: last.stage,
                         rank: self.me(),
-                        microbatch: a.microbatch,
-                        action: a.to_string(),
+                        microbatch: last.microbatch,
+                        action: last.to_string(),
                         message: format!("a send of this step failed: {e}"),
                         source: None,
                     }
@@ -158,6 +137,11 @@ impl<'a> Step<'a> {
                 )
             })?;
         }
+        self.reduce_grads().map_err(|e| self.fail(&last, e))
+    }
+
+    /// Waits for the data-parallel averages and sums the tied parameters' gradients.
+    fn reduce_grads(&mut self) -> Result<()> {
         for w in std::mem::take(&mut self.dp_works) {
             w.wait(None)?;
         }
@@ -204,7 +188,7 @@ impl<'a> Step<'a> {
     /// posted first (the first one is the cause; best effort: a rank that cannot reach the
     /// store still returns its error).
     fn post_failure(&self, stage: usize, rank: usize, message: &str) -> bool {
-        post_failure(&self.group, self.step, stage, rank, message)
+        step_sync::post_failure(&self.group, self.step, stage, rank, message)
     }
 
     /// Waits for `w`, a message from stage `from` on global rank `peer`, looking every
@@ -270,24 +254,12 @@ impl<'a> Step<'a> {
         }
     }
 
+    /// Another rank's failure posted for this step, or ranks that called `step` beside
+    /// others that called `eval` (that wait would never end).
     fn peer_failure(&self, a: &Action) -> Option<PipelineError> {
-        let store = self.group.store();
-        let key = failed_key(self.step);
-        if !store.check(&[key.as_str()]).ok()? {
-            return None;
-        }
-        let v = String::from_utf8_lossy(&store.get(&key).ok()?).into_owned();
-        let mut it = v.splitn(3, '|');
-        let failed_stage = it.next()?.parse().ok()?;
-        let failed_rank = it.next()?.parse().ok()?;
-        Some(PipelineError::PeerFailed {
-            stage: a.stage,
-            rank: self.me(),
-            action: a.to_string(),
-            failed_stage,
-            failed_rank,
-            message: it.next().unwrap_or("").to_string(),
-        })
+        step_sync::posted_failure(&self.group, self.step)
+            .map(|f| f.seen_by(a.stage, self.me(), a.to_string()))
+            .or_else(|| step_sync::mixed_modes(&self.group, self.step, a.stage))
     }
 
     fn run_one(&mut self, a: &Action) -> Result<()> {

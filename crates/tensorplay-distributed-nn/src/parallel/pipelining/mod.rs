@@ -17,6 +17,7 @@ pub mod schedule;
 mod schedules;
 pub mod sim;
 mod stage;
+mod step_sync;
 mod wire;
 
 pub use error::PipelineError;

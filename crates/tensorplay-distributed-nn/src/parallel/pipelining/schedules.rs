@@ -13,6 +13,7 @@ use super::executor::{LossFn, Step};
 use super::schedule::{Action, PipelineShape, ScheduleError, ScheduleKind};
 use super::sim::{Costs, SimReport, simulate};
 use super::stage::PipelineStage;
+use super::step_sync::{self, Mode};
 
 /// A pipeline schedule on this rank: its stages, the number of micro-batches, the loss, and
 /// every rank's action list (checked by the simulator when built). Built by
@@ -136,6 +137,8 @@ struct Signature {
     n_microbatches: usize,
     num_stages: usize,
     stages: Vec<usize>,
+    /// Per tied parameter, in order: the global ranks of its group and its shape.
+    tied: Vec<(Vec<usize>, Vec<usize>)>,
 }
 
 impl PipelineSchedule {
@@ -315,14 +318,15 @@ impl PipelineSchedule {
         losses: Option<&mut Vec<Tensor>>,
     ) -> Result<()> {
         self.agree()?;
-        let (ins, targets) = self.checked_args("step", inputs, target)?;
+        let step = self.begin(Mode::Train);
+        let (ins, targets) = self.checked_args("step", step, inputs, target)?;
         let r = self.group.rank().unwrap_or(0);
         let actions = self.lists[r].clone();
         let mut st = Step::new(
             self.shape,
             &mut self.stages,
             self.group.clone(),
-            self.step,
+            step,
             ins,
             targets,
             self.loss_fn.clone(),
@@ -332,8 +336,8 @@ impl PipelineSchedule {
         self.trace = std::mem::take(&mut st.trace);
         self.compute = st.compute;
         let got = std::mem::take(&mut st.losses);
-        self.step += 1;
         res?;
+        self.finish(step, Mode::Train)?;
         if let Some(l) = losses {
             l.extend(got);
         }
@@ -348,7 +352,8 @@ impl PipelineSchedule {
     /// As [`PipelineSchedule::step_full`].
     pub fn eval(&mut self, inputs: Option<&[Tensor]>) -> Result<Vec<Tensor>> {
         self.agree()?;
-        let (ins, _) = self.checked_args("eval", inputs, None)?;
+        let step = self.begin(Mode::Eval);
+        let (ins, _) = self.checked_args("eval", step, inputs, None)?;
         let r = self.group.rank().unwrap_or(0);
         let actions: Vec<Action> = self.lists[r]
             .iter()
@@ -365,7 +370,7 @@ impl PipelineSchedule {
             self.shape,
             &mut self.stages,
             self.group.clone(),
-            self.step,
+            step,
             ins,
             vec![],
             None,
@@ -374,8 +379,8 @@ impl PipelineSchedule {
         let res = st.run(&ordered);
         self.trace = std::mem::take(&mut st.trace);
         let outs = std::mem::take(&mut st.outputs);
-        self.step += 1;
         res?;
+        self.finish(step, Mode::Eval)?;
         if outs.is_empty() {
             return Ok(vec![]);
         }
@@ -397,18 +402,34 @@ impl PipelineSchedule {
             .collect()
     }
 
+    /// Starts a step: its number (every call counts one, failed or not, on every rank) and
+    /// this rank's mode, told to the others.
+    fn begin(&mut self, mode: Mode) -> u64 {
+        let step = self.step;
+        self.step += 1;
+        step_sync::begin(&self.group, step, mode);
+        step
+    }
+
+    /// Ends a step whose actions succeeded here: `Ok` only when every rank's did, in the same
+    /// mode ([`step_sync::finish`]).
+    fn finish(&self, step: u64, mode: Mode) -> Result<()> {
+        step_sync::finish(&self.group, step, mode, self.stages[0].stage_index)
+    }
+
     /// [`PipelineSchedule::split_args`]; on an error, tells the other ranks (they would
     /// otherwise wait for this rank's messages until the group's timeout).
     fn checked_args(
         &self,
         op: &'static str,
+        step: u64,
         inputs: Option<&[Tensor]>,
         target: Option<&Tensor>,
     ) -> Result<(Vec<Vec<Tensor>>, Vec<Tensor>)> {
         self.split_args(op, inputs, target).inspect_err(|e| {
             let me = self.group.my_global_rank();
             let stage = self.stages[0].stage_index;
-            super::executor::post_failure(&self.group, self.step, stage, me, &e.to_string());
+            step_sync::post_failure(&self.group, step, stage, me, &e.to_string());
         })
     }
 
@@ -499,9 +520,18 @@ impl PipelineSchedule {
             n_microbatches: self.shape.microbatches,
             num_stages: self.shape.stages(),
             stages: self.stage_indices(),
+            tied: self
+                .stages
+                .iter()
+                .flat_map(|s| s.tied.iter())
+                .map(|(p, g)| (g.ranks().to_vec(), p.shape().to_vec()))
+                .collect(),
         };
         let all = dist::all_gather_object(&mine, Some(&self.group))?;
         let me = self.group.my_global_rank();
+        if let Some(detail) = tie_mismatch(self.group.ranks(), &all) {
+            return Err(PipelineError::Mismatch { rank: me, detail }.into());
+        }
         for (r, sig) in all.iter().enumerate() {
             let expect_stages = self.shape.stages_of(r);
             let ours = (&mine.schedule, mine.n_microbatches, mine.num_stages);
@@ -530,6 +560,45 @@ impl PipelineSchedule {
         self.checked = true;
         Ok(())
     }
+}
+
+/// Where the ranks' tied parameters disagree: a rank ties a parameter over a group whose
+/// other members (those in the pipeline group `ranks`, whose signatures are `all`) do not tie
+/// one over the same group, in the same order, of the same shape.
+fn tie_mismatch(ranks: &[usize], all: &[Signature]) -> Option<String> {
+    for (r, sig) in all.iter().enumerate() {
+        let mut seen: std::collections::HashMap<&[usize], usize> = Default::default();
+        for (group, shape) in &sig.tied {
+            // the i-th tie over this group on rank r pairs with the i-th on each member
+            let i = seen.entry(group.as_slice()).or_insert(0);
+            for q in group {
+                let Some(qi) = ranks.iter().position(|x| x == q) else {
+                    continue;
+                };
+                let theirs: Vec<&Vec<usize>> = all[qi]
+                    .tied
+                    .iter()
+                    .filter(|(g, _)| g == group)
+                    .map(|(_, s)| s)
+                    .collect();
+                let ok = theirs.get(*i).is_some_and(|s| *s == shape);
+                if !ok {
+                    let got = match theirs.get(*i) {
+                        Some(s) => format!("its copy has shape {s:?}"),
+                        None => format!("it ties {} parameter(s) over them", theirs.len()),
+                    };
+                    return Some(format!(
+                        "rank {} ties a parameter of shape {shape:?} over ranks {group:?} \
+                         (its tie {} over them); rank {q} does not match: {got}",
+                        ranks[r],
+                        *i + 1
+                    ));
+                }
+            }
+            *i += 1;
+        }
+    }
+    None
 }
 
 /// Receives before the forward they feed, sends after it.
