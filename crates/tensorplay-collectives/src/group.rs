@@ -51,12 +51,12 @@ impl Member {
     fn new(
         backend: &str,
         store: Arc<dyn Store>,
+        ranks: &[usize],
         rank: usize,
-        size: usize,
         local_rank: usize,
         timeout: Duration,
     ) -> Result<Member> {
-        let (backend, control) = make_backend(backend, store, rank, size, local_rank, timeout)?;
+        let (backend, control) = make_backend(backend, store, ranks, rank, local_rank, timeout)?;
         Ok(Member { backend, control })
     }
 
@@ -69,7 +69,7 @@ impl Member {
         local_rank: usize,
         timeout: Duration,
     ) -> Result<Member> {
-        Member::new(backend, store, rank, ranks.len(), local_rank, timeout)
+        Member::new(backend, store, ranks, rank, local_rank, timeout)
             .map_err(|e| crate::ops::to_global(ranks, e))
     }
 }
@@ -226,13 +226,19 @@ pub fn init_process_group(backend: &str, options: InitOptions) -> Result<()> {
         ));
     }
     let init: InitMethod = options.init_method.parse()?;
-    let info = rendezvous(&init, options.rank, options.world_size, options.timeout)?;
+    // under a launcher (mpirun): its ranks, and the store's address from its rank 0
+    let (init, rank, world_size, local_rank) =
+        crate::launcher::launched(backend, init, options.rank, options.world_size)?;
+    let mut info = rendezvous(&init, rank, world_size, options.timeout)?;
+    if let Some(l) = local_rank {
+        info.local_rank = l;
+    }
     let pg_store: Arc<dyn Store> = Arc::new(PrefixStore::new("pg/world", info.store.clone()));
     let b = Member::new(
         backend,
         pg_store.clone(),
+        &(0..info.world_size).collect::<Vec<_>>(),
         info.rank,
-        info.world_size,
         info.local_rank,
         options.timeout,
     )?;

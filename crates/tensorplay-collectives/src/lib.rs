@@ -10,6 +10,7 @@ pub mod device_mesh;
 mod error;
 mod group;
 pub mod launch_env;
+pub mod launcher;
 mod object;
 mod ops;
 pub mod recorder;

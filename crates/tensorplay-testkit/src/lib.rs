@@ -11,6 +11,7 @@
 //! - [`hostile`]: bytes a hostile peer or a corrupt file would hold (truncations, bit flips,
 //!   oversized length prefixes), built from a valid message.
 
+pub mod backend_suite;
 pub mod bits;
 pub mod close;
 pub mod generator;

@@ -273,10 +273,12 @@ pub mod distributed {
     }
 
     /// Registers the backends this build has beyond `"cpu"` (`"nccl"` with the `nccl`
-    /// feature), once.
+    /// feature, `"mpi"` with the `mpi` feature), once.
     fn register_builtin() {
         #[cfg(feature = "nccl")]
         tensorplay_nccl::register();
+        #[cfg(feature = "mpi")]
+        tensorplay_mpi::register();
     }
 
     /// Initialises the default process group (`torch.distributed.init_process_group`):

@@ -21,6 +21,10 @@ pub struct BackendContext {
     pub rank: usize,
     /// Number of ranks in the group.
     pub size: usize,
+    /// The global rank (in the default group) of each group rank, in group-rank order
+    /// (`0..size` for the default group): a backend whose runtime has its own world (MPI)
+    /// builds the group's communicator from them.
+    pub ranks: Vec<usize>,
     /// This process's rank among the processes of its host (`LOCAL_RANK`): the GPU it uses.
     pub local_rank: usize,
     /// The group's timeout: the backend's own setup (connecting, joining a communicator) must
@@ -94,11 +98,12 @@ pub fn registered_backends() -> Vec<String> {
 pub(crate) fn make_backend(
     name: &str,
     store: Arc<dyn Store>,
+    ranks: &[usize],
     rank: usize,
-    size: usize,
     local_rank: usize,
     timeout: Duration,
 ) -> Result<(Box<dyn Backend>, Arc<dyn HostBackend>)> {
+    let size = ranks.len();
     let factory = if matches!(name, "cpu" | "gloo") {
         None
     } else {
@@ -128,6 +133,7 @@ pub(crate) fn make_backend(
             store: Arc::new(PrefixStore::new(format!("backend/{name}"), store)),
             rank,
             size,
+            ranks: ranks.to_vec(),
             local_rank,
             timeout,
             control: control.clone(),
@@ -140,6 +146,12 @@ fn unknown(name: &str) -> Error {
     let hint = if name == "nccl" {
         "the nccl backend (crate tensorplay-nccl) is not part of this build: build tensorplay \
          with its `nccl` feature (on by default), or call tensorplay_nccl::register() when \
+         using tensorplay-collectives directly"
+            .to_string()
+    } else if name == "mpi" {
+        "this build has no MPI backend: build tensorplay with its `mpi` feature against the \
+         system's MPI (Debian: apt install libopenmpi-dev openmpi-bin libclang-dev; then \
+         cargo build --features tensorplay/mpi), or call tensorplay_mpi::register() when \
          using tensorplay-collectives directly"
             .to_string()
     } else {
