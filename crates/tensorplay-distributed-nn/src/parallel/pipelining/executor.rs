@@ -13,7 +13,7 @@ use tensorplay_core::{Result, Tensor};
 use super::error::{PipelineError, core_invalid};
 use super::schedule::{Action, ActionKind, PipelineShape};
 use super::stage::PipelineStage;
-use super::step_sync::{self, POLL};
+use super::step_sync::{POLL, StepSync};
 use super::wire::{self, Header, Kind};
 
 /// The loss of the last stage: `loss_fn(output, target)`, a one-element tensor.
@@ -27,6 +27,8 @@ pub(crate) struct Step<'a> {
     pub(crate) stages: &'a mut [PipelineStage],
     pub(crate) group: ProcessGroup,
     pub(crate) step: u64,
+    /// Where this step's failures are posted and read.
+    sync: StepSync,
     /// The first stage's inputs, per micro-batch.
     pub(crate) inputs: Vec<Vec<Tensor>>,
     /// The last stage's targets, per micro-batch.
@@ -60,7 +62,7 @@ impl<'a> Step<'a> {
     pub(crate) fn new(
         shape: PipelineShape,
         stages: &'a mut [PipelineStage],
-        group: ProcessGroup,
+        sync: StepSync,
         step: u64,
         inputs: Vec<Vec<Tensor>>,
         targets: Vec<Tensor>,
@@ -70,8 +72,9 @@ impl<'a> Step<'a> {
         Step {
             shape,
             stages,
-            group,
+            group: sync.group().clone(),
             step,
+            sync,
             inputs,
             targets,
             loss_fn,
@@ -188,7 +191,7 @@ impl<'a> Step<'a> {
     /// posted first (the first one is the cause; best effort: a rank that cannot reach the
     /// store still returns its error).
     fn post_failure(&self, stage: usize, rank: usize, message: &str) -> bool {
-        step_sync::post_failure(&self.group, self.step, stage, rank, message)
+        self.sync.post_failure(stage, rank, message)
     }
 
     /// Waits for `w`, a message from stage `from` on global rank `peer`, looking every
@@ -254,12 +257,11 @@ impl<'a> Step<'a> {
         }
     }
 
-    /// Another rank's failure posted for this step, or ranks that called `step` beside
-    /// others that called `eval` (that wait would never end).
+    /// Another rank's failure posted for this step.
     fn peer_failure(&self, a: &Action) -> Option<PipelineError> {
-        step_sync::posted_failure(&self.group, self.step)
+        self.sync
+            .posted_failure()
             .map(|f| f.seen_by(a.stage, self.me(), a.to_string()))
-            .or_else(|| step_sync::mixed_modes(&self.group, self.step, a.stage))
     }
 
     fn run_one(&mut self, a: &Action) -> Result<()> {

@@ -13,7 +13,7 @@ use super::executor::{LossFn, Step};
 use super::schedule::{Action, PipelineShape, ScheduleError, ScheduleKind};
 use super::sim::{Costs, SimReport, simulate};
 use super::stage::PipelineStage;
-use super::step_sync::{self, Mode};
+use super::step_sync::{MAX_RANKS, Mode, Refused, StepSync};
 
 /// A pipeline schedule on this rank: its stages, the number of micro-batches, the loss, and
 /// every rank's action list (checked by the simulator when built). Built by
@@ -38,7 +38,14 @@ pub struct PipelineSchedule {
     checked: bool,
     trace: Vec<Action>,
     compute: std::time::Duration,
+    /// This process's number for the schedule (the order it built it), in its store keys.
+    id: u64,
+    /// Why later steps are refused: a step failed after messages may have been sent.
+    poisoned: Option<String>,
 }
+
+/// Schedules built by this process so far: each schedule's id.
+static SCHEDULES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl std::fmt::Debug for PipelineSchedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -139,6 +146,8 @@ struct Signature {
     stages: Vec<usize>,
     /// Per tied parameter, in order: the global ranks of its group and its shape.
     tied: Vec<(Vec<usize>, Vec<usize>)>,
+    /// The order this process built the schedule in (its store keys).
+    id: u64,
 }
 
 impl PipelineSchedule {
@@ -168,6 +177,15 @@ impl PipelineSchedule {
         let group = first.group.clone();
         let me = group.my_global_rank();
         let p = group.size();
+        if p > MAX_RANKS {
+            return Err(invalid(
+                kind.name(),
+                me,
+                "stages",
+                &format!("a pipeline group of at most {MAX_RANKS} ranks"),
+                &format!("a group of {p}"),
+            ));
+        }
         let num_stages = first.num_stages;
         let shape = PipelineShape {
             ranks: p,
@@ -228,6 +246,8 @@ impl PipelineSchedule {
             checked: false,
             trace: vec![],
             compute: std::time::Duration::ZERO,
+            id: SCHEDULES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            poisoned: None,
         })
     }
 
@@ -318,14 +338,16 @@ impl PipelineSchedule {
         losses: Option<&mut Vec<Tensor>>,
     ) -> Result<()> {
         self.agree()?;
-        let step = self.begin(Mode::Train);
-        let (ins, targets) = self.checked_args("step", step, inputs, target)?;
+        let (step, sync) = self.next_step("step")?;
+        let stage = self.stages[0].stage_index;
+        let args = self.split_args("step", inputs, target);
+        let (ins, targets) = self.begun(sync.begin(Mode::Train, stage, args))?;
         let r = self.group.rank().unwrap_or(0);
         let actions = self.lists[r].clone();
         let mut st = Step::new(
             self.shape,
             &mut self.stages,
-            self.group.clone(),
+            sync.clone(),
             step,
             ins,
             targets,
@@ -336,8 +358,7 @@ impl PipelineSchedule {
         self.trace = std::mem::take(&mut st.trace);
         self.compute = st.compute;
         let got = std::mem::take(&mut st.losses);
-        res?;
-        self.finish(step, Mode::Train)?;
+        self.ended(step, res.and_then(|()| sync.finish(stage)))?;
         if let Some(l) = losses {
             l.extend(got);
         }
@@ -352,8 +373,10 @@ impl PipelineSchedule {
     /// As [`PipelineSchedule::step_full`].
     pub fn eval(&mut self, inputs: Option<&[Tensor]>) -> Result<Vec<Tensor>> {
         self.agree()?;
-        let step = self.begin(Mode::Eval);
-        let (ins, _) = self.checked_args("eval", step, inputs, None)?;
+        let (step, sync) = self.next_step("eval")?;
+        let stage = self.stages[0].stage_index;
+        let args = self.split_args("eval", inputs, None);
+        let (ins, _) = self.begun(sync.begin(Mode::Eval, stage, args))?;
         let r = self.group.rank().unwrap_or(0);
         let actions: Vec<Action> = self.lists[r]
             .iter()
@@ -369,7 +392,7 @@ impl PipelineSchedule {
         let mut st = Step::new(
             self.shape,
             &mut self.stages,
-            self.group.clone(),
+            sync.clone(),
             step,
             ins,
             vec![],
@@ -379,8 +402,7 @@ impl PipelineSchedule {
         let res = st.run(&ordered);
         self.trace = std::mem::take(&mut st.trace);
         let outs = std::mem::take(&mut st.outputs);
-        res?;
-        self.finish(step, Mode::Eval)?;
+        self.ended(step, res.and_then(|()| sync.finish(stage)))?;
         if outs.is_empty() {
             return Ok(vec![]);
         }
@@ -402,35 +424,43 @@ impl PipelineSchedule {
             .collect()
     }
 
-    /// Starts a step: its number (every call counts one, failed or not, on every rank) and
-    /// this rank's mode, told to the others.
-    fn begin(&mut self, mode: Mode) -> u64 {
+    /// Numbers the next step (every call counts one, failed or refused, on every rank) and
+    /// refuses it when an earlier step failed after messages may have been sent.
+    fn next_step(&mut self, op: &'static str) -> Result<(u64, StepSync)> {
         let step = self.step;
         self.step += 1;
-        step_sync::begin(&self.group, step, mode);
-        step
+        if let Some(why) = &self.poisoned {
+            return Err(invalid(
+                op,
+                self.group.my_global_rank(),
+                "the schedule",
+                "one whose steps have not failed mid-step",
+                &format!(
+                    "{why}; that step's messages may still be in flight on the group: build \
+                     a new process group and schedule (or restart from a checkpoint)"
+                ),
+            ));
+        }
+        Ok((step, StepSync::new(self.group.clone(), self.id, step)))
     }
 
-    /// Ends a step whose actions succeeded here: `Ok` only when every rank's did, in the same
-    /// mode ([`step_sync::finish`]).
-    fn finish(&self, step: u64, mode: Mode) -> Result<()> {
-        step_sync::finish(&self.group, step, mode, self.stages[0].stage_index)
-    }
-
-    /// [`PipelineSchedule::split_args`]; on an error, tells the other ranks (they would
-    /// otherwise wait for this rank's messages until the group's timeout).
-    fn checked_args(
-        &self,
-        op: &'static str,
-        step: u64,
-        inputs: Option<&[Tensor]>,
-        target: Option<&Tensor>,
-    ) -> Result<(Vec<Vec<Tensor>>, Vec<Tensor>)> {
-        self.split_args(op, inputs, target).inspect_err(|e| {
-            let me = self.group.my_global_rank();
-            let stage = self.stages[0].stage_index;
-            step_sync::post_failure(&self.group, step, stage, me, &e.to_string());
+    /// The start of a step: refused cleanly (the next step runs as if this one was not
+    /// called) or not (later steps are refused).
+    fn begun<T>(&mut self, r: std::result::Result<T, Refused>) -> Result<T> {
+        r.map_err(|Refused { error, clean }| {
+            if !clean {
+                self.poisoned = Some(format!(
+                    "step {} failed at its start: {error}",
+                    self.step - 1
+                ));
+            }
+            error
         })
+    }
+
+    /// The end of step `step`: on an error, later steps are refused.
+    fn ended(&mut self, step: u64, r: Result<()>) -> Result<()> {
+        r.inspect_err(|e| self.poisoned = Some(format!("step {step} failed: {e}")))
     }
 
     /// Checks who passed what and splits the batch and targets into micro-batches.
@@ -526,11 +556,25 @@ impl PipelineSchedule {
                 .flat_map(|s| s.tied.iter())
                 .map(|(p, g)| (g.ranks().to_vec(), p.shape().to_vec()))
                 .collect(),
+            id: self.id,
         };
         let all = dist::all_gather_object(&mine, Some(&self.group))?;
         let me = self.group.my_global_rank();
         if let Some(detail) = tie_mismatch(self.group.ranks(), &all) {
             return Err(PipelineError::Mismatch { rank: me, detail }.into());
+        }
+        if let Some((r, sig)) = all.iter().enumerate().find(|(_, s)| s.id != mine.id) {
+            return Err(PipelineError::Mismatch {
+                rank: me,
+                detail: format!(
+                    "this schedule is the {}-th rank {me} built, and the {}-th rank {} built: \
+                     build the schedules of a group in the same order on every rank",
+                    mine.id + 1,
+                    sig.id + 1,
+                    self.group.ranks()[r]
+                ),
+            }
+            .into());
         }
         for (r, sig) in all.iter().enumerate() {
             let expect_stages = self.shape.stages_of(r);

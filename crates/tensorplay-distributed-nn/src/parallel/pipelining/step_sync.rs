@@ -1,13 +1,20 @@
-//! What every rank of a pipeline group says about a step, through the group's store: a
-//! failure (so that the others stop instead of waiting for the failed rank's messages), the
-//! step's mode at its start (training or evaluation), and its end. A step returns `Ok` on a
-//! rank only when every rank of the group ended it without failing, in the same mode — so
-//! the ranks never disagree on whether a step happened.
+//! What the ranks of a pipeline group tell each other about a step, through the group's
+//! store, so that they never disagree on whether it happened:
+//!
+//! - **begin** (a barrier before any message): each rank says it began, in which mode
+//!   (`step` or `eval`) and whether its arguments were good. The last to arrive writes the
+//!   verdict; a bad argument or mixed modes fail the step on every rank before a message is
+//!   sent, so the next step runs clean.
+//! - **failure**: a rank whose action fails posts it; ranks waiting for a message look there
+//!   and stop instead of waiting.
+//! - **finish**: each rank says it ended the step; a step returns `Ok` on a rank only once
+//!   every rank of the group ended it without failing.
 //!
 //! The store, not a collective: a collective of the `"cpu"` backend waits behind every
 //! point-to-point transfer in flight on the group, and after a failure a receive may stay
-//! pending until the group's timeout. Per step and rank it costs four store round trips
-//! (begin: one; end: three), measured in docs/benchmarks.md.
+//! pending until the group's timeout. Keys are per schedule (schedules are numbered in the
+//! order a process builds them) and step; the last rank to end a step deletes the previous
+//! step's. Ranks are bits of a counter, so a pipeline group has at most [`MAX_RANKS`] ranks.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +26,9 @@ use super::error::PipelineError;
 /// How often a rank waiting for the others looks for a failure.
 pub(crate) const POLL: Duration = Duration::from_millis(50);
 
+/// The largest pipeline group (each rank is one bit of an `i64` counter).
+pub(crate) const MAX_RANKS: usize = 62;
+
 /// A step's mode; the ranks must agree on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -26,26 +36,6 @@ pub(crate) enum Mode {
     Train,
     /// `eval` (forward only).
     Eval,
-}
-
-impl Mode {
-    /// What this mode adds to the step's mode counter: training ranks count in the low 32
-    /// bits, evaluating ranks in the high ones.
-    fn unit(self) -> i64 {
-        match self {
-            Mode::Train => 1,
-            Mode::Eval => 1 << 32,
-        }
-    }
-}
-
-/// The step's modes counted so far: (training ranks, evaluating ranks).
-fn modes(counter: i64) -> (i64, i64) {
-    (counter & 0xffff_ffff, counter >> 32)
-}
-
-fn key(what: &str, step: u64) -> String {
-    format!("pipelining/{what}/{step}")
 }
 
 /// A failure posted for a step: the failed stage, its rank, its error.
@@ -69,147 +59,272 @@ impl Failure {
     }
 }
 
-/// Tells the other ranks of `group` that stage `stage` on rank `rank` failed in step `step`,
-/// unless a failure was posted first (the first one is the cause). False when the store did
-/// not answer (best effort: a rank that cannot reach it still returns its error).
-pub(crate) fn post_failure(
-    group: &ProcessGroup,
+/// A step refused at its start: the error, and whether it is clean (refused before any rank
+/// sent a message: the next step runs as if this one had not been called).
+pub(crate) struct Refused {
+    pub(crate) error: tensorplay_core::Error,
+    pub(crate) clean: bool,
+}
+
+/// The store's keys of one step of one schedule on one pipeline group.
+#[derive(Clone)]
+pub(crate) struct StepSync {
+    group: ProcessGroup,
+    schedule: u64,
     step: u64,
-    stage: usize,
-    rank: usize,
-    message: &str,
-) -> bool {
-    let msg = format!("{stage}|{rank}|{message}");
-    group
-        .store()
-        .compare_set(&key("failed", step), b"", msg.as_bytes())
-        .is_ok()
 }
 
-/// The failure posted for `step`, if any (none when the store does not answer).
-pub(crate) fn posted_failure(group: &ProcessGroup, step: u64) -> Option<Failure> {
-    let store = group.store();
-    let key = key("failed", step);
-    if !store.check(&[key.as_str()]).ok()? {
-        return None;
+impl StepSync {
+    /// Step `step` of the process's `schedule`-th schedule, on `group`.
+    pub(crate) fn new(group: ProcessGroup, schedule: u64, step: u64) -> StepSync {
+        StepSync {
+            group,
+            schedule,
+            step,
+        }
     }
-    let v = String::from_utf8_lossy(&store.get(&key).ok()?).into_owned();
-    let mut it = v.splitn(3, '|');
-    Some(Failure {
-        stage: it.next()?.parse().ok()?,
-        rank: it.next()?.parse().ok()?,
-        message: it.next().unwrap_or("").to_string(),
-    })
-}
 
-/// At the start of `step`: counts this rank's mode (best effort: a store that does not answer
-/// fails the step at its end).
-pub(crate) fn begin(group: &ProcessGroup, step: u64, mode: Mode) {
-    let _ = group.store().add(&key("mode", step), mode.unit());
-}
-
-/// A mode mismatch as an error of this rank.
-fn mismatch(group: &ProcessGroup, step: u64, counter: i64) -> PipelineError {
-    let (train, eval) = modes(counter);
-    PipelineError::Mismatch {
-        rank: group.my_global_rank(),
-        detail: format!(
-            "in step {step}, {train} rank(s) of the pipeline group called step and {eval} \
-             called eval: every rank must call the same"
-        ),
+    /// The pipeline group.
+    pub(crate) fn group(&self) -> &ProcessGroup {
+        &self.group
     }
-}
 
-/// Whether some ranks called `step` and others `eval` for `step` (those that have begun it):
-/// the error, posted as a failure so that every waiting rank stops. None when the store does
-/// not answer.
-pub(crate) fn mixed_modes(group: &ProcessGroup, step: u64, stage: usize) -> Option<PipelineError> {
-    let counter = group.store().add(&key("mode", step), 0).ok()?;
-    let (train, eval) = modes(counter);
-    if train == 0 || eval == 0 {
-        return None;
+    fn key(&self, what: &str, step: u64) -> String {
+        format!("pipelining/{}/{what}/{step}", self.schedule)
     }
-    let e = mismatch(group, step, counter);
-    post_failure(group, step, stage, group.my_global_rank(), &e.to_string());
-    Some(e)
-}
 
-/// At the end of `step`, after this rank's actions succeeded on stage `stage`: waits until
-/// every rank of the group ended the step too, and returns `Ok` only if they all did, in
-/// the same mode.
-///
-/// # Errors
-/// [`PipelineError::PeerFailed`] naming the first rank that failed in this step;
-/// [`PipelineError::Mismatch`] when some ranks called `step` and others `eval` (posted as a
-/// failure, so that a rank waiting for a message that will not come stops too); a store that
-/// does not answer, or ranks that do not end the step within the group's timeout.
-pub(crate) fn finish(group: &ProcessGroup, step: u64, mode: Mode, stage: usize) -> Result<()> {
-    let store = group.store();
-    let me = group.my_global_rank();
-    let p = group.size() as i64;
-    let lost_store = |e: tensorplay_collectives::Error| -> tensorplay_core::Error {
+    fn me(&self) -> usize {
+        self.group.my_global_rank()
+    }
+
+    /// All ranks' bits.
+    fn full(&self) -> i64 {
+        (1i64 << self.group.size()) - 1
+    }
+
+    /// This rank's bit.
+    fn bit(&self) -> i64 {
+        1i64 << self.group.rank().unwrap_or(0)
+    }
+
+    /// The group ranks whose bit is missing from `seen`, as (stage, global rank).
+    fn missing(&self, seen: i64) -> Vec<(usize, usize)> {
+        (0..self.group.size())
+            .filter(|r| seen & (1 << r) == 0)
+            .map(|r| (r, self.group.ranks()[r]))
+            .collect()
+    }
+
+    fn lost_store(
+        &self,
+        stage: usize,
+        at: &str,
+        e: tensorplay_collectives::Error,
+    ) -> tensorplay_core::Error {
         PipelineError::Action {
             stage,
-            rank: me,
+            rank: self.me(),
             microbatch: 0,
-            action: "end of step".into(),
+            action: at.into(),
             message: format!(
-                "the group's store (served by its first rank) did not answer at the end of \
-                 step {step}: {e}"
+                "the group's store (served by its first rank) did not answer at the {at} {}: \
+                 {e}",
+                self.step
             ),
             source: None,
         }
         .into()
-    };
-    let arrived = store.add(&key("done", step), 1).map_err(lost_store)?;
-    let all = key("all", step);
-    if arrived == p {
-        // the last to arrive; every rank has read step - 1's keys
-        store.set(&all, b"").map_err(lost_store)?;
-        if let Some(prev) = step.checked_sub(1) {
-            for what in ["mode", "done", "all"] {
-                let _ = store.delete_key(&key(what, prev));
+    }
+
+    /// Tells the other ranks that stage `stage` on rank `rank` failed in this step, unless a
+    /// failure was posted first (the first one is the cause). False when the store did not
+    /// answer (best effort: a rank that cannot reach it still returns its error).
+    pub(crate) fn post_failure(&self, stage: usize, rank: usize, message: &str) -> bool {
+        let msg = format!("{stage}|{rank}|{message}");
+        self.group
+            .store()
+            .compare_set(&self.key("failed", self.step), b"", msg.as_bytes())
+            .is_ok()
+    }
+
+    /// The failure posted for this step, if any (none when the store does not answer).
+    pub(crate) fn posted_failure(&self) -> Option<Failure> {
+        let store = self.group.store();
+        let key = self.key("failed", self.step);
+        if !store.check(&[key.as_str()]).ok()? {
+            return None;
+        }
+        let v = String::from_utf8_lossy(&store.get(&key).ok()?).into_owned();
+        let mut it = v.splitn(3, '|');
+        Some(Failure {
+            stage: it.next()?.parse().ok()?,
+            rank: it.next()?.parse().ok()?,
+            message: it.next().unwrap_or("").to_string(),
+        })
+    }
+
+    /// Waits for `key` until the group's timeout; `Ok(false)` on the timeout. With `failures`,
+    /// a failure posted meanwhile ends the wait as an error.
+    fn wait_for(&self, key: &str, stage: usize, at: &str, failures: bool) -> Result<bool> {
+        let store = self.group.store();
+        let deadline = Instant::now() + self.group.timeout();
+        loop {
+            match store.wait(&[key], POLL) {
+                Ok(()) => return Ok(true),
+                Err(tensorplay_collectives::Error::Timeout { .. }) => {}
+                Err(e) => return Err(self.lost_store(stage, at, e)),
+            }
+            if failures && let Some(f) = self.posted_failure() {
+                return Err(f.seen_by(stage, self.me(), at.into()).into());
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
             }
         }
     }
-    let deadline = Instant::now() + group.timeout();
-    loop {
-        match store.wait(&[all.as_str()], POLL) {
-            Ok(()) => break,
-            Err(tensorplay_collectives::Error::Timeout { .. }) => {}
-            Err(e) => return Err(lost_store(e)),
+
+    /// The error of ranks that did not reach `at` within the group's timeout: the first
+    /// missing one named as the failed stage.
+    fn late(&self, stage: usize, at: &str, seen: i64) -> tensorplay_core::Error {
+        let missing = self.missing(seen);
+        let (s, r) = missing.first().copied().unwrap_or((0, 0));
+        PipelineError::PeerFailed {
+            stage,
+            rank: self.me(),
+            action: at.into(),
+            failed_stage: s,
+            failed_rank: r,
+            message: format!(
+                "did not reach the {at} {} within the group's timeout ({:?}): lost or stuck \
+                 (ranks not there: {:?})",
+                self.step,
+                self.group.timeout(),
+                missing.iter().map(|m| m.1).collect::<Vec<_>>()
+            ),
         }
-        if let Some(f) = posted_failure(group, step) {
-            return Err(f.seen_by(stage, me, "end of step".into()).into());
+        .into()
+    }
+
+    /// The barrier at the start of a step, before any message: this rank began in `mode`,
+    /// with `args` (its own argument check; on an error it is posted and returned at once).
+    /// Returns `args` when every rank began the same way with good arguments.
+    ///
+    /// # Errors (clean unless said)
+    /// This rank's argument error; another rank's ([`PipelineError::PeerFailed`]); ranks in
+    /// different modes ([`PipelineError::Mismatch`] on every rank); not clean: ranks that do
+    /// not begin within the group's timeout (named), a store that does not answer.
+    pub(crate) fn begin<T>(
+        &self,
+        mode: Mode,
+        stage: usize,
+        args: Result<T>,
+    ) -> std::result::Result<T, Refused> {
+        let clean = |error| Refused { error, clean: true };
+        let broken = |error| Refused {
+            error,
+            clean: false,
+        };
+        let store = self.group.store();
+        let at = "start of step";
+        if let Err(e) = &args {
+            self.post_failure(stage, self.me(), &e.to_string());
         }
-        if let Some(e) = mixed_modes(group, step, stage) {
-            return Err(e.into());
+        if mode == Mode::Eval {
+            store
+                .add(&self.key("evals", self.step), 1)
+                .map_err(|e| broken(self.lost_store(stage, at, e)))?;
         }
-        if Instant::now() >= deadline {
-            let n = store.add(&key("done", step), 0).unwrap_or(arrived);
-            return Err(PipelineError::Action {
-                stage,
-                rank: me,
-                microbatch: 0,
-                action: "end of step".into(),
-                message: format!(
-                    "{n} of the group's {p} ranks ended step {step} within the group's \
-                     timeout ({:?}); the others neither ended it nor reported a failure",
-                    group.timeout()
-                ),
-                source: None,
+        let seen = store
+            .add(&self.key("began", self.step), self.bit())
+            .map_err(|e| broken(self.lost_store(stage, at, e)))?;
+        let ready = self.key("ready", self.step);
+        if seen == self.full() {
+            // the last to begin: the verdict, for everyone
+            let evals = store.add(&self.key("evals", self.step), 0).unwrap_or(0);
+            let failed = store
+                .check(&[self.key("failed", self.step).as_str()])
+                .unwrap_or(false);
+            let verdict = if failed {
+                "failed".to_string()
+            } else if evals > 0 && evals < self.group.size() as i64 {
+                format!("mixed|{evals}")
+            } else {
+                "ok".to_string()
+            };
+            store
+                .set(&ready, verdict.as_bytes())
+                .map_err(|e| broken(self.lost_store(stage, at, e)))?;
+        }
+        // this rank's own argument error: posted, nothing sent
+        let args = args.map_err(clean)?;
+        if !self.wait_for(&ready, stage, at, false).map_err(broken)? {
+            let seen = store.add(&self.key("began", self.step), 0).unwrap_or(seen);
+            return Err(broken(self.late(stage, at, seen)));
+        }
+        let verdict = store
+            .get(&ready)
+            .map_err(|e| broken(self.lost_store(stage, at, e)))?;
+        let verdict = String::from_utf8_lossy(&verdict).into_owned();
+        if verdict == "failed" {
+            let f = self.posted_failure().ok_or_else(|| {
+                broken(self.lost_store(
+                    stage,
+                    at,
+                    tensorplay_collectives::Error::Backend {
+                        backend: "store".into(),
+                        detail: "the posted failure could not be read".into(),
+                    },
+                ))
+            })?;
+            return Err(clean(f.seen_by(stage, self.me(), at.into()).into()));
+        }
+        if let Some(evals) = verdict.strip_prefix("mixed|") {
+            let p = self.group.size();
+            let evals: usize = evals.parse().unwrap_or(0);
+            return Err(clean(
+                PipelineError::Mismatch {
+                    rank: self.me(),
+                    detail: format!(
+                        "in step {}, {} rank(s) of the pipeline group called step and {evals} \
+                         called eval: every rank must call the same",
+                        self.step,
+                        p - evals
+                    ),
+                }
+                .into(),
+            ));
+        }
+        Ok(args)
+    }
+
+    /// At the end of a step whose actions succeeded here (on stage `stage`): waits until
+    /// every rank of the group ended it, and returns `Ok` only then.
+    ///
+    /// # Errors
+    /// [`PipelineError::PeerFailed`] naming the first rank that failed in this step, or the
+    /// first that did not end it within the group's timeout; a store that does not answer.
+    pub(crate) fn finish(&self, stage: usize) -> Result<()> {
+        let store = self.group.store();
+        let at = "end of step";
+        let seen = store
+            .add(&self.key("done", self.step), self.bit())
+            .map_err(|e| self.lost_store(stage, at, e))?;
+        let all = self.key("all", self.step);
+        if seen == self.full() {
+            store
+                .set(&all, b"")
+                .map_err(|e| self.lost_store(stage, at, e))?;
+            // every rank has begun this step, so none reads the previous one's keys
+            if let Some(prev) = self.step.checked_sub(1) {
+                for what in ["began", "evals", "ready", "failed", "done", "all"] {
+                    let _ = store.delete_key(&self.key(what, prev));
+                }
             }
-            .into());
         }
+        if !self.wait_for(&all, stage, at, true)? {
+            let seen = store.add(&self.key("done", self.step), 0).unwrap_or(seen);
+            return Err(self.late(stage, at, seen));
+        }
+        Ok(())
     }
-    let counter = store.add(&key("mode", step), 0).map_err(lost_store)?;
-    let (train, eval) = modes(counter);
-    let ours = match mode {
-        Mode::Train => eval,
-        Mode::Eval => train,
-    };
-    if ours > 0 {
-        return Err(mismatch(group, step, counter).into());
-    }
-    Ok(())
 }
