@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `test-multigpu` | `test_multigpu.rs`: multi-rank scenarios and GPU tests, discovered from the test binaries |
 //! | `test-multihost` | `multihost/`: simulated hosts in network namespaces (needs root) |
+//! | `test-mpi` | `test_mpi.rs`: the `"mpi"` backend under `mpirun` (installs Open MPI when missing; needs root) |
 //! | `test-resume` | `resume.rs`: the main job killed and restarted by `tensorplay-run`; `resume_gpt.rs`: the GPT resumed at other world sizes |
 //! | `bench-core` | `bench/core.rs`: MLP step, matmul and GPT step beside PyTorch |
 //! | `bench-ddp` | `bench/ddp.rs`: a DDP training step beside PyTorch DDP over gloo |
@@ -34,6 +35,7 @@ mod packages;
 mod process;
 mod resume;
 mod resume_gpt;
+mod test_mpi;
 mod test_multigpu;
 
 #[derive(Parser)]
@@ -63,6 +65,11 @@ enum Cmd {
     /// `wine_distributed` with checkpoints while a rank SIGKILLs itself once, in each run in
     /// turn; the result lines must equal an uninterrupted job's.
     TestResume,
+    /// The `"mpi"` backend: installs Debian's Open MPI when missing (needs root), builds
+    /// `tensorplay-mpi` with its `mpi` feature, runs its tests as a singleton and under
+    /// `mpirun -np 2`, `3` and `4`, then a rank past the timeout (exit code 124 and the
+    /// watchdog's report) and a killed rank (the job ends); ends with `N passed, M failed`.
+    TestMpi,
     /// Collective bandwidth (2 ranks, 4 KiB to 64 MiB) next to PyTorch gloo's.
     BenchCollectives(bench::collectives::Args),
     /// DistributedDataParallel training step (MLP 784-hidden-hidden-hidden-10, batch 32 per
@@ -106,6 +113,7 @@ fn main() -> ExitCode {
         Cmd::TestMultigpu(a) => test_multigpu::run(&a),
         Cmd::TestMultihost { filter } => multihost::test_multihost(filter.as_deref()),
         Cmd::TestResume => resume::test_resume(),
+        Cmd::TestMpi => test_mpi::test_mpi(),
         Cmd::BenchCollectives(a) => bench::collectives::run(&a),
         Cmd::BenchDdp(a) => bench::ddp::run(&a),
         Cmd::BenchFsdp(a) => bench::fsdp::run(&a),

@@ -31,14 +31,26 @@ pub(crate) struct Runtime {
 
 static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
 
+/// At exit: `MPI_Finalize`, unless an operation of this process timed out or lost a peer:
+/// then `MPI_Abort` (exit code 1), so that `mpirun` ends the other ranks now. (Open MPI's
+/// finalize waits for every rank to finalize: a rank leaving on a timeout would otherwise wait
+/// there for ranks that are stuck.)
 extern "C" fn finalize_at_exit() {
-    if mpi::is_initialized() && !mpi::is_finalized() {
-        // SAFETY: MPI is initialised and not finalised (checked above); this runs once, at
-        // process exit, after main returned (no tensorplay call of this process is made
-        // after it).
+    if !mpi::is_initialized() || mpi::is_finalized() {
+        return;
+    }
+    if tensorplay_collectives::recorder::failure_seen() {
+        // SAFETY: MPI is initialised and not finalised (checked above); MPI_Abort may be
+        // called from any thread under MPI_THREAD_MULTIPLE and ends the process.
         unsafe {
-            mpi::ffi::MPI_Finalize();
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 1);
         }
+        return;
+    }
+    // SAFETY: MPI is initialised and not finalised (checked above); this runs once, at
+    // process exit, after main returned (no tensorplay call of this process is made after it).
+    unsafe {
+        mpi::ffi::MPI_Finalize();
     }
 }
 

@@ -98,9 +98,12 @@
 //!
 //! Features: `cuda` (CUDA tensors; default), `nccl` (the `"nccl"` process-group backend;
 //! default, implies `cuda`), `rpc` (RPC, `RemoteModule` and distributed autograd; default) and
-//! `models` (`tp::models`, the GPT; off by default). Both load their libraries at run time, so default builds run on
-//! machines without GPUs; `default-features = false` builds without cudarc. The
-//! `tensorplay-gpu-check` binary (feature `nccl`) checks a GPU machine's NCCL and CUDA paths.
+//! `models` (`tp::models`, the GPT; off by default) and `mpi` (the `"mpi"` process-group
+//! backend over the system's MPI, for jobs started by `mpirun` or `srun`; off by default: it
+//! links MPI, so building it needs MPI installed). CUDA and NCCL are loaded at run time, so
+//! default builds run on machines without GPUs; `default-features = false` builds without
+//! cudarc. The `tensorplay-gpu-check` binary (feature `nccl`) checks a GPU machine's NCCL and
+//! CUDA paths.
 
 pub use tensorplay_core::autograd::is_grad_enabled;
 pub use tensorplay_core::{

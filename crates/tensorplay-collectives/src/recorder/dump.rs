@@ -180,15 +180,25 @@ pub fn dump_flight_recorder() -> Result<PathBuf> {
     Ok(dump_dir())
 }
 
+/// Whether an operation of this process timed out or lost a peer.
+static FAILURE_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether an operation of this process has timed out or lost a peer (a backend whose runtime
+/// must end the whole job then, MPI's, asks at exit).
+pub fn failure_seen() -> bool {
+    FAILURE_SEEN.load(Ordering::Relaxed)
+}
+
 /// On a timeout or a peer failure of an operation: dumps (when recording is on), asks the
 /// others to dump, and returns `e` with the folder named in it.
 pub(crate) fn on_failure(e: Error) -> Error {
-    if super::capacity() == 0 {
-        return e;
-    }
     let (Error::Timeout { .. } | Error::PeerFailed { .. }) = &e else {
         return e;
     };
+    FAILURE_SEEN.store(true, Ordering::Relaxed);
+    if super::capacity() == 0 {
+        return e;
+    }
     let first = e.to_string();
     let first = first.lines().next().unwrap_or("");
     let Ok(path) = write(first) else { return e };

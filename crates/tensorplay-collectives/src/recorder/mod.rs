@@ -21,7 +21,9 @@ use serde::{Deserialize, Serialize};
 use tensorplay_core::{DType, Tensor};
 
 pub use diagnose::{Diagnosis, diagnose, read_dumps};
-pub use dump::{Dump, FR_DIR_ENV, GroupDump, dump_dir, dump_flight_recorder, job_dump_dir};
+pub use dump::{
+    Dump, FR_DIR_ENV, GroupDump, dump_dir, dump_flight_recorder, failure_seen, job_dump_dir,
+};
 pub(crate) use dump::{WORLD_GENERATION, agree_job_id, on_failure, start_watcher};
 
 /// The variable that sets the ring's size per group (0: off).
