@@ -88,7 +88,7 @@ fn a_gpu_index_the_machine_lacks_is_refused() {
 fn an_unknown_backend_lists_the_registered_ones() -> TestResult {
     dist::spawn(1, |_rank| -> TestResult {
         let e = dist::init_process_group(
-            "mpi",
+            "ucc",
             InitOptions {
                 timeout: Duration::from_secs(20),
                 ..Default::default()

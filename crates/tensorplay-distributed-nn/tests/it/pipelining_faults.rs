@@ -290,6 +290,75 @@ fn after_a_failed_step_every_rank_agrees_on_what_runs_next() {
     }
 }
 
+/// Identity whose backward sleeps `delay` first.
+struct SlowBackward {
+    delay: Duration,
+}
+
+impl tp::autograd::Function for SlowBackward {
+    fn forward(
+        &self,
+        _ctx: &mut tp::autograd::Context,
+        inputs: &[&Tensor],
+    ) -> tp::Result<Vec<Tensor>> {
+        Ok(vec![inputs[0].clone()])
+    }
+    fn backward(
+        &self,
+        _ctx: &tp::autograd::Context,
+        grads: &[Tensor],
+    ) -> tp::Result<Vec<Option<Tensor>>> {
+        std::thread::sleep(self.delay);
+        Ok(vec![Some(grads[0].clone())])
+    }
+}
+
+/// Rank 0's last action (the backward of micro-batch 3, after every message of the step)
+/// outlasts the group's timeout: the step fails on both ranks, never `Ok` on the slow one
+/// and an error on the other.
+#[test]
+fn a_rank_slower_than_the_timeout_after_its_last_message_fails_the_step_on_every_rank() {
+    let res = dist::spawn(2, |rank| -> TestResult {
+        init(3)?;
+        tp::manual_seed(rank as u64);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let m = MultiIo::new(
+            Linear::new(4, 4, true)?,
+            move |m: &Linear, xs: &[Tensor]| {
+                let y = m.call(&xs[0])?;
+                let slow = rank == 0 && calls.fetch_add(1, Ordering::Relaxed) == 3;
+                let delay = Duration::from_millis(if slow { 4500 } else { 0 });
+                tp::autograd::apply(SlowBackward { delay }, &[&y])
+            },
+        );
+        let s = PipelineStage::new(m, rank, 2, &dist::default_group("test")?)?;
+        let mut sched = PipelineSchedule::new(ScheduleKind::OneFOneB, vec![s], 4, Some(mse()))?;
+        let res = step(&mut sched, rank, 2);
+        let checked = fails_with(
+            "slow last action",
+            res,
+            &[
+                "did not reach the end of step 0".to_string(),
+                "[0]".to_string(),
+            ],
+        );
+        // rank 0 serves the store: it stays until rank 1 has its verdict too
+        let store = dist::default_group("test")?.store().clone();
+        store.add("test/checked", 1)?;
+        let start = Instant::now();
+        while rank == 0 && store.add("test/checked", 0)? < 2 {
+            if start.elapsed() > Duration::from_secs(20) {
+                return Err("rank 1 did not finish".into());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(checked?)
+    });
+    if let Err(e) = res {
+        panic!("{e}");
+    }
+}
+
 #[test]
 fn a_stage_that_raises_is_named_on_every_rank() {
     let res = dist::spawn(3, |rank| -> TestResult {

@@ -11,6 +11,7 @@
 //!   [`ScheduleInterleavedZeroBubble`], each a [`PipelineSchedule`] whose executor runs this
 //!   rank's list over batched point-to-point sends and receives.
 
+mod agreement;
 mod error;
 mod executor;
 pub mod schedule;

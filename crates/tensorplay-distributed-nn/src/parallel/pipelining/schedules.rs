@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
 use tensorplay_collectives::{self as dist, ProcessGroup};
 use tensorplay_core::{Result, Tensor};
 
@@ -38,14 +37,34 @@ pub struct PipelineSchedule {
     checked: bool,
     trace: Vec<Action>,
     compute: std::time::Duration,
-    /// This process's number for the schedule (the order it built it), in its store keys.
+    /// This process's number for the schedule (the order it built schedules on its group), in
+    /// its store keys.
     id: u64,
     /// Why later steps are refused: a step failed after messages may have been sent.
     poisoned: Option<String>,
 }
 
-/// Schedules built by this process so far: each schedule's id.
-static SCHEDULES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Per pipeline group (by its global ranks), in this process: how many schedules were built
+/// on it (each schedule's id) and why its point-to-point channels can no longer be trusted
+/// (a step of one of its schedules failed mid-step).
+static GROUPS: std::sync::Mutex<Vec<GroupEntry>> = std::sync::Mutex::new(Vec::new());
+
+/// A group's global ranks, its schedules built so far, why it is poisoned.
+type GroupEntry = (Vec<usize>, u64, Option<String>);
+
+/// Runs `f` on `group`'s entry in [`GROUPS`].
+fn with_group<R>(group: &ProcessGroup, f: impl FnOnce(&mut u64, &mut Option<String>) -> R) -> R {
+    let mut g = GROUPS.lock().unwrap_or_else(|e| e.into_inner());
+    let i = match g.iter().position(|(r, _, _)| r == group.ranks()) {
+        Some(i) => i,
+        None => {
+            g.push((group.ranks().to_vec(), 0, None));
+            g.len() - 1
+        }
+    };
+    let (_, n, why) = &mut g[i];
+    f(n, why)
+}
 
 impl std::fmt::Debug for PipelineSchedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -137,19 +156,6 @@ multi_stage_schedule!(
      the bubbles."
 );
 
-/// What every rank must agree on, compared at the first step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Signature {
-    schedule: String,
-    n_microbatches: usize,
-    num_stages: usize,
-    stages: Vec<usize>,
-    /// Per tied parameter, in order: the global ranks of its group and its shape.
-    tied: Vec<(Vec<usize>, Vec<usize>)>,
-    /// The order this process built the schedule in (its store keys).
-    id: u64,
-}
-
 impl PipelineSchedule {
     /// `kind` over this rank's `stages` (each a [`PipelineStage`] of the same group, in
     /// increasing order) with `n_microbatches` per step.
@@ -235,6 +241,10 @@ impl PipelineSchedule {
                 &e.to_string(),
             )
         })?;
+        let id = with_group(&group, |n, _| {
+            *n += 1;
+            *n - 1
+        });
         Ok(PipelineSchedule {
             kind,
             shape,
@@ -246,7 +256,7 @@ impl PipelineSchedule {
             checked: false,
             trace: vec![],
             compute: std::time::Duration::ZERO,
-            id: SCHEDULES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            id,
             poisoned: None,
         })
     }
@@ -429,6 +439,10 @@ impl PipelineSchedule {
     fn next_step(&mut self, op: &'static str) -> Result<(u64, StepSync)> {
         let step = self.step;
         self.step += 1;
+        if self.poisoned.is_none() {
+            // another schedule's failed step on this group leaves its messages in flight too
+            self.poisoned = with_group(&self.group, |_, why| why.clone());
+        }
         if let Some(why) = &self.poisoned {
             return Err(invalid(
                 op,
@@ -449,7 +463,7 @@ impl PipelineSchedule {
     fn begun<T>(&mut self, r: std::result::Result<T, Refused>) -> Result<T> {
         r.map_err(|Refused { error, clean }| {
             if !clean {
-                self.poisoned = Some(format!(
+                self.poison(format!(
                     "step {} failed at its start: {error}",
                     self.step - 1
                 ));
@@ -460,7 +474,13 @@ impl PipelineSchedule {
 
     /// The end of step `step`: on an error, later steps are refused.
     fn ended(&mut self, step: u64, r: Result<()>) -> Result<()> {
-        r.inspect_err(|e| self.poisoned = Some(format!("step {step} failed: {e}")))
+        r.inspect_err(|e| self.poison(format!("step {step} failed: {e}")))
+    }
+
+    /// Refuses later steps of this schedule and of every schedule on its group.
+    fn poison(&mut self, why: String) {
+        with_group(&self.group, |_, w| *w = Some(why.clone()));
+        self.poisoned = Some(why);
     }
 
     /// Checks who passed what and splits the batch and targets into micro-batches.
@@ -545,7 +565,7 @@ impl PipelineSchedule {
         if self.checked {
             return Ok(());
         }
-        let mine = Signature {
+        let mine = super::agreement::Signature {
             schedule: self.kind.name().to_string(),
             n_microbatches: self.shape.microbatches,
             num_stages: self.shape.stages(),
@@ -558,91 +578,10 @@ impl PipelineSchedule {
                 .collect(),
             id: self.id,
         };
-        let all = dist::all_gather_object(&mine, Some(&self.group))?;
-        let me = self.group.my_global_rank();
-        if let Some(detail) = tie_mismatch(self.group.ranks(), &all) {
-            return Err(PipelineError::Mismatch { rank: me, detail }.into());
-        }
-        if let Some((r, sig)) = all.iter().enumerate().find(|(_, s)| s.id != mine.id) {
-            return Err(PipelineError::Mismatch {
-                rank: me,
-                detail: format!(
-                    "this schedule is the {}-th rank {me} built, and the {}-th rank {} built: \
-                     build the schedules of a group in the same order on every rank",
-                    mine.id + 1,
-                    sig.id + 1,
-                    self.group.ranks()[r]
-                ),
-            }
-            .into());
-        }
-        for (r, sig) in all.iter().enumerate() {
-            let expect_stages = self.shape.stages_of(r);
-            let ours = (&mine.schedule, mine.n_microbatches, mine.num_stages);
-            if (&sig.schedule, sig.n_microbatches, sig.num_stages) != ours
-                || sig.stages != expect_stages
-            {
-                return Err(PipelineError::Mismatch {
-                    rank: me,
-                    detail: format!(
-                        "rank {} runs {} with {} micro-batches over {} stages holding stages {:?}; \
-                         rank {r} runs {} with {} micro-batches over {} stages holding stages {:?}",
-                        me,
-                        mine.schedule,
-                        mine.n_microbatches,
-                        mine.num_stages,
-                        mine.stages,
-                        sig.schedule,
-                        sig.n_microbatches,
-                        sig.num_stages,
-                        sig.stages
-                    ),
-                }
-                .into());
-            }
-        }
+        super::agreement::agree(&self.group, &self.shape, &mine)?;
         self.checked = true;
         Ok(())
     }
-}
-
-/// Where the ranks' tied parameters disagree: a rank ties a parameter over a group whose
-/// other members (those in the pipeline group `ranks`, whose signatures are `all`) do not tie
-/// one over the same group, in the same order, of the same shape.
-fn tie_mismatch(ranks: &[usize], all: &[Signature]) -> Option<String> {
-    for (r, sig) in all.iter().enumerate() {
-        let mut seen: std::collections::HashMap<&[usize], usize> = Default::default();
-        for (group, shape) in &sig.tied {
-            // the i-th tie over this group on rank r pairs with the i-th on each member
-            let i = seen.entry(group.as_slice()).or_insert(0);
-            for q in group {
-                let Some(qi) = ranks.iter().position(|x| x == q) else {
-                    continue;
-                };
-                let theirs: Vec<&Vec<usize>> = all[qi]
-                    .tied
-                    .iter()
-                    .filter(|(g, _)| g == group)
-                    .map(|(_, s)| s)
-                    .collect();
-                let ok = theirs.get(*i).is_some_and(|s| *s == shape);
-                if !ok {
-                    let got = match theirs.get(*i) {
-                        Some(s) => format!("its copy has shape {s:?}"),
-                        None => format!("it ties {} parameter(s) over them", theirs.len()),
-                    };
-                    return Some(format!(
-                        "rank {} ties a parameter of shape {shape:?} over ranks {group:?} \
-                         (its tie {} over them); rank {q} does not match: {got}",
-                        ranks[r],
-                        *i + 1
-                    ));
-                }
-            }
-            *i += 1;
-        }
-    }
-    None
 }
 
 /// Receives before the forward they feed, sends after it.

@@ -10,6 +10,11 @@
 //! - **finish**: each rank says it ended the step; a step returns `Ok` on a rank only once
 //!   every rank of the group ended it without failing.
 //!
+//! Each verdict (`ready` at the start, `end` at the end) is written once, by compare-and-set:
+//! by the last rank to arrive ("ok", ...) or by a rank whose wait ran past the group's timeout
+//! ("late|ranks seen"); whichever is first stands and every rank returns it, so a rank that
+//! arrives after the others gave up on it fails too.
+//!
 //! The store, not a collective: a collective of the `"cpu"` backend waits behind every
 //! point-to-point transfer in flight on the group, and after a failure a receive may stay
 //! pending until the group's timeout. Keys are per schedule (schedules are numbered in the
@@ -251,20 +256,26 @@ impl StepSync {
             } else {
                 "ok".to_string()
             };
+            // unless the others already gave up on a late rank (then their verdict stands)
             store
-                .set(&ready, verdict.as_bytes())
+                .compare_set(&ready, b"", verdict.as_bytes())
                 .map_err(|e| broken(self.lost_store(stage, at, e)))?;
         }
         // this rank's own argument error: posted, nothing sent
         let args = args.map_err(clean)?;
-        if !self.wait_for(&ready, stage, at, false).map_err(broken)? {
+        let verdict = if self.wait_for(&ready, stage, at, false).map_err(broken)? {
+            store.get(&ready)
+        } else {
+            // past the timeout: ranks are late, unless the verdict was written meanwhile
             let seen = store.add(&self.key("began", self.step), 0).unwrap_or(seen);
+            store.compare_set(&ready, b"", format!("late|{seen}").as_bytes())
+        };
+        let verdict = verdict.map_err(|e| broken(self.lost_store(stage, at, e)))?;
+        let verdict = String::from_utf8_lossy(&verdict).into_owned();
+        if let Some(seen) = verdict.strip_prefix("late|") {
+            let seen = seen.parse().unwrap_or(0);
             return Err(broken(self.late(stage, at, seen)));
         }
-        let verdict = store
-            .get(&ready)
-            .map_err(|e| broken(self.lost_store(stage, at, e)))?;
-        let verdict = String::from_utf8_lossy(&verdict).into_owned();
         if verdict == "failed" {
             let f = self.posted_failure().ok_or_else(|| {
                 broken(self.lost_store(
@@ -306,25 +317,32 @@ impl StepSync {
     pub(crate) fn finish(&self, stage: usize) -> Result<()> {
         let store = self.group.store();
         let at = "end of step";
+        let lost = |e| self.lost_store(stage, at, e);
         let seen = store
             .add(&self.key("done", self.step), self.bit())
-            .map_err(|e| self.lost_store(stage, at, e))?;
-        let all = self.key("all", self.step);
+            .map_err(lost)?;
+        let end = self.key("end", self.step);
         if seen == self.full() {
-            store
-                .set(&all, b"")
-                .map_err(|e| self.lost_store(stage, at, e))?;
+            // unless the others already gave up on this (late) rank: their verdict stands
+            store.compare_set(&end, b"", b"ok").map_err(lost)?;
             // every rank has begun this step, so none reads the previous one's keys
             if let Some(prev) = self.step.checked_sub(1) {
-                for what in ["began", "evals", "ready", "failed", "done", "all"] {
+                for what in ["began", "evals", "ready", "failed", "done", "end"] {
                     let _ = store.delete_key(&self.key(what, prev));
                 }
             }
         }
-        if !self.wait_for(&all, stage, at, true)? {
+        let verdict = if self.wait_for(&end, stage, at, true)? {
+            store.get(&end)
+        } else {
+            // past the timeout: ranks are late, unless the last one ended the step meanwhile
             let seen = store.add(&self.key("done", self.step), 0).unwrap_or(seen);
-            return Err(self.late(stage, at, seen));
+            store.compare_set(&end, b"", format!("late|{seen}").as_bytes())
+        };
+        let verdict = String::from_utf8_lossy(&verdict.map_err(lost)?).into_owned();
+        match verdict.strip_prefix("late|") {
+            Some(seen) => Err(self.late(stage, at, seen.parse().unwrap_or(0))),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
