@@ -28,13 +28,13 @@ const TIMEOUT_EXIT_CODE: i32 = 124;
 /// How long one `mpirun` may take before it counts as a hang.
 const JOB_LIMIT: Duration = Duration::from_secs(300);
 
+/// Whether `pkg` is installed (a removed package whose configuration files remain is not).
 fn installed(pkg: &str) -> bool {
-    Command::new("dpkg")
-        .args(["-s", pkg])
-        .stdout(Stdio::null())
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", pkg])
         .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+        .output()
+        .is_ok_and(|o| o.status.success() && o.stdout == b"install ok installed")
 }
 
 /// Installs what is missing of [`PACKAGES`] (quiet; `apt-get update` once if the first try
