@@ -25,6 +25,26 @@ fn init(timeout_s: u64) -> dist::Result<()> {
     )
 }
 
+/// Rank 0 serves the store: it waits (at most 20 s) until rank 1 has its verdict for `case`
+/// too, so that leaving does not take the store from under rank 1.
+fn both_checked(rank: usize, case: &str) -> TestResult {
+    all_checked(rank, 2, case)
+}
+
+/// [`both_checked`] for `n` ranks: rank 0 waits until the other `n - 1` have their verdicts.
+fn all_checked(rank: usize, n: i64, case: &str) -> TestResult {
+    let store = dist::default_group("test")?.store().clone();
+    store.add("test/checked", 1)?;
+    let start = Instant::now();
+    while rank == 0 && store.add("test/checked", 0)? < n {
+        if start.elapsed() > Duration::from_secs(20) {
+            return Err(format!("{case}: not every rank finished").into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
 /// Stage `s` of `n`: a 4 -> 4 linear layer whose forward runs `hook(call number)` first.
 fn stage(
     s: usize,
@@ -169,15 +189,7 @@ fn ranks_that_take_a_step_differently_fail_together() {
             if start.elapsed() > Duration::from_secs(5) {
                 return Err(format!("{case}: took {:?}", start.elapsed()).into());
             }
-            // rank 0 serves the store: it stays until rank 1 has its verdict too
-            let store = dist::default_group("test")?.store().clone();
-            store.add("test/checked", 1)?;
-            while rank == 0 && store.add("test/checked", 0)? < 2 {
-                if start.elapsed() > Duration::from_secs(20) {
-                    return Err(format!("{case}: rank 1 did not finish").into());
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            both_checked(rank, case)?;
             Ok(checked?)
         });
         if let Err(e) = res {
@@ -272,16 +284,7 @@ fn after_a_failed_step_every_rank_agrees_on_what_runs_next() {
                 }
                 Ok(())
             });
-            // rank 0 serves the store: it stays until rank 1 has its verdict too
-            let store = dist::default_group("test")?.store().clone();
-            store.add("test/checked", 1)?;
-            let start = Instant::now();
-            while rank == 0 && store.add("test/checked", 0)? < 2 {
-                if start.elapsed() > Duration::from_secs(20) {
-                    return Err(format!("{case}: rank 1 did not finish").into());
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            both_checked(rank, case)?;
             Ok(checked?)
         });
         if let Err(e) = res {
@@ -342,16 +345,7 @@ fn a_rank_slower_than_the_timeout_after_its_last_message_fails_the_step_on_every
                 "[0]".to_string(),
             ],
         );
-        // rank 0 serves the store: it stays until rank 1 has its verdict too
-        let store = dist::default_group("test")?.store().clone();
-        store.add("test/checked", 1)?;
-        let start = Instant::now();
-        while rank == 0 && store.add("test/checked", 0)? < 2 {
-            if start.elapsed() > Duration::from_secs(20) {
-                return Err("rank 1 did not finish".into());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        both_checked(rank, "slow last action")?;
         Ok(checked?)
     });
     if let Err(e) = res {
@@ -401,6 +395,8 @@ fn a_stage_that_raises_is_named_on_every_rank() {
             } => rank != 1 && message.contains("micro-batch 2") && message.contains("boom"),
             _ => false,
         };
+        // rank 0 serves the store: it stays until the others have their verdicts too
+        all_checked(rank, 3, "a stage that raises")?;
         if !ok {
             return Err(format!("rank {rank}: {pe}").into());
         }
